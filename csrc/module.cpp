@@ -1,0 +1,164 @@
+// The only binding file of hybridpipe._C: argument conversion and GIL handling, no logic.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <mutex>
+
+#include "common.h"
+#include "fusion.h"
+#include "ring_allreduce.h"
+
+namespace py = pybind11;
+using namespace hybridpipe;
+
+namespace {
+
+// Scratch memory shared by all calls; one collective at a time per process uses it.
+struct Core {
+  std::mutex lock;
+  Workspace workspace;
+  std::vector<unsigned char> fusion_buffer;
+};
+
+Core& core() {
+  static Core instance;
+  return instance;
+}
+
+MPI_Comm to_comm(long long fortran_handle) { return MPI_Comm_f2c(static_cast<MPI_Fint>(fortran_handle)); }
+
+Buffer to_buffer(uintptr_t address, size_t count, int dtype) {
+  return Buffer{reinterpret_cast<void*>(address), count, static_cast<DType>(dtype)};
+}
+
+py::dict mpi_build_info() {
+  py::dict info;
+#if defined(OPEN_MPI)
+  info["implementation"] = "Open MPI";
+  info["version"] = std::to_string(OMPI_MAJOR_VERSION) + "." + std::to_string(OMPI_MINOR_VERSION) + "." +
+                    std::to_string(OMPI_RELEASE_VERSION);
+#elif defined(I_MPI_VERSION)
+  info["implementation"] = "Intel MPI";
+  info["version"] = I_MPI_VERSION;
+#elif defined(MVAPICH2_VERSION)
+  info["implementation"] = "MVAPICH";
+  info["version"] = MVAPICH2_VERSION;
+#elif defined(MPICH_VERSION)
+  info["implementation"] = "MPICH";
+  info["version"] = MPICH_VERSION;
+#else
+  info["implementation"] = "unknown";
+  info["version"] = "";
+#endif
+  info["mpi_standard"] = std::to_string(MPI_VERSION) + "." + std::to_string(MPI_SUBVERSION);
+  return info;
+}
+
+// True when every rank of `comm` passed the same `fields` (one MPI_Allreduce of max(f), max(-f)).
+bool headers_agree(MPI_Comm comm, const std::vector<long long>& fields) {
+  std::vector<long long> extremes(2 * fields.size());
+  for (size_t i = 0; i < fields.size(); ++i) {
+    extremes[i] = fields[i];
+    extremes[fields.size() + i] = -fields[i];
+  }
+  HP_MPI(MPI_Allreduce, comm, MPI_IN_PLACE, extremes.data(), static_cast<int>(extremes.size()), MPI_LONG_LONG,
+         MPI_MAX, comm);
+  for (size_t i = 0; i < fields.size(); ++i) {
+    if (extremes[i] != -extremes[fields.size() + i]) return false;
+  }
+  return true;
+}
+
+std::string mpi_library_version() {
+  char text[MPI_MAX_LIBRARY_VERSION_STRING];
+  int length = 0;
+  MPI_Get_library_version(text, &length);
+  return std::string(text, static_cast<size_t>(length));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "hybridpipe C++ core: fused segmented ring allreduce over MPI on buffer descriptors";
+
+  py::enum_<AllreduceAlgorithm>(m, "AllreduceAlgorithm")
+      .value("Auto", AllreduceAlgorithm::Auto)
+      .value("Ring", AllreduceAlgorithm::Ring)
+      .value("Library", AllreduceAlgorithm::Library);
+
+  py::class_<AllreduceOptions>(m, "AllreduceOptions")
+      .def(py::init<>())
+      .def_readwrite("segment_bytes", &AllreduceOptions::segment_bytes)
+      .def_readwrite("receive_window", &AllreduceOptions::receive_window)
+      .def_readwrite("small_message_bytes", &AllreduceOptions::small_message_bytes);
+
+  m.def(
+      "allreduce",
+      [](uintptr_t input, uintptr_t output, size_t count, int dtype, int op, long long comm,
+         const AllreduceOptions& options, const std::vector<long long>& header, AllreduceAlgorithm algorithm) {
+        py::gil_scoped_release no_gil;
+        std::lock_guard<std::mutex> guard(core().lock);
+        if (!header.empty() && !headers_agree(to_comm(comm), header)) return false;
+        allreduce(to_buffer(input, count, dtype), to_buffer(output, count, dtype), static_cast<ReduceOp>(op),
+                  to_comm(comm), options, core().workspace, algorithm);
+        return true;
+      },
+      py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("comm"),
+      py::arg("options"), py::arg("header") = std::vector<long long>{},
+      py::arg("algorithm") = AllreduceAlgorithm::Auto,
+      "Allreduce `count` elements at address `input` into `output` over the communicator whose Fortran "
+      "handle is `comm` (mpi4py: comm.py2f()). With a non-empty `header`, the ranks first check that they "
+      "all passed the same header and return False (moving no data) when they did not.");
+
+  m.def(
+      "headers_agree",
+      [](long long comm, const std::vector<long long>& fields) {
+        py::gil_scoped_release no_gil;
+        return headers_agree(to_comm(comm), fields);
+      },
+      py::arg("comm"), py::arg("fields"), "Whether every rank of `comm` passed the same integers.");
+
+  m.def(
+      "grouped_allreduce",
+      [](const std::vector<uintptr_t>& inputs, const std::vector<uintptr_t>& outputs,
+         const std::vector<size_t>& counts, const std::vector<int>& dtypes, int op, long long comm,
+         size_t fusion_threshold_bytes, const AllreduceOptions& options) {
+        if (inputs.size() != counts.size() || outputs.size() != counts.size() || dtypes.size() != counts.size()) {
+          throw std::invalid_argument("grouped_allreduce: inputs, outputs, counts and dtypes differ in length");
+        }
+        std::vector<Buffer> in, out;
+        for (size_t i = 0; i < counts.size(); ++i) {
+          in.push_back(to_buffer(inputs[i], counts[i], dtypes[i]));
+          out.push_back(to_buffer(outputs[i], counts[i], dtypes[i]));
+        }
+        py::gil_scoped_release no_gil;
+        std::lock_guard<std::mutex> guard(core().lock);
+        grouped_allreduce(in, out, static_cast<ReduceOp>(op), to_comm(comm), fusion_threshold_bytes, options,
+                          core().workspace, core().fusion_buffer);
+      },
+      py::arg("inputs"), py::arg("outputs"), py::arg("counts"), py::arg("dtypes"), py::arg("op"),
+      py::arg("comm"), py::arg("fusion_threshold_bytes"), py::arg("options"),
+      "Fused allreduce of many buffers (addresses), packed into buckets of fusion_threshold_bytes.");
+
+  m.def("mpi_build_info", &mpi_build_info, "The MPI implementation and version this module was compiled with.");
+  m.def("mpi_library_version", &mpi_library_version, "MPI_Get_library_version() of the libmpi loaded now.");
+  m.def("dtype_size", [](int dtype) { return dtype_size(static_cast<DType>(dtype)); });
+  m.attr("cuda_compiled") = py::bool_(
+#if defined(HYBRIDPIPE_WITH_CUDA)
+      true
+#else
+      false
+#endif
+  );
+
+  py::register_exception_translator([](std::exception_ptr pointer) {
+    // hybridpipe.errors.MPIError, looked up once and kept for the life of the process.
+    static PyObject* mpi_error_class = nullptr;
+    try {
+      if (pointer) std::rethrow_exception(pointer);
+    } catch (const MPICallError& error) {
+      if (!mpi_error_class) mpi_error_class = py::object(py::module_::import("hybridpipe.errors").attr("MPIError")).release().ptr();
+      PyErr_SetString(mpi_error_class, error.what());
+    }
+  });
+}

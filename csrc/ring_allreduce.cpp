@@ -1,0 +1,222 @@
+// Segmented ring allreduce and the small-message path; see ring_allreduce.h.
+#include "ring_allreduce.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "reduce.h"
+
+namespace hybridpipe {
+namespace {
+
+constexpr int kReduceScatterTag = 7001;
+constexpr int kAllgatherTag = 7002;
+enum WorkspaceSlot : size_t { kHalfCopy = 0, kReceiveSlots = 1 };
+
+MPI_Datatype mpi_type(DType dtype) {
+  switch (dtype) {
+    case DType::Float32: return MPI_FLOAT;
+    case DType::Float64: return MPI_DOUBLE;
+    case DType::Int32: return MPI_INT32_T;
+    case DType::Int64: return MPI_INT64_T;
+    case DType::Float16:
+    case DType::BFloat16: return MPI_UINT16_T;  // moved, never reduced, by MPI
+  }
+  return MPI_DATATYPE_NULL;
+}
+
+MPI_Op mpi_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+    case ReduceOp::Average: return MPI_SUM;
+    case ReduceOp::Min: return MPI_MIN;
+    case ReduceOp::Max: return MPI_MAX;
+  }
+  return MPI_OP_NULL;
+}
+
+// Chunk i of `count` elements split into `parts`: the first count % parts chunks get one more.
+struct Span {
+  size_t begin;
+  size_t length;
+};
+
+Span chunk_of(size_t count, size_t parts, size_t index) {
+  const size_t base = count / parts, extra = count % parts;
+  return {index * base + std::min(index, extra), base + (index < extra ? 1 : 0)};
+}
+
+size_t segments_in(size_t length, size_t segment) { return (length + segment - 1) / segment; }
+
+Span segment_of(const Span& chunk, size_t segment, size_t index) {
+  const size_t begin = chunk.begin + index * segment;
+  return {begin, std::min(segment, chunk.begin + chunk.length - begin)};
+}
+
+void wait_all(std::vector<MPI_Request>& requests, MPI_Comm comm) {
+  if (requests.empty()) return;
+  HP_MPI(MPI_Waitall, comm, static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE);
+  requests.clear();
+}
+
+// Sends every segment of `chunk` of `data` to `peer` (requests appended to `sends`).
+void send_chunk(unsigned char* data, const Span& chunk, size_t segment, size_t element_size,
+                MPI_Datatype type, int peer, int tag, MPI_Comm comm, std::vector<MPI_Request>& sends) {
+  for (size_t k = 0; k < segments_in(chunk.length, segment); ++k) {
+    const Span part = segment_of(chunk, segment, k);
+    sends.emplace_back();
+    HP_MPI(MPI_Isend, comm, data + part.begin * element_size, static_cast<int>(part.length), type,
+           peer, tag, comm, &sends.back());
+  }
+}
+
+// Reduce-scatter over `work` (accumulation dtype). Afterwards rank r holds the reduced chunk
+// (r + 1) % size. Segment k of the chunk received at step s is forwarded at step s + 1 as soon
+// as it is reduced, while the receives of later segments are already posted.
+void reduce_scatter(unsigned char* work, size_t count, DType dtype, ReduceOp op, int rank, int size,
+                    MPI_Comm comm, const AllreduceOptions& options, Workspace& workspace) {
+  const size_t element = dtype_size(dtype);
+  const size_t segment = std::max<size_t>(1, options.segment_bytes / element);
+  const size_t window = std::max<size_t>(1, options.receive_window);
+  const MPI_Datatype type = mpi_type(dtype);
+  const int next = (rank + 1) % size, previous = (rank - 1 + size) % size;
+  auto* slots = static_cast<unsigned char*>(workspace.get(kReceiveSlots, window * segment * element));
+
+  std::vector<MPI_Request> sends, receives(window, MPI_REQUEST_NULL);
+  send_chunk(work, chunk_of(count, size, rank), segment, element, type, next, kReduceScatterTag, comm, sends);
+  for (int step = 0; step < size - 1; ++step) {
+    const Span chunk = chunk_of(count, size, (rank - step - 1 + 2 * size) % size);
+    const size_t parts = segments_in(chunk.length, segment);
+    auto post = [&](size_t k) {
+      const Span part = segment_of(chunk, segment, k);
+      HP_MPI(MPI_Irecv, comm, slots + (k % window) * segment * element, static_cast<int>(part.length),
+             type, previous, kReduceScatterTag, comm, &receives[k % window]);
+    };
+    for (size_t k = 0; k < std::min(window, parts); ++k) post(k);
+    for (size_t k = 0; k < parts; ++k) {
+      const Span part = segment_of(chunk, segment, k);
+      HP_MPI(MPI_Wait, comm, &receives[k % window], MPI_STATUS_IGNORE);
+      reduce_into(work + part.begin * element, slots + (k % window) * segment * element, part.length,
+                  dtype, op);
+      if (step < size - 2) {
+        sends.emplace_back();
+        HP_MPI(MPI_Isend, comm, work + part.begin * element, static_cast<int>(part.length), type, next,
+               kReduceScatterTag, comm, &sends.back());
+      }
+      if (k + window < parts) post(k + window);
+    }
+  }
+  wait_all(sends, comm);
+}
+
+// Allgather of the reduced chunks in `data` (the output dtype): rank r starts with chunk
+// (r + 1) % size, receives straight into place and forwards each segment once it arrives.
+void allgather_chunks(unsigned char* data, size_t count, DType dtype, int rank, int size, MPI_Comm comm,
+                      const AllreduceOptions& options) {
+  const size_t element = dtype_size(dtype);
+  const size_t segment = std::max<size_t>(1, options.segment_bytes / element);
+  const MPI_Datatype type = mpi_type(dtype);
+  const int next = (rank + 1) % size, previous = (rank - 1 + size) % size;
+
+  std::vector<MPI_Request> sends, receives;
+  send_chunk(data, chunk_of(count, size, (rank + 1) % size), segment, element, type, next, kAllgatherTag,
+             comm, sends);
+  for (int step = 0; step < size - 1; ++step) {
+    const Span chunk = chunk_of(count, size, (rank - step + size) % size);
+    const size_t parts = segments_in(chunk.length, segment);
+    receives.assign(parts, MPI_REQUEST_NULL);
+    for (size_t k = 0; k < parts; ++k) {
+      const Span part = segment_of(chunk, segment, k);
+      HP_MPI(MPI_Irecv, comm, data + part.begin * element, static_cast<int>(part.length), type, previous,
+             kAllgatherTag, comm, &receives[k]);
+    }
+    for (size_t k = 0; k < parts; ++k) {
+      HP_MPI(MPI_Wait, comm, &receives[k], MPI_STATUS_IGNORE);
+      if (step < size - 2) {
+        const Span part = segment_of(chunk, segment, k);
+        sends.emplace_back();
+        HP_MPI(MPI_Isend, comm, data + part.begin * element, static_cast<int>(part.length), type, next,
+               kAllgatherTag, comm, &sends.back());
+      }
+    }
+  }
+  wait_all(sends, comm);
+}
+
+// MPI_Allreduce on the accumulation dtype: one library call, best for small buffers.
+void library_allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_Comm comm, int size,
+                       Workspace& workspace) {
+  const DType work_dtype = accumulation_dtype(output.dtype);
+  void* work = output.data;
+  if (is_half(output.dtype)) {
+    work = workspace.get(kHalfCopy, output.count * sizeof(float));
+    half_to_float(input.data, static_cast<float*>(work), output.count, output.dtype);
+    HP_MPI(MPI_Allreduce, comm, MPI_IN_PLACE, work, static_cast<int>(output.count), MPI_FLOAT, mpi_op(op), comm);
+  } else {
+    const void* send = input.data == output.data ? MPI_IN_PLACE : input.data;
+    HP_MPI(MPI_Allreduce, comm, send, work, static_cast<int>(output.count), mpi_type(work_dtype), mpi_op(op),
+           comm);
+  }
+  if (op == ReduceOp::Average) finalize_average(work, output.count, work_dtype, static_cast<size_t>(size));
+  if (is_half(output.dtype)) float_to_half(static_cast<float*>(work), output.data, output.count, output.dtype);
+}
+
+void ring_allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_Comm comm, int rank, int size,
+                    const AllreduceOptions& options, Workspace& workspace) {
+  const size_t count = output.count;
+  const DType work_dtype = accumulation_dtype(output.dtype);
+  const size_t work_element = dtype_size(work_dtype);
+  unsigned char* work;
+  if (is_half(output.dtype)) {
+    work = static_cast<unsigned char*>(workspace.get(kHalfCopy, count * sizeof(float)));
+    half_to_float(input.data, reinterpret_cast<float*>(work), count, output.dtype);
+  } else {
+    work = static_cast<unsigned char*>(output.data);
+    if (input.data != output.data) std::memcpy(work, input.data, output.bytes());
+  }
+  reduce_scatter(work, count, work_dtype, op, rank, size, comm, options, workspace);
+
+  const Span mine = chunk_of(count, static_cast<size_t>(size), static_cast<size_t>((rank + 1) % size));
+  unsigned char* my_work = work + mine.begin * work_element;
+  if (op == ReduceOp::Average) finalize_average(my_work, mine.length, work_dtype, static_cast<size_t>(size));
+  if (is_half(output.dtype)) {
+    float_to_half(reinterpret_cast<float*>(my_work),
+                  static_cast<unsigned char*>(output.data) + mine.begin * dtype_size(output.dtype), mine.length,
+                  output.dtype);
+  }
+  allgather_chunks(static_cast<unsigned char*>(output.data), count, output.dtype, rank, size, comm, options);
+}
+
+}  // namespace
+
+void* Workspace::get(size_t slot, size_t bytes) {
+  if (slots_.size() <= slot) slots_.resize(slot + 1);
+  if (slots_[slot].size() < bytes) slots_[slot].resize(bytes);
+  return slots_[slot].data();
+}
+
+void allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_Comm comm,
+               const AllreduceOptions& options, Workspace& workspace, AllreduceAlgorithm algorithm) {
+  if (input.count != output.count || input.dtype != output.dtype) {
+    throw std::invalid_argument("allreduce: input and output differ in count or dtype");
+  }
+  int rank = 0, size = 1;
+  HP_MPI(MPI_Comm_rank, comm, comm, &rank);
+  HP_MPI(MPI_Comm_size, comm, comm, &size);
+  if (output.count == 0) return;
+  if (size == 1) {
+    if (input.data != output.data) std::memcpy(output.data, input.data, output.bytes());
+    return;
+  }
+  bool use_ring = algorithm == AllreduceAlgorithm::Ring;
+  if (algorithm == AllreduceAlgorithm::Auto) {
+    use_ring = output.bytes() > options.small_message_bytes && output.count >= static_cast<size_t>(size);
+  }
+  if (use_ring) {
+    ring_allreduce(input, output, op, comm, rank, size, options, workspace);
+  } else {
+    library_allreduce(input, output, op, comm, size, workspace);
+  }
+}
+
+}  // namespace hybridpipe

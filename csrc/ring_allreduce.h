@@ -1,0 +1,43 @@
+// Allreduce over MPI point-to-point: a segmented, pipelined ring for large buffers and the MPI
+// library's own MPI_Allreduce for small ones.
+//
+// Ring = reduce-scatter + allgather. The buffer is cut into `size` chunks, each chunk into
+// segments of `segment_bytes`. A received segment is reduced while the next ones are still on
+// the wire (a window of receives in flight), and forwarded to the next rank as soon as it is
+// reduced, so transfer and reduction overlap and each segment is reduced while it is in cache.
+// float16/bfloat16: the reduce-scatter runs on a float32 copy (float32 partial sums travel on
+// the wire), each rank rounds its finished chunk to the half type once, and the allgather moves
+// half values. The result is the float32 sum rounded once.
+#pragma once
+
+#include <mutex>
+#include <vector>
+
+#include "common.h"
+
+namespace hybridpipe {
+
+struct AllreduceOptions {
+  size_t segment_bytes = 256 * 1024;          // ring segment; cache-sized
+  size_t receive_window = 4;                  // ring receives in flight per step
+  size_t small_message_bytes = 64 * 1024;     // at or below: MPI_Allreduce instead of the ring
+};
+
+enum class AllreduceAlgorithm : int { Auto = 0, Ring = 1, Library = 2 };
+
+// Scratch memory reused across calls (receive slots, float32 copies of half buffers).
+class Workspace {
+ public:
+  void* get(size_t slot, size_t bytes);
+
+ private:
+  std::vector<std::vector<unsigned char>> slots_;
+};
+
+// Reduces `input` over `comm` into `output` (same count and dtype; may alias for in place).
+// Every rank must call with the same count, dtype and op (the Python layer checks this first).
+void allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_Comm comm,
+               const AllreduceOptions& options, Workspace& workspace,
+               AllreduceAlgorithm algorithm = AllreduceAlgorithm::Auto);
+
+}  // namespace hybridpipe

@@ -1,0 +1,46 @@
+"""hybridpipe: Horovod-style data parallelism and GPipe/1F1B pipeline parallelism for PyTorch over MPI.
+
+Example:
+    >>> import hybridpipe as hp
+    >>> grid = hp.init(pipeline_stages=2)          # mpirun -np 4 → 2 stages × 2 replicas
+    >>> total = hp.allreduce(torch.ones(3), op=hp.Sum, group="data")
+"""
+
+from .comm.collectives import (
+    Average,
+    Max,
+    Min,
+    ReduceOp,
+    Sum,
+    allgather,
+    allreduce,
+    allreduce_,
+    barrier,
+    broadcast,
+    broadcast_,
+    grouped_allreduce,
+    grouped_allreduce_,
+)
+from .config import Config
+from .errors import (
+    BuildError,
+    GridError,
+    HybridPipeError,
+    MismatchError,
+    MPIError,
+    NotInitializedError,
+)
+from .runtime import Grid, config, grid, init, is_initialized, local_rank, local_size, rank, shutdown, size
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # runtime
+    "init", "shutdown", "is_initialized", "grid", "Grid", "rank", "size", "local_rank", "local_size",
+    "config", "Config",
+    # collectives
+    "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "broadcast", "broadcast_",
+    "allgather", "barrier", "ReduceOp", "Sum", "Average", "Min", "Max",
+    # errors
+    "HybridPipeError", "NotInitializedError", "GridError", "MismatchError", "MPIError", "BuildError",
+]

@@ -1,0 +1,1 @@
+"""Communication: collectives over the grid's communicators (and, later, stage-to-stage p2p)."""

@@ -1,0 +1,104 @@
+"""Every HYBRIDPIPE_* setting, read in one place into one dataclass.
+
+Settings come from the environment so that `hybridpipe-run`, `mpirun -x` and Slurm job scripts
+can set them for every rank without touching the training script; `hp.init(config=...)` can
+override them in code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Mapping
+
+from .errors import HybridPipeError
+
+__all__ = ["Config", "parse_bytes"]
+
+_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1024**3, "gb": 1000**3, "gib": 1024**3}
+
+
+def parse_bytes(text: str, name: str = "value") -> int:
+    """Parses a byte count such as ``4194304``, ``4MiB``, ``256KiB`` or ``64mb``.
+
+    Raises:
+        HybridPipeError: the text is not a non-negative byte count; the message names it.
+    """
+    match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise HybridPipeError(f"{name}={text!r} is not a byte count (use e.g. 4194304, 4MiB or 256KiB)")
+    return int(match.group(1)) * _UNITS[unit]
+
+
+def _positive_float(text: str, name: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise HybridPipeError(f"{name}={text!r} is not a positive number of seconds/milliseconds (e.g. 5)")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tunables of the communication core. Defaults come from bench/allreduce.py on a 2-core host.
+
+    Attributes:
+        fusion_threshold_bytes: grouped allreduces pack tensors into buckets of at most this size
+            (HYBRIDPIPE_FUSION_THRESHOLD, e.g. ``4MiB``).
+        segment_bytes: ring segment; a received segment is reduced while the next is in flight
+            (HYBRIDPIPE_SEGMENT_BYTES).
+        receive_window: ring receives posted ahead per step (HYBRIDPIPE_RECEIVE_WINDOW).
+        small_message_bytes: at or below this size the MPI library's own MPI_Allreduce is used
+            instead of the ring (HYBRIDPIPE_SMALL_MESSAGE_BYTES).
+        cycle_time_ms: how often the background engine fuses and runs ready tensors
+            (HYBRIDPIPE_CYCLE_TIME_MS).
+        stall_check_seconds: warn when a collective waits this long for some rank
+            (HYBRIDPIPE_STALL_CHECK_SECONDS).
+        timeline: path of a Chrome-trace timeline to write, or "" (HYBRIDPIPE_TIMELINE).
+    """
+
+    fusion_threshold_bytes: int = 4 * 1024 * 1024
+    segment_bytes: int = 256 * 1024
+    receive_window: int = 4
+    small_message_bytes: int = 64 * 1024
+    cycle_time_ms: float = 1.0
+    stall_check_seconds: float = 60.0
+    timeline: str = ""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Config":
+        """Reads the HYBRIDPIPE_* variables; unset ones keep their defaults.
+
+        Raises:
+            HybridPipeError: a variable holds a malformed value (named in the message).
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for name, field, parse in (
+            ("HYBRIDPIPE_FUSION_THRESHOLD", "fusion_threshold_bytes", parse_bytes),
+            ("HYBRIDPIPE_SEGMENT_BYTES", "segment_bytes", parse_bytes),
+            ("HYBRIDPIPE_RECEIVE_WINDOW", "receive_window", parse_bytes),
+            ("HYBRIDPIPE_SMALL_MESSAGE_BYTES", "small_message_bytes", parse_bytes),
+            ("HYBRIDPIPE_CYCLE_TIME_MS", "cycle_time_ms", _positive_float),
+            ("HYBRIDPIPE_STALL_CHECK_SECONDS", "stall_check_seconds", _positive_float),
+        ):
+            if env.get(name, "").strip():
+                values[field] = parse(env[name], name)
+        if env.get("HYBRIDPIPE_TIMELINE"):
+            values["timeline"] = env["HYBRIDPIPE_TIMELINE"]
+        return cls(**values).validated()
+
+    def validated(self) -> "Config":
+        """Returns self after checking ranges; raises HybridPipeError naming a bad field."""
+        if self.fusion_threshold_bytes < 1:
+            raise HybridPipeError(f"fusion_threshold_bytes={self.fusion_threshold_bytes} must be >= 1 (e.g. 4MiB)")
+        if self.segment_bytes < 8:
+            raise HybridPipeError(f"segment_bytes={self.segment_bytes} must be >= 8 (e.g. 256KiB)")
+        if self.receive_window < 1:
+            raise HybridPipeError(f"receive_window={self.receive_window} must be >= 1 (e.g. 4)")
+        return self

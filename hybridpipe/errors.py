@@ -1,0 +1,54 @@
+"""The exceptions hybridpipe raises: one base class and a few specific subclasses.
+
+Every message names the offending values in parentheses and says how to fix it, e.g.
+``GridError: world size 6 is not divisible by pipeline_stages 4 (pass -np 8 or --stages 2)``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "HybridPipeError",
+    "NotInitializedError",
+    "GridError",
+    "MismatchError",
+    "MPIError",
+    "BuildError",
+    "PartitionError",
+    "ScheduleError",
+]
+
+
+class HybridPipeError(RuntimeError):
+    """Base class of every error hybridpipe raises on purpose."""
+
+
+class NotInitializedError(HybridPipeError):
+    """A hybridpipe function that needs the runtime was called before ``hp.init()``."""
+
+
+class GridError(HybridPipeError, ValueError):
+    """The requested stages × replicas grid does not fit the communicator."""
+
+
+class MismatchError(HybridPipeError):
+    """Ranks of one collective disagree (count, dtype, op, shape, tensor set).
+
+    Raised on every rank of the collective, with every rank's values, instead of hanging.
+    """
+
+
+class MPIError(HybridPipeError):
+    """An MPI call inside the C++ core failed; the message names the rank, the call and
+    MPI's error string."""
+
+
+class BuildError(HybridPipeError, ImportError):
+    """The compiled extension ``hybridpipe._C`` is missing or was built against another MPI."""
+
+
+class PartitionError(HybridPipeError, ValueError):
+    """Layers cannot be split into the requested pipeline stages."""
+
+
+class ScheduleError(HybridPipeError, ValueError):
+    """A pipeline schedule is malformed (missing action, wrong order, would deadlock)."""

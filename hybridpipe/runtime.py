@@ -1,0 +1,222 @@
+"""The MPI runtime: init / shutdown, the rank grid of pipeline stages × data replicas.
+
+Rank mapping: ``stage = rank % pipeline_stages`` and ``replica = rank // pipeline_stages``. The P
+stages of one pipeline are consecutive ranks, so when mpirun packs ranks by node (its default,
+and what `hybridpipe-run` asks for) a pipeline's neighbours share a node and activations move
+through shared memory, while the data-parallel allreduce of a stage crosses nodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from .config import Config
+from .errors import GridError, NotInitializedError
+
+__all__ = ["Grid", "init", "shutdown", "is_initialized", "grid", "rank", "size", "local_rank",
+           "local_size", "config"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """This rank's place in the pipeline_stages × data_replicas grid.
+
+    Attributes:
+        pipeline_stages: P, stages per pipeline.
+        data_replicas: D, copies of each stage (world size = P × D).
+        stage: this rank's stage, 0 ≤ stage < P.
+        replica: this rank's replica (which pipeline it belongs to), 0 ≤ replica < D.
+        rank: rank in the communicator given to ``hp.init`` (default COMM_WORLD).
+        size: P × D.
+        world_comm: hybridpipe's private duplicate of that communicator.
+        pipe_comm: the P ranks of my replica, ranked by stage (rank in it == stage).
+        data_comm: the D ranks of my stage, ranked by replica (rank in it == replica).
+
+    Example:
+        >>> g = hp.init(pipeline_stages=2)     # mpirun -np 4 → 2 stages × 2 replicas
+        >>> g.stage, g.replica, g.rank_of(stage=1, replica=0)
+        (0, 1, 1)
+    """
+
+    pipeline_stages: int
+    data_replicas: int
+    stage: int
+    replica: int
+    rank: int
+    size: int
+    world_comm: Any = dataclasses.field(repr=False, compare=False)
+    pipe_comm: Any = dataclasses.field(repr=False, compare=False)
+    data_comm: Any = dataclasses.field(repr=False, compare=False)
+
+    def rank_of(self, stage: int, replica: int) -> int:
+        """The rank that holds ``stage`` of pipeline ``replica``."""
+        if not (0 <= stage < self.pipeline_stages and 0 <= replica < self.data_replicas):
+            raise GridError(f"(stage={stage}, replica={replica}) is outside the "
+                            f"{self.pipeline_stages} × {self.data_replicas} grid")
+        return replica * self.pipeline_stages + stage
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.pipeline_stages - 1
+
+    def table(self) -> str:
+        """The grid as text: one row per stage, one column per replica, cells are ranks."""
+        header = "stage \\ replica " + " ".join(f"{r:>5}" for r in range(self.data_replicas))
+        rows = [f"{s:>15} " + " ".join(f"{self.rank_of(s, r):>5}" for r in range(self.data_replicas))
+                for s in range(self.pipeline_stages)]
+        return "\n".join([header, *rows])
+
+
+@dataclasses.dataclass
+class _Runtime:
+    grid: Grid
+    base_comm: Any
+    local_comm: Any
+    config: Config
+
+
+_runtime: _Runtime | None = None
+
+
+def _agree_on_stages(comm: Any, pipeline_stages: int) -> None:
+    """Every rank must ask for the same grid; otherwise raise on every rank (no hang)."""
+    from mpi4py import MPI
+
+    mine = np.array([pipeline_stages, -pipeline_stages], dtype=np.int64)
+    both = np.empty_like(mine)
+    comm.Allreduce(mine, both, op=MPI.MAX)
+    if both[0] != -both[1]:
+        values = comm.allgather(pipeline_stages)
+        listing = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+        raise GridError(f"ranks passed different pipeline_stages to hp.init ({listing}); "
+                        f"every rank must call hp.init with the same pipeline_stages")
+
+
+def init(pipeline_stages: int = 1, comm: Any = None, config: Config | None = None) -> Grid:
+    """Starts hybridpipe on ``comm`` (default ``MPI.COMM_WORLD``) and builds the rank grid.
+
+    Collective: every rank of ``comm`` must call it with the same ``pipeline_stages``. Calling it
+    again with the same grid returns the existing grid (like ``hvd.init()``).
+
+    Args:
+        pipeline_stages: P, the number of pipeline stages; the world size must be a multiple of P,
+            and data_replicas = size // P.
+        comm: an mpi4py communicator to build the grid from.
+        config: settings; default ``Config.from_env()`` (the HYBRIDPIPE_* variables).
+
+    Returns:
+        This rank's Grid.
+
+    Raises:
+        GridError: stages < 1, size not divisible by stages, ranks disagreeing, or an earlier
+            init with another grid.
+        BuildError: the extension is missing or built against another MPI.
+    """
+    global _runtime
+    if isinstance(pipeline_stages, bool) or not isinstance(pipeline_stages, (int, np.integer)):
+        raise GridError(f"pipeline_stages must be an int, got {pipeline_stages!r} "
+                        f"({type(pipeline_stages).__name__})")
+    pipeline_stages = int(pipeline_stages)
+    from mpi4py import MPI
+
+    from . import _ext
+
+    _ext.core()  # refuse a missing or mismatched extension before anything else
+    base = MPI.COMM_WORLD if comm is None else comm
+    if not isinstance(base, MPI.Intracomm):
+        raise TypeError(f"hp.init(comm=...) needs an mpi4py intracommunicator, got {type(base).__name__}")
+    if _runtime is not None:
+        current = _runtime.grid
+        same_comm = MPI.Comm.Compare(_runtime.base_comm, base) in (MPI.IDENT, MPI.CONGRUENT)
+        if current.pipeline_stages == pipeline_stages and same_comm:
+            return current
+        raise GridError(
+            f"hybridpipe is already initialized with pipeline_stages={current.pipeline_stages} on "
+            f"{current.size} ranks; hp.init(pipeline_stages={pipeline_stages}) asks for another grid "
+            f"(call hp.shutdown() first)")
+    size = base.Get_size()
+    if pipeline_stages < 1:
+        raise GridError(f"pipeline_stages must be >= 1, got {pipeline_stages} (use 1 for pure data parallelism)")
+    _agree_on_stages(base, pipeline_stages)
+    if size % pipeline_stages:
+        smaller = max(d for d in range(1, pipeline_stages + 1) if size % d == 0)
+        bigger = (size // pipeline_stages + 1) * pipeline_stages
+        raise GridError(f"world size {size} is not divisible by pipeline_stages {pipeline_stages} "
+                        f"(pass -np {bigger} or --stages {smaller})")
+
+    world = base.Dup()
+    world.Set_errhandler(MPI.ERRORS_RETURN)
+    rank = world.Get_rank()
+    stage, replica = rank % pipeline_stages, rank // pipeline_stages
+    pipe_comm = world.Split(color=replica, key=stage)
+    data_comm = world.Split(color=stage, key=replica)
+    local_comm = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    the_grid = Grid(pipeline_stages=pipeline_stages, data_replicas=size // pipeline_stages, stage=stage,
+                    replica=replica, rank=rank, size=size, world_comm=world, pipe_comm=pipe_comm,
+                    data_comm=data_comm)
+    _runtime = _Runtime(grid=the_grid, base_comm=base, local_comm=local_comm,
+                        config=(config or Config.from_env()).validated())
+    return the_grid
+
+
+def shutdown() -> None:
+    """Frees hybridpipe's communicators. MPI itself stays up (mpi4py finalizes it at exit)."""
+    global _runtime
+    if _runtime is None:
+        return
+    from .comm import collectives
+
+    collectives._forget_groups()
+    g = _runtime.grid
+    for c in (g.data_comm, g.pipe_comm, _runtime.local_comm, g.world_comm):
+        c.Free()
+    _runtime = None
+
+
+def is_initialized() -> bool:
+    """Whether hp.init() has run (and hp.shutdown() has not)."""
+    return _runtime is not None
+
+
+def _require(what: str) -> _Runtime:
+    if _runtime is None:
+        raise NotInitializedError(f"hp.{what}() was called before hp.init(); call hp.init() first")
+    return _runtime
+
+
+def grid() -> Grid:
+    """This rank's Grid (see :class:`Grid`)."""
+    return _require("grid").grid
+
+
+def rank() -> int:
+    """Rank in the communicator hybridpipe was initialized on."""
+    return _require("rank").grid.rank
+
+
+def size() -> int:
+    """Number of ranks (pipeline_stages × data_replicas)."""
+    return _require("size").grid.size
+
+
+def local_rank() -> int:
+    """Rank among the ranks on this node (MPI_COMM_TYPE_SHARED); use it to pick a GPU."""
+    return _require("local_rank").local_comm.Get_rank()
+
+
+def local_size() -> int:
+    """Number of ranks on this node."""
+    return _require("local_size").local_comm.Get_size()
+
+
+def config() -> Config:
+    """The settings in force (from hp.init(config=...) or the HYBRIDPIPE_* variables)."""
+    return _require("config").config
+

@@ -1,0 +1,207 @@
+"""Collectives against numpy references, every dtype × op × size class, at 2, 3, 4 and 8 ranks.
+
+Each rank regenerates every rank's input from a seed, so the reference needs no communication.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import hybridpipe as hp
+from hybridpipe.config import Config
+
+pytestmark = pytest.mark.mpi(ranks=[2, 3, 4, 8], timeout=600)
+
+DTYPES = ["float32", "float64", "float16", "bfloat16", "int32", "int64"]
+OPS = [hp.Sum, hp.Average, hp.Min, hp.Max]
+# empty, one element, fewer elements than ranks, a prime, crossing the small-message threshold,
+# a prime count well inside the ring
+SIZES = [0, 1, 5, 7, 1000, 16411, 300007]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runtime():
+    hp.init()
+    yield
+    hp.shutdown()
+
+
+def inputs(seed, count, dtype, n):
+    """Every rank's input as float64 numpy arrays holding values exact in `dtype`."""
+    arrays = []
+    for r in range(n):
+        rng = np.random.default_rng([seed, r, count])
+        if dtype.startswith("int"):
+            values = rng.integers(-1000, 1000, count).astype(np.float64)
+        else:
+            values = rng.standard_normal(count) * 4
+        arrays.append(torch.tensor(values).to(getattr(torch, dtype)).double().numpy())
+    return arrays
+
+
+def reference(arrays, op, dtype):
+    stacked = np.stack(arrays) if arrays[0].size else np.zeros((len(arrays), 0))
+    if op in (hp.Min, hp.Max):
+        return (stacked.min(0) if op == hp.Min else stacked.max(0)) if stacked.size else stacked[0]
+    total = stacked.sum(0)
+    if op == hp.Sum:
+        return total
+    if dtype.startswith("int"):
+        return np.trunc(total / len(arrays))
+    return total / len(arrays)
+
+
+def assert_matches(got, want, dtype, op):
+    got = np.asarray(got, dtype=np.float64)
+    if dtype.startswith("int") or op in (hp.Min, hp.Max):
+        np.testing.assert_array_equal(got, want)
+    elif dtype in ("float16", "bfloat16"):
+        # float32 accumulation rounded once: within one unit in the last place of the result.
+        ulp = 2.0 ** -10 if dtype == "float16" else 2.0 ** -7
+        tolerance = np.maximum(np.abs(want) * ulp, 2.0 ** -24 if dtype == "float16" else 1e-38)
+        excess = np.abs(got - want) - tolerance
+        assert excess.max(initial=0) <= 0, f"max error over one ulp: {excess.max()}"
+    else:
+        rtol = 1e-6 if dtype == "float32" else 1e-12
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * 10)
+
+
+def as_torch(array, dtype):
+    return torch.from_numpy(array.copy()).to(getattr(torch, dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_allreduce_all_ops_and_sizes(dtype):
+    n, rank = hp.size(), hp.rank()
+    for op in OPS:
+        for count in SIZES:
+            arrays = inputs(1, count, dtype, n)
+            got = hp.allreduce(as_torch(arrays[rank], dtype), op=op)
+            assert got.dtype == getattr(torch, dtype) and got.shape == (count,)
+            assert_matches(got.double().numpy(), reference(arrays, op, dtype), dtype, op)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_allreduce_in_place_and_numpy(dtype):
+    n, rank = hp.size(), hp.rank()
+    arrays = inputs(2, 70001, dtype, n)
+    tensor = as_torch(arrays[rank], dtype)
+    address = tensor.data_ptr()
+    assert hp.allreduce_(tensor, op=hp.Sum) is tensor and tensor.data_ptr() == address
+    assert_matches(tensor.double().numpy(), reference(arrays, hp.Sum, dtype), dtype, hp.Sum)
+    if dtype != "bfloat16":  # numpy has no bfloat16
+        array = as_torch(arrays[rank], dtype).numpy()
+        result = hp.allreduce(array, op=hp.Max)
+        assert isinstance(result, np.ndarray) and result.dtype == array.dtype
+        assert_matches(result, reference(arrays, hp.Max, dtype), dtype, hp.Max)
+        hp.allreduce_(array, op=hp.Min)
+        assert_matches(array, reference(arrays, hp.Min, dtype), dtype, hp.Min)
+
+
+def test_allreduce_over_64_mib():
+    n, rank = hp.size(), hp.rank()
+    count = 16 * 1024 * 1024 + 3  # 64 MiB + 12 bytes of float32
+    mine = torch.full((count,), float(rank + 1))
+    mine[-1] = -rank
+    got = hp.allreduce(mine, op=hp.Sum)
+    assert got[0].item() == n * (n + 1) / 2 and got[count // 2].item() == n * (n + 1) / 2
+    assert got[-1].item() == -n * (n - 1) / 2
+    assert torch.all(got[:-1] == n * (n + 1) / 2)
+
+
+def test_allreduce_non_contiguous_and_multidimensional():
+    n, rank = hp.size(), hp.rank()
+    base = torch.arange(60, dtype=torch.float32).reshape(3, 4, 5) * (rank + 1)
+    view = base.transpose(0, 2)  # not contiguous
+    assert not view.is_contiguous()
+    want = (torch.arange(60, dtype=torch.float32).reshape(3, 4, 5) * (n * (n + 1) / 2)).transpose(0, 2)
+    got = hp.allreduce(view, op=hp.Sum)
+    assert got.shape == view.shape and torch.equal(got, want)
+    hp.allreduce_(view, op=hp.Sum)
+    assert torch.equal(view, want) and torch.equal(base, want.transpose(0, 2))
+
+
+@pytest.mark.parametrize("threshold", [1024, 4 * 1024 * 1024])
+def test_grouped_allreduce_mixed_dtypes(threshold):
+    hp.shutdown()
+    hp.init(config=Config(fusion_threshold_bytes=threshold))
+    n, rank = hp.size(), hp.rank()
+    rng = np.random.default_rng(7)
+    specs = [(DTYPES[i % len(DTYPES)], int(rng.integers(0, 3000))) for i in range(29)]
+    specs.append(("float32", 300_000))  # bigger than a 1 KiB bucket: reduced on its own
+    for op in (hp.Average, hp.Max):
+        tensors, wants = [], []
+        for index, (dtype, count) in enumerate(specs):
+            arrays = inputs(100 + index, count, dtype, n)
+            tensors.append(as_torch(arrays[rank], dtype))
+            wants.append(reference(arrays, op, dtype))
+        results = hp.grouped_allreduce(tensors, op=op)
+        for (dtype, _), got, want in zip(specs, results, wants):
+            assert got.dtype == getattr(torch, dtype)
+            assert_matches(got.double().numpy(), want, dtype, op)
+        hp.grouped_allreduce_(tensors, op=op)
+        for (dtype, _), got, want in zip(specs, tensors, wants):
+            assert_matches(got.double().numpy(), want, dtype, op)
+    hp.shutdown()
+    hp.init()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8])
+def test_broadcast_every_root(dtype):
+    n, rank = hp.size(), hp.rank()
+    for root in range(n):
+        mine = (torch.arange(12).reshape(3, 4) * (rank + 1)).to(dtype)
+        want = (torch.arange(12).reshape(3, 4) * (root + 1)).to(dtype)
+        got = hp.broadcast(mine, root_rank=root)
+        assert torch.equal(got, want)
+        assert torch.equal(mine, (torch.arange(12).reshape(3, 4) * (rank + 1)).to(dtype))  # untouched
+        hp.broadcast_(mine, root_rank=root)
+        assert torch.equal(mine, want)
+    array = np.full(5, rank, dtype=np.float64)
+    hp.broadcast_(array, root_rank=n - 1)
+    np.testing.assert_array_equal(array, np.full(5, n - 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int32, torch.bool])
+def test_allgather_varying_first_dimension(dtype):
+    n, rank = hp.size(), hp.rank()
+    rows = [(r * 3) % 4 for r in range(n)]  # rank 0 contributes no rows
+    mine = (torch.ones(rows[rank], 2, 3) * (rank + 1)).to(dtype)
+    got = hp.allgather(mine)
+    want = torch.cat([(torch.ones(rows[r], 2, 3) * (r + 1)).to(dtype) for r in range(n)])
+    assert got.shape == (sum(rows), 2, 3) and torch.equal(got, want)
+    array = np.arange(rank + 1, dtype=np.int64)
+    np.testing.assert_array_equal(hp.allgather(array), np.concatenate([np.arange(r + 1) for r in range(n)]))
+
+
+def test_barrier_and_groups_of_a_grid():
+    n, rank = hp.size(), hp.rank()
+    hp.barrier()
+    for stages in [s for s in (2, 4) if n % s == 0]:
+        hp.shutdown()
+        grid = hp.init(pipeline_stages=stages)
+        value = torch.tensor([float(rank)], dtype=torch.float64)
+        data_ranks = [grid.rank_of(grid.stage, r) for r in range(grid.data_replicas)]
+        pipe_ranks = [grid.rank_of(s, grid.replica) for s in range(stages)]
+        assert hp.allreduce(value, op=hp.Sum, group="data").item() == sum(data_ranks)
+        assert hp.allreduce(value, op=hp.Max, group="pipe").item() == max(pipe_ranks)
+        assert hp.allgather(value, group="pipe").tolist() == [float(r) for r in pipe_ranks]
+        assert hp.broadcast(value, root_rank=0, group="data").item() == data_ranks[0]
+        hp.barrier(group="pipe")
+        hp.barrier(group="data")
+        big = torch.full((200_000,), float(rank))
+        assert torch.all(hp.allreduce(big, op=hp.Sum, group="data") == sum(data_ranks))
+    hp.shutdown()
+    hp.init()
+
+
+def test_user_communicator_group():
+    from mpi4py import MPI
+
+    rank = hp.rank()
+    halves = MPI.COMM_WORLD.Split(color=rank % 2, key=rank)
+    members = halves.allgather(rank)
+    got = hp.allreduce(torch.tensor([float(rank)] * 100_000), op=hp.Sum, group=halves)
+    assert torch.all(got == sum(members))
+    assert hp.allreduce(torch.tensor([rank]), op=hp.Sum, group=halves).item() == sum(members)
+    halves.Free()

