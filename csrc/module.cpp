@@ -6,6 +6,7 @@
 
 #include "common.h"
 #include "fusion.h"
+#include "p2p.h"
 #include "ring_allreduce.h"
 
 namespace py = pybind11;
@@ -139,6 +140,44 @@ PYBIND11_MODULE(_C, m) {
       py::arg("inputs"), py::arg("outputs"), py::arg("counts"), py::arg("dtypes"), py::arg("op"),
       py::arg("comm"), py::arg("fusion_threshold_bytes"), py::arg("options"),
       "Fused allreduce of many buffers (addresses), packed into buckets of fusion_threshold_bytes.");
+
+  py::class_<P2PRequest>(m, "P2PRequest", "An in-flight isend / irecv of raw bytes.")
+      .def("test", &P2PRequest::test, "True once the transfer completed (does not block).")
+      .def(
+          "wait", [](P2PRequest& request) {
+            py::gil_scoped_release no_gil;
+            request.wait();
+          },
+          "Blocks (without the GIL) until the transfer completed.")
+      .def("cancel", &P2PRequest::cancel, "Cancels a receive that has not matched a message yet.")
+      .def_property_readonly("done", &P2PRequest::done)
+      .def_property_readonly("received_bytes", &P2PRequest::received_bytes)
+      .def("__repr__", [](const P2PRequest& request) {
+        return "<P2PRequest " + request.what() + (request.done() ? " done>" : " in flight>");
+      });
+
+  m.def(
+      "isend",
+      [](uintptr_t address, size_t bytes, int dest, int tag, long long comm) {
+        return isend(reinterpret_cast<const void*>(address), bytes, dest, tag, to_comm(comm));
+      },
+      py::arg("address"), py::arg("bytes"), py::arg("dest"), py::arg("tag"), py::arg("comm"),
+      py::return_value_policy::take_ownership, "Starts sending `bytes` bytes at `address` to rank `dest`.");
+  m.def(
+      "irecv",
+      [](uintptr_t address, size_t bytes, int source, int tag, long long comm) {
+        return irecv(reinterpret_cast<void*>(address), bytes, source, tag, to_comm(comm));
+      },
+      py::arg("address"), py::arg("bytes"), py::arg("source"), py::arg("tag"), py::arg("comm"),
+      py::return_value_policy::take_ownership,
+      "Starts receiving at most `bytes` bytes into `address` from rank `source`.");
+  m.def(
+      "wait_any",
+      [](const std::vector<P2PRequest*>& requests) {
+        py::gil_scoped_release no_gil;
+        return wait_any(requests);
+      },
+      py::arg("requests"), "Blocks until one of the (single-part) requests completed; returns its index.");
 
   m.def("mpi_build_info", &mpi_build_info, "The MPI implementation and version this module was compiled with.");
   m.def("mpi_library_version", &mpi_library_version, "MPI_Get_library_version() of the libmpi loaded now.");

@@ -30,6 +30,7 @@ from .errors import (
     MPIError,
     NotInitializedError,
 )
+from .pipeline.model import LayerSpec, PipelineModel
 from .runtime import Grid, config, grid, init, is_initialized, local_rank, local_size, rank, shutdown, size
 
 __version__ = "0.1.0"
@@ -41,6 +42,8 @@ __all__ = [
     # collectives
     "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "broadcast", "broadcast_",
     "allgather", "barrier", "ReduceOp", "Sum", "Average", "Min", "Max",
+    # pipeline
+    "PipelineModel", "LayerSpec",
     # errors
     "HybridPipeError", "NotInitializedError", "GridError", "MismatchError", "MPIError", "BuildError",
 ]

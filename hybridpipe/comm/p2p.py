@@ -1,0 +1,256 @@
+"""Point-to-point transport of structured values (a tensor, or tuples/lists/dicts of tensors).
+
+This is how the pipeline moves activations forward and gradients backward. A message is:
+
+* a **header**: the value's structure with every tensor replaced by its shape, dtype and
+  ``requires_grad`` (pickled; non-tensor leaves such as ``None`` or ints travel inside it), sent
+  on tag ``tag``. The receiver posts the header receive early into a fixed buffer of
+  :data:`HEADER_CAPACITY` bytes, so it never needs to know shapes in advance and shapes may change
+  from one step to the next;
+* then one **payload** message per tensor, raw bytes, on tag ``tag + 1``. The receiver allocates
+  the tensors as soon as the header is in and posts their receives.
+
+So a sender and receiver each consume two consecutive tags per message; callers use even tags.
+Both directions go through the C++ core (``hybridpipe._C.isend/irecv``), which releases the GIL
+while waiting. Tensors on a GPU are staged through host memory for now.
+
+A stage that fails sends an **error message** on :data:`ERROR_TAG` to its neighbours; a receive
+waiting with ``abort=`` on such an error raises :class:`RemoteError` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import HybridPipeError
+from .._ext import core
+
+__all__ = ["HEADER_CAPACITY", "ERROR_TAG", "RemoteError", "Send", "Receive", "send", "send_error",
+           "receive_error"]
+
+#: Largest pickled structure a header may hold (bytes).
+HEADER_CAPACITY = 64 * 1024
+#: Tag of error messages (the payload tag, ERROR_TAG + 1, is never used).
+ERROR_TAG = 32000
+_ERROR_MARK = "__hybridpipe_remote_error__"
+
+
+class RemoteError(HybridPipeError):
+    """A peer failed and told us so; the message names the failing rank and its error.
+
+    Attributes:
+        source: the rank (in the communicator) the error message came from.
+    """
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+def _skeleton(value: Any, leaves: list[torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        leaves.append(value)
+        return _Leaf(len(leaves) - 1, tuple(value.shape), value.dtype, value.requires_grad)
+    if isinstance(value, dict):
+        return {key: _skeleton(item, leaves) for key, item in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(_skeleton(item, leaves) for item in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_skeleton(item, leaves) for item in value)
+    return value
+
+
+def _rebuild(skeleton: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    if isinstance(skeleton, _Leaf):
+        return tensors[skeleton.index]
+    if isinstance(skeleton, dict):
+        return {key: _rebuild(item, tensors) for key, item in skeleton.items()}
+    if isinstance(skeleton, tuple) and hasattr(skeleton, "_fields"):
+        return type(skeleton)(*(_rebuild(item, tensors) for item in skeleton))
+    if isinstance(skeleton, (tuple, list)):
+        return type(skeleton)(_rebuild(item, tensors) for item in skeleton)
+    return skeleton
+
+
+def _leaves(skeleton: Any) -> list[_Leaf]:
+    found: list[_Leaf] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, _Leaf):
+            found.append(node)
+        elif isinstance(node, dict):
+            for item in node.values():
+                walk(item)
+        elif isinstance(node, (tuple, list)):
+            for item in node:
+                walk(item)
+
+    walk(skeleton)
+    return sorted(found, key=lambda leaf: leaf.index)
+
+
+def _check_tag(tag: int) -> None:
+    if not 0 <= tag < ERROR_TAG - 1:
+        raise ValueError(f"p2p tag {tag} is outside 0..{ERROR_TAG - 2} (tags below ERROR_TAG={ERROR_TAG})")
+
+
+class Send:
+    """An in-flight send. Keeps its buffers alive until :meth:`wait` (or :meth:`test`) sees it done."""
+
+    def __init__(self, requests: list[Any], keep: list[Any]) -> None:
+        self._requests, self._keep = requests, keep
+
+    def test(self) -> bool:
+        """True once every part was sent (the buffers may then be reused)."""
+        if all(request.test() for request in self._requests):
+            self._keep = []
+            return True
+        return False
+
+    def wait(self) -> None:
+        """Blocks until every part was sent."""
+        for request in self._requests:
+            request.wait()
+        self._keep = []
+
+
+def _post_header(header: bytes, dest: int, tag: int, comm_f: int) -> tuple[Any, np.ndarray]:
+    if len(header) > HEADER_CAPACITY:
+        raise ValueError(f"the structure of the value to send pickles to {len(header)} bytes, more than "
+                         f"HEADER_CAPACITY={HEADER_CAPACITY}: pass fewer tensors / smaller non-tensor "
+                         "values between stages")
+    buffer = np.frombuffer(header, dtype=np.uint8)
+    return core().isend(buffer.ctypes.data, buffer.nbytes, dest, tag, comm_f), buffer
+
+
+def send(value: Any, dest: int, tag: int, comm: Any) -> Send:
+    """Starts sending ``value`` to rank ``dest`` of ``comm`` on tags ``tag`` (header), ``tag + 1``.
+
+    The tensors are snapshotted (detached; GPU tensors copied to host), so the caller may go on
+    using and modifying them; wait for the returned :class:`Send` before the job ends.
+    """
+    _check_tag(tag)
+    tensors: list[torch.Tensor] = []
+    skeleton = _skeleton(value, tensors)
+    comm_f = comm.py2f()
+    request, header = _post_header(pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL), dest, tag, comm_f)
+    requests, keep = [request], [header]
+    for tensor in tensors:
+        host = tensor.detach()
+        host = host.cpu().contiguous() if host.device.type != "cpu" else host.contiguous()
+        keep.append(host)
+        nbytes = host.numel() * host.element_size()
+        requests.append(core().isend(host.data_ptr(), nbytes, dest, tag + 1, comm_f))
+    return Send(requests, keep)
+
+
+def send_error(text: str, rank: int, dest: int, comm: Any) -> Send:
+    """Tells rank ``dest`` that rank ``rank`` failed with ``text`` (a small, eager message)."""
+    header = pickle.dumps((_ERROR_MARK, rank, text[-4000:]), protocol=pickle.HIGHEST_PROTOCOL)
+    request, buffer = _post_header(header, dest, ERROR_TAG, comm.py2f())
+    return Send([request], [buffer])
+
+
+class Receive:
+    """A receive posted now (header first); :meth:`wait` returns the value.
+
+    Args:
+        source: rank in ``comm`` to receive from.
+        tag: the sender's tag (the payloads come on ``tag + 1``).
+        comm: an mpi4py communicator.
+        device: where the received tensors end up (default: CPU).
+        requires_grad: restore ``requires_grad`` of floating-point tensors as the sender had it.
+    """
+
+    def __init__(self, source: int, tag: int, comm: Any, device: Any = None, requires_grad: bool = False,
+                 _error_tag: bool = False) -> None:
+        if not _error_tag:
+            _check_tag(tag)
+        self.source, self.tag, self._comm_f = source, tag, comm.py2f()
+        self._device, self._requires_grad = device, requires_grad
+        self._header = np.empty(HEADER_CAPACITY, dtype=np.uint8)
+        self._header_request = core().irecv(self._header.ctypes.data, HEADER_CAPACITY, source, tag, self._comm_f)
+        self._skeleton: Any = None
+        self._tensors: list[torch.Tensor] = []
+        self._payload_requests: list[Any] = []
+        self._value: Any = None
+        self._done = False
+
+    def _open_header(self) -> None:
+        """The header is in: decode it and post the payload receives."""
+        size = self._header_request.received_bytes
+        skeleton = pickle.loads(self._header[:size].tobytes())
+        if isinstance(skeleton, tuple) and len(skeleton) == 3 and skeleton[0] == _ERROR_MARK:
+            error = RemoteError(skeleton[2])
+            error.source = self.source  # type: ignore[attr-defined]
+            raise error
+        self._skeleton = skeleton
+        for leaf in _leaves(skeleton):
+            tensor = torch.empty(leaf.shape, dtype=leaf.dtype)
+            self._tensors.append(tensor)
+            nbytes = tensor.numel() * tensor.element_size()
+            self._payload_requests.append(
+                core().irecv(tensor.data_ptr(), nbytes, self.source, self.tag + 1, self._comm_f))
+
+    def poll(self) -> bool:
+        """Makes progress without blocking (posts payload receives once the header is in)."""
+        if self._done:
+            return True
+        if self._skeleton is None:
+            if not self._header_request.test():
+                return False
+            self._open_header()
+        return all(request.test() for request in self._payload_requests)
+
+    def wait(self, abort: Sequence[Receive] = ()) -> Any:
+        """Blocks until the value is in and returns it.
+
+        Args:
+            abort: error receives (see :func:`receive_error`); if one of them completes first, its
+                :class:`RemoteError` is raised instead.
+        """
+        if self._done:
+            return self._value
+        if self._skeleton is None:
+            if abort:
+                requests = [self._header_request, *(r._header_request for r in abort)]
+                index = core().wait_any(requests)
+                if index > 0:
+                    abort[index - 1]._open_header()  # raises RemoteError
+            else:
+                self._header_request.wait()
+            self._open_header()
+        for request in self._payload_requests:
+            request.wait()
+        tensors = self._tensors
+        if self._device is not None and torch.device(self._device).type != "cpu":
+            tensors = [tensor.to(self._device) for tensor in tensors]
+        if self._requires_grad:
+            for leaf, tensor in zip(_leaves(self._skeleton), tensors):
+                if leaf.requires_grad and (tensor.is_floating_point() or tensor.is_complex()):
+                    tensor.requires_grad_(True)
+        self._value = _rebuild(self._skeleton, tensors)
+        self._done = True
+        self._header = self._tensors = self._payload_requests = None  # type: ignore[assignment]
+        return self._value
+
+    def cancel(self) -> None:
+        """Withdraws a receive whose header has not arrived (e.g. at shutdown)."""
+        if not self._done and self._skeleton is None:
+            self._header_request.cancel()
+            self._done = True
+
+
+def receive_error(source: int, comm: Any) -> Receive:
+    """Posts a receive for an error message from ``source``; pass it as ``abort=`` to waits."""
+    return Receive(source, ERROR_TAG, comm, _error_tag=True)
