@@ -21,6 +21,7 @@ waiting with ``abort=`` on such an error raises :class:`RemoteError` instead of 
 from __future__ import annotations
 
 import pickle
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -104,11 +105,27 @@ def _check_tag(tag: int) -> None:
         raise ValueError(f"p2p tag {tag} is outside 0..{ERROR_TAG - 2} (tags below ERROR_TAG={ERROR_TAG})")
 
 
+# (requests, buffers) of Sends dropped while possibly in flight: MPI may still read the buffers, so
+# they live here until a later send() sees the requests done.
+_orphans: list[tuple[list[Any], list[Any]]] = []
+
+
+def _reap_orphans() -> None:
+    _orphans[:] = [(requests, keep) for requests, keep in _orphans if not all(r.test() for r in requests)]
+
+
 class Send:
-    """An in-flight send. Keeps its buffers alive until :meth:`wait` (or :meth:`test`) sees it done."""
+    """An in-flight send. Keeps its buffers alive until :meth:`wait` (or :meth:`test`) sees it done.
+
+    Dropping it before then is safe: the buffers are kept until MPI is done with them.
+    """
 
     def __init__(self, requests: list[Any], keep: list[Any]) -> None:
         self._requests, self._keep = requests, keep
+
+    def __del__(self) -> None:
+        if self._keep:  # not seen done: MPI may still read the buffers (no MPI calls here)
+            _orphans.append((self._requests, self._keep))
 
     def test(self) -> bool:
         """True once every part was sent (the buffers may then be reused)."""
@@ -136,17 +153,20 @@ def _post_header(header: bytes, dest: int, tag: int, comm_f: int) -> tuple[Any, 
 def send(value: Any, dest: int, tag: int, comm: Any) -> Send:
     """Starts sending ``value`` to rank ``dest`` of ``comm`` on tags ``tag`` (header), ``tag + 1``.
 
-    The tensors are snapshotted (detached; GPU tensors copied to host), so the caller may go on
-    using and modifying them; wait for the returned :class:`Send` before the job ends.
+    Contiguous CPU tensors are sent in place, not copied: do not modify them in place until the
+    returned :class:`Send` is done (:meth:`Send.test` / :meth:`Send.wait`), or the receiver may
+    get the new values. (Non-contiguous and GPU tensors are copied first, but do not rely on it.)
+    Wait for the :class:`Send` before the job ends.
     """
     _check_tag(tag)
+    _reap_orphans()
     tensors: list[torch.Tensor] = []
     skeleton = _skeleton(value, tensors)
     comm_f = comm.py2f()
     request, header = _post_header(pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL), dest, tag, comm_f)
     requests, keep = [request], [header]
     for tensor in tensors:
-        host = tensor.detach()
+        host = tensor.detach().resolve_conj().resolve_neg()  # raw bytes: lazy conj/neg views materialized
         host = host.cpu().contiguous() if host.device.type != "cpu" else host.contiguous()
         keep.append(host)
         nbytes = host.numel() * host.element_size()
@@ -161,8 +181,17 @@ def send_error(text: str, rank: int, dest: int, comm: Any) -> Send:
     return Send([request], [buffer])
 
 
+# Receives posted on one (communicator, source, tag) whose header is not opened yet, in posting
+# order. MPI matches their headers to messages in that order, so their payload receives (all on
+# tag + 1) must be posted in that order too, whichever receive is polled or waited first.
+_unopened: dict[tuple[int, int, int], list[weakref.ref]] = {}
+
+
 class Receive:
     """A receive posted now (header first); :meth:`wait` returns the value.
+
+    Several receives from one source on one tag get that source's messages in send order, and may
+    be polled and waited in any order.
 
     Args:
         source: rank in ``comm`` to receive from.
@@ -185,8 +214,33 @@ class Receive:
         self._payload_requests: list[Any] = []
         self._value: Any = None
         self._done = False
+        self._key = None if _error_tag else (self._comm_f, source, tag)
+        if self._key is not None:
+            _unopened.setdefault(self._key, []).append(weakref.ref(self))
 
-    def _open_header(self) -> None:
+    def _open_header(self, block: bool = True) -> bool:
+        """Our header is in: open it, after the headers of the earlier receives on our source and tag
+        (MPI matched those to earlier messages) so that payload receives are posted in message order.
+
+        Returns False, without blocking, when ``block`` is False and an earlier header is not in yet.
+        """
+        queue = _unopened.get(self._key, []) if self._key is not None else []
+        position = next((i for i, ref in enumerate(queue) if ref() is self), None)
+        if position is not None:
+            earlier = [receive for ref in queue[:position]
+                       if (receive := ref()) is not None and receive._skeleton is None and not receive._done]
+            if not block and not all(receive._header_request.test() for receive in earlier):
+                return False
+            del queue[:position + 1]
+            if not queue:
+                del _unopened[self._key]
+            for receive in earlier:
+                receive._header_request.wait()  # matched before ours: in, or just arriving
+                receive._decode_header()
+        self._decode_header()
+        return True
+
+    def _decode_header(self) -> None:
         """The header is in: decode it and post the payload receives."""
         size = self._header_request.received_bytes
         skeleton = pickle.loads(self._header[:size].tobytes())
@@ -207,9 +261,8 @@ class Receive:
         if self._done:
             return True
         if self._skeleton is None:
-            if not self._header_request.test():
+            if not self._header_request.test() or not self._open_header(block=False):
                 return False
-            self._open_header()
         return all(request.test() for request in self._payload_requests)
 
     def wait(self, abort: Sequence[Receive] = ()) -> Any:
@@ -249,6 +302,11 @@ class Receive:
         if not self._done and self._skeleton is None:
             self._header_request.cancel()
             self._done = True
+            queue = _unopened.get(self._key) if self._key is not None else None
+            if queue is not None:
+                queue[:] = [ref for ref in queue if ref() is not self]
+                if not queue:
+                    del _unopened[self._key]
 
 
 def receive_error(source: int, comm: Any) -> Receive:
