@@ -30,6 +30,15 @@ from .errors import (
     MPIError,
     NotInitializedError,
 )
+from .optimizer import (
+    Compression,
+    DistributedOptimizer,
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+    clip_grad_norm_,
+)
 from .pipeline.model import LayerSpec, PipelineModel
 from .runtime import Grid, config, grid, init, is_initialized, local_rank, local_size, rank, shutdown, size
 
@@ -44,6 +53,9 @@ __all__ = [
     "allgather", "barrier", "ReduceOp", "Sum", "Average", "Min", "Max",
     # pipeline
     "PipelineModel", "LayerSpec",
+    # data parallelism (Horovod-compatible names)
+    "DistributedOptimizer", "Compression", "broadcast_parameters", "broadcast_optimizer_state",
+    "broadcast_object", "allgather_object", "clip_grad_norm_",
     # errors
     "HybridPipeError", "NotInitializedError", "GridError", "MismatchError", "MPIError", "BuildError",
 ]

@@ -1,0 +1,239 @@
+"""DistributedOptimizer on the 2-D grid under a real mpirun: parameters after 3 steps equal one-process
+training on the same global batches, for grids 1×1, 2×1, 1×2, 2×2 and 4×2."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from mpi4py import MPI
+from torch import nn
+
+import hybridpipe as hp
+from hybridpipe.errors import HybridPipeError
+
+pytestmark = pytest.mark.mpi(ranks=[1, 2, 4, 8], timeout=400)
+
+torch.set_num_threads(1)
+SIZE = MPI.COMM_WORLD.size
+# (stages, replicas) grids this launch can form: 1 → 1×1; 2 → 2×1, 1×2; 4 → 2×2; 8 → 4×2
+GRIDS = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 4: [(2, 2)], 8: [(4, 2)]}[SIZE]
+STEPS, PER_REPLICA = 3, 8
+
+
+@pytest.fixture(params=GRIDS, ids=lambda g: f"{g[0]}x{g[1]}")
+def grid(request):
+    stages, _ = request.param
+    hp.shutdown()
+    yield hp.init(pipeline_stages=stages)
+    hp.shutdown()
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 10), nn.Tanh(), nn.Linear(10, 10), nn.Tanh(),
+                         nn.Linear(10, 3))
+
+
+def global_batches(replicas: int, steps: int = STEPS, per_replica: int = PER_REPLICA):
+    generator = torch.Generator().manual_seed(3)
+    return [(torch.randn(replicas * per_replica, 6, generator=generator),
+             torch.randint(0, 3, (replicas * per_replica,), generator=generator)) for _ in range(steps)]
+
+
+def shard(batch, grid, per_replica: int = PER_REPLICA):
+    rows = slice(grid.replica * per_replica, (grid.replica + 1) * per_replica)
+    return batch[0][rows], batch[1][rows]
+
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.01),
+}
+
+
+def reference_parameters(make_optimizer, batches, passes: int = 1) -> dict[str, torch.Tensor]:
+    model = mlp()
+    optimizer = make_optimizer(model.parameters())
+    for index in range(0, len(batches), passes):
+        optimizer.zero_grad()
+        inputs = torch.cat([b[0] for b in batches[index:index + passes]])
+        targets = torch.cat([b[1] for b in batches[index:index + passes]])
+        nn.functional.cross_entropy(model(inputs), targets).backward()
+        optimizer.step()
+    return {f"layers.{name}": p.detach() for name, p in model.named_parameters()}
+
+
+def assert_matches(named, expected, rtol=1e-5, atol=1e-6):
+    named = list(named)
+    assert named
+    for name, parameter in named:
+        torch.testing.assert_close(parameter.detach(), expected[name], rtol=rtol, atol=atol,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_and_data_parallel_equal_one_process(grid, schedule, optimizer_name):
+    batches = global_batches(grid.data_replicas)
+    expected = reference_parameters(OPTIMIZERS[optimizer_name], batches)
+    model = hp.PipelineModel(mlp(), loss_fn=nn.CrossEntropyLoss(), micro_batches=2, balance="uniform",
+                             schedule=schedule)
+    optimizer = hp.DistributedOptimizer(OPTIMIZERS[optimizer_name](model.parameters()),
+                                        named_parameters=model.named_parameters())
+    assert isinstance(optimizer, type(OPTIMIZERS[optimizer_name]([nn.Parameter(torch.zeros(1))])))
+    try:
+        for batch in batches:
+            optimizer.zero_grad()
+            model.train_step(*shard(batch, grid))
+            optimizer.step()
+        assert_matches(model.named_parameters(), expected)
+    finally:
+        model.close()
+
+
+def test_horovod_style_plain_module(grid):
+    """import hybridpipe as hvd: a plain nn.Module with pipeline_stages=1 is pure data parallelism."""
+    if grid.pipeline_stages != 1:
+        pytest.skip("pure data parallelism needs pipeline_stages=1")
+    hvd = hp
+    batches = global_batches(grid.data_replicas)
+    expected = {name.removeprefix("layers."): p for name, p in
+                reference_parameters(OPTIMIZERS["adamw"], batches).items()}
+    torch.manual_seed(100 + hvd.rank())  # different initial weights everywhere ...
+    model = nn.Sequential(*[copy.deepcopy(layer) for layer in mlp()])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * (hvd.rank() > 0))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # ... until rank 0's are broadcast
+    optimizer = OPTIMIZERS["adamw"](model.parameters())
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=1.0)  # schedulers still work
+    for batch in batches:
+        optimizer.zero_grad()
+        inputs, targets = shard(batch, grid)
+        nn.functional.cross_entropy(model(inputs), targets).backward()
+        optimizer.step()
+        scheduler.step()
+    assert_matches(model.named_parameters(), expected)
+
+
+def test_backward_passes_per_step_two_equals_a_doubled_batch(grid):
+    batches = global_batches(grid.data_replicas, steps=4)
+    expected = reference_parameters(OPTIMIZERS["sgd"], batches, passes=2)
+    model = hp.PipelineModel(mlp(), loss_fn=nn.CrossEntropyLoss(), micro_batches=2, balance="uniform")
+    optimizer = hp.DistributedOptimizer(OPTIMIZERS["sgd"](model.parameters()),
+                                        named_parameters=model.named_parameters(), backward_passes_per_step=2)
+    try:
+        for index in range(0, len(batches), 2):
+            optimizer.zero_grad()
+            for batch in batches[index:index + 2]:
+                model.train_step(*shard(batch, grid))
+            optimizer.step()
+        assert_matches(model.named_parameters(), expected)
+    finally:
+        model.close()
+
+
+def test_clip_grad_norm_is_global_over_stages_and_replicas(grid):
+    batches = global_batches(grid.data_replicas, steps=1)
+    reference = mlp()
+    inputs, targets = batches[0]
+    nn.functional.cross_entropy(reference(inputs), targets).backward()
+    expected_norm = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05))
+    expected = {f"layers.{name}": p.grad for name, p in reference.named_parameters()}
+    model = hp.PipelineModel(mlp(), loss_fn=nn.CrossEntropyLoss(), micro_batches=2, balance="uniform")
+    optimizer = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters())
+    try:
+        model.train_step(*shard(batches[0], grid))
+        optimizer.synchronize()
+        norm = hp.clip_grad_norm_(model, 0.05)
+        assert norm == pytest.approx(expected_norm, rel=1e-5)
+        assert_matches(((n, p.grad) for n, p in model.named_parameters()), expected)
+        with optimizer.skip_synchronize():
+            optimizer.step()
+    finally:
+        model.close()
+
+
+def test_fp16_compression_is_close(grid):
+    batches = global_batches(grid.data_replicas)
+    expected = reference_parameters(OPTIMIZERS["sgd"], batches)
+    model = hp.PipelineModel(mlp(), loss_fn=nn.CrossEntropyLoss(), micro_batches=2, balance="uniform")
+    optimizer = hp.DistributedOptimizer(OPTIMIZERS["sgd"](model.parameters()),
+                                        named_parameters=model.named_parameters(),
+                                        compression=hp.Compression.fp16)
+    try:
+        for batch in batches:
+            optimizer.zero_grad()
+            model.train_step(*shard(batch, grid))
+            optimizer.step()
+        assert_matches(model.named_parameters(), expected, rtol=1e-2, atol=1e-3)
+        for _, p in model.named_parameters():
+            assert p.dtype == torch.float32
+    finally:
+        model.close()
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x, use_b: bool):
+        h = self.body(x)
+        return self.a(h) + (self.b(h) if use_b else 0)
+
+
+def test_a_parameter_without_gradient_on_some_ranks_is_treated_alike(grid):
+    if grid.pipeline_stages != 1:
+        pytest.skip("plain module")
+    model = TwoHeads()
+    optimizer = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters())
+    x = torch.ones(3, 4)
+    model(x, use_b=grid.replica == 0).sum().backward()  # head b gets a gradient on replica 0 only
+    optimizer.synchronize()
+    everyone = hp.allgather_object({n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()})
+    for name, grad in everyone[0].items():
+        for other in everyone[1:]:
+            torch.testing.assert_close(other[name], grad)
+    # head b's gradient is replica 0's divided by the number of replicas (others contributed zeros)
+    assert model.b.weight.grad is not None
+    with optimizer.skip_synchronize():
+        optimizer.step()
+
+
+def test_objects(grid):
+    assert hp.broadcast_object({"step": 7 + grid.replica}, root_rank=0) == {"step": 7}
+    assert hp.allgather_object(grid.replica) == list(range(grid.data_replicas))
+    assert hp.allgather_object(grid.rank, group="world") == list(range(grid.size))
+    with pytest.raises(ValueError, match=rf"root_rank {grid.data_replicas} is outside"):
+        hp.broadcast_object(1, root_rank=grid.data_replicas)
+
+
+def test_errors(grid):
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="wraps a torch.optim.Optimizer, got list"):
+        hp.DistributedOptimizer([1, 2])
+    with pytest.raises(ValueError, match="op must be hp.Average or hp.Sum \\(got Min\\)"):
+        hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1), op=hp.Min)
+    with pytest.raises(ValueError, match="backward_passes_per_step must be a positive int \\(got 0\\)"):
+        hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1), backward_passes_per_step=0)
+    with pytest.raises(ValueError, match="named_parameters misses 1 parameters"):
+        hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1),
+                                named_parameters=[("weight", model.weight)])
+    with pytest.raises(ValueError, match="duplicate names \\['w'\\]"):
+        hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1),
+                                named_parameters=[("w", model.weight), ("w", model.bias)])
+    optimizer = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1),
+                                        named_parameters=model.named_parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    with pytest.raises(HybridPipeError, match="call opt.synchronize\\(\\) first"):
+        with optimizer.skip_synchronize():
+            optimizer.step()
+    optimizer.step()  # the group is still consistent: every rank reduced once
