@@ -1,0 +1,239 @@
+"""Train a small GPT-style byte-level language model with pipeline × data parallelism.
+
+    mpirun -n 4 python examples/train_lm.py --stages 2        # 2 stages × 2 replicas
+    mpirun -n 1 python examples/train_lm.py                   # one process, same script
+    make demo                                                 # the 2 × 2 run above, set up for you
+
+The corpus is real text available offline: by default the Python standard library's own source
+files on this machine (or ``--data FILE``), read as bytes (vocabulary 256). The first 90 % is for
+training, the last 10 % for validation.
+
+Each step, every data replica draws its own random windows (seeded by step and replica), and the
+stages of one pipeline draw the same ones — so every stage sees the same batch and the replicas
+see different shards, without a sampler. The global batch is replicas × --batch-size sequences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import hybridpipe as hp
+
+
+# ------------------------------------------------------------------ data
+
+
+def load_corpus(path: str | None, max_bytes: int) -> torch.Tensor:
+    """Bytes of ``path``, or of the standard library's .py files (sorted, concatenated)."""
+    if path:
+        data = Path(path).read_bytes()[:max_bytes]
+    else:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        chunks, total = [], 0
+        for file in sorted(root.rglob("*.py")):
+            if "site-packages" in file.parts or "test" in file.parts:
+                continue
+            try:
+                text = file.read_bytes()
+            except OSError:
+                continue
+            chunks.append(text)
+            total += len(text)
+            if total >= max_bytes:
+                break
+        data = b"\n".join(chunks)[:max_bytes]
+    if len(data) < 10_000:
+        raise SystemExit(f"corpus too small ({len(data)} bytes): pass --data FILE with more text")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def sample_batch(data: torch.Tensor, batch: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(data) - length - 1, (batch,), generator=generator)
+    windows = torch.stack([data[s:s + length + 1] for s in starts.tolist()])
+    return windows[:, :-1], windows[:, 1:]
+
+
+# ------------------------------------------------------------------ model: a list of layers
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, dim: int, context: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, dim)
+        self.positions = nn.Embedding(context, dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        return self.tokens(ids) + self.positions(positions)
+
+
+class Block(nn.Module):
+    """Pre-norm causal self-attention + MLP."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, dim = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(dim, dim=-1)
+        q, k, v = (t.view(batch, length, self.heads, dim // self.heads).transpose(1, 2) for t in (q, k, v))
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, dim))
+        return x + self.mlp(self.norm2(x))
+
+
+class Head(nn.Module):
+    def __init__(self, dim: int, vocab: int) -> None:
+        super().__init__()
+        self.norm, self.out = nn.LayerNorm(dim), nn.Linear(dim, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))
+
+
+def build_layers(args: argparse.Namespace) -> list[hp.LayerSpec]:
+    """The model as LayerSpecs: each rank builds only its own stage's layers."""
+    return ([hp.LayerSpec(Embedding, 256, args.dim, args.seq_len)]
+            + [hp.LayerSpec(Block, args.dim, args.heads) for _ in range(args.layers)]
+            + [hp.LayerSpec(Head, args.dim, 256)])
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+# ------------------------------------------------------------------ training
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stages", type=int, default=1, help="pipeline stages P (world size must be a multiple)")
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    parser.add_argument("--checkpoint", default="never", choices=["never", "except_last", "always"])
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per replica per step")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--dim", type=int, default=96)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--data", help="a text file (default: the Python standard library sources)")
+    parser.add_argument("--max-bytes", type=int, default=4_000_000, help="corpus size cap")
+    parser.add_argument("--val-batches", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save", help="write the trained weights (one ordinary state_dict) to this file")
+    parser.add_argument("--no-progress", action="store_true", help="print lines instead of a progress bar")
+    return parser.parse_args(argv)
+
+
+def validation_loss(model: hp.PipelineModel, data: torch.Tensor, args: argparse.Namespace, grid: hp.Grid) -> float:
+    model.eval()
+    total = 0.0
+    for index in range(args.val_batches):
+        inputs, targets = sample_batch(data, args.batch_size, args.seq_len,
+                                       seed=10**9 + index * grid.data_replicas + grid.replica)
+        total += float(lm_loss(model.predict(inputs), targets))
+    model.train()
+    mean = torch.tensor([total / args.val_batches], dtype=torch.float64)
+    return float(hp.allreduce(mean, op=hp.Average, group="data")[0])
+
+
+def save_weights(model: hp.PipelineModel, path: str, grid: hp.Grid) -> None:
+    """Gathers replica 0's stages on world rank 0 and writes one state_dict keyed like nn.Sequential."""
+    if grid.replica != 0:
+        return
+    pieces = grid.pipe_comm.gather({name.removeprefix("layers."): t.detach().cpu()
+                                    for name, t in model.state_dict().items()}, root=0)
+    if grid.stage == 0:
+        state = {key: value for piece in pieces for key, value in piece.items()}
+        torch.save(state, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    grid = hp.init(pipeline_stages=args.stages)
+    leader = grid.rank == 0
+    corpus = load_corpus(args.data, args.max_bytes)
+    split = int(0.9 * len(corpus))
+    train_data, val_data = corpus[:split], corpus[split:]
+    micro = max(1, args.batch_size // args.micro_batches)
+    sample, _ = sample_batch(train_data, micro, args.seq_len, seed=args.seed)
+    model = hp.PipelineModel(build_layers(args), loss_fn=lm_loss, micro_batches=args.micro_batches,
+                             schedule=args.schedule, checkpoint=args.checkpoint, sample_input=sample,
+                             seed_layers=args.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01) \
+        if any(True for _ in model.parameters()) else None
+    if optimizer is not None:
+        optimizer = hp.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
+    if leader:
+        print(f"hybridpipe {hp.__version__}: {grid.size} ranks = {grid.pipeline_stages} stages × "
+              f"{grid.data_replicas} replicas; corpus {len(corpus):,} bytes "
+              f"({'--data ' + args.data if args.data else 'Python standard library sources'})")
+        print(grid.table())
+        print(model.balance_report)
+        print(f"global batch {args.batch_size * grid.data_replicas} × {args.seq_len} tokens, "
+              f"{args.micro_batches} micro-batches, schedule {args.schedule}, checkpoint {args.checkpoint}")
+        sys.stdout.flush()
+    initial = validation_loss(model, val_data, args, grid)
+    if leader:
+        print(f"validation loss before training: {initial:.3f} (uniform guess: {math.log(256):.3f})")
+
+    progress = None
+    if leader and not args.no_progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=args.steps, unit="step", dynamic_ncols=True)
+    tokens_per_step = args.batch_size * grid.data_replicas * args.seq_len
+    start = time.perf_counter()
+    for step in range(args.steps):
+        inputs, targets = sample_batch(train_data, args.batch_size, args.seq_len,
+                                       seed=args.seed * 1_000_003 + step * grid.data_replicas + grid.replica)
+        if optimizer is not None:
+            optimizer.zero_grad()
+        loss = model.train_step(inputs, targets)
+        if optimizer is not None:
+            optimizer.step()
+            scheduler.step()
+        if leader:
+            rate = tokens_per_step * (step + 1) / (time.perf_counter() - start)
+            if progress is not None:
+                progress.set_postfix(loss=f"{loss:.3f}", tokens_per_s=f"{rate:,.0f}")
+                progress.update()
+            elif step % 20 == 0 or step == args.steps - 1:
+                print(f"step {step:4d}  loss {loss:.3f}  {rate:,.0f} tokens/s", flush=True)
+    if progress is not None:
+        progress.close()
+    elapsed = time.perf_counter() - start
+    final = validation_loss(model, val_data, args, grid)
+    if leader:
+        print(f"validation loss after {args.steps} steps: {final:.3f} (before: {initial:.3f}); "
+              f"{tokens_per_step * args.steps / elapsed:,.0f} tokens/s over {elapsed:.1f} s")
+    if args.save:
+        save_weights(model, args.save, grid)
+        if leader:
+            print(f"saved the weights to {args.save}")
+    model.close()
+    hp.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
