@@ -5,6 +5,7 @@
 #include <mutex>
 
 #include "common.h"
+#include "engine.h"
 #include "fusion.h"
 #include "p2p.h"
 #include "ring_allreduce.h"
@@ -178,6 +179,53 @@ PYBIND11_MODULE(_C, m) {
         return wait_any(requests);
       },
       py::arg("requests"), "Blocks until one of the (single-part) requests completed; returns its index.");
+
+  py::class_<EngineOptions>(m, "EngineOptions")
+      .def(py::init<>())
+      .def_readwrite("cycle_time_ms", &EngineOptions::cycle_time_ms)
+      .def_readwrite("idle_cycle_time_ms", &EngineOptions::idle_cycle_time_ms)
+      .def_readwrite("stall_check_seconds", &EngineOptions::stall_check_seconds)
+      .def_readwrite("fusion_threshold_bytes", &EngineOptions::fusion_threshold_bytes)
+      .def_readwrite("allreduce", &EngineOptions::allreduce);
+
+  py::class_<EngineStats>(m, "EngineStats")
+      .def_readonly("cycles", &EngineStats::cycles)
+      .def_readonly("slow_rounds", &EngineStats::slow_rounds)
+      .def_readonly("tensors", &EngineStats::tensors)
+      .def_readonly("buckets", &EngineStats::buckets)
+      .def_readonly("bytes", &EngineStats::bytes)
+      .def_readonly("stall_warnings", &EngineStats::stall_warnings);
+
+  py::class_<Engine>(m, "Engine", "The background negotiation + fusion + ring-allreduce thread.")
+      .def(py::init<const EngineOptions&>(), py::arg("options"))
+      .def(
+          "add_group",
+          [](Engine& engine, long long comm, const std::string& label) {
+            py::gil_scoped_release no_gil;
+            return engine.add_group(to_comm(comm), label);
+          },
+          py::arg("comm"), py::arg("label"))
+      .def(
+          "submit",
+          [](Engine& engine, int group, const std::string& name, uintptr_t address, size_t count, int dtype, int op) {
+            return engine.submit(group, name, to_buffer(address, count, dtype), static_cast<ReduceOp>(op));
+          },
+          py::arg("group"), py::arg("name"), py::arg("address"), py::arg("count"), py::arg("dtype"), py::arg("op"))
+      .def("poll", &Engine::poll, py::arg("handle"))
+      .def(
+          "wait",
+          [](Engine& engine, uint64_t handle) {
+            py::gil_scoped_release no_gil;
+            return engine.wait(handle);
+          },
+          py::arg("handle"))
+      .def(
+          "shutdown",
+          [](Engine& engine) {
+            py::gil_scoped_release no_gil;
+            engine.shutdown();
+          })
+      .def("stats", &Engine::stats, py::arg("group"));
 
   m.def("mpi_build_info", &mpi_build_info, "The MPI implementation and version this module was compiled with.");
   m.def("mpi_library_version", &mpi_library_version, "MPI_Get_library_version() of the libmpi loaded now.");

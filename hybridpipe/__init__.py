@@ -21,6 +21,7 @@ from .comm.collectives import (
     grouped_allreduce,
     grouped_allreduce_,
 )
+from .comm.engine import Handle, allreduce_async, allreduce_async_, engine_stats, poll, synchronize
 from .config import Config
 from .errors import (
     BuildError,
@@ -51,6 +52,7 @@ __all__ = [
     # collectives
     "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "broadcast", "broadcast_",
     "allgather", "barrier", "ReduceOp", "Sum", "Average", "Min", "Max",
+    "allreduce_async", "allreduce_async_", "synchronize", "poll", "Handle", "engine_stats",
     # pipeline
     "PipelineModel", "LayerSpec",
     # data parallelism (Horovod-compatible names)

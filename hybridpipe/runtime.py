@@ -8,6 +8,7 @@ through shared memory, while the data-parallel allreduce of a stage crosses node
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 from typing import Any
 
@@ -83,6 +84,7 @@ class _Runtime:
 
 
 _runtime: _Runtime | None = None
+_atexit_registered = False
 
 
 def _agree_on_stages(comm: Any, pipeline_stages: int) -> None:
@@ -163,6 +165,17 @@ def init(pipeline_stages: int = 1, comm: Any = None, config: Config | None = Non
                     data_comm=data_comm)
     _runtime = _Runtime(grid=the_grid, base_comm=base, local_comm=local_comm,
                         config=(config or Config.from_env()).validated())
+    from .comm import engine
+
+    try:
+        engine._start(_runtime.config, the_grid)
+    except BaseException:
+        _runtime = None
+        raise
+    global _atexit_registered
+    if not _atexit_registered:  # runs before mpi4py's MPI_Finalize (atexit is last-in, first-out)
+        atexit.register(shutdown)
+        _atexit_registered = True
     return the_grid
 
 
@@ -171,8 +184,9 @@ def shutdown() -> None:
     global _runtime
     if _runtime is None:
         return
-    from .comm import collectives
+    from .comm import collectives, engine
 
+    engine._stop()  # collective: every rank's engine agrees to stop
     collectives._forget_groups()
     g = _runtime.grid
     for c in (g.data_comm, g.pipe_comm, _runtime.local_comm, g.world_comm):

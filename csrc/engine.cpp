@@ -1,0 +1,454 @@
+// The background engine; see engine.h.
+#include "engine.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+
+namespace hybridpipe {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr uint64_t kAllCached = 1ull << 0;   // AND: no rank has an uncached ready name
+constexpr uint64_t kNotStalled = 1ull << 1;  // AND: no rank has a name waiting past stall_check_seconds
+constexpr uint64_t kWantStop = 1ull << 2;    // AND: every rank asked to stop and has nothing pending
+constexpr uint64_t kIdle = 1ull << 3;        // AND: nobody has anything pending
+
+struct Announced {  // one pending name of one rank, as gathered in a slow round
+  int rank;
+  size_t count;
+  int dtype;
+  int op;
+  bool stalled;
+  double waited_s;
+};
+
+void put(std::string& out, const void* data, size_t bytes) { out.append(static_cast<const char*>(data), bytes); }
+
+template <typename T>
+T take(const char*& cursor) {
+  T value;
+  std::memcpy(&value, cursor, sizeof(T));
+  cursor += sizeof(T);
+  return value;
+}
+
+std::string describe(const Announced& a) {
+  return "count=" + std::to_string(a.count) + " dtype=" + dtype_name(static_cast<DType>(a.dtype)) +
+         " op=" + op_name(static_cast<ReduceOp>(a.op));
+}
+
+}  // namespace
+
+Engine::Engine(const EngineOptions& options) : options_(options) {
+  int provided = MPI_THREAD_SINGLE;
+  MPI_Query_thread(&provided);
+  if (provided != MPI_THREAD_MULTIPLE) {
+    throw std::runtime_error("the background engine needs MPI initialized with MPI_THREAD_MULTIPLE (got level " +
+                             std::to_string(provided) + "); do not set mpi4py.rc.thread_level below 'multiple'");
+  }
+  thread_ = std::thread([this] { run(); });
+}
+
+Engine::~Engine() {
+  if (!thread_.joinable()) return;
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) {
+    thread_.detach();  // MPI is gone: the thread cannot finish its protocol; leave it
+    return;
+  }
+  shutdown();
+}
+
+int Engine::add_group(MPI_Comm comm, const std::string& label) {
+  auto group = std::make_unique<Group>();
+  HP_MPI(MPI_Comm_dup, comm, comm, &group->comm);
+  MPI_Comm_set_errhandler(group->comm, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(group->comm, &group->rank);
+  MPI_Comm_size(group->comm, &group->size);
+  group->label = label;
+  group->next_cycle = Clock::now();
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (stop_requested_) throw std::runtime_error("engine is shutting down; cannot add group '" + label + "'");
+  groups_.push_back(std::move(group));
+  changed_.notify_all();
+  return static_cast<int>(groups_.size() - 1);
+}
+
+uint64_t Engine::submit(int group_id, const std::string& name, const Buffer& buffer, ReduceOp op) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!fatal_.empty()) throw std::runtime_error("the background engine stopped after an error: " + fatal_);
+  if (stop_requested_) throw std::runtime_error("hybridpipe is shutting down: no new allreduce_async");
+  if (group_id < 0 || group_id >= static_cast<int>(groups_.size())) {
+    throw std::invalid_argument("unknown engine group " + std::to_string(group_id));
+  }
+  Group& group = *groups_[group_id];
+  for (const Entry& entry : group.pending) {
+    if (entry.name == name) {
+      throw std::invalid_argument("a tensor named '" + name + "' is already in flight on group '" + group.label +
+                                  "': wait for its handle first, or give this one another name");
+    }
+  }
+  const uint64_t handle = next_handle_++;
+  group.pending.push_back(Entry{handle, name, buffer, op, Clock::now(), false});
+  handles_[handle] = HandleState{};
+  group.next_cycle = std::min(group.next_cycle, Clock::now());
+  group.idle_cycles = 0;
+  changed_.notify_all();
+  return handle;
+}
+
+bool Engine::poll(uint64_t handle) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto found = handles_.find(handle);
+  if (found == handles_.end()) throw std::invalid_argument("unknown or already waited-for handle");
+  return found->second.done || stopped_;
+}
+
+std::string Engine::wait(uint64_t handle) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  auto found = handles_.find(handle);
+  if (found == handles_.end()) throw std::invalid_argument("unknown or already waited-for handle");
+  changed_.wait(lock, [&] { return found->second.done || stopped_; });
+  std::string error = found->second.done ? found->second.error
+                                         : "the background engine stopped before this tensor was reduced" +
+                                               (fatal_.empty() ? std::string() : ": " + fatal_);
+  handles_.erase(found);
+  return error;
+}
+
+void Engine::shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_requested_ = true;
+    changed_.notify_all();
+  }
+  if (thread_.joinable()) thread_.join();
+  for (auto& group : groups_) {
+    if (group->comm != MPI_COMM_NULL) MPI_Comm_free(&group->comm);
+  }
+}
+
+EngineStats Engine::stats(int group_id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (group_id < 0 || group_id >= static_cast<int>(groups_.size())) {
+    throw std::invalid_argument("unknown engine group " + std::to_string(group_id));
+  }
+  return groups_[group_id]->stats;
+}
+
+void Engine::complete(const std::vector<Entry>& entries, const std::string& error) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const Entry& entry : entries) {
+    auto found = handles_.find(entry.handle);
+    if (found != handles_.end()) {
+      found->second.done = true;
+      found->second.error = error;
+    }
+  }
+  changed_.notify_all();
+}
+
+void Engine::run() {
+  while (true) {
+    std::vector<Group*> groups;
+    bool stop = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (auto& group : groups_) groups.push_back(group.get());
+      stop = stop_requested_;
+    }
+    bool worked = false, all_finished = true;
+    try {
+      for (Group* group : groups) {
+        if (group->finished) continue;
+        worked = step(*group) || worked;
+        all_finished = all_finished && group->finished;
+      }
+    } catch (const std::exception& error) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      fatal_ = error.what();
+      for (auto& handle : handles_) {
+        if (!handle.second.done) {
+          handle.second.done = true;
+          handle.second.error = "the background engine failed: " + fatal_;
+        }
+      }
+      stopped_ = true;
+      changed_.notify_all();
+      return;
+    }
+    if (stop && all_finished) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopped_ = true;
+      changed_.notify_all();
+      return;
+    }
+    if (!worked) {
+      auto wake = Clock::now() + std::chrono::milliseconds(50);
+      bool waiting = false;
+      for (Group* group : groups) {
+        if (group->finished) continue;
+        if (group->request != MPI_REQUEST_NULL) waiting = true;  // poll the negotiation soon
+        else wake = std::min(wake, group->next_cycle);
+      }
+      if (waiting) {
+        wake = std::min(wake, Clock::now() + std::chrono::microseconds(
+                                                  static_cast<int64_t>(options_.cycle_time_ms * 1000 / 4 + 20)));
+      }
+      std::unique_lock<std::mutex> lock(mutex_);
+      changed_.wait_until(lock, wake);
+    }
+  }
+}
+
+bool Engine::step(Group& group) {
+  if (group.size == 1) {  // nothing to agree on or move: an allreduce over one rank is the identity
+    std::vector<Entry> ready;
+    bool stop;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ready.swap(group.pending);
+      stop = stop_requested_;
+    }
+    group.stats.tensors += ready.size();
+    complete(ready, "");
+    if (stop && ready.empty()) group.finished = true;
+    return !ready.empty();
+  }
+  if (group.request == MPI_REQUEST_NULL) {
+    if (Clock::now() < group.next_cycle) return false;
+    start_negotiation(group);
+    return false;
+  }
+  int done = 0;
+  HP_MPI(MPI_Test, group.comm, &group.request, &done, MPI_STATUS_IGNORE);
+  if (!done) return false;
+  finish_negotiation(group);
+  return true;
+}
+
+void Engine::start_negotiation(Group& group) {
+  bool stop;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    group.snapshot = group.pending;
+    stop = stop_requested_;
+  }
+  const auto now = Clock::now();
+  const auto stall = std::chrono::duration<double>(options_.stall_check_seconds);
+  uint64_t flags = kAllCached | kNotStalled;
+  if (group.snapshot.empty()) flags |= kIdle | (stop ? kWantStop : 0);
+  group.vector.assign(1 + (group.cache.size() + 63) / 64, 0);
+  for (const Entry& entry : group.snapshot) {
+    auto bit = group.bits.find(entry.name);
+    const bool cached = bit != group.bits.end() && group.cache[bit->second].count == entry.buffer.count &&
+                        group.cache[bit->second].dtype == entry.buffer.dtype && group.cache[bit->second].op == entry.op;
+    if (cached) {
+      group.vector[1 + bit->second / 64] |= 1ull << (bit->second % 64);
+    } else {
+      flags &= ~kAllCached;
+    }
+    if (!entry.warned && now - entry.submitted > stall) flags &= ~kNotStalled;
+  }
+  group.vector[0] = flags;
+  HP_MPI(MPI_Iallreduce, group.comm, MPI_IN_PLACE, group.vector.data(), static_cast<int>(group.vector.size()),
+         MPI_UINT64_T, MPI_BAND, group.comm, &group.request);
+}
+
+void Engine::finish_negotiation(Group& group) {
+  group.stats.cycles++;
+  const uint64_t flags = group.vector[0];
+  std::vector<Entry> ready;
+  std::vector<std::pair<Entry, std::string>> failed;
+  if ((flags & kAllCached) && (flags & kNotStalled)) {
+    for (const Entry& entry : group.snapshot) {
+      auto bit = group.bits.find(entry.name);
+      if (bit == group.bits.end()) continue;
+      if (group.vector[1 + bit->second / 64] & (1ull << (bit->second % 64))) ready.push_back(entry);
+    }
+  } else {
+    group.stats.slow_rounds++;
+    slow_round(group, ready, failed);
+  }
+  std::sort(ready.begin(), ready.end(),
+            [&](const Entry& a, const Entry& b) { return group.bits.at(a.name) < group.bits.at(b.name); });
+  {  // those leave the queue; the rest wait for the next cycle
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto gone = [&](const Entry& entry) {
+      for (const Entry& r : ready) if (r.handle == entry.handle) return true;
+      for (const auto& f : failed) if (f.first.handle == entry.handle) return true;
+      return false;
+    };
+    group.pending.erase(std::remove_if(group.pending.begin(), group.pending.end(), gone), group.pending.end());
+    for (Entry& entry : group.pending) {  // remember which stalls were reported
+      for (const Entry& seen : group.snapshot) {
+        if (seen.handle == entry.handle && seen.warned) entry.warned = true;
+      }
+    }
+  }
+  for (const auto& item : failed) complete({item.first}, item.second);
+  if (!ready.empty()) execute(group, ready);
+  if ((flags & kWantStop) && ready.empty() && failed.empty()) group.finished = true;
+  group.idle_cycles = (flags & kIdle) ? group.idle_cycles + 1 : 0;
+  const double wait_ms = group.idle_cycles > 100 ? options_.idle_cycle_time_ms : options_.cycle_time_ms;
+  group.next_cycle = Clock::now() + std::chrono::microseconds(static_cast<int64_t>(wait_ms * 1000));
+  group.snapshot.clear();
+}
+
+void Engine::slow_round(Group& group, std::vector<Entry>& ready, std::vector<std::pair<Entry, std::string>>& failed) {
+  const auto now = Clock::now();
+  std::string mine;
+  for (const Entry& entry : group.snapshot) {
+    const uint32_t length = static_cast<uint32_t>(entry.name.size());
+    const uint64_t count = entry.buffer.count;
+    const int32_t dtype = static_cast<int32_t>(entry.buffer.dtype), op = static_cast<int32_t>(entry.op);
+    const double waited = std::chrono::duration<double>(now - entry.submitted).count();
+    const uint8_t stalled = !entry.warned && waited > options_.stall_check_seconds;
+    put(mine, &length, sizeof length);
+    put(mine, entry.name.data(), length);
+    put(mine, &count, sizeof count);
+    put(mine, &dtype, sizeof dtype);
+    put(mine, &op, sizeof op);
+    put(mine, &stalled, sizeof stalled);
+    put(mine, &waited, sizeof waited);
+  }
+  int my_length = static_cast<int>(mine.size());
+  std::vector<int> lengths(group.size), offsets(group.size, 0);
+  HP_MPI(MPI_Allgather, group.comm, &my_length, 1, MPI_INT, lengths.data(), 1, MPI_INT, group.comm);
+  for (int r = 1; r < group.size; ++r) offsets[r] = offsets[r - 1] + lengths[r - 1];
+  std::string everyone(static_cast<size_t>(offsets.back() + lengths.back()), '\0');
+  HP_MPI(MPI_Allgatherv, group.comm, mine.data(), my_length, MPI_BYTE, everyone.data(), lengths.data(),
+         offsets.data(), MPI_BYTE, group.comm);
+
+  std::map<std::string, std::vector<Announced>> by_name;  // sorted: the same order on every rank
+  for (int r = 0; r < group.size; ++r) {
+    const char* cursor = everyone.data() + offsets[r];
+    const char* end = cursor + lengths[r];
+    while (cursor < end) {
+      const uint32_t length = take<uint32_t>(cursor);
+      std::string name(cursor, length);
+      cursor += length;
+      Announced a{};
+      a.rank = r;
+      a.count = static_cast<size_t>(take<uint64_t>(cursor));
+      a.dtype = take<int32_t>(cursor);
+      a.op = take<int32_t>(cursor);
+      a.stalled = take<uint8_t>(cursor) != 0;
+      a.waited_s = take<double>(cursor);
+      by_name[name].push_back(a);
+    }
+  }
+  auto my_entry = [&](const std::string& name) -> Entry* {
+    for (Entry& entry : group.snapshot) if (entry.name == name) return &entry;
+    return nullptr;
+  };
+  for (auto& item : by_name) {
+    const std::string& name = item.first;
+    const std::vector<Announced>& ranks = item.second;
+    Entry* mine_entry = my_entry(name);
+    if (static_cast<int>(ranks.size()) == group.size) {
+      bool same = true;
+      for (const Announced& a : ranks) {
+        same = same && a.count == ranks[0].count && a.dtype == ranks[0].dtype && a.op == ranks[0].op;
+      }
+      if (!same) {
+        std::string listing;
+        for (const Announced& a : ranks) listing += (listing.empty() ? "" : "; ") + ("rank " + std::to_string(a.rank) + ": " + describe(a));
+        if (mine_entry) {
+          failed.emplace_back(*mine_entry, "allreduce_async '" + name + "' on group '" + group.label +
+                                               "': ranks disagree (" + listing +
+                                               "); every rank must submit the same count, dtype and op under one name");
+        }
+        continue;
+      }
+      auto bit = group.bits.find(name);
+      const CacheEntry meta{name, ranks[0].count, static_cast<DType>(ranks[0].dtype), static_cast<ReduceOp>(ranks[0].op)};
+      if (bit == group.bits.end()) {
+        group.bits[name] = group.cache.size();
+        group.cache.push_back(meta);
+      } else {
+        group.cache[bit->second] = meta;
+      }
+      if (mine_entry) ready.push_back(*mine_entry);
+      continue;
+    }
+    bool stalled = false;
+    double waited = 0;
+    for (const Announced& a : ranks) {
+      stalled = stalled || a.stalled;
+      waited = std::max(waited, a.waited_s);
+    }
+    if (!stalled) continue;
+    if (mine_entry) mine_entry->warned = true;
+    if (group.rank == ranks[0].rank) {  // the lowest rank that has it reports
+      std::string have, missing;
+      size_t next = 0;
+      for (int r = 0; r < group.size; ++r) {
+        const bool has = next < ranks.size() && ranks[next].rank == r;
+        if (has) ++next;
+        std::string& list = has ? have : missing;
+        list += (list.empty() ? "" : ", ") + std::to_string(r);
+      }
+      std::fprintf(stderr,
+                   "hybridpipe WARNING: allreduce '%s' on group '%s' has waited %.1f s: ranks [%s] of the group "
+                   "submitted it, ranks [%s] did not (stall_check_seconds=%g). A rank skipped a step, a parameter "
+                   "got no gradient there, or the ranks run different code.\n",
+                   name.c_str(), group.label.c_str(), waited, have.c_str(), missing.c_str(),
+                   options_.stall_check_seconds);
+      std::fflush(stderr);
+      group.stats.stall_warnings++;
+    }
+  }
+}
+
+void Engine::execute(Group& group, std::vector<Entry>& ready) {
+  const size_t threshold = std::max<size_t>(options_.fusion_threshold_bytes, 1);
+  if (fusion_.size() < threshold) fusion_.resize(threshold);
+  std::vector<Entry> bucket;
+  size_t bucket_bytes = 0;
+  auto flush = [&]() {
+    if (bucket.empty()) return;
+    if (bucket.size() == 1) {
+      allreduce(bucket[0].buffer, bucket[0].buffer, bucket[0].op, group.comm, options_.allreduce, workspace_);
+    } else {
+      unsigned char* cursor = fusion_.data();
+      for (const Entry& entry : bucket) {
+        std::memcpy(cursor, entry.buffer.data, entry.buffer.bytes());
+        cursor += entry.buffer.bytes();
+      }
+      const DType dtype = bucket[0].buffer.dtype;
+      const Buffer fused{fusion_.data(), bucket_bytes / dtype_size(dtype), dtype};
+      allreduce(fused, fused, bucket[0].op, group.comm, options_.allreduce, workspace_);
+      cursor = fusion_.data();
+      for (const Entry& entry : bucket) {
+        std::memcpy(entry.buffer.data, cursor, entry.buffer.bytes());
+        cursor += entry.buffer.bytes();
+      }
+    }
+    group.stats.buckets++;
+    group.stats.bytes += bucket_bytes;
+    group.stats.tensors += bucket.size();
+    complete(bucket, "");
+    bucket.clear();
+    bucket_bytes = 0;
+  };
+  for (Entry& entry : ready) {
+    const size_t bytes = entry.buffer.bytes();
+    if (!bucket.empty() && (entry.buffer.dtype != bucket[0].buffer.dtype || entry.op != bucket[0].op ||
+                            bucket_bytes + bytes > threshold)) {
+      flush();
+    }
+    bucket.push_back(entry);
+    bucket_bytes += bytes;
+    if (bytes >= threshold) flush();
+  }
+  flush();
+}
+
+}  // namespace hybridpipe

@@ -1,0 +1,131 @@
+// The background engine: Horovod's design on hybridpipe's ring allreduce.
+//
+// Python submits named buffers (allreduce_async); a background thread, every cycle and per group:
+//   1. negotiates which submitted names are ready on EVERY rank of the group. Steady state is one
+//      non-blocking MPI_Iallreduce(BAND) of a bit-vector: bit i = "cached name i is ready here",
+//      plus flag bits (all my ready names are cached / nothing of mine is stalled / I want to shut
+//      down). Names are cached (given a bit) the first time all ranks have them with the same
+//      count, dtype and op, so a repeated training step never gathers names again.
+//   2. only when some rank has an uncached name (or a stalled one) does the group gather every
+//      rank's pending names (MPI_Allgatherv) to find the common ones, check their metadata
+//      (a mismatch fails those handles on every rank with every rank's values), assign new bits,
+//      and warn about names some ranks have waited on for longer than stall_check_seconds.
+//   3. packs the ready buffers into the fusion buffer, up to fusion_threshold_bytes per bucket of
+//      one dtype and op, reduces each bucket with the segmented ring, and unpacks.
+// Groups progress independently (non-blocking negotiation), so the data-parallel reduction of one
+// pipeline stage never waits for another stage's ranks.
+#pragma once
+
+#include <mpi.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "common.h"
+#include "ring_allreduce.h"
+
+namespace hybridpipe {
+
+struct EngineOptions {
+  double cycle_time_ms = 1.0;
+  double idle_cycle_time_ms = 20.0;  // sleep between negotiations after a while with nothing to do
+  double stall_check_seconds = 60.0;
+  size_t fusion_threshold_bytes = 4 * 1024 * 1024;
+  AllreduceOptions allreduce;
+};
+
+struct EngineStats {
+  uint64_t cycles = 0;          // negotiations completed
+  uint64_t slow_rounds = 0;     // negotiations that had to gather names
+  uint64_t tensors = 0;         // buffers reduced
+  uint64_t buckets = 0;         // allreduce calls made
+  uint64_t bytes = 0;           // bytes reduced
+  uint64_t stall_warnings = 0;
+};
+
+class Engine {
+ public:
+  explicit Engine(const EngineOptions& options);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Registers a communicator (hybridpipe duplicates it first); returns its group id. Every rank of
+  // `comm` must register it (in the same order relative to its other groups).
+  int add_group(MPI_Comm comm, const std::string& label);
+  // Queues an in-place allreduce of `buffer` over group `group`; returns a handle id.
+  uint64_t submit(int group, const std::string& name, const Buffer& buffer, ReduceOp op);
+  bool poll(uint64_t handle);
+  // Blocks until done; returns "" on success or the error message (the handle is then released).
+  std::string wait(uint64_t handle);
+  // Coordinated stop: returns once every rank of every group asked for it and nothing is pending.
+  void shutdown();
+  EngineStats stats(int group);
+
+ private:
+  struct Entry {
+    uint64_t handle;
+    std::string name;
+    Buffer buffer;
+    ReduceOp op;
+    std::chrono::steady_clock::time_point submitted;
+    bool warned = false;
+  };
+  struct CacheEntry {
+    std::string name;
+    size_t count;
+    DType dtype;
+    ReduceOp op;
+  };
+  struct Group {
+    MPI_Comm comm;
+    std::string label;
+    int rank = 0, size = 1;
+    std::vector<Entry> pending;                     // guarded by Engine::mutex_
+    std::vector<CacheEntry> cache;                  // engine thread only
+    std::unordered_map<std::string, size_t> bits;   // name -> cache index
+    MPI_Request request = MPI_REQUEST_NULL;
+    std::vector<uint64_t> vector;
+    std::vector<Entry> snapshot;                    // pending entries the in-flight vector describes
+    std::chrono::steady_clock::time_point next_cycle;
+    int idle_cycles = 0;
+    bool finished = false;
+    EngineStats stats;
+  };
+  struct HandleState {
+    bool done = false;
+    std::string error;
+  };
+
+  void run();
+  bool step(Group& group);  // progress one group; true if it did work
+  void start_negotiation(Group& group);
+  void finish_negotiation(Group& group);
+  void slow_round(Group& group, std::vector<Entry>& ready, std::vector<std::pair<Entry, std::string>>& failed);
+  void execute(Group& group, std::vector<Entry>& ready);
+  void complete(const std::vector<Entry>& entries, const std::string& error);
+
+  EngineOptions options_;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::vector<std::unique_ptr<Group>> groups_;
+  std::unordered_map<uint64_t, HandleState> handles_;
+  uint64_t next_handle_ = 1;
+  bool stop_requested_ = false;
+  bool stopped_ = false;
+  std::string fatal_;
+  std::thread thread_;
+  Workspace workspace_;
+  std::vector<unsigned char> fusion_;
+};
+
+}  // namespace hybridpipe

@@ -1,0 +1,180 @@
+"""The background engine under a real mpirun: async allreduce by name, negotiation, caching, fusion,
+mismatch and stall reporting, independent groups."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+import hybridpipe as hp
+from hybridpipe.config import Config
+from hybridpipe.errors import HybridPipeError, MismatchError
+
+pytestmark = pytest.mark.mpi(ranks=[2, 4], timeout=300)
+
+WORLD = MPI.COMM_WORLD
+RANK, SIZE = WORLD.rank, WORLD.size
+
+
+@pytest.fixture
+def grid():
+    hp.shutdown()
+    yield hp.init()
+    hp.shutdown()
+
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
+
+
+def value(rank: int, index: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    base = torch.arange(count, dtype=torch.float64) % 7 + rank + index
+    return base.to(dtype)
+
+
+@pytest.mark.parametrize("op", [hp.Sum, hp.Average, hp.Min, hp.Max])
+def test_names_not_call_order_match_tensors(grid, op):
+    sizes = [1, 3, 1000, 70_000, 300_000]  # below and above the small-message cutoff and fusion buckets
+    names = [f"{dtype}-{count}" for dtype in DTYPES for count in sizes]
+    tensors = {f"{dtype}-{count}": value(RANK, i, count, dtype)
+               for i, (dtype, count) in enumerate((d, c) for d in DTYPES for c in sizes)}
+    order = list(np.random.default_rng(RANK).permutation(names))  # a different order on every rank
+    handles = {name: hp.allreduce_async_(tensors[name], name=name, op=op) for name in order}
+    for i, (dtype, count) in enumerate((d, c) for d in DTYPES for c in sizes):
+        name = f"{dtype}-{count}"
+        everyone = np.stack([value(r, i, count, torch.float64).numpy() for r in range(SIZE)])
+        expected = {hp.Sum: everyone.sum(0), hp.Average: everyone.mean(0), hp.Min: everyone.min(0),
+                    hp.Max: everyone.max(0)}[op]
+        if not dtype.is_floating_point and op == hp.Average:
+            expected = np.trunc(expected)
+        result = hp.synchronize(handles[name])
+        assert result is tensors[name]
+        tolerance = 1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-6
+        np.testing.assert_allclose(result.double().numpy(), expected, rtol=tolerance, err_msg=name)
+
+
+def test_copy_variant_numpy_and_non_contiguous(grid):
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4).t() + RANK  # not contiguous
+    handle = hp.allreduce_async(t, name="t", op=hp.Sum)
+    a = np.full(5, RANK + 1, dtype=np.int64)
+    handle_a = hp.allreduce_async_(a, name="a", op=hp.Max)
+    result = handle.wait()
+    expected = torch.arange(12, dtype=torch.float32).reshape(3, 4).t() * SIZE + sum(range(SIZE))
+    assert torch.equal(result, expected)
+    assert torch.equal(t, torch.arange(12, dtype=torch.float32).reshape(3, 4).t() + RANK)  # input untouched
+    assert handle_a.wait() is a and (a == SIZE).all()
+    assert hp.poll(handle) and handle.poll()
+
+
+def test_steady_state_needs_no_name_gathering(grid):
+    tensors = {f"grad.{i}": torch.ones(100 * (i + 1)) for i in range(20)}
+    order = list(tensors) if RANK % 2 else list(reversed(tensors))
+    for step in range(6):
+        if step == 1:
+            after_first = hp.engine_stats("world")
+        handles = [hp.allreduce_async_(tensors[name], name=name) for name in order]
+        for h in handles:
+            h.wait()
+    stats = hp.engine_stats("world")
+    assert stats["slow_rounds"] == after_first["slow_rounds"], "names were gathered again after the first step"
+    assert stats["tensors"] - after_first["tensors"] == 5 * 20
+    assert stats["buckets"] < stats["tensors"]  # fused
+
+
+def test_mismatch_raises_on_every_rank_and_the_engine_goes_on(grid):
+    bad = torch.ones(4 + (RANK == 1))
+    handle = hp.allreduce_async_(bad, name="bad", op=hp.Sum)
+    with pytest.raises(MismatchError, match=r"'bad' on group 'world': ranks disagree \(rank 0: count=4 "
+                                            r"dtype=float32 op=Sum; rank 1: count=5"):
+        handle.wait()
+    good = torch.ones(3)
+    assert torch.equal(hp.allreduce_async_(good, name="bad", op=hp.Sum).wait(), torch.full((3,), float(SIZE)))
+
+
+def test_duplicate_in_flight_name_and_bad_arguments(grid):
+    t = torch.ones(3)
+    handle = hp.allreduce_async_(t, name="dup")
+    with pytest.raises(HybridPipeError, match="'dup' is already in flight"):
+        hp.allreduce_async_(torch.ones(3), name="dup")
+    handle.wait()
+    with pytest.raises(TypeError, match="takes a torch.Tensor or numpy.ndarray, got list"):
+        hp.allreduce_async_([1, 2], name="x")
+    with pytest.raises(TypeError, match="dtype torch.uint8 cannot be reduced"):
+        hp.allreduce_async_(torch.ones(2, dtype=torch.uint8), name="u8")
+    with pytest.raises(ValueError, match="unknown group 'rows'"):
+        hp.allreduce_async_(torch.ones(2), name="g", group="rows")
+
+
+def test_unnamed_calls_get_deterministic_names(grid):
+    handles = [hp.allreduce_async_(torch.full((2,), float(i)), op=hp.Sum) for i in range(3)]
+    assert [h.wait()[0].item() for h in handles] == [0.0, SIZE * 1.0, SIZE * 2.0]
+    assert all(h.name.startswith("allreduce_async_.noname.") for h in handles)
+
+
+def test_stall_warning_names_the_missing_ranks(capfd):
+    hp.shutdown()
+    hp.init(config=Config(stall_check_seconds=1.0))
+    try:
+        t = torch.ones(2)
+        if RANK == 0:
+            handle = hp.allreduce_async_(t, name="late", op=hp.Sum)
+            WORLD.barrier()  # the others have not submitted it yet
+            deadline = time.monotonic() + 30
+            while hp.engine_stats("world")["stall_warnings"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            for other in range(1, SIZE):
+                WORLD.send("go", dest=other)
+        else:
+            WORLD.barrier()
+            WORLD.recv(source=0)
+            handle = hp.allreduce_async_(t, name="late", op=hp.Sum)
+        assert torch.equal(handle.wait(), torch.full((2,), float(SIZE)))
+        if RANK == 0:
+            err = capfd.readouterr().err
+            assert "allreduce 'late' on group 'world' has waited" in err
+            missing = ", ".join(str(r) for r in range(1, SIZE))
+            assert f"ranks [0] of the group submitted it, ranks [{missing}] did not" in err
+            assert hp.engine_stats("world")["stall_warnings"] == 1
+    finally:
+        hp.shutdown()
+
+
+def test_groups_progress_independently():
+    """On a 2-stage grid, stage 0's data-group reduction completes while stage 1's ranks are blocked
+    waiting for it: the engine must not tie the groups together (that would deadlock here)."""
+    if SIZE < 4:
+        pytest.skip("needs a 2 x 2 grid")
+    hp.shutdown()
+    grid = hp.init(pipeline_stages=2)
+    try:
+        t = torch.full((1000,), float(grid.replica))
+        if grid.stage == 0:
+            reduced = hp.allreduce_async_(t, name="w", op=hp.Sum, group="data").wait()
+            grid.pipe_comm.send("stage 0 done", dest=1)
+        else:
+            assert grid.pipe_comm.recv(source=0) == "stage 0 done"
+            reduced = hp.allreduce_async_(t, name="w", op=hp.Sum, group="data").wait()
+        assert torch.equal(reduced, torch.full((1000,), float(sum(range(grid.data_replicas)))))
+        # several groups at once, in different orders
+        a, b, c = torch.ones(5), torch.ones(6), torch.ones(7)
+        calls = [(a, "data"), (b, "pipe"), (c, "world")]
+        handles = [hp.allreduce_async_(x, name=f"multi.{g}", op=hp.Sum, group=g)
+                   for x, g in (calls if grid.rank % 2 else calls[::-1])]
+        for h in handles:
+            h.wait()
+        assert a[0] == grid.data_replicas and b[0] == grid.pipeline_stages and c[0] == SIZE
+    finally:
+        hp.shutdown()
+
+
+def test_user_communicator_group(grid):
+    split = WORLD.Split(color=RANK % 2, key=RANK)
+    try:
+        result = hp.allreduce_async_(torch.ones(3), name="user", op=hp.Sum, group=split).wait()
+        assert torch.equal(result, torch.full((3,), float(split.size)))
+    finally:
+        hp.shutdown()  # frees hybridpipe's duplicate before the user's communicator
+        split.Free()
