@@ -51,15 +51,15 @@ Engine::Engine(const EngineOptions& options) : options_(options) {
     throw std::runtime_error("the background engine needs MPI initialized with MPI_THREAD_MULTIPLE (got level " +
                              std::to_string(provided) + "); do not set mpi4py.rc.thread_level below 'multiple'");
   }
-  thread_ = std::thread([this] { run(); });
 }
 
 Engine::~Engine() {
-  if (!thread_.joinable()) return;
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (finalized) {
-    thread_.detach();  // MPI is gone: the thread cannot finish its protocol; leave it
+  if (finalized) {  // MPI is gone: the threads cannot finish their protocol; leave them
+    for (auto& group : groups_) {
+      if (group->thread.joinable()) group->thread.detach();
+    }
     return;
   }
   shutdown();
@@ -74,9 +74,13 @@ int Engine::add_group(MPI_Comm comm, const std::string& label) {
   group->label = label;
   group->next_cycle = Clock::now();
   std::lock_guard<std::mutex> lock(mutex_);
-  if (stop_requested_) throw std::runtime_error("engine is shutting down; cannot add group '" + label + "'");
+  if (stop_requested_) {
+    MPI_Comm_free(&group->comm);
+    throw std::runtime_error("engine is shutting down; cannot add group '" + label + "'");
+  }
+  Group* raw = group.get();
   groups_.push_back(std::move(group));
-  changed_.notify_all();
+  raw->thread = std::thread([this, raw] { run(*raw); });
   return static_cast<int>(groups_.size() - 1);
 }
 
@@ -88,6 +92,7 @@ uint64_t Engine::submit(int group_id, const std::string& name, const Buffer& buf
     throw std::invalid_argument("unknown engine group " + std::to_string(group_id));
   }
   Group& group = *groups_[group_id];
+  if (group.thread_done) throw std::runtime_error("the engine thread of group '" + group.label + "' has stopped");
   for (const Entry& entry : group.pending) {
     if (entry.name == name) {
       throw std::invalid_argument("a tensor named '" + name + "' is already in flight on group '" + group.label +
@@ -96,9 +101,7 @@ uint64_t Engine::submit(int group_id, const std::string& name, const Buffer& buf
   }
   const uint64_t handle = next_handle_++;
   group.pending.push_back(Entry{handle, name, buffer, op, Clock::now(), false});
-  handles_[handle] = HandleState{};
-  group.next_cycle = std::min(group.next_cycle, Clock::now());
-  group.idle_cycles = 0;
+  handles_[handle] = HandleState{group_id, false, ""};
   changed_.notify_all();
   return handle;
 }
@@ -107,14 +110,15 @@ bool Engine::poll(uint64_t handle) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto found = handles_.find(handle);
   if (found == handles_.end()) throw std::invalid_argument("unknown or already waited-for handle");
-  return found->second.done || stopped_;
+  return found->second.done || groups_[found->second.group]->thread_done;
 }
 
 std::string Engine::wait(uint64_t handle) {
   std::unique_lock<std::mutex> lock(mutex_);
   auto found = handles_.find(handle);
   if (found == handles_.end()) throw std::invalid_argument("unknown or already waited-for handle");
-  changed_.wait(lock, [&] { return found->second.done || stopped_; });
+  Group& group = *groups_[found->second.group];
+  changed_.wait(lock, [&] { return found->second.done || group.thread_done; });
   std::string error = found->second.done ? found->second.error
                                          : "the background engine stopped before this tensor was reduced" +
                                                (fatal_.empty() ? std::string() : ": " + fatal_);
@@ -125,10 +129,14 @@ std::string Engine::wait(uint64_t handle) {
 void Engine::shutdown() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (shut_down_) return;
+    shut_down_ = true;
     stop_requested_ = true;
     changed_.notify_all();
   }
-  if (thread_.joinable()) thread_.join();
+  for (auto& group : groups_) {
+    if (group->thread.joinable()) group->thread.join();
+  }
   for (auto& group : groups_) {
     if (group->comm != MPI_COMM_NULL) MPI_Comm_free(&group->comm);
   }
@@ -154,83 +162,61 @@ void Engine::complete(const std::vector<Entry>& entries, const std::string& erro
   changed_.notify_all();
 }
 
-void Engine::run() {
-  while (true) {
-    std::vector<Group*> groups;
-    bool stop = false;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      for (auto& group : groups_) groups.push_back(group.get());
-      stop = stop_requested_;
-    }
-    bool worked = false, all_finished = true;
-    try {
-      for (Group* group : groups) {
-        if (group->finished) continue;
-        worked = step(*group) || worked;
-        all_finished = all_finished && group->finished;
-      }
-    } catch (const std::exception& error) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      fatal_ = error.what();
-      for (auto& handle : handles_) {
-        if (!handle.second.done) {
-          handle.second.done = true;
-          handle.second.error = "the background engine failed: " + fatal_;
+void Engine::run(Group& group) {
+  try {
+    if (group.size == 1) {
+      run_single(group);
+    } else {
+      const auto poll_interval = std::chrono::microseconds(static_cast<int64_t>(options_.cycle_time_ms * 250) + 20);
+      while (!group.finished) {
+        {
+          std::unique_lock<std::mutex> lock(mutex_);
+          // sleep until the next cycle; a submission or a stop request wakes an idle group early
+          changed_.wait_until(lock, group.next_cycle, [&] {
+            return Clock::now() >= group.next_cycle ||
+                   (group.idle_cycles > 0 && (!group.pending.empty() || stop_requested_));
+          });
         }
+        start_negotiation(group);
+        int done = 0;
+        while (true) {  // poll without spinning: other groups' threads and Python need the cores
+          HP_MPI(MPI_Test, group.comm, &group.request, &done, MPI_STATUS_IGNORE);
+          if (done) break;
+          std::this_thread::sleep_for(poll_interval);
+        }
+        finish_negotiation(group);
       }
-      stopped_ = true;
-      changed_.notify_all();
-      return;
     }
-    if (stop && all_finished) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stopped_ = true;
-      changed_.notify_all();
-      return;
-    }
-    if (!worked) {
-      auto wake = Clock::now() + std::chrono::milliseconds(50);
-      bool waiting = false;
-      for (Group* group : groups) {
-        if (group->finished) continue;
-        if (group->request != MPI_REQUEST_NULL) waiting = true;  // poll the negotiation soon
-        else wake = std::min(wake, group->next_cycle);
+  } catch (const std::exception& error) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (fatal_.empty()) fatal_ = "group '" + group.label + "': " + error.what();
+    for (const Entry& entry : group.pending) {
+      auto found = handles_.find(entry.handle);
+      if (found != handles_.end() && !found->second.done) {
+        found->second.done = true;
+        found->second.error = "the background engine failed: " + fatal_;
       }
-      if (waiting) {
-        wake = std::min(wake, Clock::now() + std::chrono::microseconds(
-                                                  static_cast<int64_t>(options_.cycle_time_ms * 1000 / 4 + 20)));
-      }
-      std::unique_lock<std::mutex> lock(mutex_);
-      changed_.wait_until(lock, wake);
     }
   }
+  std::lock_guard<std::mutex> lock(mutex_);
+  group.thread_done = true;
+  changed_.notify_all();
 }
 
-bool Engine::step(Group& group) {
-  if (group.size == 1) {  // nothing to agree on or move: an allreduce over one rank is the identity
+void Engine::run_single(Group& group) {  // an allreduce over one rank is the identity
+  while (true) {
     std::vector<Entry> ready;
     bool stop;
     {
-      std::lock_guard<std::mutex> lock(mutex_);
+      std::unique_lock<std::mutex> lock(mutex_);
+      changed_.wait(lock, [&] { return !group.pending.empty() || stop_requested_; });
       ready.swap(group.pending);
       stop = stop_requested_;
     }
     group.stats.tensors += ready.size();
     complete(ready, "");
-    if (stop && ready.empty()) group.finished = true;
-    return !ready.empty();
+    if (stop && ready.empty()) return;
   }
-  if (group.request == MPI_REQUEST_NULL) {
-    if (Clock::now() < group.next_cycle) return false;
-    start_negotiation(group);
-    return false;
-  }
-  int done = 0;
-  HP_MPI(MPI_Test, group.comm, &group.request, &done, MPI_STATUS_IGNORE);
-  if (!done) return false;
-  finish_negotiation(group);
-  return true;
 }
 
 void Engine::start_negotiation(Group& group) {
@@ -409,6 +395,8 @@ void Engine::slow_round(Group& group, std::vector<Entry>& ready, std::vector<std
 
 void Engine::execute(Group& group, std::vector<Entry>& ready) {
   const size_t threshold = std::max<size_t>(options_.fusion_threshold_bytes, 1);
+  std::vector<unsigned char>& fusion_ = group.fusion;
+  Workspace& workspace_ = group.workspace;
   if (fusion_.size() < threshold) fusion_.resize(threshold);
   std::vector<Entry> bucket;
   size_t bucket_bytes = 0;

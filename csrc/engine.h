@@ -12,8 +12,9 @@
 //      and warn about names some ranks have waited on for longer than stall_check_seconds.
 //   3. packs the ready buffers into the fusion buffer, up to fusion_threshold_bytes per bucket of
 //      one dtype and op, reduces each bucket with the segmented ring, and unpacks.
-// Groups progress independently (non-blocking negotiation), so the data-parallel reduction of one
-// pipeline stage never waits for another stage's ranks.
+// Each group has its own thread (and fusion buffer), so groups progress independently: the
+// data-parallel reduction of one pipeline stage never waits for another stage's ranks, and the
+// blocking collectives of two groups can never be ordered differently on two ranks.
 #pragma once
 
 #include <mpi.h>
@@ -98,16 +99,21 @@ class Engine {
     std::vector<Entry> snapshot;                    // pending entries the in-flight vector describes
     std::chrono::steady_clock::time_point next_cycle;
     int idle_cycles = 0;
-    bool finished = false;
+    bool finished = false;       // the ranks agreed to stop (engine thread of the group only)
+    bool thread_done = false;    // guarded by Engine::mutex_
     EngineStats stats;
+    Workspace workspace;
+    std::vector<unsigned char> fusion;
+    std::thread thread;
   };
   struct HandleState {
+    int group = 0;
     bool done = false;
     std::string error;
   };
 
-  void run();
-  bool step(Group& group);  // progress one group; true if it did work
+  void run(Group& group);
+  void run_single(Group& group);
   void start_negotiation(Group& group);
   void finish_negotiation(Group& group);
   void slow_round(Group& group, std::vector<Entry>& ready, std::vector<std::pair<Entry, std::string>>& failed);
@@ -121,11 +127,8 @@ class Engine {
   std::unordered_map<uint64_t, HandleState> handles_;
   uint64_t next_handle_ = 1;
   bool stop_requested_ = false;
-  bool stopped_ = false;
+  bool shut_down_ = false;
   std::string fatal_;
-  std::thread thread_;
-  Workspace workspace_;
-  std::vector<unsigned char> fusion_;
 };
 
 }  // namespace hybridpipe

@@ -42,6 +42,10 @@ CHECKPOINT_MODES = ("never", "except_last", "always")
 _TAG_PERIOD = 4096
 _RESULT_TAG = 4 * _TAG_PERIOD  # loss / predict output from the last stage to every stage
 _graveyard: list[p2p.Send] = []  # sends abandoned by a failed step: their buffers must outlive MPI
+_backward_phase: str | None = None
+"""While a stage runs a backward: "partial" (more micro-batches' backwards follow in this step) or
+"final" (the step's last backward on this stage: gradients become final as it runs). None otherwise.
+Gradient hooks (DistributedOptimizer) read it to start a parameter's allreduce at the right time."""
 
 
 class PipelineBroken(HybridPipeError):
@@ -200,6 +204,7 @@ class StageExecutor:
     def _run(self, actions: Sequence[Action], micro_batches: int, inputs: Sequence[Any] | None,
              targets: Sequence[Any] | None, loss_fn: Any, weights: Sequence[float] | None, checkpoint: str,
              train: bool) -> StepResult:
+        global _backward_phase
         result = StepResult()
         forward_in: dict[int, p2p.Receive] = {}
         backward_in: dict[int, p2p.Receive] = {}
@@ -209,13 +214,14 @@ class StageExecutor:
             backward_in = {m: self._receive(self.stage + 1, _backward_tag(m), False) for m in range(micro_batches)}
         stored: dict[int, tuple] = {}
         outputs: list[Any] = [None] * micro_batches
+        last_backward = max((i for i, a in enumerate(actions) if a.kind is ActionKind.BACKWARD), default=-1)
 
         def progress() -> None:  # post payload receives for headers that arrived meanwhile
             for receive in (*forward_in.values(), *backward_in.values()):
                 receive.poll()
             self._check_errors()
 
-        for action in actions:
+        for index, action in enumerate(actions):
             progress()
             m = action.micro_batch
             if action.kind is ActionKind.FORWARD:
@@ -256,7 +262,7 @@ class StageExecutor:
                         y = self.module(x)
                         saved = loss_fn(y, self._move(targets[m])) * weights[m] if self.last else y
                 if self.last:
-                    saved.backward()
+                    roots, root_grads = [saved], [None]
                 else:
                     grads = self._wait(backward_in.pop(m))
                     roots, root_grads = [], []
@@ -264,8 +270,12 @@ class StageExecutor:
                         if grad is not None and tensor.requires_grad:
                             roots.append(tensor)
                             root_grads.append(grad)
-                    if roots:
+                if roots:
+                    _backward_phase = "final" if index == last_backward else "partial"
+                    try:
                         torch.autograd.backward(roots, root_grads)
+                    finally:
+                        _backward_phase = None
                 if not self.first:
                     input_grads = [t.grad if t.requires_grad else None for t in iter_tensors(x)]
                     self._send(input_grads, self.stage - 1, _backward_tag(m))
