@@ -7,14 +7,16 @@ Design reasons:
   ``opt``'s state and param groups (Horovod's approach), so ``isinstance(…, torch.optim.AdamW)``
   and learning-rate schedulers keep working.
 * Gradients are averaged over ``group`` (default ``"data"``: the replicas of this rank's
-  pipeline stage; with ``pipeline_stages=1`` that is every rank) with one fused
-  ``grouped_allreduce_`` per step, in a fixed order (sorted parameter names), so every rank
-  reduces the same list. A parameter that got no gradient on this rank is reduced as zeros and
-  keeps ``grad = None`` afterwards only if no rank produced one — the same outcome everywhere.
-* This release reduces when :meth:`step` (or :meth:`synchronize`) is called; the background
-  engine that starts each parameter's reduction as soon as its last micro-batch's gradient is
-  final (overlap with the pipeline drain) is the next piece of work. The API is already the one
-  that engine will serve.
+  pipeline stage; with ``pipeline_stages=1`` that is every rank), matched across ranks by
+  parameter name. At ``step()`` one tiny allreduce of "has a gradient" flags makes every rank
+  treat the same set: a parameter with no gradient on this rank but one elsewhere is reduced as
+  zeros; one with no gradient anywhere keeps ``grad = None`` everywhere.
+* A gradient hook (``register_post_accumulate_grad_hook``) queues each parameter's reduction on
+  the background engine (``comm/engine.py``) the moment its gradient is final: in a pipeline,
+  during the stage's LAST micro-batch backward of the step (earlier micro-batches only
+  accumulate), so the reduction overlaps the rest of that backward and the other stages' drain;
+  with a plain module, after the ``backward_passes_per_step``-th backward. ``step()`` waits for
+  them (and starts those of parameters whose hook did not fire on this rank), then steps.
 * ``backward_passes_per_step=N``: gradients of N backward passes (or ``train_step`` calls) are
   accumulated locally, then averaged over ranks and divided by N, so N passes over batches of
   size b equal one pass over a batch of N·b (with mean-reduced losses).
@@ -30,7 +32,8 @@ from typing import Any
 import torch
 
 from . import runtime
-from .comm import collectives
+from .comm import collectives, engine
+from .pipeline import stage
 from .comm.collectives import Average, ReduceOp, Sum
 from .errors import HybridPipeError
 
@@ -96,12 +99,39 @@ class _DistributedOptimizerMixin:
         self._hp_group = group
         self._hp_synchronized = False
         self._hp_skip = False
+        self._hp_handles: dict[str, tuple[Any, torch.nn.Parameter, torch.Tensor]] = {}
+        self._hp_counts: dict[str, int] = {}
         collectives._communicator(group, "DistributedOptimizer")  # validates the group now
+        self._hp_hooks = [parameter.register_post_accumulate_grad_hook(self._hp_hook(name))
+                          for name, parameter in self._hp_parameters if parameter.requires_grad]
+
+    def _hp_hook(self, name: str) -> Any:
+        def hook(parameter: torch.nn.Parameter) -> None:
+            if stage._backward_phase == "partial":  # more micro-batches of this step will add to it
+                return
+            count = self._hp_counts.get(name, 0) + 1
+            self._hp_counts[name] = count
+            if count == self._hp_passes and name not in self._hp_handles:
+                self._hp_submit(name, parameter)
+
+        return hook
+
+    def _hp_submit(self, name: str, parameter: torch.nn.Parameter) -> None:
+        """Queues the parameter's gradient on the background engine (returns at once)."""
+        grad = parameter.grad
+        wire = self._hp_compression.value
+        if wire is not None and grad.is_floating_point() and grad.dtype != wire:
+            buffer = grad.detach().to(wire)
+        else:
+            buffer = grad.detach() if grad.is_contiguous() else grad.detach().contiguous()
+        handle = engine.allreduce_async_(buffer, name=name, op=self._hp_op, group=self._hp_group)
+        self._hp_handles[name] = (handle, parameter, buffer)
 
     # -------------------------------------------------------------- Horovod's interface
 
     def synchronize(self) -> None:
-        """Averages (``op``) the gradients over the group now; ``step()`` then does not do it again.
+        """Waits for every gradient's reduction (starting those the hooks did not); ``step()`` then
+        does not do it again.
 
         Use it to look at or clip the averaged gradients before ``step()``::
 
@@ -110,30 +140,29 @@ class _DistributedOptimizerMixin:
             with opt.skip_synchronize():
                 opt.step()
         """
-        parameters = [p for _, p in self._hp_parameters]
-        had_grad = torch.tensor([p.grad is not None for p in parameters], dtype=torch.int32)
-        if parameters:  # which parameters got a gradient anywhere: the same answer on every rank
-            collectives.allreduce_(had_grad, op=collectives.Max, group=self._hp_group)
-        grads = []
-        for parameter, anywhere in zip(parameters, had_grad.tolist()):
-            if not anywhere:
-                continue
-            if parameter.grad is None:
-                parameter.grad = torch.zeros_like(parameter)
-            grads.append(parameter.grad)
-        wire = self._hp_compression.value
-        if grads:
-            if wire is None or all(g.dtype == wire for g in grads):
-                buffers = [g if g.is_contiguous() else g.contiguous() for g in grads]
-            else:
-                buffers = [g.to(wire) if g.is_floating_point() else g for g in grads]
-            collectives.grouped_allreduce_(buffers, op=self._hp_op, group=self._hp_group)
-            for grad, buffer in zip(grads, buffers):
-                if self._hp_passes > 1 and grad.is_floating_point():
-                    buffer = buffer / self._hp_passes if buffer is not grad else buffer.div_(self._hp_passes)
-                if buffer is not grad:
-                    grad.copy_(buffer)
+        parameters = self._hp_parameters
+        if parameters:  # which parameters have a gradient anywhere: the same answer on every rank
+            flags = torch.tensor([name in self._hp_handles or p.grad is not None for name, p in parameters],
+                                 dtype=torch.int32)
+            collectives.allreduce_(flags, op=collectives.Max, group=self._hp_group)
+            for (name, parameter), anywhere in zip(parameters, flags.tolist()):
+                if anywhere and name not in self._hp_handles:
+                    if parameter.grad is None:
+                        parameter.grad = torch.zeros_like(parameter)
+                    self._hp_submit(name, parameter)
+        handles, self._hp_handles, self._hp_counts = self._hp_handles, {}, {}
+        for name, (handle, parameter, buffer) in handles.items():
+            handle.wait()
+            grad = parameter.grad
+            if buffer.data_ptr() != grad.data_ptr():
+                grad.copy_(buffer)
+            if self._hp_passes > 1 and grad.is_floating_point():
+                grad.div_(self._hp_passes)
         self._hp_synchronized = True
+
+    def in_flight(self) -> list[str]:
+        """Names of the gradients whose reduction is queued or running (started by the hooks)."""
+        return sorted(self._hp_handles)
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -157,6 +186,10 @@ class _DistributedOptimizerMixin:
         return super().step()  # type: ignore[misc]
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
+        if self._hp_handles:
+            raise HybridPipeError(f"zero_grad() while {len(self._hp_handles)} gradient allreduces are in flight "
+                                  f"(e.g. {next(iter(self._hp_handles))!r}): call step() or synchronize() first")
+        self._hp_counts = {}
         self._hp_synchronized = False
         super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
 

@@ -237,3 +237,25 @@ def test_errors(grid):
         with optimizer.skip_synchronize():
             optimizer.step()
     optimizer.step()  # the group is still consistent: every rank reduced once
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_reductions_start_during_the_last_backward_not_at_step(grid, schedule):
+    batches = global_batches(grid.data_replicas, steps=2)
+    model = hp.PipelineModel(mlp(), loss_fn=nn.CrossEntropyLoss(), micro_batches=4, balance="uniform",
+                             schedule=schedule)
+    optimizer = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters())
+    names = sorted(name for name, _ in model.named_parameters())
+    try:
+        before = hp.engine_stats("data")["tensors"]
+        model.train_step(*shard(batches[0], grid))
+        assert optimizer.in_flight() == names  # queued by the hooks, once each, before step()
+        with pytest.raises(HybridPipeError, match=r"zero_grad\(\) while \d+ gradient allreduces are in flight"):
+            optimizer.zero_grad()
+        optimizer.step()
+        assert optimizer.in_flight() == []
+        assert hp.engine_stats("data")["tensors"] - before == len(names)
+        optimizer.zero_grad()
+    finally:
+        model.close()
