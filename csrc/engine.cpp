@@ -113,7 +113,7 @@ bool Engine::poll(uint64_t handle) {
   return found->second.done || groups_[found->second.group]->thread_done;
 }
 
-std::string Engine::wait(uint64_t handle) {
+std::string Engine::wait(uint64_t handle, double* started, double* finished) {
   std::unique_lock<std::mutex> lock(mutex_);
   auto found = handles_.find(handle);
   if (found == handles_.end()) throw std::invalid_argument("unknown or already waited-for handle");
@@ -122,6 +122,8 @@ std::string Engine::wait(uint64_t handle) {
   std::string error = found->second.done ? found->second.error
                                          : "the background engine stopped before this tensor was reduced" +
                                                (fatal_.empty() ? std::string() : ": " + fatal_);
+  if (started) *started = found->second.started;
+  if (finished) *finished = found->second.finished;
   handles_.erase(found);
   return error;
 }
@@ -150,13 +152,20 @@ EngineStats Engine::stats(int group_id) {
   return groups_[group_id]->stats;
 }
 
-void Engine::complete(const std::vector<Entry>& entries, const std::string& error) {
+namespace {
+double seconds_now() { return std::chrono::duration<double>(Clock::now().time_since_epoch()).count(); }
+}  // namespace
+
+void Engine::complete(const std::vector<Entry>& entries, const std::string& error, double started) {
+  const double finished = seconds_now();
   std::lock_guard<std::mutex> lock(mutex_);
   for (const Entry& entry : entries) {
     auto found = handles_.find(entry.handle);
     if (found != handles_.end()) {
       found->second.done = true;
       found->second.error = error;
+      found->second.started = started;
+      found->second.finished = started ? finished : 0;
     }
   }
   changed_.notify_all();
@@ -214,7 +223,7 @@ void Engine::run_single(Group& group) {  // an allreduce over one rank is the id
       stop = stop_requested_;
     }
     group.stats.tensors += ready.size();
-    complete(ready, "");
+    complete(ready, "", seconds_now());
     if (stop && ready.empty()) return;
   }
 }
@@ -402,6 +411,7 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
   size_t bucket_bytes = 0;
   auto flush = [&]() {
     if (bucket.empty()) return;
+    const double started = seconds_now();
     if (bucket.size() == 1) {
       allreduce(bucket[0].buffer, bucket[0].buffer, bucket[0].op, group.comm, options_.allreduce, workspace_);
     } else {
@@ -422,7 +432,7 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
     group.stats.buckets++;
     group.stats.bytes += bucket_bytes;
     group.stats.tensors += bucket.size();
-    complete(bucket, "");
+    complete(bucket, "", started);
     bucket.clear();
     bucket_bytes = 0;
   };

@@ -67,7 +67,9 @@ class Engine {
   uint64_t submit(int group, const std::string& name, const Buffer& buffer, ReduceOp op);
   bool poll(uint64_t handle);
   // Blocks until done; returns "" on success or the error message (the handle is then released).
-  std::string wait(uint64_t handle);
+  // `started` / `finished`: when its bucket's allreduce began and ended, in seconds of the steady
+  // clock (CLOCK_MONOTONIC on Linux, the clock of Python's time.monotonic()); 0 if it never ran.
+  std::string wait(uint64_t handle, double* started = nullptr, double* finished = nullptr);
   // Coordinated stop: returns once every rank of every group asked for it and nothing is pending.
   void shutdown();
   EngineStats stats(int group);
@@ -110,6 +112,7 @@ class Engine {
     int group = 0;
     bool done = false;
     std::string error;
+    double started = 0, finished = 0;
   };
 
   void run(Group& group);
@@ -118,7 +121,7 @@ class Engine {
   void finish_negotiation(Group& group);
   void slow_round(Group& group, std::vector<Entry>& ready, std::vector<std::pair<Entry, std::string>>& failed);
   void execute(Group& group, std::vector<Entry>& ready);
-  void complete(const std::vector<Entry>& entries, const std::string& error);
+  void complete(const std::vector<Entry>& entries, const std::string& error, double started = 0);
 
   EngineOptions options_;
   std::mutex mutex_;

@@ -215,8 +215,13 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "wait",
           [](Engine& engine, uint64_t handle) {
-            py::gil_scoped_release no_gil;
-            return engine.wait(handle);
+            double started = 0, finished = 0;
+            std::string error;
+            {
+              py::gil_scoped_release no_gil;
+              error = engine.wait(handle, &started, &finished);
+            }
+            return py::make_tuple(error, started, finished);
           },
           py::arg("handle"))
       .def(

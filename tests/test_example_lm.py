@@ -1,4 +1,4 @@
-"""examples/train_lm.py end to end under mpirun: 2 stages × 1 replica and 1 × 2 train a byte-level
+"""examples/train_lm.py end to end under mpirun: 2 stages × 2 replicas and 1 × 2 train a byte-level
 transformer on the standard library sources; the validation loss falls and the saved weights load
 into the one-process model."""
 
@@ -33,7 +33,7 @@ def run(ranks: int, stages: int, save: Path) -> str:
     return result.stdout
 
 
-@pytest.mark.parametrize("ranks,stages", [(2, 2), (2, 1)])
+@pytest.mark.parametrize("ranks,stages", [(4, 2), (2, 1)])
 def test_train_lm_learns_and_saves_loadable_weights(tmp_path, ranks, stages):
     out = run(ranks, stages, tmp_path / "lm.pt")
     assert f"{stages} stages × {ranks // stages} replicas" in out

@@ -259,3 +259,49 @@ def test_reductions_start_during_the_last_backward_not_at_step(grid, schedule):
         optimizer.zero_grad()
     finally:
         model.close()
+
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        import time
+
+        time.sleep(0.3)  # the first layer's backward: the later layers' gradients are final already
+        return grad
+
+
+class SlowBackward(nn.Module):
+    def forward(self, x):
+        return _SlowBackward.apply(x)
+
+
+def test_overlap_first_allreduce_starts_before_the_last_backward_ends(grid):
+    """Engine timestamps: a gradient's ring allreduce begins while the stage is still in its last
+    backward (a deliberately slow first layer keeps that backward busy for 0.3 s per micro-batch)."""
+    if grid.data_replicas < 2:
+        pytest.skip("needs data replicas to reduce over")
+    layers = []
+    for stage in range(grid.pipeline_stages):  # per stage: parameters, a slow layer, parameters
+        last = stage == grid.pipeline_stages - 1
+        layers += [nn.Linear(6 if stage == 0 else 10, 10), SlowBackward(), nn.Linear(10, 3 if last else 10)]
+    torch.manual_seed(0)
+    model = hp.PipelineModel(layers, loss_fn=nn.CrossEntropyLoss(), micro_batches=2,
+                             balance=[3] * grid.pipeline_stages)
+    optimizer = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters())
+    try:
+        model.train_step(*shard(global_batches(grid.data_replicas, steps=1)[0], grid))
+        backward_end = model.last_step.last_backward_finished
+        handles = [optimizer._hp_handles[name][0] for name in optimizer.in_flight()]
+        optimizer.synchronize()
+        first_start = min(h.started_at for h in handles)
+        # a ring needs every replica's gradient: compare with the replica that finished last
+        # (ranks run at different speeds on a busy machine; the clock is the same on one host)
+        slowest_end = max(hp.allgather_object(backward_end))
+        assert 0 < first_start < slowest_end, (first_start, slowest_end)
+    finally:
+        model.close()

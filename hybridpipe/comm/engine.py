@@ -100,6 +100,8 @@ class Handle:
         self._result, self._work = result, work
         self._outcome: Any = None
         self._finished = False
+        self.started_at = 0.0   #: time.monotonic() when its allreduce began (after wait(); 0 if never ran)
+        self.finished_at = 0.0  #: time.monotonic() when its allreduce ended
 
     @property
     def name(self) -> str:
@@ -117,7 +119,7 @@ class Handle:
             HybridPipeError: the engine stopped or failed.
         """
         if not self._finished:
-            error = self._state.engine.wait(self._handle)
+            error, self.started_at, self.finished_at = self._state.engine.wait(self._handle)
             self._state.in_flight.discard(self._key)
             self._finished = True
             if error:

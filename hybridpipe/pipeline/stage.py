@@ -94,6 +94,7 @@ class StepResult:
         self.outputs: list[Any] = []    # last stage, forward-only: per micro-batch outputs
         self.peak_stored = 0            # most micro-batches whose activations were held at once
         self.recomputed = 0             # forwards re-run during backward
+        self.last_backward_finished = 0.0  # time.monotonic() when this stage's last backward ended
 
 
 class StageExecutor:
@@ -276,6 +277,7 @@ class StageExecutor:
                         torch.autograd.backward(roots, root_grads)
                     finally:
                         _backward_phase = None
+                    result.last_backward_finished = time.monotonic()
                 if not self.first:
                     input_grads = [t.grad if t.requires_grad else None for t in iter_tensors(x)]
                     self._send(input_grads, self.stage - 1, _backward_tag(m))
