@@ -121,7 +121,9 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stages", type=int, default=1, help="pipeline stages P (world size must be a multiple)")
+    parser.add_argument("--stages", type=int, default=None,
+                        help="pipeline stages P (world size must be a multiple); default: "
+                             "$HYBRIDPIPE_PIPELINE_STAGES (set by hybridpipe-run --stages), else 1")
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
     parser.add_argument("--checkpoint", default="never", choices=["never", "except_last", "always"])

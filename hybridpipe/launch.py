@@ -9,17 +9,21 @@ that it works before the compiled extension is built and without initialising MP
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
+from typing import Any
 from pathlib import Path
 
 from hybridpipe.errors import HybridPipeError
 
-__all__ = ["available_cores", "find_mpirun", "mpi_flavour", "mpirun_command"]
+__all__ = ["available_cores", "find_mpirun", "mpi_flavour", "mpirun_command", "build_command", "main"]
 
 #: Environment variable naming the MPI launcher to use (a path or a name on PATH).
 MPIRUN_ENV = "HYBRIDPIPE_MPIRUN"
@@ -115,6 +119,7 @@ def mpirun_command(
     mpirun: str | None = None,
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
+    oversubscribe: bool | None = None,
 ) -> list[str]:
     """Build the argument list that runs ``argv`` on ``np`` ranks (never a shell string).
 
@@ -128,6 +133,8 @@ def mpirun_command(
         extra_args: Further launcher options, placed just before ``argv``.
         env: Environment variables to set on every rank (``-x NAME=VALUE`` for Open MPI,
             ``-genv NAME VALUE`` for MPICH / hydra).
+        oversubscribe: Open MPI's ``--oversubscribe``; None (default) adds it when ``np`` exceeds
+            this machine's cores (right for a local run, not for a list of hosts).
 
     Returns:
         The command, ready for ``subprocess.run``.
@@ -154,7 +161,7 @@ def mpirun_command(
     if flavour == "openmpi":
         if os.geteuid() == 0:
             command.append("--allow-run-as-root")
-        if np > available_cores():
+        if oversubscribe if oversubscribe is not None else np > available_cores():
             command.append("--oversubscribe")
     command += ["-n", str(np)]
     for name, value in variables.items():
@@ -172,3 +179,165 @@ def mpirun_command(
             )
     command += [*extra_args, *argv]
     return command
+
+
+# ---------------------------------------------------------------------- hybridpipe-run
+
+USAGE = """hybridpipe-run -np N [--stages P] [-H host1:4,host2:4 | --hostfile FILE] [options] PROGRAM [ARGS...]
+
+Starts PROGRAM on N ranks forming a P-stage × (N/P)-replica grid: builds the mpirun (or, inside a
+Slurm allocation, srun) command, passes the settings as HYBRIDPIPE_* environment variables, packs
+consecutive ranks (one pipeline) onto a node, runs it, and exits with its exit code.
+
+examples:
+  hybridpipe-run -np 4 --stages 2 python train.py --epochs 3
+  hybridpipe-run -np 16 --stages 4 -H node1:8,node2:8 --timeline trace.json python train.py
+  hybridpipe-run -np 8 --stages 2 --dry-run python train.py      # print the command only
+"""
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="hybridpipe-run", usage=USAGE, add_help=True)
+    parser.add_argument("-np", "-n", "--np", dest="np", type=int, required=True, help="number of ranks")
+    parser.add_argument("--stages", type=int, default=1, help="pipeline stages P (N must be a multiple); "
+                        "sets HYBRIDPIPE_PIPELINE_STAGES, the default of hp.init()")
+    hosts = parser.add_mutually_exclusive_group()
+    hosts.add_argument("-H", "--hosts", help="host:slots list, e.g. node1:4,node2:4")
+    hosts.add_argument("--hostfile", help="an MPI hostfile (Open MPI: 'node1 slots=4'; MPICH: 'node1:4')")
+    parser.add_argument("--timeline", help="write a Chrome-trace timeline to this file (HYBRIDPIPE_TIMELINE)")
+    parser.add_argument("--fusion-threshold-mb", type=float, help="fusion bucket size in MiB")
+    parser.add_argument("--cycle-time-ms", type=float, help="background engine cycle time")
+    parser.add_argument("--stall-check-seconds", type=float, help="warn about tensors some ranks never submit")
+    parser.add_argument("--launcher", choices=["auto", "mpirun", "srun"], default="auto",
+                        help="auto: srun inside a Slurm allocation (SLURM_JOB_ID set, srun on PATH) unless "
+                             "hosts are given, else mpirun")
+    parser.add_argument("--mpirun", help="the mpirun to use (default: $HYBRIDPIPE_MPIRUN, the one beside "
+                        "this Python, then PATH)")
+    parser.add_argument("--mpi-args", default="", help="extra launcher arguments, one string, split like a shell")
+    parser.add_argument("-x", "--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="set an environment variable on every rank (repeatable)")
+    parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
+    parser.add_argument("program", nargs=argparse.REMAINDER, help="the program and its arguments")
+    args = parser.parse_args(argv)
+    if not args.program:
+        parser.error("give the program to run, e.g. `python train.py`")
+    if args.np < 1:
+        parser.error(f"-np must be >= 1 (got {args.np})")
+    if args.stages < 1 or args.np % args.stages:
+        parser.error(f"-np {args.np} is not a multiple of --stages {args.stages} "
+                     f"(the grid is stages × replicas; e.g. -np {args.stages * max(1, args.np // args.stages)})")
+    return args
+
+
+def _settings(args: argparse.Namespace) -> dict[str, str]:
+    env = {"HYBRIDPIPE_PIPELINE_STAGES": str(args.stages)}
+    if args.timeline:
+        env["HYBRIDPIPE_TIMELINE"] = args.timeline
+    if args.fusion_threshold_mb is not None:
+        env["HYBRIDPIPE_FUSION_THRESHOLD"] = str(int(args.fusion_threshold_mb * 1024 * 1024))
+    if args.cycle_time_ms is not None:
+        env["HYBRIDPIPE_CYCLE_TIME_MS"] = f"{args.cycle_time_ms:g}"
+    if args.stall_check_seconds is not None:
+        env["HYBRIDPIPE_STALL_CHECK_SECONDS"] = f"{args.stall_check_seconds:g}"
+    for item in args.env:
+        name, sep, value = item.partition("=")
+        if not sep or not name.isidentifier():
+            raise HybridPipeError(f"-x/--env takes NAME=VALUE (got {item!r})")
+        env[name] = value
+    return env
+
+
+def _check_packing(hosts: str, stages: int) -> list[str]:
+    """Warnings for hosts whose slot count would split a pipeline across nodes."""
+    warnings = []
+    for entry in hosts.split(","):
+        name, _, slots = entry.partition(":")
+        if slots and slots.isdigit() and int(slots) % stages:
+            warnings.append(f"host {name} has {slots} slots, not a multiple of --stages {stages}: a pipeline "
+                            "will span two nodes (its activations then cross the network)")
+    return warnings
+
+
+def build_command(argv: Sequence[str] | None = None) -> tuple[list[str], list[str]]:
+    """The launch command for ``hybridpipe-run`` arguments, and warnings to print.
+
+    Returns:
+        (command as an argument list, warnings).
+    """
+    args = _parse(argv)
+    env = _settings(args)
+    program = list(args.program)
+    extra = shlex.split(args.mpi_args)
+    warnings = _check_packing(args.hosts, args.stages) if args.hosts else []
+    use_srun = args.launcher == "srun" or (
+        args.launcher == "auto" and os.environ.get("SLURM_JOB_ID") and not (args.hosts or args.hostfile)
+        and shutil.which("srun"))
+    if use_srun:
+        srun = shutil.which("srun")
+        if srun is None:
+            raise HybridPipeError("--launcher srun but no srun on PATH: run inside a Slurm allocation")
+        if args.hosts or args.hostfile:
+            raise HybridPipeError("srun takes its hosts from the Slurm allocation: drop -H/--hostfile or use "
+                                  "--launcher mpirun")
+        exports = ",".join(["ALL", *(f"{name}={value}" for name, value in env.items())])
+        # block distribution: consecutive ranks (one pipeline) on one node
+        command = [srun, "-n", str(args.np), "--distribution=block", "--kill-on-bad-exit=1",
+                   f"--export={exports}", *extra, *program]
+        return command, warnings
+    launcher = find_mpirun(args.mpirun)
+    flavour = mpi_flavour(launcher)
+    placement: list[str] = []
+    if flavour == "openmpi":
+        placement = ["--map-by", "slot"]  # fill each node's slots in rank order: pipelines stay node-local
+        if args.hosts:
+            placement += ["-H", args.hosts]
+        elif args.hostfile:
+            placement += ["--hostfile", args.hostfile]
+    elif flavour == "mpich":
+        if args.hosts:
+            placement += ["-hosts", args.hosts]
+        elif args.hostfile:
+            placement += ["-f", args.hostfile]
+    elif args.hosts or args.hostfile:
+        raise HybridPipeError(f"cannot pass hosts to {launcher}: its MPI flavour is unknown; use --mpi-args")
+    command = mpirun_command(args.np, program, mpirun=launcher, extra_args=[*placement, *extra], env=env,
+                             oversubscribe=False if (args.hosts or args.hostfile) else None)
+    return command, warnings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``hybridpipe-run``: run the job; its exit code is ours. Ctrl-C / SIGTERM stop every rank."""
+    try:
+        command, warnings = build_command(argv)
+    except HybridPipeError as error:
+        print(f"hybridpipe-run: error: {error}", file=sys.stderr)
+        return 2
+    for warning in warnings:
+        print(f"hybridpipe-run: warning: {warning}", file=sys.stderr)
+    if _parse(argv).dry_run:
+        print(shlex.join(command))
+        return 0
+    process = subprocess.Popen(command, start_new_session=True)
+
+    def forward(signum: int, _frame: Any) -> None:
+        try:
+            os.killpg(process.pid, signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT)
+        except ProcessLookupError:
+            pass
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            try:
+                code = process.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

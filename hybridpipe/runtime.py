@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import os
 from typing import Any
 
 import numpy as np
@@ -101,7 +102,7 @@ def _agree_on_stages(comm: Any, pipeline_stages: int) -> None:
                         f"every rank must call hp.init with the same pipeline_stages")
 
 
-def init(pipeline_stages: int = 1, comm: Any = None, config: Config | None = None) -> Grid:
+def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | None = None) -> Grid:
     """Starts hybridpipe on ``comm`` (default ``MPI.COMM_WORLD``) and builds the rank grid.
 
     Collective: every rank of ``comm`` must call it with the same ``pipeline_stages``. Calling it
@@ -109,7 +110,8 @@ def init(pipeline_stages: int = 1, comm: Any = None, config: Config | None = Non
 
     Args:
         pipeline_stages: P, the number of pipeline stages; the world size must be a multiple of P,
-            and data_replicas = size // P.
+            and data_replicas = size // P. Default: $HYBRIDPIPE_PIPELINE_STAGES (what
+            ``hybridpipe-run --stages`` sets), else 1.
         comm: an mpi4py communicator to build the grid from.
         config: settings; default ``Config.from_env()`` (the HYBRIDPIPE_* variables).
 
@@ -122,6 +124,13 @@ def init(pipeline_stages: int = 1, comm: Any = None, config: Config | None = Non
         BuildError: the extension is missing or built against another MPI.
     """
     global _runtime
+    if pipeline_stages is None:
+        text = os.environ.get("HYBRIDPIPE_PIPELINE_STAGES", "1")
+        try:
+            pipeline_stages = int(text)
+        except ValueError:
+            raise GridError(f"HYBRIDPIPE_PIPELINE_STAGES={text!r} is not an integer (set it to the number of "
+                            "pipeline stages, e.g. 2, or pass hp.init(pipeline_stages=...))") from None
     if isinstance(pipeline_stages, bool) or not isinstance(pipeline_stages, (int, np.integer)):
         raise GridError(f"pipeline_stages must be an int, got {pipeline_stages!r} "
                         f"({type(pipeline_stages).__name__})")

@@ -1,0 +1,138 @@
+"""hybridpipe-run (command building for every mode, real runs, exit codes) and python -m hybridpipe."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridpipe import launch
+
+ROOT = Path(__file__).resolve().parent.parent
+HYDRA_VERSION = "HYDRA build details:\n    Version:                                 4.1.2"
+
+
+def fake_program(directory: Path, name: str, text: str) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / name
+    path.write_text(f"#!/bin/sh\ncat <<'EOF'\n{text}\nEOF\n")
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def no_slurm(monkeypatch):
+    for name in ("SLURM_JOB_ID", "HYBRIDPIPE_MPIRUN"):
+        monkeypatch.delenv(name, raising=False)
+    launch.mpi_flavour.cache_clear()
+    yield
+    launch.mpi_flavour.cache_clear()
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "hybridpipe.launch", *args], capture_output=True, text=True,
+                          env=full_env, timeout=timeout, cwd=ROOT)
+
+
+def test_dry_run_local(monkeypatch):
+    monkeypatch.setattr(launch, "available_cores", lambda: 2)
+    command, warnings = launch.build_command(["-np", "4", "--stages", "2", "--timeline", "t.json",
+                                              "--fusion-threshold-mb", "8", "--cycle-time-ms", "2",
+                                              "-x", "OMP_NUM_THREADS=1", "python", "train.py", "--lr", "3"])
+    assert warnings == []
+    assert command[0] == launch.find_mpirun()
+    assert ("--allow-run-as-root" in command) == (os.geteuid() == 0)
+    assert "--oversubscribe" in command  # 4 ranks on 2 cores
+    joined = " ".join(command)
+    for part in ("-n 4", "-x HYBRIDPIPE_PIPELINE_STAGES=2", "-x HYBRIDPIPE_TIMELINE=t.json",
+                 f"-x HYBRIDPIPE_FUSION_THRESHOLD={8 * 1024 * 1024}", "-x HYBRIDPIPE_CYCLE_TIME_MS=2",
+                 "-x OMP_NUM_THREADS=1", "--map-by slot"):
+        assert part in joined
+    assert command[-4:] == ["python", "train.py", "--lr", "3"]
+
+
+def test_dry_run_hosts_and_hostfile_do_not_oversubscribe_and_warn_about_split_pipelines():
+    command, warnings = launch.build_command(["-np", "8", "--stages", "2", "-H", "node1:3,node2:5", "python", "t.py"])
+    assert command[command.index("-H") + 1] == "node1:3,node2:5"
+    assert "--oversubscribe" not in command
+    assert len(warnings) == 2 and "host node1 has 3 slots, not a multiple of --stages 2" in warnings[0]
+    command, warnings = launch.build_command(["-np", "8", "--stages", "2", "--hostfile",
+                                              str(ROOT / "examples/jobs/hostfile"), "python", "t.py"])
+    assert command[command.index("--hostfile") + 1].endswith("examples/jobs/hostfile") and warnings == []
+
+
+def test_dry_run_mpich_flavour(tmp_path):
+    mpirun = fake_program(tmp_path, "mpiexec", HYDRA_VERSION)
+    command, _ = launch.build_command(["-np", "4", "--stages", "4", "--mpirun", str(mpirun), "-H", "a:4",
+                                       "python", "t.py"])
+    assert command == [str(mpirun), "-n", "4", "-genv", "HYBRIDPIPE_PIPELINE_STAGES", "4", "-hosts", "a:4",
+                       "python", "t.py"]
+
+
+def test_inside_slurm_uses_srun_with_block_distribution(tmp_path, monkeypatch):
+    srun = fake_program(tmp_path, "srun", "srun fake")
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "1234")
+    command, _ = launch.build_command(["-np", "8", "--stages", "2", "python", "t.py"])
+    assert command == [str(srun), "-n", "8", "--distribution=block", "--kill-on-bad-exit=1",
+                       "--export=ALL,HYBRIDPIPE_PIPELINE_STAGES=2", "python", "t.py"]
+    # explicit hosts inside Slurm: mpirun with those hosts
+    command, _ = launch.build_command(["-np", "8", "--stages", "2", "-H", "n1:4,n2:4", "python", "t.py"])
+    assert command[0] == launch.find_mpirun()
+
+
+def test_bad_arguments_exit_2_with_the_reason():
+    result = run_cli("-np", "6", "--stages", "4", "python", "t.py")
+    assert result.returncode == 2
+    assert "-np 6 is not a multiple of --stages 4" in result.stderr
+    result = run_cli("-np", "2")
+    assert result.returncode == 2 and "give the program to run" in result.stderr
+
+
+def write_job_fakes(tmp_path: Path) -> dict:
+    fake_program(tmp_path / "bin", "srun", "srun fake")
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("node1\n" * 4 + "node2\n" * 4)
+    return {"PATH": f"{tmp_path / 'bin'}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+            "HYBRIDPIPE_DRY_RUN": "1", "PBS_NODEFILE": str(nodefile)}
+
+
+def test_job_scripts_dry_run(tmp_path):
+    env = {**os.environ, **write_job_fakes(tmp_path)}
+    slurm = subprocess.run(["bash", str(ROOT / "examples/jobs/slurm.sbatch")], capture_output=True, text=True,
+                           env={**env, "SLURM_JOB_ID": "77", "SLURM_NTASKS": "8"}, cwd=ROOT, timeout=60)
+    assert slurm.returncode == 0, slurm.stderr
+    assert "srun -n 8 --distribution=block --kill-on-bad-exit=1 --export=ALL,HYBRIDPIPE_PIPELINE_STAGES=2," \
+           "HYBRIDPIPE_TIMELINE=trace-77.json python -m hybridpipe examples/train_lm.py" in slurm.stdout
+    pbs = subprocess.run(["bash", str(ROOT / "examples/jobs/pbs.sh")], capture_output=True, text=True, env=env,
+                         cwd=ROOT, timeout=60)
+    assert pbs.returncode == 0, pbs.stderr
+    assert f"-n 8 -x HYBRIDPIPE_PIPELINE_STAGES=2 --map-by slot --hostfile {tmp_path / 'nodefile'}" in pbs.stdout
+    assert "--oversubscribe" not in pbs.stdout
+
+
+def test_real_run_sets_the_grid_and_returns_the_exit_code():
+    code = "import sys, hybridpipe as hp; g = hp.init(); print('grid', hp.rank(), g.pipeline_stages, " \
+           "g.data_replicas, flush=True); hp.shutdown(); sys.exit(3 if g.rank == 1 else 0)"
+    result = run_cli("-np", "2", "--stages", "2", sys.executable, "-c", code)
+    assert "grid 0 2 1" in result.stdout and "grid 1 2 1" in result.stdout
+    assert result.returncode == 3, result.stdout + result.stderr
+
+
+def test_python_m_hybridpipe_aborts_every_rank_on_an_uncaught_exception(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text("from mpi4py import MPI\n"
+                      "if MPI.COMM_WORLD.rank == 1:\n"
+                      "    raise ValueError('rank 1 gives up')\n"
+                      "MPI.COMM_WORLD.Barrier()  # rank 0 would wait here forever\n")
+    start = time.monotonic()
+    result = run_cli("-np", "2", sys.executable, "-m", "hybridpipe", str(script), timeout=120)
+    assert result.returncode != 0
+    assert "[rank 1] uncaught exception; aborting every rank of the job" in result.stderr
+    assert "[rank 1] ValueError: rank 1 gives up" in result.stderr
+    assert time.monotonic() - start < 100  # it did not hang until the timeout
