@@ -140,6 +140,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save", help="write the trained weights (one ordinary state_dict) to this file")
     parser.add_argument("--no-progress", action="store_true", help="print lines instead of a progress bar")
+    parser.add_argument("--save-every", type=int, default=0, metavar="N",
+                        help="write a sharded checkpoint to --checkpoint-dir every N steps (and at the end)")
+    parser.add_argument("--checkpoint-dir", default="checkpoints")
+    parser.add_argument("--resume", metavar="DIR", help="continue from the latest checkpoint in DIR (any grid)")
     return parser.parse_args(argv)
 
 
@@ -194,18 +198,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"global batch {args.batch_size * grid.data_replicas} × {args.seq_len} tokens, "
               f"{args.micro_batches} micro-batches, schedule {args.schedule}, checkpoint {args.checkpoint}")
         sys.stdout.flush()
+    first_step = 0
+    if args.resume:
+        info = hp.load_checkpoint(args.resume, model, optimizer)
+        first_step = info["step"]
+        if optimizer is not None and "scheduler" in info["extra"]:
+            scheduler.load_state_dict(info["extra"]["scheduler"])
+        if leader:
+            print(f"resumed from {args.resume} at step {first_step}")
     initial = validation_loss(model, val_data, args, grid)
     if leader:
-        print(f"validation loss before training: {initial:.3f} (uniform guess: {math.log(256):.3f})")
+        print(f"validation loss at step {first_step}: {initial:.3f} (uniform guess: {math.log(256):.3f})")
+
+    def checkpoint(step: int) -> None:
+        extra = {"scheduler": scheduler.state_dict()} if optimizer is not None else {}
+        path = hp.save_checkpoint(args.checkpoint_dir, model, optimizer, step=step, extra=extra)
+        if leader and progress is None:
+            print(f"checkpoint {path}", flush=True)
 
     progress = None
     if leader and not args.no_progress:
         from tqdm import tqdm
 
-        progress = tqdm(total=args.steps, unit="step", dynamic_ncols=True)
+        progress = tqdm(total=args.steps, initial=first_step, unit="step", dynamic_ncols=True)
     tokens_per_step = args.batch_size * grid.data_replicas * args.seq_len
     start = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(first_step, args.steps):
         inputs, targets = sample_batch(train_data, args.batch_size, args.seq_len,
                                        seed=args.seed * 1_000_003 + step * grid.data_replicas + grid.replica)
         if optimizer is not None:
@@ -214,8 +232,10 @@ def main(argv: list[str] | None = None) -> int:
         if optimizer is not None:
             optimizer.step()
             scheduler.step()
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+            checkpoint(step + 1)
         if leader:
-            rate = tokens_per_step * (step + 1) / (time.perf_counter() - start)
+            rate = tokens_per_step * (step + 1 - first_step) / (time.perf_counter() - start)
             if progress is not None:
                 progress.set_postfix(loss=f"{loss:.3f}", tokens_per_s=f"{rate:,.0f}")
                 progress.update()
@@ -223,11 +243,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"step {step:4d}  loss {loss:.3f}  {rate:,.0f} tokens/s", flush=True)
     if progress is not None:
         progress.close()
+    if args.save_every:
+        checkpoint(args.steps)
     elapsed = time.perf_counter() - start
     final = validation_loss(model, val_data, args, grid)
     if leader:
         print(f"validation loss after {args.steps} steps: {final:.3f} (before: {initial:.3f}); "
-              f"{tokens_per_step * args.steps / elapsed:,.0f} tokens/s over {elapsed:.1f} s")
+              f"{tokens_per_step * (args.steps - first_step) / elapsed:,.0f} tokens/s over {elapsed:.1f} s")
     if args.save:
         save_weights(model, args.save, grid)
         if leader:

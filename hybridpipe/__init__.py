@@ -21,6 +21,7 @@ from .comm.collectives import (
     grouped_allreduce,
     grouped_allreduce_,
 )
+from .checkpoint import CheckpointError, consolidate, load_checkpoint, save_checkpoint
 from .comm.engine import Handle, allreduce_async, allreduce_async_, engine_stats, poll, synchronize
 from .config import Config
 from .errors import (
@@ -58,6 +59,8 @@ __all__ = [
     # data parallelism (Horovod-compatible names)
     "DistributedOptimizer", "Compression", "broadcast_parameters", "broadcast_optimizer_state",
     "broadcast_object", "allgather_object", "clip_grad_norm_",
+    # checkpoints
+    "save_checkpoint", "load_checkpoint", "consolidate", "CheckpointError",
     # errors
     "HybridPipeError", "NotInitializedError", "GridError", "MismatchError", "MPIError", "BuildError",
 ]

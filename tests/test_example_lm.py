@@ -51,3 +51,20 @@ def test_train_lm_learns_and_saves_loadable_weights(tmp_path, ranks, stages):
     with torch.no_grad():
         loss = float(train_lm.lm_loss(model(inputs), targets))
     assert loss < before - 0.8
+
+
+def test_train_lm_checkpoints_and_resumes_on_another_grid(tmp_path):
+    def launch(ranks, stages, *extra):
+        command = mpirun_command(ranks, [sys.executable, str(ROOT / "examples" / "train_lm.py"), "--stages",
+                                         str(stages), *SMALL[2:], *extra, "--checkpoint-dir", str(tmp_path / "ck")],
+                                 env={"OMPI_MCA_mpi_yield_when_idle": "1", "OMP_NUM_THREADS": "1"})
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        return result.stdout
+
+    first = launch(2, 2, "--steps", "20", "--save-every", "10")
+    assert "checkpoint " in first and (tmp_path / "ck" / "step-00000020" / "manifest.json").exists()
+    second = launch(2, 1, "--steps", "30", "--save-every", "10", "--resume", str(tmp_path / "ck"))
+    assert "resumed from" in second and "at step 20" in second
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "step-00000030"
+    assert "step   29" in second and "step    0" not in second
