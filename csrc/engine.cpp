@@ -13,6 +13,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+double seconds_now() { return std::chrono::duration<double>(Clock::now().time_since_epoch()).count(); }
+
 constexpr uint64_t kAllCached = 1ull << 0;   // AND: no rank has an uncached ready name
 constexpr uint64_t kNotStalled = 1ull << 1;  // AND: no rank has a name waiting past stall_check_seconds
 constexpr uint64_t kWantStop = 1ull << 2;    // AND: every rank asked to stop and has nothing pending
@@ -152,10 +154,6 @@ EngineStats Engine::stats(int group_id) {
   return groups_[group_id]->stats;
 }
 
-namespace {
-double seconds_now() { return std::chrono::duration<double>(Clock::now().time_since_epoch()).count(); }
-}  // namespace
-
 void Engine::complete(const std::vector<Entry>& entries, const std::string& error, double started) {
   const double finished = seconds_now();
   std::lock_guard<std::mutex> lock(mutex_);
@@ -169,6 +167,22 @@ void Engine::complete(const std::vector<Entry>& entries, const std::string& erro
     }
   }
   changed_.notify_all();
+}
+
+std::vector<EngineEvent> Engine::take_events(int group_id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (group_id < 0 || group_id >= static_cast<int>(groups_.size())) {
+    throw std::invalid_argument("unknown engine group " + std::to_string(group_id));
+  }
+  std::vector<EngineEvent> events;
+  events.swap(groups_[group_id]->events);
+  return events;
+}
+
+void Engine::record(Group& group, const char* phase, double start, double end, size_t bytes, size_t tensors) {
+  if (!options_.record_events) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  group.events.push_back(EngineEvent{phase, start, end, bytes, tensors});
 }
 
 void Engine::run(Group& group) {
@@ -186,6 +200,7 @@ void Engine::run(Group& group) {
                    (group.idle_cycles > 0 && (!group.pending.empty() || stop_requested_));
           });
         }
+        const double negotiation_start = seconds_now();
         start_negotiation(group);
         int done = 0;
         while (true) {  // poll without spinning: other groups' threads and Python need the cores
@@ -193,6 +208,7 @@ void Engine::run(Group& group) {
           if (done) break;
           std::this_thread::sleep_for(poll_interval);
         }
+        if (!(group.vector[0] & kIdle)) record(group, "negotiate", negotiation_start, seconds_now(), 0, 0);
         finish_negotiation(group);
       }
     }
@@ -269,7 +285,9 @@ void Engine::finish_negotiation(Group& group) {
     }
   } else {
     group.stats.slow_rounds++;
+    const double gather_start = seconds_now();
     slow_round(group, ready, failed);
+    record(group, "gather names", gather_start, seconds_now(), 0, 0);
   }
   std::sort(ready.begin(), ready.end(),
             [&](const Entry& a, const Entry& b) { return group.bits.at(a.name) < group.bits.at(b.name); });
@@ -414,20 +432,26 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
     const double started = seconds_now();
     if (bucket.size() == 1) {
       allreduce(bucket[0].buffer, bucket[0].buffer, bucket[0].op, group.comm, options_.allreduce, workspace_);
+      record(group, "ring", started, seconds_now(), bucket_bytes, 1);
     } else {
       unsigned char* cursor = fusion_.data();
       for (const Entry& entry : bucket) {
         std::memcpy(cursor, entry.buffer.data, entry.buffer.bytes());
         cursor += entry.buffer.bytes();
       }
+      const double packed = seconds_now();
+      record(group, "pack", started, packed, bucket_bytes, bucket.size());
       const DType dtype = bucket[0].buffer.dtype;
       const Buffer fused{fusion_.data(), bucket_bytes / dtype_size(dtype), dtype};
       allreduce(fused, fused, bucket[0].op, group.comm, options_.allreduce, workspace_);
+      const double reduced = seconds_now();
+      record(group, "ring", packed, reduced, bucket_bytes, bucket.size());
       cursor = fusion_.data();
       for (const Entry& entry : bucket) {
         std::memcpy(entry.buffer.data, cursor, entry.buffer.bytes());
         cursor += entry.buffer.bytes();
       }
+      record(group, "unpack", reduced, seconds_now(), bucket_bytes, bucket.size());
     }
     group.stats.buckets++;
     group.stats.bytes += bucket_bytes;

@@ -42,6 +42,16 @@ struct EngineOptions {
   double stall_check_seconds = 60.0;
   size_t fusion_threshold_bytes = 4 * 1024 * 1024;
   AllreduceOptions allreduce;
+  bool record_events = false;  // keep phase timings for the timeline (EngineEvent)
+};
+
+// One timed phase of a group's work, for the timeline: "negotiate", "gather names", "pack",
+// "ring", "unpack". Times in seconds of the steady clock (= Python's time.monotonic()).
+struct EngineEvent {
+  std::string phase;
+  double start = 0, end = 0;
+  size_t bytes = 0;
+  size_t tensors = 0;
 };
 
 struct EngineStats {
@@ -73,6 +83,8 @@ class Engine {
   // Coordinated stop: returns once every rank of every group asked for it and nothing is pending.
   void shutdown();
   EngineStats stats(int group);
+  // Recorded events of `group` since the last call (empty unless options.record_events).
+  std::vector<EngineEvent> take_events(int group);
 
  private:
   struct Entry {
@@ -104,6 +116,7 @@ class Engine {
     bool finished = false;       // the ranks agreed to stop (engine thread of the group only)
     bool thread_done = false;    // guarded by Engine::mutex_
     EngineStats stats;
+    std::vector<EngineEvent> events;  // guarded by Engine::mutex_
     Workspace workspace;
     std::vector<unsigned char> fusion;
     std::thread thread;
@@ -122,6 +135,7 @@ class Engine {
   void slow_round(Group& group, std::vector<Entry>& ready, std::vector<std::pair<Entry, std::string>>& failed);
   void execute(Group& group, std::vector<Entry>& ready);
   void complete(const std::vector<Entry>& entries, const std::string& error, double started = 0);
+  void record(Group& group, const char* phase, double start, double end, size_t bytes, size_t tensors);
 
   EngineOptions options_;
   std::mutex mutex_;

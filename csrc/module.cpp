@@ -186,7 +186,15 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("idle_cycle_time_ms", &EngineOptions::idle_cycle_time_ms)
       .def_readwrite("stall_check_seconds", &EngineOptions::stall_check_seconds)
       .def_readwrite("fusion_threshold_bytes", &EngineOptions::fusion_threshold_bytes)
-      .def_readwrite("allreduce", &EngineOptions::allreduce);
+      .def_readwrite("allreduce", &EngineOptions::allreduce)
+      .def_readwrite("record_events", &EngineOptions::record_events);
+
+  py::class_<EngineEvent>(m, "EngineEvent")
+      .def_readonly("phase", &EngineEvent::phase)
+      .def_readonly("start", &EngineEvent::start)
+      .def_readonly("end", &EngineEvent::end)
+      .def_readonly("bytes", &EngineEvent::bytes)
+      .def_readonly("tensors", &EngineEvent::tensors);
 
   py::class_<EngineStats>(m, "EngineStats")
       .def_readonly("cycles", &EngineStats::cycles)
@@ -230,7 +238,8 @@ PYBIND11_MODULE(_C, m) {
             py::gil_scoped_release no_gil;
             engine.shutdown();
           })
-      .def("stats", &Engine::stats, py::arg("group"));
+      .def("stats", &Engine::stats, py::arg("group"))
+      .def("take_events", &Engine::take_events, py::arg("group"));
 
   m.def("mpi_build_info", &mpi_build_info, "The MPI implementation and version this module was compiled with.");
   m.def("mpi_library_version", &mpi_library_version, "MPI_Get_library_version() of the libmpi loaded now.");

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from . import runtime
+from . import _trace as timeline
 from .comm import collectives, engine
 from .pipeline import stage
 from .comm.collectives import Average, ReduceOp, Sum
@@ -151,6 +153,7 @@ class _DistributedOptimizerMixin:
                         parameter.grad = torch.zeros_like(parameter)
                     self._hp_submit(name, parameter)
         handles, self._hp_handles, self._hp_counts = self._hp_handles, {}, {}
+        wait_start = time.monotonic()
         for name, (handle, parameter, buffer) in handles.items():
             handle.wait()
             grad = parameter.grad
@@ -158,6 +161,8 @@ class _DistributedOptimizerMixin:
                 grad.copy_(buffer)
             if self._hp_passes > 1 and grad.is_floating_point():
                 grad.div_(self._hp_passes)
+        timeline.record("synchronize", "optimizer", "optimizer", wait_start, time.monotonic(),
+                        {"tensors": len(handles)})
         self._hp_synchronized = True
 
     def in_flight(self) -> list[str]:
@@ -183,7 +188,8 @@ class _DistributedOptimizerMixin:
             raise HybridPipeError("step() inside skip_synchronize() but synchronize() was not called this "
                                   "step: call opt.synchronize() first")
         self._hp_synchronized = False
-        return super().step()  # type: ignore[misc]
+        with timeline.span("step", "optimizer", "optimizer"):
+            return super().step()  # type: ignore[misc]
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
         if self._hp_handles:

@@ -174,10 +174,13 @@ def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | 
                     data_comm=data_comm)
     _runtime = _Runtime(grid=the_grid, base_comm=base, local_comm=local_comm,
                         config=(config or Config.from_env()).validated())
+    from . import _trace as timeline
     from .comm import engine
 
     try:
         engine._start(_runtime.config, the_grid)
+        if _runtime.config.timeline:
+            timeline._start(_runtime.config.timeline, the_grid)
     except BaseException:
         _runtime = None
         raise
@@ -193,9 +196,11 @@ def shutdown() -> None:
     global _runtime
     if _runtime is None:
         return
+    from . import _trace as timeline
     from .comm import collectives, engine
 
-    engine._stop()  # collective: every rank's engine agrees to stop
+    events = engine._stop()  # collective: every rank's engine agrees to stop
+    timeline._stop(_runtime.grid, events)
     collectives._forget_groups()
     g = _runtime.grid
     for c in (g.data_comm, g.pipe_comm, _runtime.local_comm, g.world_comm):

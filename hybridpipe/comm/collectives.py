@@ -341,7 +341,7 @@ def allgather(tensor: Any, group: Any = None) -> Any:
     The first dimension may differ between ranks; the other dimensions and the dtype must agree.
 
     Returns:
-        A new tensor (on the input's device) or array of shape (sum of first dims, *rest).
+        A new tensor (on the input's device) or array of shape ``(sum of first dims, *rest)``.
 
     Raises:
         MismatchError: dtypes or trailing dimensions differ (on every rank).

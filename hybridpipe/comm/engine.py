@@ -43,6 +43,7 @@ class _EngineState:
         options.stall_check_seconds = config.stall_check_seconds
         options.fusion_threshold_bytes = config.fusion_threshold_bytes
         options.allreduce = collectives._allreduce_options()
+        options.record_events = bool(config.timeline)
         self.engine = core().Engine(options)
         self.groups: dict[Any, int] = {}
         for label, comm in zip(_BUILTIN, (grid.world_comm, grid.data_comm, grid.pipe_comm)):
@@ -64,8 +65,12 @@ class _EngineState:
             self.user_groups[key] = (group, self.engine.add_group(comm.py2f(), f"user communicator {key:#x}"))
         return self.user_groups[key][1]
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> dict[str, list]:
+        """Stops the engine; returns its recorded events by group label (timeline)."""
         self.engine.shutdown()
+        labels = {**{gid: label for label, gid in self.groups.items()},
+                  **{gid: f"user {i}" for i, (_, gid) in enumerate(self.user_groups.values())}}
+        return {labels[gid]: self.engine.take_events(gid) for gid in sorted(labels)}
 
 
 _state: _EngineState | None = None
@@ -77,12 +82,14 @@ def _start(config: Any, grid: Any) -> None:
     _state = _EngineState(config, grid)
 
 
-def _stop() -> None:
-    """Called by hp.shutdown (collective: the engines agree to stop together)."""
+def _stop() -> dict[str, list]:
+    """Called by hp.shutdown (collective: the engines agree to stop together); returns the
+    engine's recorded events by group (empty lists unless the timeline is on)."""
     global _state
-    if _state is not None:
-        state, _state = _state, None
-        state.shutdown()
+    if _state is None:
+        return {}
+    state, _state = _state, None
+    return state.shutdown()
 
 
 def _require(function: str) -> _EngineState:

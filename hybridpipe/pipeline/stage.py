@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridpipe import _trace as timeline
 from hybridpipe.comm import p2p
 from hybridpipe.errors import HybridPipeError
 from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
@@ -114,6 +115,7 @@ class StageExecutor:
         self._errors = [p2p.receive_error(peer, comm) for peer in self._neighbours()]
         self._broken: str | None = None
         self._sends: list[p2p.Send] = []
+        self._steps = 0
 
     def _neighbours(self) -> list[int]:
         return [peer for peer in (self.stage - 1, self.stage + 1) if 0 <= peer < self.stages]
@@ -179,8 +181,10 @@ class StageExecutor:
         if self._broken is not None:
             raise PipelineBroken(f"this pipeline failed in an earlier step ({self._broken}); build a new "
                                  "PipelineModel (and new communicators) to go on")
+        self._steps += 1
         try:
-            return self._run(actions, micro_batches, inputs, targets, loss_fn, weights, checkpoint, train)
+            with timeline.span("train_step" if train else "predict", "step", index=self._steps):
+                return self._run(actions, micro_batches, inputs, targets, loss_fn, weights, checkpoint, train)
         except BaseException as error:
             self._fail(error)
             raise
@@ -199,8 +203,14 @@ class StageExecutor:
         _graveyard.extend(self._sends)
         self._sends = []
 
-    def _wait(self, receive: p2p.Receive) -> Any:
-        return receive.wait(abort=self._errors)
+    def _wait(self, receive: p2p.Receive, what: str = "value") -> Any:
+        if not timeline.enabled():
+            return receive.wait(abort=self._errors)
+        start = time.monotonic()
+        try:
+            return receive.wait(abort=self._errors)
+        finally:
+            timeline.record(f"wait {what}", "recv", "p2p", start, time.monotonic(), {"from": receive.source})
 
     def _run(self, actions: Sequence[Action], micro_batches: int, inputs: Sequence[Any] | None,
              targets: Sequence[Any] | None, loss_fn: Any, weights: Sequence[float] | None, checkpoint: str,
@@ -226,7 +236,8 @@ class StageExecutor:
             progress()
             m = action.micro_batch
             if action.kind is ActionKind.FORWARD:
-                x = self._move(inputs[m]) if self.first else self._wait(forward_in.pop(m))
+                x = self._move(inputs[m]) if self.first else self._wait(forward_in.pop(m), f"activation {m}")
+                forward_start = time.monotonic()
                 if not train:
                     with torch.no_grad():
                         y = self.module(x)
@@ -234,6 +245,8 @@ class StageExecutor:
                         outputs[m] = y
                     else:
                         self._send(y, self.stage + 1, _forward_tag(m))
+                    timeline.record(f"F{m}", "forward", "compute", forward_start, time.monotonic(),
+                                    {"stage": self.stage, "micro_batch": m})
                     continue
                 keep_graph = checkpoint == "never" or (checkpoint == "except_last" and m == micro_batches - 1)
                 if keep_graph:
@@ -255,17 +268,22 @@ class StageExecutor:
                     if not self.last:
                         self._send_marked(y, m)
                 result.peak_stored = max(result.peak_stored, len(stored))
+                timeline.record(f"F{m}", "forward", "compute", forward_start, time.monotonic(),
+                                {"stage": self.stage, "micro_batch": m})
             else:
                 kind, x, saved = stored.pop(m)
+                backward_start = time.monotonic()
                 if kind == "recompute":
                     result.recomputed += 1
-                    with saved.replay(), torch.enable_grad():
+                    with timeline.span(f"R{m}", "recompute", stage=self.stage, micro_batch=m), saved.replay(), \
+                            torch.enable_grad():
                         y = self.module(x)
                         saved = loss_fn(y, self._move(targets[m])) * weights[m] if self.last else y
                 if self.last:
                     roots, root_grads = [saved], [None]
                 else:
-                    grads = self._wait(backward_in.pop(m))
+                    grads = self._wait(backward_in.pop(m), f"gradient {m}")
+                    backward_start = time.monotonic()  # the wait is on the p2p track, R<m> before it
                     roots, root_grads = [], []
                     for tensor, grad in zip(iter_tensors(saved), grads):
                         if grad is not None and tensor.requires_grad:
@@ -278,6 +296,8 @@ class StageExecutor:
                     finally:
                         _backward_phase = None
                     result.last_backward_finished = time.monotonic()
+                timeline.record(f"B{m}", "backward", "compute", backward_start, time.monotonic(),
+                                {"stage": self.stage, "micro_batch": m})
                 if not self.first:
                     input_grads = [t.grad if t.requires_grad else None for t in iter_tensors(x)]
                     self._send(input_grads, self.stage - 1, _backward_tag(m))
