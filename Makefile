@@ -10,7 +10,7 @@ DEMO_RANKS ?= 4
 DEMO_STAGES ?= 2
 MPIRUN_FLAGS := $(shell [ "$$(id -u)" = 0 ] && echo --allow-run-as-root) --oversubscribe
 
-.PHONY: setup build test demo demo-allreduce bench clean
+.PHONY: setup build test demo demo-allreduce bench docs clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,11 @@ demo-allreduce: $(STAMP)
 
 bench: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) bench/allreduce.py
+
+# The documentation site (Sphinx + MyST, docs/conf.py) into build/docs/index.html. Warnings are
+# errors; tests/test_docs.py runs the same command, so `make test` fails on a broken page.
+docs: $(VENV)/.requirements
+	$(PY) -m sphinx -W --keep-going -b html docs build/docs
 
 clean:
 	rm -rf build *.egg-info hybridpipe/_C*.so

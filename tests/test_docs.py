@@ -1,0 +1,73 @@
+"""The documentation site builds with warnings as errors, by the same command as `make docs`, and
+the pages name only functions hybridpipe really has.
+
+This is how `make test` proves the docs: a broken cross-reference, a page missing from the table
+of contents, a docstring that is not valid reStructuredText or an API entry that no longer
+imports fails the build, and so this test.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import hybridpipe
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+# `make docs` runs `$(PY) -m sphinx` + these arguments + build/docs.
+BUILD_ARGS = ["-W", "--keep-going", "-b", "html", "docs"]
+
+
+def test_makefile_builds_docs_with_the_same_command():
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = re.search(r"^docs:.*\n\t(.+)$", makefile, re.MULTILINE)
+    assert recipe, "the Makefile has no `docs` target"
+    assert recipe.group(1).split() == ["$(PY)", "-m", "sphinx", *BUILD_ARGS, "build/docs"]
+
+
+def test_docs_build_without_warnings(tmp_path):
+    out = tmp_path / "html"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "sphinx", *BUILD_ARGS, str(out)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, (f"the docs build failed (exit {result.returncode}); its warnings:\n"
+                                    f"{result.stderr[-10000:]}\n{result.stdout[-3000:]}")
+    pages = {path.stem for path in DOCS.glob("*.md")}
+    built = {path.stem for path in out.glob("*.html")}
+    assert pages <= built, f"pages not built: {sorted(pages - built)}"
+    api = (out / "api.html").read_text()
+    for name in ("hybridpipe.init", "hybridpipe.Grid", "hybridpipe.allreduce", "hybridpipe.allreduce_async_",
+                 "hybridpipe.PipelineModel", "hybridpipe.LayerSpec", "hybridpipe.DistributedOptimizer",
+                 "hybridpipe.broadcast_parameters", "hybridpipe.save_checkpoint", "hybridpipe.load_checkpoint",
+                 "hybridpipe.launch.mpirun_command", "hybridpipe.pipeline.schedule.one_f_one_b",
+                 "hybridpipe.pipeline.partition.partition_by_weights", "hybridpipe.pipeline.microbatch.split",
+                 "hybridpipe.checkpoint.latest_checkpoint"):
+        assert f'id="{name}"' in api, f"{name} is missing from the API reference"
+
+
+def _resolve(dotted: str) -> bool:
+    value = hybridpipe
+    for part in dotted.split("."):
+        if isinstance(value, type) and issubclass(value, enum.Enum) and part in value.__members__:
+            value = value[part]
+        elif hasattr(value, part):
+            value = getattr(value, part)
+        else:
+            return False
+    return True
+
+
+def test_hp_names_in_the_new_pages_exist():
+    """Every `hp.something` in the pages written for the site (the Horovod table above all) is real."""
+    missing = []
+    for page in ("index.md", "horovod.md", "sharp_bits.md"):
+        text = (DOCS / page).read_text()
+        for dotted in sorted(set(re.findall(r"\bhp\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)?)", text))):
+            if not _resolve(dotted):
+                missing.append(f"{page}: hp.{dotted}")
+    assert not missing, f"names that hybridpipe does not have: {missing}"
