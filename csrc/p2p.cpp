@@ -93,18 +93,22 @@ void P2PRequest::cancel() {
   done_ = true;
 }
 
-P2PRequest* isend(const void* data, size_t bytes, int dest, int tag, MPI_Comm comm) {
-  check_tag(tag, comm);
-  auto* request = new P2PRequest(describe("send", bytes, dest, tag), comm);
-  const char* cursor = static_cast<const char*>(data);
+namespace {
+
+// Posts `bytes` at `data` as messages of at most kMaxPartBytes (a zero-byte message is still one),
+// each with `post(cursor, part_bytes, &request)`; on failure frees the request and raises.
+template <typename Post>
+P2PRequest* post_parts(P2PRequest* request, char* data, size_t bytes, const char* call, Post post) {
   size_t left = bytes;
-  do {  // a zero-byte message is still one message
+  char* cursor = data;
+  do {
     const size_t part = std::min(left, P2PRequest::kMaxPartBytes);
     request->parts().push_back(MPI_REQUEST_NULL);
-    int rc = MPI_Isend(cursor, static_cast<int>(part), MPI_BYTE, dest, tag, comm, &request->parts().back());
+    const int rc = post(cursor, static_cast<int>(part), &request->parts().back());
     if (rc != MPI_SUCCESS) {
+      MPI_Comm comm = request->comm();
       delete request;
-      raise_mpi_error(rc, "MPI_Isend", comm);
+      raise_mpi_error(rc, call, comm);
     }
     cursor += part;
     left -= part;
@@ -112,23 +116,23 @@ P2PRequest* isend(const void* data, size_t bytes, int dest, int tag, MPI_Comm co
   return request;
 }
 
+}  // namespace
+
+P2PRequest* isend(const void* data, size_t bytes, int dest, int tag, MPI_Comm comm) {
+  check_tag(tag, comm);
+  return post_parts(new P2PRequest(describe("send", bytes, dest, tag), comm),
+                    static_cast<char*>(const_cast<void*>(data)), bytes, "MPI_Isend",
+                    [&](char* cursor, int part, MPI_Request* out) {
+                      return MPI_Isend(cursor, part, MPI_BYTE, dest, tag, comm, out);
+                    });
+}
+
 P2PRequest* irecv(void* data, size_t bytes, int source, int tag, MPI_Comm comm) {
   check_tag(tag, comm);
-  auto* request = new P2PRequest(describe("receive", bytes, source, tag), comm, true);
-  char* cursor = static_cast<char*>(data);
-  size_t left = bytes;
-  do {
-    const size_t part = std::min(left, P2PRequest::kMaxPartBytes);
-    request->parts().push_back(MPI_REQUEST_NULL);
-    int rc = MPI_Irecv(cursor, static_cast<int>(part), MPI_BYTE, source, tag, comm, &request->parts().back());
-    if (rc != MPI_SUCCESS) {
-      delete request;
-      raise_mpi_error(rc, "MPI_Irecv", comm);
-    }
-    cursor += part;
-    left -= part;
-  } while (left > 0);
-  return request;
+  return post_parts(new P2PRequest(describe("receive", bytes, source, tag), comm, true), static_cast<char*>(data),
+                    bytes, "MPI_Irecv", [&](char* cursor, int part, MPI_Request* out) {
+                      return MPI_Irecv(cursor, part, MPI_BYTE, source, tag, comm, out);
+                    });
 }
 
 size_t wait_any(const std::vector<P2PRequest*>& requests) {
