@@ -136,3 +136,31 @@ def test_python_m_hybridpipe_aborts_every_rank_on_an_uncaught_exception(tmp_path
     assert "[rank 1] uncaught exception; aborting every rank of the job" in result.stderr
     assert "[rank 1] ValueError: rank 1 gives up" in result.stderr
     assert time.monotonic() - start < 100  # it did not hang until the timeout
+
+
+def test_ctrl_c_stops_every_rank(tmp_path):
+    import signal
+
+    marker = tmp_path / "marker"
+    code = f"import time, os; open('{marker}' + str(os.getpid()), 'w').close(); time.sleep(600)"
+    process = subprocess.Popen([sys.executable, "-m", "hybridpipe.launch", "-np", "2", sys.executable, "-c", code],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("marker*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = [int(p.name.removeprefix("marker")) for p in tmp_path.glob("marker*")]
+    assert len(pids) == 2, "the ranks did not start"
+    process.send_signal(signal.SIGINT)
+    code = process.wait(timeout=60)
+    assert code != 0
+    time.sleep(1)
+
+    def running(pid: int) -> bool:  # exists and is not a zombie
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (FileNotFoundError, IndexError):
+            return False
+
+    alive = [pid for pid in pids if running(pid)]
+    assert alive == [], f"ranks {alive} survived Ctrl-C"
