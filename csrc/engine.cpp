@@ -19,6 +19,7 @@ constexpr uint64_t kAllCached = 1ull << 0;   // AND: no rank has an uncached rea
 constexpr uint64_t kNotStalled = 1ull << 1;  // AND: no rank has a name waiting past stall_check_seconds
 constexpr uint64_t kWantStop = 1ull << 2;    // AND: every rank asked to stop and has nothing pending
 constexpr uint64_t kIdle = 1ull << 3;        // AND: nobody has anything pending
+constexpr uint64_t kNotExpired = 1ull << 4;  // AND: nothing waited past stall_shutdown_seconds
 
 struct Announced {  // one pending name of one rank, as gathered in a slow round
   int rank;
@@ -253,7 +254,8 @@ void Engine::start_negotiation(Group& group) {
   }
   const auto now = Clock::now();
   const auto stall = std::chrono::duration<double>(options_.stall_check_seconds);
-  uint64_t flags = kAllCached | kNotStalled;
+  uint64_t flags = kAllCached | kNotStalled | kNotExpired;
+  const auto expiry = std::chrono::duration<double>(options_.stall_shutdown_seconds);
   if (group.snapshot.empty()) flags |= kIdle | (stop ? kWantStop : 0);
   group.vector.assign(1 + (group.cache.size() + 63) / 64, 0);
   for (const Entry& entry : group.snapshot) {
@@ -266,6 +268,7 @@ void Engine::start_negotiation(Group& group) {
       flags &= ~kAllCached;
     }
     if (!entry.warned && now - entry.submitted > stall) flags &= ~kNotStalled;
+    if (options_.stall_shutdown_seconds > 0 && now - entry.submitted > expiry) flags &= ~kNotExpired;
   }
   group.vector[0] = flags;
   HP_MPI(MPI_Iallreduce, group.comm, MPI_IN_PLACE, group.vector.data(), static_cast<int>(group.vector.size()),
@@ -277,7 +280,7 @@ void Engine::finish_negotiation(Group& group) {
   const uint64_t flags = group.vector[0];
   std::vector<Entry> ready;
   std::vector<std::pair<Entry, std::string>> failed;
-  if ((flags & kAllCached) && (flags & kNotStalled)) {
+  if ((flags & kAllCached) && (flags & kNotStalled) && (flags & kNotExpired)) {
     for (const Entry& entry : group.snapshot) {
       auto bit = group.bits.find(entry.name);
       if (bit == group.bits.end()) continue;
@@ -396,6 +399,18 @@ void Engine::slow_round(Group& group, std::vector<Entry>& ready, std::vector<std
     for (const Announced& a : ranks) {
       stalled = stalled || a.stalled;
       waited = std::max(waited, a.waited_s);
+    }
+    if (options_.stall_shutdown_seconds > 0 && waited > options_.stall_shutdown_seconds) {
+      // every rank of the group sees the same gathered ages, so every rank stops here together
+      std::string have;
+      for (const Announced& a : ranks) have += (have.empty() ? "" : ", ") + std::to_string(a.rank);
+      char text[160];
+      std::snprintf(text, sizeof text, "' waited %.1f s for the ranks of the group that never submitted it",
+                    waited);
+      char limit[64];
+      std::snprintf(limit, sizeof limit, "%g", options_.stall_shutdown_seconds);
+      throw std::runtime_error("allreduce '" + name + text + " (only ranks [" + have +
+                               "] did); stall_shutdown_seconds=" + limit + " stopped the engine");
     }
     if (!stalled) continue;
     if (mine_entry) mine_entry->warned = true;

@@ -40,6 +40,7 @@ struct EngineOptions {
   double cycle_time_ms = 1.0;
   double idle_cycle_time_ms = 20.0;  // sleep between negotiations after a while with nothing to do
   double stall_check_seconds = 60.0;
+  double stall_shutdown_seconds = 0.0;  // 0: off; else a tensor waiting this long stops the group
   size_t fusion_threshold_bytes = 4 * 1024 * 1024;
   AllreduceOptions allreduce;
   bool record_events = false;  // keep phase timings for the timeline (EngineEvent)

@@ -43,6 +43,16 @@ def _positive_float(text: str, name: str) -> float:
     return value
 
 
+def _non_negative_float(text: str, name: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise HybridPipeError(f"{name}={text!r} is not a number of seconds >= 0 (0 turns it off)")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Tunables of the communication core. Defaults come from bench/allreduce.py on a 2-core host.
@@ -59,6 +69,9 @@ class Config:
             (HYBRIDPIPE_CYCLE_TIME_MS).
         stall_check_seconds: warn when a collective waits this long for some rank
             (HYBRIDPIPE_STALL_CHECK_SECONDS).
+        stall_shutdown_seconds: 0 (off), or stop the engine of a group, failing its pending
+            handles on every rank, when a tensor has waited this long for some rank
+            (HYBRIDPIPE_STALL_SHUTDOWN_SECONDS).
         timeline: path of a Chrome-trace timeline to write, or "" (HYBRIDPIPE_TIMELINE).
     """
 
@@ -68,6 +81,7 @@ class Config:
     small_message_bytes: int = 64 * 1024
     cycle_time_ms: float = 1.0
     stall_check_seconds: float = 60.0
+    stall_shutdown_seconds: float = 0.0
     timeline: str = ""
 
     @classmethod
@@ -86,6 +100,7 @@ class Config:
             ("HYBRIDPIPE_SMALL_MESSAGE_BYTES", "small_message_bytes", parse_bytes),
             ("HYBRIDPIPE_CYCLE_TIME_MS", "cycle_time_ms", _positive_float),
             ("HYBRIDPIPE_STALL_CHECK_SECONDS", "stall_check_seconds", _positive_float),
+            ("HYBRIDPIPE_STALL_SHUTDOWN_SECONDS", "stall_shutdown_seconds", _non_negative_float),
         ):
             if env.get(name, "").strip():
                 values[field] = parse(env[name], name)
@@ -99,6 +114,8 @@ class Config:
             raise HybridPipeError(f"fusion_threshold_bytes={self.fusion_threshold_bytes} must be >= 1 (e.g. 4MiB)")
         if self.segment_bytes < 8:
             raise HybridPipeError(f"segment_bytes={self.segment_bytes} must be >= 8 (e.g. 256KiB)")
+        if self.stall_shutdown_seconds < 0:
+            raise HybridPipeError(f"stall_shutdown_seconds={self.stall_shutdown_seconds} must be >= 0 (0: off)")
         if self.receive_window < 1:
             raise HybridPipeError(f"receive_window={self.receive_window} must be >= 1 (e.g. 4)")
         return self

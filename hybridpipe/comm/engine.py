@@ -41,6 +41,7 @@ class _EngineState:
         options = core().EngineOptions()
         options.cycle_time_ms = config.cycle_time_ms
         options.stall_check_seconds = config.stall_check_seconds
+        options.stall_shutdown_seconds = config.stall_shutdown_seconds
         options.fusion_threshold_bytes = config.fusion_threshold_bytes
         options.allreduce = collectives._allreduce_options()
         options.record_events = bool(config.timeline)
@@ -163,7 +164,10 @@ def _submit(tensor: Any, name: str | None, op: Any, group: Any, function: str, i
     code = collectives._dtype_code(work)
     collectives._check_reducible([code], [work], function)
     count = work.size if isinstance(work, np.ndarray) else work.numel()
-    handle = state.engine.submit(group_id, name, collectives._address(work), count, code, int(op))
+    try:
+        handle = state.engine.submit(group_id, name, collectives._address(work), count, code, int(op))
+    except RuntimeError as error:  # the engine stopped (stall shutdown, MPI failure, shutting down)
+        raise HybridPipeError(f"hp.{function}: {error}") from None
     state.in_flight.add(key)
     return Handle(state, handle, key, result, work)
 

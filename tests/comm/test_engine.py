@@ -178,3 +178,20 @@ def test_user_communicator_group(grid):
     finally:
         hp.shutdown()  # frees hybridpipe's duplicate before the user's communicator
         split.Free()
+
+
+def test_stall_shutdown_stops_the_group_on_every_rank():
+    hp.shutdown()
+    hp.init(config=Config(stall_check_seconds=0.5, stall_shutdown_seconds=1.5))
+    try:
+        if RANK == 0:
+            handle = hp.allreduce_async_(torch.ones(2), name="never", op=hp.Sum)
+            with pytest.raises(HybridPipeError, match=r"'never' waited [\d.]+ s .* \(only ranks \[0\] did\); "
+                                                      r"stall_shutdown_seconds=1.5"):
+                handle.wait()
+        WORLD.barrier()
+        time.sleep(0.2)
+        with pytest.raises(HybridPipeError, match="stopped after an error"):  # on every rank
+            hp.allreduce_async_(torch.ones(2), name="after", op=hp.Sum)
+    finally:
+        hp.shutdown()  # still a clean, collective stop
