@@ -75,7 +75,9 @@ std::string mpi_library_version() {
   char text[MPI_MAX_LIBRARY_VERSION_STRING];
   int length = 0;
   MPI_Get_library_version(text, &length);
-  return std::string(text, static_cast<size_t>(length));
+  std::string version(text, static_cast<size_t>(length));
+  while (!version.empty() && (version.back() == '\0' || version.back() == '\n')) version.pop_back();
+  return version;  // some MPIs count the terminating NUL in `length`
 }
 
 }  // namespace

@@ -50,7 +50,7 @@ def core() -> ModuleType:
         ) from error
     from mpi4py import MPI
 
-    runtime = MPI.Get_library_version()
+    runtime = MPI.Get_library_version().replace("\0", "")  # some MPIs count the terminating NUL
     loaded = _C.mpi_library_version()
     built = _C.mpi_build_info()
     built_family = "MPICH" if built["implementation"] in ("MPICH", "Intel MPI", "MVAPICH") else built["implementation"]

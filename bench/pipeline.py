@@ -1,0 +1,759 @@
+"""Pipeline benchmark: hybridpipe GPipe / 1F1B vs torch.distributed.pipelining vs one process.
+
+Usage:
+    python bench/pipeline.py [--stages 2,4] [--micro-batches 8] [--batch 256] [--width 1024]
+                             [--layers 16] [--steps 5] [--blocks 3] [--rounds 1] [--no-torch]
+                             [--no-sleep] [--busy-neighbours N] [--markdown]
+
+Run plainly, this script is the driver: it starts every variant in a fresh set of processes (a
+plain subprocess for the one-process runs, ``mpirun -n P ... --worker`` for the pipelines; the
+command comes from ``hybridpipe.launch.mpirun_command``), reads rank 0's JSON result from a
+temporary file, and prints the tables. With ``--worker`` it is one rank of one variant.
+
+Two benchmarks:
+
+1. **MLP throughput.** ``--layers`` × (Linear(width, width) + Tanh), MSE loss, SGD, one global
+   batch of ``--batch`` rows cut into ``--micro-batches`` micro-batches. Variants, all on the same
+   model (layer ``i`` built under seed ``seed + i`` everywhere), the same batch and the same number
+   of steps, one thread per process (``torch.set_num_threads(1)``, ``OMP_NUM_THREADS=1``):
+     * one process, whole batch (the reference every ratio divides by);
+     * one process, the same micro-batches with gradient accumulation (what a pipeline stage runs);
+     * min(max P, cores) such one-process runs at once, independent (MPI only lines up their
+       blocks): each core's speed when every core is busy, which sets the "ceiling" column —
+       P·M/(M+P−1) (capped at the core count) times that per-core speed, over the reference;
+     * for each P in ``--stages``: hybridpipe ``PipelineModel`` (schedule "gpipe" and "1f1b",
+       ``checkpoint="never"``, the same uniform balance) and ``torch.distributed.pipelining``
+       (``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B``, gloo over loopback).
+   A step is forward + backward + ``optimizer.step()``. Each variant runs in its own launch, so
+   its peak RSS (``ru_maxrss``) is its own and torch.distributed never shares a process with
+   hybridpipe. The first- and last-step losses are reported: equal columns show the variants
+   really trained the same model the same way.
+2. **Framework overhead with a sleep-emulated model** (``--sleep-*``). Each layer's forward
+   sleeps f ms and its backward b ms (a ``torch.autograd.Function``); the tensors are tiny (4
+   rows per micro-batch, 16 features), so a stage's compute is known exactly and communication is
+   negligible. Sleeping ranks need no CPU, so P=4 on 2 cores is fair here. For both schedules the
+   ideal step time is (M + P − 1)·(F + B), F and B being one stage's forward and backward time per
+   micro-batch; the table gives measured / ideal (1.00 = no framework overhead), both with the
+   nominal sleeps and with the sleeps as actually measured inside the layers (``time.sleep``
+   overshoots by tens of µs), and the bubble fraction (P − 1)/(M + P − 1). The two schedules of a
+   framework share one launch, interleaved block by block. The sleeps' timestamps (perf_counter,
+   comparable between processes) give the framework's time per action: from the end of a stage's
+   previous action to the first sleep of its next one, when the input was already there ("per
+   action") or when it came last from the neighbour ("per hop"). About 2(M + P − 1) actions lie on
+   the critical path, so measured − ideal ≈ 2(M + P − 1) × that time.
+
+How it measures (a shared, noisy 2-core machine is the expected case, so it never asserts speed):
+  * ``--warmup`` steps per schedule first, then ``--blocks`` blocks of ``--steps`` steps. Each
+    block starts after an MPI barrier; its time is the slowest rank's. steps/s = steps / median
+    block time (median over all blocks of all ``--rounds``).
+  * ``--rounds`` repeats the whole set of launches, the launch order rotated each round, so slow
+    phases of the machine do not all fall on one variant.
+  * Peak RSS = ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` at the end of the launch, per rank
+    (MiB); the table shows the largest rank and every rank. "after imports" is the same figure
+    taken after torch, MPI and the process group are up but before the model is built.
+  * "CPU cores used" = CPU seconds of all ranks (all threads) per second of wall time: how much of
+    the machine a variant takes, busy-waiting included.
+  * Ranks beyond the available cores run oversubscribed with OMPI_MCA_mpi_yield_when_idle=1.
+  * ``--busy-neighbours N`` runs N busy-looping processes beside every launch (a shared machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))  # hybridpipe from this checkout when it is not installed
+
+SCHEDULES = ("gpipe", "1f1b")
+SEED = 1234
+DATA_SEED = 99
+LEARNING_RATE = 0.01
+SLEEP_WIDTH, SLEEP_ROWS_PER_MICRO_BATCH = 16, 4
+
+
+def progress(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def peak_rss_kib() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+
+
+def int_list(text: str, what: str) -> list[int]:
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} needs comma-separated integers (got {text!r})") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{what} needs positive integers (got {text!r})")
+    return values
+
+
+# ------------------------------------------------------------------------------------------ worker
+
+class Worker:
+    """One process of one variant. Subclasses set ``self.step_fns`` (schedule -> one training step
+    returning the loss or None) and ``barrier`` / ``gather`` for their process group."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+
+        torch.set_num_threads(1)
+        self.torch, self.args = torch, args
+        from _pipeline_models import layer_class_and_args, make_batch, uniform_balance
+
+        self.layer_cls, self.layer_args = layer_class_and_args(args.model, args.width, *args.sleep_ms)
+        self.inputs, self.targets = make_batch(args.batch, args.width, DATA_SEED)
+        self.balance = uniform_balance(args.layers, args.stages)
+        self.rank, self.size = 0, 1
+        self.step_fns: dict[str, Callable[[], float | None]] = {}
+
+    # process-group hooks (one process: trivial)
+    def barrier(self) -> None:
+        pass
+
+    def allreduce_max(self, values: list[float]) -> list[float]:
+        return values
+
+    def gather(self, value: Any) -> list[Any]:
+        return [value]
+
+    def loss_to_rank0(self, loss: float | None) -> float | None:
+        return loss
+
+    def close(self) -> None:
+        pass
+
+    def run(self) -> dict[str, Any]:
+        from _pipeline_models import SleepClock, action_gaps
+
+        args = self.args
+        rss_start = peak_rss_kib()
+        self.build()
+        if args.model == "sleep":
+            SleepClock.layers = self.balance[min(self.rank, len(self.balance) - 1)]
+        names = list(self.step_fns)
+        first_loss: dict[str, float | None] = {}
+        last_loss: dict[str, float | None] = {}
+        for name in names:
+            for index in range(args.warmup):
+                loss = self.step_fns[name]()
+                if index == 0:
+                    first_loss[name] = loss
+        times: dict[str, list[float]] = {name: [] for name in names}
+        cpu: dict[str, list[float]] = {name: [] for name in names}
+        sleeps: dict[str, dict[str, float]] = {name: {"forward_s": 0.0, "forward_calls": 0, "backward_s": 0.0,
+                                                      "backward_calls": 0} for name in names}
+        events: dict[str, list] = {name: [] for name in names}
+        clock = time.perf_counter
+        for block in range(args.blocks):
+            shift = block % len(names)
+            for name in names[shift:] + names[:shift]:
+                step = self.step_fns[name]
+                SleepClock.reset()
+                SleepClock.events = events[name] if args.model == "sleep" else None
+                self.barrier()
+                start, cpu_start = clock(), time.process_time()
+                for _ in range(args.steps):
+                    SleepClock.new_step()
+                    loss = step()
+                times[name].append(clock() - start)
+                cpu[name].append(time.process_time() - cpu_start)
+                SleepClock.events = None
+                for key, value in SleepClock.snapshot().items():
+                    sleeps[name][key] += value
+                last_loss[name] = loss
+                if args.warmup == 0 and name not in first_loss:
+                    first_loss[name] = loss
+        flat = self.allreduce_max([t for name in names for t in times[name]])
+        block_seconds = {name: flat[i * args.blocks:(i + 1) * args.blocks] for i, name in enumerate(names)}
+        cpu_total = [sum(column) for column in zip(*self.gather([t for name in names for t in cpu[name]]))]
+        cpu_seconds = {name: cpu_total[i * args.blocks:(i + 1) * args.blocks] for i, name in enumerate(names)}
+        rss_peak = peak_rss_kib()
+        result = {
+            "variant": args.variant, "model": args.model, "stages": args.stages, "balance": self.balance,
+            "steps_per_block": args.steps,
+            "schedules": {name: {"block_seconds": block_seconds[name], "cpu_seconds": cpu_seconds[name],
+                                 "first_loss": self.loss_to_rank0(first_loss.get(name)),
+                                 "last_loss": self.loss_to_rank0(last_loss.get(name)),
+                                 "sleep_per_rank": self.gather(sleeps[name]),
+                                 "gaps": (action_gaps(self.gather(events[name]))
+                                          if args.model == "sleep" else {})}
+                          for name in names},
+            "rss_start_kib": self.gather(rss_start),
+            "rss_peak_kib": self.gather(rss_peak),
+        }
+        result.update(self.describe())
+        return result
+
+    def build(self) -> None:
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        return {"torch": self.torch.__version__}
+
+
+class SingleWorker(Worker):
+    """One process, one thread: the whole model, whole batch or accumulated micro-batches."""
+
+    def build(self) -> None:
+        torch, args = self.torch, self.args
+        from torch import nn
+
+        from _pipeline_models import build_layer
+
+        model = nn.Sequential(*[build_layer(i, SEED, self.layer_cls, self.layer_args)
+                                for i in range(args.layers)])
+        optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+        loss_fn = nn.MSELoss()
+        x, y = self.inputs, self.targets
+        if args.variant == "single":  # whole batch at once
+            def step() -> float:
+                optimizer.zero_grad(set_to_none=True)
+                loss = loss_fn(model(x), y)
+                loss.backward()
+                optimizer.step()
+                return float(loss.detach())
+        else:  # single-micro(-copies): gradient accumulation over the pipeline's micro-batches
+            xs, ys = torch.tensor_split(x, args.micro_batches), torch.tensor_split(y, args.micro_batches)
+            weights = [len(c) / len(x) for c in ys]
+
+            def step() -> float:
+                optimizer.zero_grad(set_to_none=True)
+                total = 0.0
+                for xc, yc, w in zip(xs, ys, weights):
+                    loss = loss_fn(model(xc), yc) * w
+                    loss.backward()
+                    total += float(loss.detach())
+                optimizer.step()
+                return total
+        self.step_fns = {"-": step}
+
+
+class MPIWorker(Worker):
+    def __init__(self, args: argparse.Namespace) -> None:
+        from mpi4py import MPI
+
+        super().__init__(args)
+        self.MPI = MPI
+        self.comm = MPI.COMM_WORLD
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        if self.size != args.stages:
+            raise SystemExit(f"bench worker: started on {self.size} ranks for {args.stages} stages")
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def allreduce_max(self, values: list[float]) -> list[float]:
+        return [max(column) for column in zip(*self.comm.allgather(values))]
+
+    def gather(self, value: Any) -> list[Any]:
+        return self.comm.allgather(value)
+
+    def loss_to_rank0(self, loss: float | None) -> float | None:
+        # the last stage always knows the loss (hybridpipe gives it to every stage anyway)
+        return self.comm.bcast(loss, root=self.size - 1)
+
+
+class ConcurrentCopiesWorker(MPIWorker):
+    """One of several independent one-process runs at once (one per core): what the cores deliver
+    together when nothing is shared but the machine (memory bandwidth, caches). MPI only lines up
+    the blocks."""
+
+    build = SingleWorker.build
+
+
+class HybridpipeWorker(MPIWorker):
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        import hybridpipe as hp
+
+        self.hp = hp
+        self.grid = hp.init(pipeline_stages=args.stages)
+        self.models: list[Any] = []
+
+    def build(self) -> None:
+        torch, args, hp = self.torch, self.args, self.hp
+        from torch import nn
+
+        specs = [hp.LayerSpec(self.layer_cls, *self.layer_args) for _ in range(args.layers)]
+        for schedule in args.schedules:
+            model = hp.PipelineModel(specs, loss_fn=nn.MSELoss(), micro_batches=args.micro_batches,
+                                     balance=self.balance, schedule=schedule, checkpoint="never",
+                                     seed_layers=SEED)
+            optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+            self.models.append(model)
+
+            def step(model: Any = model, optimizer: Any = optimizer) -> float:
+                optimizer.zero_grad(set_to_none=True)
+                loss = model.train_step(self.inputs, self.targets)
+                optimizer.step()
+                return loss
+            self.step_fns[schedule] = step
+
+    def describe(self) -> dict[str, Any]:
+        from hybridpipe._ext import describe
+
+        return {"torch": self.torch.__version__, "describe": describe()}
+
+    def close(self) -> None:
+        for model in self.models:
+            model.close()
+        self.hp.shutdown()
+
+
+class TorchPipeliningWorker(MPIWorker):
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        import torch.distributed as dist
+
+        self.dist = dist
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        timeout = datetime.timedelta(seconds=300)
+        store, port = None, 0
+        if self.rank == 0:  # port 0: the kernel picks a free port, nobody can take it meanwhile
+            store = dist.TCPStore("127.0.0.1", 0, self.size, True, timeout=timeout, wait_for_workers=False)
+            port = store.port
+        port = self.comm.bcast(port, root=0)
+        if store is None:
+            store = dist.TCPStore("127.0.0.1", port, self.size, False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.size, timeout=timeout)
+        self.store = store
+
+    def build(self) -> None:
+        torch, args = self.torch, self.args
+        from torch import nn
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        from _pipeline_models import build_layer, stage_range
+
+        classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+        first, last = self.rank == 0, self.rank == self.size - 1
+        for schedule in args.schedules:
+            submodule = nn.Sequential(*[build_layer(i, SEED, self.layer_cls, self.layer_args)
+                                        for i in stage_range(self.balance, self.rank)])
+            stage = PipelineStage(submodule, self.rank, self.size, torch.device("cpu"))
+            runner = classes[schedule](stage, args.micro_batches, loss_fn=nn.MSELoss())
+            optimizer = torch.optim.SGD(submodule.parameters(), lr=LEARNING_RATE)
+
+            def step(runner: Any = runner, optimizer: Any = optimizer) -> float | None:
+                optimizer.zero_grad(set_to_none=True)
+                loss = None
+                if first:
+                    runner.step(self.inputs)
+                elif last:
+                    losses: list = []
+                    runner.step(target=self.targets, losses=losses)
+                    loss = float(torch.stack([l.detach() for l in losses]).mean())
+                else:
+                    runner.step()
+                optimizer.step()
+                return loss
+            self.step_fns[schedule] = step
+
+    def close(self) -> None:
+        self.comm.Barrier()
+        self.dist.destroy_process_group()
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    worker_class = {"single": SingleWorker, "single-micro": SingleWorker,
+                    "single-micro-copies": ConcurrentCopiesWorker, "hybridpipe": HybridpipeWorker,
+                    "torch": TorchPipeliningWorker}[args.variant]
+    worker = worker_class(args)
+    try:
+        result = worker.run()
+        if worker.rank == 0:
+            Path(args.result).write_text(json.dumps(result, indent=1))
+    finally:
+        worker.close()
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ driver
+
+@dataclass
+class Launch:
+    """One set of fresh processes running one variant (one or several schedules)."""
+
+    model: str
+    variant: str
+    stages: int
+    schedules: list[str]
+    micro_batches: int
+    batch: int
+    width: int
+    layers: int
+    results: list[dict[str, Any]] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} {self.variant} P={self.stages} {'+'.join(self.schedules)}"
+
+
+def plan(args: argparse.Namespace) -> list[Launch]:
+    from hybridpipe.launch import available_cores
+
+    launches = []
+    if not args.no_mlp:
+        mlp = dict(micro_batches=args.micro_batches, batch=args.batch, width=args.width, layers=args.layers)
+        launches.append(Launch("mlp", "single", 1, ["-"], **mlp))
+        launches.append(Launch("mlp", "single-micro", 1, ["-"], **mlp))
+        copies = min(max(args.stages), available_cores())
+        if copies > 1:
+            launches.append(Launch("mlp", "single-micro-copies", copies, ["-"], **mlp))
+        for p in args.stages:
+            for variant in ("hybridpipe",) + (() if args.no_torch else ("torch",)):
+                for schedule in SCHEDULES:
+                    launches.append(Launch("mlp", variant, p, [schedule], **mlp))
+    if not args.no_sleep:
+        m, p = args.sleep_micro_batches, args.sleep_stages
+        sleep = dict(micro_batches=m, batch=SLEEP_ROWS_PER_MICRO_BATCH * m, width=SLEEP_WIDTH,
+                     layers=args.sleep_layers or p)
+        for variant in ("hybridpipe",) + (() if args.no_torch else ("torch",)):
+            launches.append(Launch("sleep", variant, p, list(SCHEDULES), **sleep))
+    return launches
+
+
+def run_launch(launch: Launch, args: argparse.Namespace, folder: Path, index: int) -> None:
+    from hybridpipe.launch import available_cores, mpirun_command
+
+    result_path = folder / f"result-{index}.json"
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--result", str(result_path),
+            "--variant", launch.variant, "--model", launch.model, "--stages", str(launch.stages),
+            "--schedules", ",".join(launch.schedules), "--micro-batches", str(launch.micro_batches),
+            "--batch", str(launch.batch), "--width", str(launch.width), "--layers", str(launch.layers),
+            "--steps", str(args.steps), "--blocks", str(args.blocks), "--warmup", str(args.warmup),
+            "--sleep-ms", ",".join(str(v) for v in args.sleep_ms)]
+    env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    env.update({k: v for k, v in os.environ.items()
+                if k.startswith("HYBRIDPIPE_") and k != "HYBRIDPIPE_MPIRUN"})
+    if launch.variant in ("single", "single-micro"):
+        command = argv
+        child_env = {**os.environ, **env}
+    else:
+        if launch.stages > available_cores():
+            env["OMPI_MCA_mpi_yield_when_idle"] = "1"
+        command = mpirun_command(launch.stages, argv, env=env)
+        child_env = None
+    progress(f"{launch.label}: {shlex.join(command)}")
+    started = time.perf_counter()
+    neighbours = [subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+                  for _ in range(args.busy_neighbours)]
+    try:
+        completed = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=sys.stderr, env=child_env,
+                                   timeout=args.timeout, check=False)
+    finally:
+        for neighbour in neighbours:
+            neighbour.kill()
+            neighbour.wait()
+    if completed.returncode != 0 or not result_path.exists():
+        raise SystemExit(f"bench: {launch.label} failed (exit status {completed.returncode}); "
+                         "its output is above")
+    result = json.loads(result_path.read_text())
+    result_path.unlink()
+    launch.results.append(result)
+    launch.seconds.append(time.perf_counter() - started)
+    steps = result["steps_per_block"]
+    shown = ", ".join(f"{name} {steps / statistics.median(blocks):.2f} steps/s "
+                      f"(blocks {steps / max(blocks):.2f}..{steps / min(blocks):.2f})"
+                      for name in launch.schedules
+                      for blocks in [result["schedules"][name]["block_seconds"]])
+    progress(f"{launch.label}: {shown} (launch took {launch.seconds[-1]:.0f} s)")
+
+
+def _blocks(launch: Launch, schedule: str) -> list[float]:
+    return [t for r in launch.results for t in r["schedules"][schedule]["block_seconds"]]
+
+
+def _step_seconds(launch: Launch, schedule: str) -> float:
+    steps = launch.results[0]["steps_per_block"]
+    return statistics.median(_blocks(launch, schedule)) / steps
+
+
+def _steps_per_s(launch: Launch, schedule: str) -> float:
+    """Global-batch steps per second; concurrent independent copies count together."""
+    copies = launch.stages if launch.variant == "single-micro-copies" else 1
+    return copies / _step_seconds(launch, schedule)
+
+
+def _rate_range(launch: Launch, schedule: str) -> str:
+    copies = launch.stages if launch.variant == "single-micro-copies" else 1
+    steps = launch.results[0]["steps_per_block"]
+    blocks = _blocks(launch, schedule)
+    return f"{copies * steps / max(blocks):.2f}–{copies * steps / min(blocks):.2f}"
+
+
+def _cpu_cores(launch: Launch, schedule: str) -> float:
+    """CPU seconds of all ranks (all their threads) per second of wall time, median over blocks."""
+    return statistics.median(c / t for r in launch.results
+                             for c, t in zip(r["schedules"][schedule]["cpu_seconds"],
+                                             r["schedules"][schedule]["block_seconds"]))
+
+
+def _mib(kib: float) -> float:
+    return kib / 1024.0
+
+
+def _rss(launch: Launch, key: str) -> list[float]:
+    """Per rank, the largest value over the launch's rounds (MiB)."""
+    per_round = [r[key] for r in launch.results]
+    return [_mib(max(values)) for values in zip(*per_round)]
+
+
+def _loss(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.6f}"
+
+
+VARIANT_LABELS = {"single": "one process, whole batch",
+                  "single-micro": "one process, M micro-batches (accumulated)",
+                  "single-micro-copies": "independent one-process copies at once, M micro-batches (together)",
+                  "hybridpipe": "hybridpipe", "torch": "torch.distributed.pipelining"}
+
+
+def mlp_rows(launches: list[Launch], args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
+    from hybridpipe.launch import available_cores
+
+    cores = available_cores()
+    mlp = [launch for launch in launches if launch.model == "mlp"]
+    reference = next((launch for launch in mlp if launch.variant == "single"), None)
+    reference_rate = _steps_per_s(reference, "-") if reference else None
+    copies = next((launch for launch in mlp if launch.variant == "single-micro-copies"), None)
+    per_core = _steps_per_s(copies, "-") / copies.stages if copies else None
+    header = ["variant", "P", "schedule", "steps/s", "blocks min–max", "ms/step", "× one process", "ideal ×",
+              "ceiling × here", "CPU cores used",
+              "peak RSS MiB (max rank)", "per rank", "after imports (max rank)", "loss step 1",
+              "loss last step"]
+    rows = []
+    for launch in mlp:
+        for schedule in launch.schedules:
+            rate = _steps_per_s(launch, schedule)
+            p, m = launch.stages, launch.micro_batches
+            pipeline = launch.variant in ("hybridpipe", "torch")
+            ideal = f"{min(p * m / (m + p - 1), cores):.2f}" if pipeline else "-"
+            # the same, but with each core's speed on micro-batches as measured by the concurrent copies
+            ceiling = (f"{min(p * m / (m + p - 1), cores) * per_core / reference_rate:.2f}"
+                       if pipeline and per_core and reference_rate else "-")
+            peak, start = _rss(launch, "rss_peak_kib"), _rss(launch, "rss_start_kib")
+            first = launch.results[0]["schedules"][schedule]
+            rows.append([VARIANT_LABELS[launch.variant], str(p), schedule,
+                         f"{rate:.2f}", _rate_range(launch, schedule), f"{1e3 / rate:.0f}",
+                         f"{rate / reference_rate:.2f}" if reference_rate else "n/a", ideal, ceiling,
+                         f"{_cpu_cores(launch, schedule):.2f}",
+                         f"{max(peak):.0f}", " / ".join(f"{v:.0f}" for v in peak), f"{max(start):.0f}",
+                         _loss(first["first_loss"]),
+                         _loss(launch.results[-1]["schedules"][schedule]["last_loss"])])
+    return header, rows
+
+
+def _gap(launch: Launch, schedule: str, kind: str) -> str:
+    values = [g for r in launch.results for g in r["schedules"][schedule].get("gaps", {}).get(kind, [])]
+    return f"{statistics.median(values) * 1e3:.3f}" if values else "n/a"
+
+
+def _ratio(measured: float, ideal: float) -> str:
+    return f"{measured / ideal:.3f}" if ideal > 0 else "n/a"
+
+
+def sleep_rows(launches: list[Launch], args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
+    header = ["framework", "P", "M", "schedule", "ms/step", "ideal ms (nominal)", "measured / ideal",
+              "ideal ms (measured sleeps)", "measured / ideal (measured sleeps)", "bubble (P−1)/(M+P−1)",
+              "ms per action, input ready (median)", "ms per hop (median)", "CPU cores used"]
+    rows = []
+    for launch in (launch for launch in launches if launch.model == "sleep"):
+        p, m = launch.stages, launch.micro_batches
+        per_stage = max(launch.results[0]["balance"])
+        f_ms, b_ms = (v * per_stage for v in args.sleep_ms)
+        ideal = (m + p - 1) * (f_ms + b_ms)
+        for schedule in launch.schedules:
+            step_ms = _step_seconds(launch, schedule) * 1e3
+            # F + B per stage and micro-batch as slept, averaged over stages and rounds
+            totals = []
+            for result in launch.results:
+                blocks = len(result["schedules"][schedule]["block_seconds"]) * result["steps_per_block"]
+                for rank in result["schedules"][schedule]["sleep_per_rank"]:
+                    totals.append((rank["forward_s"] + rank["backward_s"]) / (blocks * m) * 1e3)
+            slept = statistics.mean(totals) * (m + p - 1)
+            rows.append([VARIANT_LABELS[launch.variant], str(p), str(m), schedule, f"{step_ms:.1f}",
+                         f"{ideal:.1f}", _ratio(step_ms, ideal), f"{slept:.1f}", _ratio(step_ms, slept if ideal > 0 else 0.0),
+                         f"{(p - 1) / (m + p - 1):.3f}", _gap(launch, schedule, "local"),
+                         _gap(launch, schedule, "hop"),
+                         f"{_cpu_cores(launch, schedule):.2f}"])
+    return header, rows
+
+
+def render(header: list[str], rows: list[list[str]], markdown: bool, left: int) -> str:
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |",
+                 "|" + "|".join("---" if i < left else "---:" for i in range(len(header))) + "|"]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+        return "\n".join(lines)
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
+    line = lambda cells: "  ".join(c.ljust(w) if i < left else c.rjust(w)  # noqa: E731
+                                   for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
+
+
+def report(launches: list[Launch], args: argparse.Namespace, started: str, total_seconds: float) -> str:
+    from hybridpipe.launch import available_cores
+
+    here = Path.cwd()
+    python = sys.executable
+    if Path(python).is_relative_to(here):
+        python = str(Path(python).relative_to(here))
+    command = shlex.join([python, *sys.argv])
+    describe = next((r["describe"] for launch in launches for r in launch.results if "describe" in r), "")
+    torch_version = launches[0].results[0]["torch"] if launches else ""
+    setup = (f"{started}; {describe}; torch {torch_version}; {available_cores()} CPU cores; one thread per "
+             f"process (torch.set_num_threads(1), OMP_NUM_THREADS=1); ranks above the core count "
+             f"oversubscribed with OMPI_MCA_mpi_yield_when_idle=1")
+    if args.busy_neighbours:
+        setup += f"; {args.busy_neighbours} busy-looping Python process(es) running beside every launch"
+    method = (f"{args.warmup} warm-up steps, then {args.blocks} blocks × {args.steps} steps per schedule and "
+              f"{args.rounds} round(s) of launches; block time = slowest rank after a barrier; steps/s from "
+              "the median block; a step = forward + backward + SGD step")
+    out = []
+    md = args.markdown
+    if md:
+        out += [f"Command: `{command}`  ", f"Setup: {setup}  ", f"Method: {method}", ""]
+    else:
+        out += [f"command: {command}", f"setup:   {setup}", f"method:  {method}", ""]
+    mlp = [launch for launch in launches if launch.model == "mlp"]
+    if mlp:
+        first = mlp[0]
+        out += [f"MLP: {first.layers} × (Linear({first.width}, {first.width}) + Tanh), MSE loss, SGD lr "
+                f"{LEARNING_RATE}, batch {first.batch}, {first.micro_batches} micro-batches, uniform "
+                "balance, checkpoint never. ideal × = P·M/(M+P−1), capped at the core count "
+                "(micro-batches assumed as fast as the whole batch); ceiling × here = the same with each "
+                "core's measured speed on micro-batches while the other cores are busy too (the concurrent "
+                "copies' row: steps/s of all copies together ÷ copies); blocks min–max = steps/s of the "
+                "slowest and fastest timed block", ""]
+        out += [render(*mlp_rows(launches, args), md, left=3), ""]
+    sleep = [launch for launch in launches if launch.model == "sleep"]
+    if sleep:
+        first = sleep[0]
+        out += [f"Sleep-emulated model: {first.layers} layers over P={first.stages} stages, each layer's "
+                f"forward sleeps {args.sleep_ms[0]:g} ms and backward {args.sleep_ms[1]:g} ms; micro-batches "
+                f"of {SLEEP_ROWS_PER_MICRO_BATCH}×{SLEEP_WIDTH} floats; ideal = (M+P−1)·(F+B) for both "
+                "schedules; the two schedules of a framework interleaved in one launch. ms per action, input "
+                "ready = median time from the end of a stage's previous action to the first sleep of its "
+                "next one when that action's input was already there (the framework's own cost per action: "
+                "bookkeeping, sends, receives, autograd); ms per hop = the same when the input came last, "
+                "from the neighbour (adds the transfer and the waiting rank's wake-up); both from the "
+                "sleeps' perf_counter timestamps on all ranks", ""]
+        out += [render(*sleep_rows(launches, args), md, left=4), ""]
+    out.append(f"{'Whole run' if md else 'whole run'}: {total_seconds:.0f} s "
+               f"(launches: {sum(sum(l.seconds) for l in launches):.0f} s).")
+    return "\n".join(out)
+
+
+def driver_main(args: argparse.Namespace) -> int:
+    started_clock = time.perf_counter()
+    started = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    launches = plan(args)
+    if not launches:
+        raise SystemExit("bench: nothing to run (--no-mlp and --no-sleep)")
+    with tempfile.TemporaryDirectory(prefix="hybridpipe-bench-") as folder:
+        index = 0
+        for round_ in range(args.rounds):
+            shift = round_ % len(launches)
+            for launch in launches[shift:] + launches[:shift]:
+                run_launch(launch, args, Path(folder), index)
+                index += 1
+    print(report(launches, args, started, time.perf_counter() - started_clock))
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stages", default="2,4", help="MLP: pipeline stage counts P (default 2,4)")
+    parser.add_argument("--micro-batches", type=int, default=8, help="MLP: micro-batches M (default 8)")
+    parser.add_argument("--batch", type=int, default=256, help="MLP: global batch rows (default 256)")
+    parser.add_argument("--width", type=int, default=1024, help="MLP: features per layer (default 1024)")
+    parser.add_argument("--layers", type=int, default=16, help="MLP: Linear+Tanh layers (default 16)")
+    parser.add_argument("--steps", type=int, default=5, help="steps per timed block (default 5)")
+    parser.add_argument("--blocks", type=int, default=3,
+                        help="timed blocks per schedule and launch (default 3)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per schedule first (default 2)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat every launch this often, order rotated (default 1)")
+    parser.add_argument("--sleep-ms", default="2,4",
+                        help="sleep model: forward,backward sleep per layer in ms (default 2,4)")
+    parser.add_argument("--sleep-stages", type=int, default=4, help="sleep model: P (default 4)")
+    parser.add_argument("--sleep-micro-batches", type=int, default=16, help="sleep model: M (default 16)")
+    parser.add_argument("--sleep-layers", type=int, default=0,
+                        help="sleep model: layers (default P, one per stage)")
+    parser.add_argument("--no-torch", action="store_true", help="leave out torch.distributed.pipelining")
+    parser.add_argument("--no-mlp", action="store_true", help="leave out the MLP throughput benchmark")
+    parser.add_argument("--no-sleep", action="store_true",
+                        help="leave out the sleep-emulated overhead benchmark")
+    parser.add_argument("--busy-neighbours", type=int, default=0,
+                        help="run this many busy-looping processes beside every launch, to see how each "
+                             "variant copes with a shared machine (default 0)")
+    parser.add_argument("--markdown", action="store_true", help="print Markdown tables (for docs/)")
+    parser.add_argument("--timeout", type=float, default=900.0,
+                        help="seconds allowed per launch (default 900)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--variant",
+                        choices=("single", "single-micro", "single-micro-copies", "hybridpipe", "torch"),
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--model", choices=("mlp", "sleep"), default="mlp", help=argparse.SUPPRESS)
+    parser.add_argument("--schedules", default="gpipe", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    try:
+        stages = int_list(args.stages, "--stages")
+        sleep_ms = [float(v) for v in str(args.sleep_ms).split(",")]
+    except (argparse.ArgumentTypeError, ValueError) as error:
+        parser.error(str(error))
+    if len(sleep_ms) != 2 or any(v < 0 for v in sleep_ms):
+        parser.error(f"--sleep-ms needs two non-negative numbers, forward,backward (got {args.sleep_ms!r})")
+    args.sleep_ms = sleep_ms
+    args.schedules = [s for s in args.schedules.split(",") if s]
+    for name in ("micro_batches", "batch", "width", "layers", "steps", "blocks", "rounds", "sleep_stages",
+                 "sleep_micro_batches"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0 or args.sleep_layers < 0 or args.busy_neighbours < 0:
+        parser.error("--warmup, --sleep-layers and --busy-neighbours must be >= 0")
+    if args.worker:
+        if not (args.result and args.variant):
+            parser.error("--worker needs --result and --variant")
+        args.stages = stages[0]
+        return args
+    args.stages = stages
+    if args.batch < args.micro_batches:
+        parser.error(f"--batch {args.batch} is smaller than --micro-batches {args.micro_batches}")
+    if any(p > args.layers for p in stages):
+        parser.error(f"--layers {args.layers} is fewer than the largest stage count {max(stages)}")
+    if args.sleep_layers and args.sleep_layers < args.sleep_stages:
+        parser.error("--sleep-layers must be at least --sleep-stages")
+    if not args.no_torch and (any(args.micro_batches < p for p in stages)
+                              or args.sleep_micro_batches < args.sleep_stages):
+        parser.error("torch's Schedule1F1B needs micro-batches >= stages; raise M or pass --no-torch")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return worker_main(args) if args.worker else driver_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
