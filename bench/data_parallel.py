@@ -27,8 +27,11 @@ Two benchmarks:
        balance, 1F1B, M micro-batches per replica batch, one launch per M of ``--micro-batches``)
        + ``hp.DistributedOptimizer``;
      * ``grouped after backward`` (diagnostic): hybridpipe without the engine: backward, then one
-       ``hp.grouped_allreduce_`` of all gradients on the training thread, then the SGD step. It
-       shows what overlapping the reduction with backward gains or costs on this machine.
+       ``hp.grouped_allreduce_`` of all gradients on the training thread, then the SGD step;
+     * ``allreduce_async_ after backward`` (diagnostic): the engine without overlap: backward,
+       then each gradient submitted with ``hp.allreduce_async_`` and all waited for, then SGD.
+       These two show what overlapping the reduction with backward gains or costs on this machine,
+       and whether a cost is the overlap's or the engine's.
    A step = zero_grad + forward + backward + optimizer step. The first and last losses are
    reported (mean over the shards): equal columns show the variants trained the same model the
    same way. "fwd+bwd" and "step()" split a step on the slowest rank (DDP's reduction runs inside
@@ -67,7 +70,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import shlex
 import statistics
@@ -105,6 +107,8 @@ MLP_LABELS = {"single": "one process, one thread",
               "hybridpipe": "hybridpipe DistributedOptimizer",
               "ddp": "torch DDP (gloo)",
               "grouped": "hybridpipe grouped_allreduce_ after backward (no overlap; diagnostic)",
+              "async-after": "hybridpipe allreduce_async_ per gradient after backward "
+                             "(engine, no overlap; diagnostic)",
               "grid": "hybridpipe PipelineModel + DistributedOptimizer"}
 
 
@@ -301,7 +305,8 @@ class SingleWorker(MLPWorker):
             loss = loss_fn(model(x), y)
             loss.backward()
             return float(loss.detach())
-        return self.timed_step(lambda: optimizer.zero_grad(set_to_none=True), forward_backward, optimizer.step)
+        return self.timed_step(lambda: optimizer.zero_grad(set_to_none=True), forward_backward,
+                               optimizer.step)
 
 
 class MPIWorker(MLPWorker):
@@ -345,7 +350,8 @@ class IndependentWorker(MPIWorker):
             loss = loss_fn(model(x), y)
             loss.backward()
             return float(loss.detach())
-        return self.timed_step(lambda: optimizer.zero_grad(set_to_none=True), forward_backward, optimizer.step)
+        return self.timed_step(lambda: optimizer.zero_grad(set_to_none=True), forward_backward,
+                               optimizer.step)
 
 
 class HybridpipeDPWorker(MPIWorker):
@@ -373,7 +379,8 @@ class HybridpipeDPWorker(MPIWorker):
             loss = loss_fn(model(x), y)
             loss.backward()
             return float(loss.detach())
-        return self.timed_step(lambda: optimizer.zero_grad(set_to_none=True), forward_backward, optimizer.step)
+        return self.timed_step(lambda: optimizer.zero_grad(set_to_none=True), forward_backward,
+                               optimizer.step)
 
     def engine_stats(self) -> dict[str, int] | None:
         return self.hp.engine_stats("data")
@@ -383,7 +390,8 @@ class HybridpipeDPWorker(MPIWorker):
 
         config = self.hp.config()
         return {"torch": self.torch.__version__, "describe": describe(),
-                "cycle_time_ms": config.cycle_time_ms, "fusion_threshold_bytes": config.fusion_threshold_bytes}
+                "cycle_time_ms": config.cycle_time_ms,
+                "fusion_threshold_bytes": config.fusion_threshold_bytes}
 
     def close(self) -> None:
         self.hp.shutdown()
@@ -417,6 +425,35 @@ class GroupedWorker(HybridpipeDPWorker):
         return None
 
 
+class AsyncAfterWorker(HybridpipeDPWorker):
+    """Diagnostic: the engine without overlap: backward first, then every gradient submitted with
+    hp.allreduce_async_ (last layer first, as the hooks would) and waited for, then plain SGD."""
+
+    def build(self) -> Callable[[], float]:
+        torch, args, hp = self.torch, self.args, self.hp
+        from torch import nn
+
+        model = nn.Sequential(*[seeded_layer(self.Block, i, args.width) for i in range(args.layers)])
+        named = list(model.named_parameters())[::-1]
+        optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+        loss_fn = nn.MSELoss()
+        x, y = self.shard(self.size, self.rank)
+
+        def forward_backward() -> float:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            return float(loss.detach())
+
+        def step() -> None:
+            handles = [hp.allreduce_async_(p.grad, name=name, op=hp.Average, group="data")
+                       for name, p in named]
+            self.handles.extend(handles)
+            for handle in handles:
+                handle.wait()
+            optimizer.step()
+        return self.timed_step(lambda: optimizer.zero_grad(set_to_none=True), forward_backward, step)
+
+
 class GridWorker(HybridpipeDPWorker):
     """hp.PipelineModel over P stages × D replicas, hp.DistributedOptimizer over each stage's replicas."""
 
@@ -434,9 +471,9 @@ class GridWorker(HybridpipeDPWorker):
         from torch import nn
 
         specs = [hp.LayerSpec(self.Block, args.width) for _ in range(args.layers)]
-        self.model = model = hp.PipelineModel(specs, loss_fn=nn.MSELoss(), micro_batches=args.micro_batches[0],
-                                              balance="uniform", schedule="1f1b", checkpoint="never",
-                                              seed_layers=SEED)
+        self.model = model = hp.PipelineModel(specs, loss_fn=nn.MSELoss(),
+                                              micro_batches=args.micro_batches[0], balance="uniform",
+                                              schedule="1f1b", checkpoint="never", seed_layers=SEED)
         optimizer = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LEARNING_RATE),
                                             named_parameters=model.named_parameters())
         x, y = self.shard(grid.data_replicas, grid.replica)
@@ -489,7 +526,8 @@ class DDPWorker(MPIWorker):
             loss = loss_fn(model(x), y)
             loss.backward()
             return float(loss.detach())
-        return self.timed_step(lambda: optimizer.zero_grad(set_to_none=True), forward_backward, optimizer.step)
+        return self.timed_step(lambda: optimizer.zero_grad(set_to_none=True), forward_backward,
+                               optimizer.step)
 
     def close(self) -> None:
         self.comm.Barrier()
@@ -628,6 +666,14 @@ def setting_config(setting: str) -> Any:
     return Config.from_env(environ)
 
 
+def baseline_info() -> dict[str, Any]:
+    from hybridpipe._ext import describe
+
+    config = setting_config(BASELINE)
+    return {"describe": describe(), "cycle_time_ms": config.cycle_time_ms,
+            "fusion_threshold_bytes": config.fusion_threshold_bytes}
+
+
 class SweepDPWorker(MPIWorker):
     """hybridpipe DP under several engine settings in ONE job: per block and setting (order
     rotated), hp.init(config=...), a fresh model + DistributedOptimizer, warm-up, ``--steps`` timed
@@ -680,9 +726,10 @@ class SweepDPWorker(MPIWorker):
                 hp.shutdown()
                 self.restore_engine()
         everyone = self.gather(blocks)
-        return {"variant": args.variant, "ranks": self.size, "steps_per_block": args.steps, "settings": settings,
-                "block_seconds": {s: [max(r[s][b] for r in everyone) for b in range(args.blocks)] for s in settings},
-                "phase_seconds": phases, "engine_per_step": engine, "torch": torch.__version__}
+        slowest = {s: [max(r[s][b] for r in everyone) for b in range(args.blocks)] for s in settings}
+        return {"variant": args.variant, "ranks": self.size, "steps_per_block": args.steps,
+                "settings": settings, "block_seconds": slowest, "phase_seconds": phases,
+                "engine_per_step": engine, **baseline_info(), "torch": torch.__version__}
 
     def close(self) -> None:
         self.hp.shutdown()
@@ -719,12 +766,18 @@ class SweepResNetWorker(ResNetWorker):
         rows = iter(flat.tolist())
         seconds = {s: {k: next(rows) for k in ("async", "grouped")} for s in settings}
         return {"variant": args.variant, "n": self.size, "settings": settings, "all_seconds": seconds,
-                "torch": self.torch.__version__}
+                **baseline_info(), "torch": self.torch.__version__}
+
+
+VARIANTS = ("single", "independent", "hybridpipe", "ddp", "grouped", "async-after", "grid", "resnet",
+            "dp-sweep", "resnet-sweep")
 
 
 def worker_main(args: argparse.Namespace) -> int:
-    worker_class = {"single": SingleWorker, "independent": IndependentWorker, "hybridpipe": HybridpipeDPWorker,
-                    "ddp": DDPWorker, "grouped": GroupedWorker, "dp-sweep": SweepDPWorker,
+    worker_class = {"single": SingleWorker, "independent": IndependentWorker,
+                    "hybridpipe": HybridpipeDPWorker,
+                    "ddp": DDPWorker, "grouped": GroupedWorker, "async-after": AsyncAfterWorker,
+                    "dp-sweep": SweepDPWorker,
                     "resnet-sweep": SweepResNetWorker,
                     "grid": GridWorker, "resnet": ResNetWorker}[args.variant]
     worker = worker_class(args)
@@ -752,7 +805,8 @@ class Launch:
 
     @property
     def label(self) -> str:
-        return f"{self.kind} {self.variant} n={self.ranks}" + (f" M={self.micro_batches}" if self.micro_batches else "")
+        grid = f" M={self.micro_batches}" if self.micro_batches else ""
+        return f"{self.kind} {self.variant} n={self.ranks}{grid}"
 
 
 def sweep_settings(args: argparse.Namespace) -> list[str]:
@@ -770,8 +824,10 @@ def plan(args: argparse.Namespace) -> tuple[list[Launch], list[Launch]]:
         if not args.no_ddp:
             main.append(Launch("mlp", "ddp", args.dp_ranks))
         main.append(Launch("mlp", "grouped", args.dp_ranks))
+        main.append(Launch("mlp", "async-after", args.dp_ranks))
         if not args.no_grid:
-            main += [Launch("mlp", "grid", args.stages * args.replicas, micro_batches=m) for m in args.micro_batches]
+            main += [Launch("mlp", "grid", args.stages * args.replicas, micro_batches=m)
+                     for m in args.micro_batches]
     if not args.no_resnet:
         main += [Launch("resnet", "resnet", n) for n in args.ranks]
     sweep: list[Launch] = []
@@ -780,7 +836,7 @@ def plan(args: argparse.Namespace) -> tuple[list[Launch], list[Launch]]:
             sweep.append(Launch("sweep", "dp-sweep", args.dp_ranks))
         if not args.no_resnet:
             sweep += [Launch("sweep", "resnet-sweep", n) for n in args.ranks]
-    return main, sweep
+    return ([] if args.sweep_only else main), sweep
 
 
 def run_launch(launch: Launch, args: argparse.Namespace, folder: Path, index: int) -> None:
@@ -789,12 +845,15 @@ def run_launch(launch: Launch, args: argparse.Namespace, folder: Path, index: in
     result_path = folder / f"result-{index}.json"
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--result", str(result_path),
             "--variant", launch.variant, "--batch", str(args.batch), "--width", str(args.width),
-            "--layers", str(args.layers), "--micro-batches", str(launch.micro_batches or args.micro_batches[0]),
-            "--grid", f"{args.stages}x{args.replicas}", "--steps", str(args.steps), "--blocks", str(args.blocks),
+            "--layers", str(args.layers),
+            "--micro-batches", str(launch.micro_batches or args.micro_batches[0]),
+            "--grid", f"{args.stages}x{args.replicas}", "--steps", str(args.steps),
+            "--blocks", str(args.blocks),
             "--warmup", str(args.warmup), "--repeats", str(args.repeats),
             "--settings", ",".join([BASELINE] + sweep_settings(args))]
     env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    env.update({k: v for k, v in os.environ.items() if k.startswith("HYBRIDPIPE_") and k != "HYBRIDPIPE_MPIRUN"})
+    env.update({k: v for k, v in os.environ.items()
+                if k.startswith("HYBRIDPIPE_") and k != "HYBRIDPIPE_MPIRUN"})
     if launch.variant == "single":
         command, child_env = argv, {**os.environ, **env}
     else:
@@ -807,7 +866,8 @@ def run_launch(launch: Launch, args: argparse.Namespace, folder: Path, index: in
     completed = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=sys.stderr, env=child_env,
                                timeout=args.timeout, check=False)
     if completed.returncode != 0 or not result_path.exists():
-        raise SystemExit(f"bench: {launch.label} failed (exit status {completed.returncode}); its output is above")
+        raise SystemExit(f"bench: {launch.label} failed (exit status {completed.returncode}); "
+                         "its output is above")
     result = json.loads(result_path.read_text())
     result_path.unlink()
     result["oversubscribed"] = launch.ranks > available_cores()
@@ -835,7 +895,12 @@ def steps_per_s(launch: Launch) -> float:
 
 
 def _cpu_cores(launch: Launch) -> float:
-    return statistics.median(c / t for r in launch.results for c, t in zip(r["cpu_seconds"], r["block_seconds"]))
+    return statistics.median(c / t for r in launch.results
+                             for c, t in zip(r["cpu_seconds"], r["block_seconds"]))
+
+
+def _other_cpu(launch: Launch) -> float:
+    return statistics.median(v for r in launch.results for v in r["other_thread_cpu_seconds"])
 
 
 def _phases_ms(launch: Launch) -> dict[str, float]:
@@ -898,7 +963,7 @@ def mlp_rows(launches: list[Launch], args: argparse.Namespace) -> tuple[list[str
                                                for k in ("ring", "first_start", "tail")),
                      f"{engine['cycles']:.0f} / {engine['buckets']:.0f}" if engine else "—",
                      f"{_cpu_cores(launch):.2f}",
-                     f"{max(0.0, statistics.median(v for r in launch.results for v in r['other_thread_cpu_seconds'])) * 1e3:.0f}",
+                     f"{max(0.0, _other_cpu(launch)) * 1e3:.0f}",
                      *((f"{first['first_loss']:.7f}", f"{launch.results[-1]['last_loss']:.7f}")
                        if launch.variant != "independent" else ("—", "— (no exchange)"))])
     return header, rows
@@ -906,7 +971,8 @@ def mlp_rows(launches: list[Launch], args: argparse.Namespace) -> tuple[list[str
 
 def resnet_rows(launches: list[Launch]) -> tuple[list[str], list[list[str]]]:
     header = ["n", "161 × allreduce_async_ ms", "grouped_allreduce_ ms", "mpi4py Allreduce × 161 ms",
-              "Horovod (issue) ms", "target ms", "async / grouped", "submit loop ms", "first bucket starts ms",
+              "Horovod (issue) ms", "target ms", "async / grouped", "submit loop ms",
+              "first bucket starts ms",
               "last bucket ends ms", "cycles / buckets per run", "slow rounds: first / warm-up / timed runs"]
     rows = []
     for launch in (launch for launch in launches if launch.kind == "resnet"):
@@ -917,13 +983,14 @@ def resnet_rows(launches: list[Launch]) -> tuple[list[str], list[list[str]]]:
                  for k, v in seconds.items()}
         breakdown = {k: statistics.median(v for x in launch.results for v in x["async_breakdown"][k])
                      for k in r["async_breakdown"]}
-        timed = {k: [v for x in launch.results for v in x["async_stats_timed"][k]] for k in r["async_stats_timed"]}
+        timed = {k: [v for x in launch.results for v in x["async_stats_timed"][k]]
+                 for k in r["async_stats_timed"]}
         first_run = sum(x["async_stats_first"]["slow_rounds"] for x in launch.results)
         warm = sum(s["slow_rounds"] for x in launch.results for s in x["async_stats_warmup"])
         slow_timed = sum(v for x in launch.results for v in x["async_stats_timed"]["slow_rounds"])
         label = str(n) + (" (oversubscribed)" if r.get("oversubscribed") else "")
         rows.append([label, cells["async"], cells["grouped"], cells["mpi4py"],
-                     f"{ISSUE['horovod_resnet_ms'].get(n, float('nan')):.0f}" if n in ISSUE["horovod_resnet_ms"] else "—",
+                     f"{ISSUE['horovod_resnet_ms'][n]:.0f}" if n in ISSUE["horovod_resnet_ms"] else "—",
                      f"≤ {ISSUE['resnet_target_ms'][n]:.0f}" if n in ISSUE["resnet_target_ms"] else "—",
                      f"{seconds['async'] / seconds['grouped']:.2f}",
                      f"{breakdown['submit_s'] * 1e3:.1f}", f"{breakdown['first_start_s'] * 1e3:.1f}",
@@ -983,40 +1050,44 @@ def report(main: list[Launch], sweep: list[Launch], args: argparse.Namespace, st
     everything = main + sweep
     info = next((r for launch in everything for r in launch.results if "describe" in r), {})
     torch_version = next((r["torch"] for launch in everything for r in launch.results if "torch" in r), "")
-    setup = (f"{started}; {info.get('describe', '')}; torch {torch_version}; {available_cores()} CPU cores; one "
-             "compute thread per process (torch.set_num_threads(1), OMP_NUM_THREADS=1); ranks above the core count "
+    setup = (f"{started}; {info.get('describe', '')}; torch {torch_version}; {available_cores()} CPU cores; "
+             "one compute thread per process (torch.set_num_threads(1), OMP_NUM_THREADS=1); ranks above the "
+             "core count "
              "oversubscribed with OMPI_MCA_mpi_yield_when_idle=1")
     if info:
         setup += (f"; engine cycle time {info.get('cycle_time_ms')} ms, fusion threshold "
                   f"{info.get('fusion_threshold_bytes', 0) / 2**20:g} MiB")
     md = args.markdown
-    out = [f"Command: `{command}`  " if md else f"command: {command}", f"Setup: {setup}" + ("  " if md else ""), ""]
+    out = [f"Command: `{command}`  " if md else f"command: {command}",
+           f"Setup: {setup}" + ("  " if md else ""), ""]
     if any(launch.kind == "mlp" for launch in main):
-        out += [f"MLP: {args.layers} × (Linear({args.width}, {args.width}) + Tanh), MSE loss, SGD lr {LEARNING_RATE}, "
-                f"global batch {args.batch} per step (data-parallel ranks / replicas each take an equal shard); "
-                f"2-D grid: 1F1B, M micro-batches per replica's {args.batch // args.replicas} rows, uniform balance. {args.warmup} warm-up steps, then {args.blocks} blocks × "
-                f"{args.steps} steps per launch, {args.rounds} round(s); steps/s from the median block (slowest rank "
-                "after a barrier). fwd+bwd / step() = the slowest rank's split of a step (median over blocks). "
-                f"Issue's reference: Horovod DistributedOptimizer n=2 {ISSUE['horovod_dp_steps']} steps/s, one "
-                f"thread {ISSUE['horovod_one_thread_steps']} steps/s; DeepSpeed pipeline 2×2 "
-                f"{ISSUE['deepspeed_grid_steps']} steps/s.", ""]
+        out += [f"MLP: {args.layers} × (Linear({args.width}, {args.width}) + Tanh), MSE loss, SGD "
+                f"lr {LEARNING_RATE}, global batch {args.batch} per step (data-parallel ranks / replicas "
+                f"each take an equal shard); 2-D grid: 1F1B, M micro-batches per replica's "
+                f"{args.batch // args.replicas} rows, uniform balance. {args.warmup} warm-up steps, then "
+                f"{args.blocks} blocks × {args.steps} steps per launch, {args.rounds} round(s); steps/s from "
+                "the median block (slowest rank after a barrier). fwd+bwd / step() = the slowest rank's "
+                "split of a step (median over blocks). Issue's reference: Horovod DistributedOptimizer n=2 "
+                f"{ISSUE['horovod_dp_steps']} steps/s, one thread {ISSUE['horovod_one_thread_steps']} "
+                f"steps/s; DeepSpeed pipeline 2×2 {ISSUE['deepspeed_grid_steps']} steps/s.", ""]
         out += [render(*mlp_rows(main, args), md, left=2), ""]
     if any(launch.kind == "resnet" for launch in main):
         out += [f"ResNet-50 gradients (161 float32 tensors, 97.5 MiB), op sum, {RESNET_WARMUP} warm-up + "
-                f"{args.repeats} timed repetitions, the three calls interleaved, each after a barrier; time = median "
-                "of the max over ranks. Breakdown columns (async, max over ranks, median): the Python submit loop, "
-                "when the first bucket's ring allreduce started and the last one ended (from the first submit); "
-                "cycles / buckets = engine_stats('world') deltas per async run; slow rounds = name gathers.", ""]
+                f"{args.repeats} timed repetitions, the three calls interleaved, each after a barrier; "
+                "time = median of the max over ranks. Breakdown columns (async, max over ranks, median): "
+                "the Python submit loop, when the first bucket's ring allreduce started and the last one "
+                "ended (from the first submit); cycles / buckets = engine_stats('world') deltas per async "
+                "run; slow rounds = name gathers.", ""]
         out += [render(*resnet_rows(main), md, left=1), ""]
     if sweep:
-        out += ["Engine settings, compared inside one job per column group (each setting alone; per block and "
-                "setting: hp.init(config=...), warm-up, timed runs, hp.shutdown(); blocks rotate the order). DP: "
-                f"{args.blocks} blocks × {args.steps} steps per setting and round; ResNet: "
-                f"{max(1, args.repeats // args.blocks)} async runs (alternating with as many grouped_allreduce_) per "
-                f"block; {args.rounds} round(s). × defaults: > 1 is faster for DP steps/s, < 1 is faster for ms:", "",
-                render(*sweep_rows(sweep, args), md, left=1), ""]
+        out += ["Engine settings, compared inside one job per column group (each setting alone; per block "
+                "and setting: hp.init(config=...), warm-up, timed runs, hp.shutdown(); blocks rotate the "
+                f"order). DP: {args.blocks} blocks × {args.steps} steps per setting and round; ResNet: "
+                f"{max(1, args.repeats // args.blocks)} async runs (alternating with as many "
+                f"grouped_allreduce_) per block; {args.rounds} round(s). × defaults: > 1 is faster for DP "
+                "steps/s, < 1 is faster for ms:", "", render(*sweep_rows(sweep, args), md, left=1), ""]
     out.append(f"{'Whole run' if md else 'whole run'}: {total_seconds:.0f} s "
-               f"(launches: {sum(sum(l.seconds) for l in everything):.0f} s).")
+               f"(launches: {sum(sum(launch.seconds) for launch in everything):.0f} s).")
     return "\n".join(out)
 
 
@@ -1024,11 +1095,11 @@ def driver_main(args: argparse.Namespace) -> int:
     started_clock = time.perf_counter()
     started = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     main, sweep = plan(args)
-    if not main:
-        raise SystemExit("bench: nothing to run (--no-mlp and --no-resnet)")
+    if not main and not sweep:
+        raise SystemExit("bench: nothing to run (--no-mlp and --no-resnet, or --sweep-only without a sweep)")
     with tempfile.TemporaryDirectory(prefix="hybridpipe-bench-") as folder:
         index = 0
-        for round_ in range(args.rounds):
+        for round_ in range(args.rounds if main else 0):
             shift = round_ % len(main)
             for launch in main[shift:] + main[:shift]:
                 run_launch(launch, args, Path(folder), index)
@@ -1049,33 +1120,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--grid", default="2x2", help="MLP: stages x replicas of the 2-D run (default 2x2)")
     parser.add_argument("--micro-batches", default="8,4,2",
                         help="MLP 2-D run: micro-batches per replica, one launch each (default 8,4,2)")
-    parser.add_argument("--batch", type=int, default=256, help="MLP: global batch rows per step (default 256)")
+    parser.add_argument("--batch", type=int, default=256,
+                        help="MLP: global batch rows per step (default 256)")
     parser.add_argument("--width", type=int, default=1024, help="MLP: features per layer (default 1024)")
     parser.add_argument("--layers", type=int, default=16, help="MLP: Linear+Tanh layers (default 16)")
     parser.add_argument("--steps", type=int, default=5, help="MLP: steps per timed block (default 5)")
     parser.add_argument("--blocks", type=int, default=3, help="MLP: timed blocks per launch (default 3)")
     parser.add_argument("--warmup", type=int, default=3, help="MLP: untimed steps first (default 3)")
-    parser.add_argument("--rounds", type=int, default=2, help="repeat the launches, order rotated (default 2)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="repeat the launches, order rotated (default 2)")
     parser.add_argument("--ranks", default="2,4,8", help="ResNet: rank counts (default 2,4,8)")
     parser.add_argument("--repeats", type=int, default=10, help="ResNet: timed repetitions (default 10)")
     parser.add_argument("--sweep-cycle-ms", default="",
                         help="also run with HYBRIDPIPE_CYCLE_TIME_MS set to each of these (e.g. 0.25,4)")
     parser.add_argument("--sweep-fusion", default="",
-                        help="also run with HYBRIDPIPE_FUSION_THRESHOLD set to each of these (e.g. 1MiB,16MiB)")
+                        help="also compare HYBRIDPIPE_FUSION_THRESHOLD at each of these (e.g. 1MiB,16MiB)")
     parser.add_argument("--sweep-env", default="",
-                        help="also compare each HYBRIDPIPE_NAME=VALUE of this comma-separated list (one at a time), "
-                             "e.g. HYBRIDPIPE_SEGMENT_BYTES=1MiB")
+                        help="also compare each HYBRIDPIPE_NAME=VALUE of this comma-separated list "
+                             "(one at a time), e.g. HYBRIDPIPE_SEGMENT_BYTES=1MiB")
+    parser.add_argument("--sweep-only", action="store_true", help="run only the engine-settings comparison")
     parser.add_argument("--no-ddp", action="store_true", help="leave out torch DDP")
     parser.add_argument("--no-grid", action="store_true", help="leave out the 2-D (pipeline × data) run")
     parser.add_argument("--no-mlp", action="store_true", help="leave out the MLP throughput benchmark")
     parser.add_argument("--no-resnet", action="store_true", help="leave out the ResNet-50 engine benchmark")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables (for docs/)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per launch (default 600)")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds allowed per launch (default 600)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--settings", default=BASELINE, help=argparse.SUPPRESS)
-    parser.add_argument("--variant", choices=("single", "independent", "hybridpipe", "ddp", "grouped", "grid", "resnet",
-                                                  "dp-sweep", "resnet-sweep"), help=argparse.SUPPRESS)
+    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
         args.ranks = int_list(args.ranks, "--ranks")
@@ -1090,8 +1164,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.sweep_env = [v.strip() for v in args.sweep_env.split(",") if v.strip()]
     for setting in args.sweep_env:
         if "=" not in setting or not setting.startswith("HYBRIDPIPE_"):
-            parser.error(f"--sweep-env needs HYBRIDPIPE_NAME=VALUE entries (got {setting!r}); the sweep changes "
-                         "hp.Config inside one job. For MPI settings, export them and run the whole benchmark")
+            parser.error(f"--sweep-env needs HYBRIDPIPE_NAME=VALUE entries (got {setting!r}); the sweep "
+                         "changes hp.Config inside one job. For MPI settings, export them and run the "
+                         "whole benchmark")
     args.settings = [v for v in args.settings.split(",") if v]
     if not args.worker:
         from hybridpipe.config import Config
@@ -1113,7 +1188,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--batch {args.batch} does not split into {parts} equal shards ({what})")
     for m in args.micro_batches:
         if (args.batch // args.replicas) % m:
-            parser.error(f"a replica's {args.batch // args.replicas} rows do not split into {m} equal micro-batches")
+            parser.error(f"a replica's {args.batch // args.replicas} rows do not split into {m} equal "
+                         "micro-batches")
     if args.stages > args.layers:
         parser.error(f"--layers {args.layers} is fewer than the grid's {args.stages} stages")
     if args.worker and not (args.result and args.variant):
