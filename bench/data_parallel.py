@@ -661,8 +661,9 @@ def setting_config(setting: str) -> Any:
 
     environ = dict(os.environ)
     if setting != BASELINE:
-        name, value = setting.split("=", 1)
-        environ[name] = value
+        for part in setting.split("+"):  # several variables at once: A=1+B=2
+            name, value = part.split("=", 1)
+            environ[name] = value
     return Config.from_env(environ)
 
 
@@ -1137,7 +1138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also compare HYBRIDPIPE_FUSION_THRESHOLD at each of these (e.g. 1MiB,16MiB)")
     parser.add_argument("--sweep-env", default="",
                         help="also compare each HYBRIDPIPE_NAME=VALUE of this comma-separated list "
-                             "(one at a time), e.g. HYBRIDPIPE_SEGMENT_BYTES=1MiB")
+                             "(one at a time; join several with +), e.g. HYBRIDPIPE_SEGMENT_BYTES=1MiB")
     parser.add_argument("--sweep-only", action="store_true", help="run only the engine-settings comparison")
     parser.add_argument("--no-ddp", action="store_true", help="leave out torch DDP")
     parser.add_argument("--no-grid", action="store_true", help="leave out the 2-D (pipeline × data) run")
@@ -1172,9 +1173,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         from hybridpipe.config import Config
 
         for setting in sweep_settings(args):
-            name, value = setting.split("=", 1)
             try:
-                Config.from_env({name: value})
+                Config.from_env(dict(part.split("=", 1) for part in setting.split("+")))
             except Exception as error:
                 parser.error(str(error))
     for name in ("dp_ranks", "batch", "width", "layers", "steps", "blocks", "rounds", "repeats",

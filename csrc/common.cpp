@@ -1,7 +1,14 @@
 // Dtype/op names and the MPI error formatter declared in common.h.
 #include "common.h"
 
+#include <algorithm>
+#include <chrono>
 #include <sstream>
+#include <thread>
+
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
 
 namespace hybridpipe {
 
@@ -40,6 +47,55 @@ const char* op_name(ReduceOp op) {
 }
 
 bool is_half(DType dtype) { return dtype == DType::Float16 || dtype == DType::BFloat16; }
+
+namespace {
+
+// Tests with `test(&flag)` until it sets flag or fails: spins for policy.spin_us, then sleeps with
+// an exponential backoff. While sleeping, the thread's timer slack is cut to 1 us (Linux's 50 us
+// default would turn every short sleep into 60 us) and restored afterwards.
+template <class Test>
+int polite_wait(Test test, const WaitPolicy& policy) {
+  using Clock = std::chrono::steady_clock;
+  int flag = 0;
+  int rc = test(&flag);
+  if (rc != MPI_SUCCESS || flag) return rc;
+  const auto spin_until = Clock::now() + std::chrono::nanoseconds(static_cast<int64_t>(policy.spin_us * 1000));
+  double sleep_us = 2.0;
+  const double max_sleep_us = std::max(policy.max_sleep_us, 1.0);
+#ifdef __linux__
+  int old_slack = -1;
+#endif
+  while (true) {
+    rc = test(&flag);
+    if (rc != MPI_SUCCESS || flag) break;
+    if (Clock::now() < spin_until) continue;
+#ifdef __linux__
+    if (old_slack < 0) {
+      old_slack = prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
+      prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+    }
+#endif
+    std::this_thread::sleep_for(std::chrono::nanoseconds(static_cast<int64_t>(sleep_us * 1000)));
+    sleep_us = std::min(sleep_us * 2, max_sleep_us);
+  }
+#ifdef __linux__
+  if (old_slack > 0) prctl(PR_SET_TIMERSLACK, static_cast<unsigned long>(old_slack), 0, 0, 0);
+#endif
+  return rc;
+}
+
+}  // namespace
+
+int wait_all(int count, MPI_Request* requests, MPI_Status* statuses, const WaitPolicy& policy) {
+  if (count == 0) return MPI_SUCCESS;
+  if (policy.spin_us < 0) return MPI_Waitall(count, requests, statuses);
+  return polite_wait([&](int* flag) { return MPI_Testall(count, requests, flag, statuses); }, policy);
+}
+
+int wait_any(int count, MPI_Request* requests, int* index, MPI_Status* status, const WaitPolicy& policy) {
+  if (policy.spin_us < 0) return MPI_Waitany(count, requests, index, status);
+  return polite_wait([&](int* flag) { return MPI_Testany(count, requests, index, flag, status); }, policy);
+}
 
 void raise_mpi_error(int code, const char* call, MPI_Comm comm) {
   int rank = -1;

@@ -38,6 +38,22 @@ class MPICallError : public std::runtime_error {
 // Raises MPICallError for a non-success return code of `call` on communicator `comm`.
 void raise_mpi_error(int code, const char* call, MPI_Comm comm);
 
+// How a thread waits for MPI requests. MPI's own MPI_Wait* spins on the core until the message
+// arrives (Open MPI: 100 % of a core even with mpi_yield_when_idle). That is the lowest latency on
+// an idle core, but on a busy host the spinning thread takes the core from compute threads: the
+// engine thread from the backward pass, a pipeline stage waiting for activations from its
+// neighbour stage's process. A polite wait tests for `spin_us` microseconds, then sleeps between
+// tests, backing off from a few microseconds to `max_sleep_us`.
+struct WaitPolicy {
+  double spin_us = -1.0;       // < 0: MPI's own blocking wait (spins); >= 0: polite
+  double max_sleep_us = 100.0;  // longest sleep between two tests in the polite wait
+};
+
+// MPI_Waitall under `policy`; returns MPI's return code (statuses may be MPI_STATUSES_IGNORE).
+int wait_all(int count, MPI_Request* requests, MPI_Status* statuses, const WaitPolicy& policy);
+// MPI_Waitany under `policy`; returns MPI's return code.
+int wait_any(int count, MPI_Request* requests, int* index, MPI_Status* status, const WaitPolicy& policy);
+
 // HP_MPI(MPI_Isend, comm, buf, ...) calls MPI_Isend(buf, ...) and raises with its name on failure.
 #define HP_MPI(fn, comm, ...)                                                      \
   do {                                                                             \

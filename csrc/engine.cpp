@@ -1,6 +1,11 @@
 // The background engine; see engine.h.
 #include "engine.h"
 
+#ifdef __linux__
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -83,7 +88,15 @@ int Engine::add_group(MPI_Comm comm, const std::string& label) {
   }
   Group* raw = group.get();
   groups_.push_back(std::move(group));
-  raw->thread = std::thread([this, raw] { run(*raw); });
+  raw->thread = std::thread([this, raw] {
+#ifdef __linux__
+    if (options_.thread_nice > 0) {  // per thread on Linux: the thread id names the thread
+      const int base = getpriority(PRIO_PROCESS, 0);
+      setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), std::min(base + options_.thread_nice, 19));
+    }
+#endif
+    run(*raw);
+  });
   return static_cast<int>(groups_.size() - 1);
 }
 

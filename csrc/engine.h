@@ -44,6 +44,10 @@ struct EngineOptions {
   size_t fusion_threshold_bytes = 4 * 1024 * 1024;
   AllreduceOptions allreduce;
   bool record_events = false;  // keep phase timings for the timeline (EngineEvent)
+  // Scheduling priority of the engine threads (Linux nice, 0..19 above the process's own): a
+  // positive value lets compute threads preempt the ring on a host with no spare core, so the
+  // reduction runs in the gaps (waits, step()) instead of slowing the backward pass.
+  int thread_nice = 0;
 };
 
 // One timed phase of a group's work, for the timeline: "negotiate", "gather names", "pack",

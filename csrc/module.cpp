@@ -90,8 +90,18 @@ PYBIND11_MODULE(_C, m) {
       .value("Ring", AllreduceAlgorithm::Ring)
       .value("Library", AllreduceAlgorithm::Library);
 
+  py::class_<WaitPolicy>(m, "WaitPolicy",
+                         "How a thread waits for MPI requests: spin_us < 0 is MPI's own (spinning) wait; "
+                         "otherwise test for spin_us microseconds, then sleep between tests (up to max_sleep_us).")
+      .def(py::init<>())
+      .def(py::init([](double spin_us, double max_sleep_us) { return WaitPolicy{spin_us, max_sleep_us}; }),
+           py::arg("spin_us"), py::arg("max_sleep_us"))
+      .def_readwrite("spin_us", &WaitPolicy::spin_us)
+      .def_readwrite("max_sleep_us", &WaitPolicy::max_sleep_us);
+
   py::class_<AllreduceOptions>(m, "AllreduceOptions")
       .def(py::init<>())
+      .def_readwrite("wait", &AllreduceOptions::wait)
       .def_readwrite("segment_bytes", &AllreduceOptions::segment_bytes)
       .def_readwrite("receive_window", &AllreduceOptions::receive_window)
       .def_readwrite("small_message_bytes", &AllreduceOptions::small_message_bytes);
@@ -147,11 +157,12 @@ PYBIND11_MODULE(_C, m) {
   py::class_<P2PRequest>(m, "P2PRequest", "An in-flight isend / irecv of raw bytes.")
       .def("test", &P2PRequest::test, "True once the transfer completed (does not block).")
       .def(
-          "wait", [](P2PRequest& request) {
+          "wait",
+          [](P2PRequest& request, const WaitPolicy& policy) {
             py::gil_scoped_release no_gil;
-            request.wait();
+            request.wait(policy);
           },
-          "Blocks (without the GIL) until the transfer completed.")
+          py::arg("policy") = WaitPolicy{}, "Blocks (without the GIL) until the transfer completed.")
       .def("cancel", &P2PRequest::cancel, "Cancels a receive that has not matched a message yet.")
       .def_property_readonly("done", &P2PRequest::done)
       .def_property_readonly("received_bytes", &P2PRequest::received_bytes)
@@ -176,11 +187,11 @@ PYBIND11_MODULE(_C, m) {
       "Starts receiving at most `bytes` bytes into `address` from rank `source`.");
   m.def(
       "wait_any",
-      [](const std::vector<P2PRequest*>& requests) {
+      [](const std::vector<P2PRequest*>& requests, const WaitPolicy& policy) {
         py::gil_scoped_release no_gil;
-        return wait_any(requests);
+        return wait_any(requests, policy);
       },
-      py::arg("requests"), "Blocks until one of the (single-part) requests completed; returns its index.");
+      py::arg("requests"), py::arg("policy") = WaitPolicy{}, "Blocks until one of the (single-part) requests completed; returns its index.");
 
   py::class_<EngineOptions>(m, "EngineOptions")
       .def(py::init<>())
@@ -190,7 +201,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("stall_shutdown_seconds", &EngineOptions::stall_shutdown_seconds)
       .def_readwrite("fusion_threshold_bytes", &EngineOptions::fusion_threshold_bytes)
       .def_readwrite("allreduce", &EngineOptions::allreduce)
-      .def_readwrite("record_events", &EngineOptions::record_events);
+      .def_readwrite("record_events", &EngineOptions::record_events)
+      .def_readwrite("thread_nice", &EngineOptions::thread_nice);
 
   py::class_<EngineEvent>(m, "EngineEvent")
       .def_readonly("phase", &EngineEvent::phase)

@@ -67,10 +67,10 @@ bool P2PRequest::test() {
   return done_;
 }
 
-void P2PRequest::wait() {
+void P2PRequest::wait(const WaitPolicy& policy) {
   if (done_) return;
   std::vector<MPI_Status> statuses(parts_.size());
-  int rc = MPI_Waitall(static_cast<int>(parts_.size()), parts_.data(), statuses.data());
+  int rc = wait_all(static_cast<int>(parts_.size()), parts_.data(), statuses.data(), policy);
   if (rc != MPI_SUCCESS) {
     int code = rc;
     if (rc == MPI_ERR_IN_STATUS) {
@@ -135,7 +135,7 @@ P2PRequest* irecv(void* data, size_t bytes, int source, int tag, MPI_Comm comm) 
                     });
 }
 
-size_t wait_any(const std::vector<P2PRequest*>& requests) {
+size_t wait_any(const std::vector<P2PRequest*>& requests, const WaitPolicy& policy) {
   if (requests.empty()) throw std::invalid_argument("wait_any: no requests");
   std::vector<MPI_Request> handles;
   for (size_t i = 0; i < requests.size(); ++i) {
@@ -147,7 +147,7 @@ size_t wait_any(const std::vector<P2PRequest*>& requests) {
   }
   int index = MPI_UNDEFINED;
   MPI_Status status;
-  HP_MPI(MPI_Waitany, requests[0]->comm(), static_cast<int>(handles.size()), handles.data(), &index, &status);
+  HP_MPI(wait_any, requests[0]->comm(), static_cast<int>(handles.size()), handles.data(), &index, &status, policy);
   if (index == MPI_UNDEFINED) throw std::logic_error("wait_any: every request was inactive");
   requests[index]->parts()[0] = handles[index];  // MPI_REQUEST_NULL now
   requests[index]->finish(&status, 1);

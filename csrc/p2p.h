@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "common.h"
+
 namespace hybridpipe {
 
 // One logical send or receive. Messages above kMaxPartBytes travel as several MPI messages of the
@@ -25,7 +27,7 @@ class P2PRequest {
 
   std::vector<MPI_Request>& parts() { return parts_; }
   bool test();                    // true once every part completed
-  void wait();                    // blocks until every part completed
+  void wait(const WaitPolicy& policy = {});  // blocks until every part completed
   void cancel();                  // cancels a receive that has not matched (no-op once done)
   bool done() const { return done_; }
   size_t received_bytes() const { return received_bytes_; }  // a receive, once done
@@ -48,6 +50,6 @@ P2PRequest* isend(const void* data, size_t bytes, int dest, int tag, MPI_Comm co
 // A message larger than 1 GiB must be received with the exact size it was sent with.
 P2PRequest* irecv(void* data, size_t bytes, int source, int tag, MPI_Comm comm);
 // Blocks until one of `requests` (single-part, not yet done) completes; returns its index.
-size_t wait_any(const std::vector<P2PRequest*>& requests);
+size_t wait_any(const std::vector<P2PRequest*>& requests, const WaitPolicy& policy = {});
 
 }  // namespace hybridpipe

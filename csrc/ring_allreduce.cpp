@@ -53,10 +53,14 @@ Span segment_of(const Span& chunk, size_t segment, size_t index) {
   return {begin, std::min(segment, chunk.begin + chunk.length - begin)};
 }
 
-void wait_all(std::vector<MPI_Request>& requests, MPI_Comm comm) {
+void wait_sends(std::vector<MPI_Request>& requests, MPI_Comm comm, const WaitPolicy& policy) {
   if (requests.empty()) return;
-  HP_MPI(MPI_Waitall, comm, static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE);
+  HP_MPI(wait_all, comm, static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE, policy);
   requests.clear();
+}
+
+void wait_one(MPI_Request& request, MPI_Comm comm, const WaitPolicy& policy) {
+  HP_MPI(wait_all, comm, 1, &request, MPI_STATUSES_IGNORE, policy);
 }
 
 // Sends every segment of `chunk` of `data` to `peer` (requests appended to `sends`).
@@ -95,7 +99,7 @@ void reduce_scatter(unsigned char* work, size_t count, DType dtype, ReduceOp op,
     for (size_t k = 0; k < std::min(window, parts); ++k) post(k);
     for (size_t k = 0; k < parts; ++k) {
       const Span part = segment_of(chunk, segment, k);
-      HP_MPI(MPI_Wait, comm, &receives[k % window], MPI_STATUS_IGNORE);
+      wait_one(receives[k % window], comm, options.wait);
       reduce_into(work + part.begin * element, slots + (k % window) * segment * element, part.length,
                   dtype, op);
       if (step < size - 2) {
@@ -106,7 +110,7 @@ void reduce_scatter(unsigned char* work, size_t count, DType dtype, ReduceOp op,
       if (k + window < parts) post(k + window);
     }
   }
-  wait_all(sends, comm);
+  wait_sends(sends, comm, options.wait);
 }
 
 // Allgather of the reduced chunks in `data` (the output dtype): rank r starts with chunk
@@ -131,7 +135,7 @@ void allgather_chunks(unsigned char* data, size_t count, DType dtype, int rank, 
              kAllgatherTag, comm, &receives[k]);
     }
     for (size_t k = 0; k < parts; ++k) {
-      HP_MPI(MPI_Wait, comm, &receives[k], MPI_STATUS_IGNORE);
+      wait_one(receives[k], comm, options.wait);
       if (step < size - 2) {
         const Span part = segment_of(chunk, segment, k);
         sends.emplace_back();
@@ -140,7 +144,7 @@ void allgather_chunks(unsigned char* data, size_t count, DType dtype, int rank, 
       }
     }
   }
-  wait_all(sends, comm);
+  wait_sends(sends, comm, options.wait);
 }
 
 // MPI_Allreduce on the accumulation dtype: one library call, best for small buffers.

@@ -21,6 +21,7 @@ struct AllreduceOptions {
   size_t segment_bytes = 256 * 1024;          // ring segment; cache-sized
   size_t receive_window = 4;                  // ring receives in flight per step
   size_t small_message_bytes = 64 * 1024;     // at or below: MPI_Allreduce instead of the ring
+  WaitPolicy wait;                            // how the ring waits for its segments (default: MPI's spin)
 };
 
 enum class AllreduceAlgorithm : int { Auto = 0, Ring = 1, Library = 2 };

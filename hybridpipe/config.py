@@ -43,6 +43,24 @@ def _positive_float(text: str, name: str) -> float:
     return value
 
 
+def _wait_spin(text: str, name: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise HybridPipeError(f"{name}={text!r} is not a number of microseconds (e.g. 50; -1 for MPI's own "
+                              "spinning wait)") from None
+
+
+def _nice(text: str, name: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 19:
+        raise HybridPipeError(f"{name}={text!r} is not a nice increment 0..19 (0: same priority as compute)")
+    return value
+
+
 def _non_negative_float(text: str, name: str) -> float:
     try:
         value = float(text)
@@ -72,6 +90,16 @@ class Config:
         stall_shutdown_seconds: 0 (off), or stop the engine of a group, failing its pending
             handles on every rank, when a tensor has waited this long for some rank
             (HYBRIDPIPE_STALL_SHUTDOWN_SECONDS).
+        wait_spin_us: how pipeline receives/sends and the background engine's ring wait for MPI:
+            test for this many microseconds, then sleep between tests so that the waiting thread
+            leaves the core to compute threads (HYBRIDPIPE_WAIT_SPIN_US). A negative value uses
+            MPI's own wait, which spins on the core until the message is in.
+        wait_sleep_us: the longest sleep between two tests of a polite wait; sleeps start at
+            2 us and double (HYBRIDPIPE_WAIT_SLEEP_US).
+        engine_nice: the background engine's threads run this many nice levels below the
+            process (0..19; Linux), so compute threads preempt the ring on a host without a spare
+            core and the reduction fills the gaps instead of slowing the backward pass
+            (HYBRIDPIPE_ENGINE_NICE).
         timeline: path of a Chrome-trace timeline to write, or "" (HYBRIDPIPE_TIMELINE).
     """
 
@@ -82,6 +110,9 @@ class Config:
     cycle_time_ms: float = 1.0
     stall_check_seconds: float = 60.0
     stall_shutdown_seconds: float = 0.0
+    wait_spin_us: float = 50.0
+    wait_sleep_us: float = 20.0
+    engine_nice: int = 19
     timeline: str = ""
 
     @classmethod
@@ -101,6 +132,9 @@ class Config:
             ("HYBRIDPIPE_CYCLE_TIME_MS", "cycle_time_ms", _positive_float),
             ("HYBRIDPIPE_STALL_CHECK_SECONDS", "stall_check_seconds", _positive_float),
             ("HYBRIDPIPE_STALL_SHUTDOWN_SECONDS", "stall_shutdown_seconds", _non_negative_float),
+            ("HYBRIDPIPE_WAIT_SPIN_US", "wait_spin_us", _wait_spin),
+            ("HYBRIDPIPE_WAIT_SLEEP_US", "wait_sleep_us", _positive_float),
+            ("HYBRIDPIPE_ENGINE_NICE", "engine_nice", _nice),
         ):
             if env.get(name, "").strip():
                 values[field] = parse(env[name], name)
@@ -116,6 +150,10 @@ class Config:
             raise HybridPipeError(f"segment_bytes={self.segment_bytes} must be >= 8 (e.g. 256KiB)")
         if self.stall_shutdown_seconds < 0:
             raise HybridPipeError(f"stall_shutdown_seconds={self.stall_shutdown_seconds} must be >= 0 (0: off)")
+        if self.wait_sleep_us <= 0:
+            raise HybridPipeError(f"wait_sleep_us={self.wait_sleep_us} must be > 0 (e.g. 100)")
+        if not 0 <= self.engine_nice <= 19:
+            raise HybridPipeError(f"engine_nice={self.engine_nice} must be in 0..19 (e.g. 10)")
         if self.receive_window < 1:
             raise HybridPipeError(f"receive_window={self.receive_window} must be >= 1 (e.g. 4)")
         return self

@@ -51,3 +51,16 @@ def test_mpi_family_detection(text, family):
 def test_open_mpi_major_version():
     assert _ext._open_mpi_major("Open MPI v4.1.6, package: ...") == "4"
     assert _ext._open_mpi_major("MPICH Version: 4.2.0") == ""
+
+
+def test_wait_and_engine_priority_settings():
+    config = Config.from_env({"HYBRIDPIPE_WAIT_SPIN_US": "-1", "HYBRIDPIPE_WAIT_SLEEP_US": "5",
+                              "HYBRIDPIPE_ENGINE_NICE": "0"})
+    assert (config.wait_spin_us, config.wait_sleep_us, config.engine_nice) == (-1.0, 5.0, 0)
+    assert (Config().wait_spin_us, Config().wait_sleep_us, Config().engine_nice) == (50.0, 20.0, 19)
+    with pytest.raises(HybridPipeError, match=r"HYBRIDPIPE_ENGINE_NICE='20' is not a nice increment 0\.\.19"):
+        Config.from_env({"HYBRIDPIPE_ENGINE_NICE": "20"})
+    with pytest.raises(HybridPipeError, match=r"HYBRIDPIPE_WAIT_SPIN_US='soon' is not a number of microseconds"):
+        Config.from_env({"HYBRIDPIPE_WAIT_SPIN_US": "soon"})
+    with pytest.raises(HybridPipeError, match=r"engine_nice=-3 must be in 0\.\.19"):
+        Config(engine_nice=-3).validated()

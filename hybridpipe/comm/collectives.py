@@ -155,6 +155,13 @@ def _allreduce_options() -> Any:
     return _options
 
 
+def wait_policy() -> Any:
+    """The configured polite wait (``HYBRIDPIPE_WAIT_SPIN_US`` / ``HYBRIDPIPE_WAIT_SLEEP_US``) for
+    pipeline transfers and the background engine; direct collectives keep MPI's spinning wait."""
+    config = runtime.config()
+    return core().WaitPolicy(config.wait_spin_us, config.wait_sleep_us)
+
+
 def _list_ranks(descriptions: list) -> str:
     return "; ".join(f"rank {r}: {d}" for r, d in enumerate(descriptions))
 

@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import runtime
+from ..config import Config
 from ..errors import HybridPipeError
 from .._ext import core
 
@@ -100,6 +102,19 @@ def _leaves(skeleton: Any) -> list[_Leaf]:
     return sorted(found, key=lambda leaf: leaf.index)
 
 
+_policy: tuple[Config, Any] | None = None
+
+
+def _wait_policy() -> Any:
+    """How waits here block: the configured polite wait (spin briefly, then sleep between tests), so
+    that a stage waiting for its neighbour leaves the core to compute (HYBRIDPIPE_WAIT_SPIN_US)."""
+    global _policy
+    config = runtime.config() if runtime.is_initialized() else Config.from_env()
+    if _policy is None or _policy[0] is not config:
+        _policy = (config, core().WaitPolicy(config.wait_spin_us, config.wait_sleep_us))
+    return _policy[1]
+
+
 def _check_tag(tag: int) -> None:
     if not 0 <= tag < ERROR_TAG - 1:
         raise ValueError(f"p2p tag {tag} is outside 0..{ERROR_TAG - 2} (tags below ERROR_TAG={ERROR_TAG})")
@@ -136,8 +151,9 @@ class Send:
 
     def wait(self) -> None:
         """Blocks until every part was sent."""
+        policy = _wait_policy()
         for request in self._requests:
-            request.wait()
+            request.wait(policy)
         self._keep = []
 
 
@@ -235,7 +251,7 @@ class Receive:
             if not queue:
                 del _unopened[self._key]
             for receive in earlier:
-                receive._header_request.wait()  # matched before ours: in, or just arriving
+                receive._header_request.wait(_wait_policy())  # matched before ours: in, or just arriving
                 receive._decode_header()
         self._decode_header()
         return True
@@ -274,17 +290,18 @@ class Receive:
         """
         if self._done:
             return self._value
+        policy = _wait_policy()
         if self._skeleton is None:
             if abort:
                 requests = [self._header_request, *(r._header_request for r in abort)]
-                index = core().wait_any(requests)
+                index = core().wait_any(requests, policy)
                 if index > 0:
                     abort[index - 1]._open_header()  # raises RemoteError
             else:
-                self._header_request.wait()
+                self._header_request.wait(policy)
             self._open_header()
         for request in self._payload_requests:
-            request.wait()
+            request.wait(policy)
         tensors = self._tensors
         if self._device is not None and torch.device(self._device).type != "cpu":
             tensors = [tensor.to(self._device) for tensor in tensors]

@@ -195,3 +195,33 @@ def test_stall_shutdown_stops_the_group_on_every_rank():
             hp.allreduce_async_(torch.ones(2), name="after", op=hp.Sum)
     finally:
         hp.shutdown()  # still a clean, collective stop
+
+
+def _thread_nice_values() -> dict[int, int]:
+    import os
+
+    values = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/stat") as stat:
+            values[int(tid)] = int(stat.read().rsplit(")", 1)[1].split()[16])  # field 19: nice
+    return values
+
+
+@pytest.mark.parametrize("nice, spin_us", [(19, 50.0), (0, -1.0)])
+def test_engine_thread_priority_and_wait_policy(nice, spin_us):
+    """The engine's threads run `engine_nice` levels below the process; both wait policies (polite
+    and MPI's own spinning wait) reduce correctly."""
+    if not __import__("sys").platform.startswith("linux"):
+        pytest.skip("thread priorities are set on Linux only")
+    hp.shutdown()
+    hp.init(config=Config(engine_nice=nice, wait_spin_us=spin_us))
+    try:
+        tensor = torch.full((300_000,), float(RANK + 1))  # above the small-message cutoff: the ring
+        hp.allreduce_async_(tensor, name="nice", op=hp.Sum).wait()
+        assert torch.equal(tensor, torch.full((300_000,), float(SIZE * (SIZE + 1) // 2)))
+        values = _thread_nice_values()
+        niced = [tid for tid, value in values.items() if value == 19]
+        assert len(niced) >= 1 if nice == 19 else not niced, values
+        assert values[__import__("os").getpid()] == 0  # the main thread keeps its priority
+    finally:
+        hp.shutdown()
