@@ -272,6 +272,11 @@ class Receive:
             self._payload_requests.append(
                 core().irecv(tensor.data_ptr(), nbytes, self.source, self.tag + 1, self._comm_f))
 
+    @property
+    def opened(self) -> bool:
+        """Whether the header is in (payload receives posted) or the value is complete."""
+        return self._done or self._skeleton is not None
+
     def poll(self) -> bool:
         """Makes progress without blocking (posts payload receives once the header is in)."""
         if self._done:

@@ -286,9 +286,14 @@ class PipelineModel(nn.Module):
     # ------------------------------------------------------------------ running
 
     def _schedule(self, name: str) -> list:
-        schedule = get_schedule(name, self.stages, self.micro_batches)
-        validate(schedule, self.stages, self.micro_batches, require_backward=name != "forward")
-        return schedule[self.stage]
+        """This stage's validated action list, built once per (schedule, P, M) and then reused."""
+        key = (name, self.stages, self.micro_batches)
+        cache = self.__dict__.setdefault("_schedule_cache", {})
+        if key not in cache:
+            schedule = get_schedule(name, self.stages, self.micro_batches)
+            validate(schedule, self.stages, self.micro_batches, require_backward=name != "forward")
+            cache[key] = schedule[self.stage]
+        return cache[key]
 
     def train_step(self, inputs: Any, targets: Any) -> float:
         """One forward+backward of a mini-batch through the pipeline; gradients accumulate into
