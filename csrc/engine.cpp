@@ -204,7 +204,8 @@ void Engine::run(Group& group) {
     if (group.size == 1) {
       run_single(group);
     } else {
-      const auto poll_interval = std::chrono::microseconds(static_cast<int64_t>(options_.cycle_time_ms * 250) + 20);
+      WaitPolicy negotiation_wait = options_.allreduce.wait;
+      if (negotiation_wait.spin_us < 0) negotiation_wait = WaitPolicy{0.0, options_.cycle_time_ms * 250 + 20};
       while (!group.finished) {
         {
           std::unique_lock<std::mutex> lock(mutex_);
@@ -216,12 +217,8 @@ void Engine::run(Group& group) {
         }
         const double negotiation_start = seconds_now();
         start_negotiation(group);
-        int done = 0;
-        while (true) {  // poll without spinning: other groups' threads and Python need the cores
-          HP_MPI(MPI_Test, group.comm, &group.request, &done, MPI_STATUS_IGNORE);
-          if (done) break;
-          std::this_thread::sleep_for(poll_interval);
-        }
+        // polite: spin briefly, then sleep between tests (other groups' threads and Python need the cores)
+        HP_MPI(wait_all, group.comm, 1, &group.request, MPI_STATUSES_IGNORE, negotiation_wait);
         if (!(group.vector[0] & kIdle)) record(group, "negotiate", negotiation_start, seconds_now(), 0, 0);
         finish_negotiation(group);
       }
@@ -488,8 +485,20 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
     bucket.clear();
     bucket_bytes = 0;
   };
+  const size_t unfused = options_.allreduce.unfused_bytes;
   for (Entry& entry : ready) {
     const size_t bytes = entry.buffer.bytes();
+    if (unfused > 0 && bytes >= unfused && bytes < threshold) {  // in place, alone; the bucket stays open
+      std::vector<Entry> open;
+      open.swap(bucket);
+      const size_t open_bytes = bucket_bytes;
+      bucket.push_back(entry);
+      bucket_bytes = bytes;
+      flush();
+      bucket.swap(open);
+      bucket_bytes = open_bytes;
+      continue;
+    }
     if (!bucket.empty() && (entry.buffer.dtype != bucket[0].buffer.dtype || entry.op != bucket[0].op ||
                             bucket_bytes + bytes > threshold)) {
       flush();

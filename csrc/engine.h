@@ -37,7 +37,7 @@
 namespace hybridpipe {
 
 struct EngineOptions {
-  double cycle_time_ms = 1.0;
+  double cycle_time_ms = 0.5;
   double idle_cycle_time_ms = 20.0;  // sleep between negotiations after a while with nothing to do
   double stall_check_seconds = 60.0;
   double stall_shutdown_seconds = 0.0;  // 0: off; else a tensor waiting this long stops the group

@@ -102,6 +102,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<AllreduceOptions>(m, "AllreduceOptions")
       .def(py::init<>())
       .def_readwrite("wait", &AllreduceOptions::wait)
+      .def_readwrite("unfused_bytes", &AllreduceOptions::unfused_bytes)
       .def_readwrite("segment_bytes", &AllreduceOptions::segment_bytes)
       .def_readwrite("receive_window", &AllreduceOptions::receive_window)
       .def_readwrite("small_message_bytes", &AllreduceOptions::small_message_bytes);

@@ -21,6 +21,10 @@ struct AllreduceOptions {
   size_t segment_bytes = 256 * 1024;          // ring segment; cache-sized
   size_t receive_window = 4;                  // ring receives in flight per step
   size_t small_message_bytes = 64 * 1024;     // at or below: MPI_Allreduce instead of the ring
+  // Fused (grouped / engine) allreduces: a buffer of at least this size is reduced in place on its
+  // own instead of being copied into and out of the fusion buffer (the copies cost more than the
+  // extra ring start). 0: every buffer below the fusion threshold is packed.
+  size_t unfused_bytes = 0;
   WaitPolicy wait;                            // how the ring waits for its segments (default: MPI's spin)
 };
 

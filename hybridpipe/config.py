@@ -78,6 +78,9 @@ class Config:
     Attributes:
         fusion_threshold_bytes: grouped allreduces pack tensors into buckets of at most this size
             (HYBRIDPIPE_FUSION_THRESHOLD, e.g. ``4MiB``).
+        unfused_bytes: in grouped allreduces and the engine, a tensor of at least this size is
+            reduced in place on its own rather than copied into and out of a fusion bucket; 0 packs
+            everything below the fusion threshold (HYBRIDPIPE_UNFUSED_BYTES).
         segment_bytes: ring segment; a received segment is reduced while the next is in flight
             (HYBRIDPIPE_SEGMENT_BYTES).
         receive_window: ring receives posted ahead per step (HYBRIDPIPE_RECEIVE_WINDOW).
@@ -104,10 +107,11 @@ class Config:
     """
 
     fusion_threshold_bytes: int = 4 * 1024 * 1024
+    unfused_bytes: int = 256 * 1024
     segment_bytes: int = 256 * 1024
     receive_window: int = 4
     small_message_bytes: int = 64 * 1024
-    cycle_time_ms: float = 1.0
+    cycle_time_ms: float = 0.5
     stall_check_seconds: float = 60.0
     stall_shutdown_seconds: float = 0.0
     wait_spin_us: float = 50.0
@@ -126,6 +130,7 @@ class Config:
         values: dict[str, object] = {}
         for name, field, parse in (
             ("HYBRIDPIPE_FUSION_THRESHOLD", "fusion_threshold_bytes", parse_bytes),
+            ("HYBRIDPIPE_UNFUSED_BYTES", "unfused_bytes", parse_bytes),
             ("HYBRIDPIPE_SEGMENT_BYTES", "segment_bytes", parse_bytes),
             ("HYBRIDPIPE_RECEIVE_WINDOW", "receive_window", parse_bytes),
             ("HYBRIDPIPE_SMALL_MESSAGE_BYTES", "small_message_bytes", parse_bytes),

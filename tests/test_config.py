@@ -62,5 +62,7 @@ def test_wait_and_engine_priority_settings():
         Config.from_env({"HYBRIDPIPE_ENGINE_NICE": "20"})
     with pytest.raises(HybridPipeError, match=r"HYBRIDPIPE_WAIT_SPIN_US='soon' is not a number of microseconds"):
         Config.from_env({"HYBRIDPIPE_WAIT_SPIN_US": "soon"})
+    assert Config.from_env({"HYBRIDPIPE_UNFUSED_BYTES": "1MiB"}).unfused_bytes == 1 << 20
+    assert Config().unfused_bytes == 256 << 10
     with pytest.raises(HybridPipeError, match=r"engine_nice=-3 must be in 0\.\.19"):
         Config(engine_nice=-3).validated()

@@ -152,6 +152,7 @@ def _allreduce_options() -> Any:
         _options.segment_bytes = config.segment_bytes
         _options.receive_window = config.receive_window
         _options.small_message_bytes = config.small_message_bytes
+        _options.unfused_bytes = config.unfused_bytes
     return _options
 
 

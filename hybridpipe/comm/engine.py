@@ -48,6 +48,7 @@ class _EngineState:
         engine_ring.segment_bytes = ring.segment_bytes
         engine_ring.receive_window = ring.receive_window
         engine_ring.small_message_bytes = ring.small_message_bytes
+        engine_ring.unfused_bytes = ring.unfused_bytes
         engine_ring.wait = collectives.wait_policy()  # leave the cores to the backward pass
         options.allreduce = engine_ring
         options.thread_nice = config.engine_nice
