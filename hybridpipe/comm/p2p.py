@@ -42,6 +42,10 @@ HEADER_CAPACITY = 64 * 1024
 #: Tag of error messages (the payload tag, ERROR_TAG + 1, is never used).
 ERROR_TAG = 32000
 _ERROR_MARK = "__hybridpipe_remote_error__"
+_INLINE_MARK = "__hybridpipe_inline__"
+#: Values whose tensors hold at most this many bytes in all travel inside the header message: one
+#: MPI message per value instead of 1 + tensors (small activations are latency-bound).
+INLINE_BYTES = 32 * 1024
 
 
 class RemoteError(HybridPipeError):
@@ -166,6 +170,17 @@ def _post_header(header: bytes, dest: int, tag: int, comm_f: int) -> tuple[Any, 
     return core().isend(buffer.ctypes.data, buffer.nbytes, dest, tag, comm_f), buffer
 
 
+def _raw_bytes(tensor: torch.Tensor) -> bytes:
+    host = tensor.detach().resolve_conj().resolve_neg().cpu().contiguous()
+    return host.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _from_raw(data: bytes, leaf: _Leaf) -> torch.Tensor:
+    if not data:
+        return torch.empty(leaf.shape, dtype=leaf.dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(leaf.dtype).reshape(leaf.shape)
+
+
 def send(value: Any, dest: int, tag: int, comm: Any) -> Send:
     """Starts sending ``value`` to rank ``dest`` of ``comm`` on tags ``tag`` (header), ``tag + 1``.
 
@@ -179,6 +194,12 @@ def send(value: Any, dest: int, tag: int, comm: Any) -> Send:
     tensors: list[torch.Tensor] = []
     skeleton = _skeleton(value, tensors)
     comm_f = comm.py2f()
+    if sum(t.numel() * t.element_size() for t in tensors) <= INLINE_BYTES:
+        payload = [_raw_bytes(tensor) for tensor in tensors]
+        message = pickle.dumps((_INLINE_MARK, skeleton, payload), protocol=pickle.HIGHEST_PROTOCOL)
+        if len(message) <= HEADER_CAPACITY:
+            request, header = _post_header(message, dest, tag, comm_f)
+            return Send([request], [header])
     request, header = _post_header(pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL), dest, tag, comm_f)
     requests, keep = [request], [header]
     for tensor in tensors:
@@ -264,6 +285,10 @@ class Receive:
             error = RemoteError(skeleton[2])
             error.source = self.source  # type: ignore[attr-defined]
             raise error
+        if isinstance(skeleton, tuple) and len(skeleton) == 3 and skeleton[0] == _INLINE_MARK:
+            self._skeleton = skeleton[1]
+            self._tensors = [_from_raw(data, leaf) for data, leaf in zip(skeleton[2], _leaves(skeleton[1]))]
+            return
         self._skeleton = skeleton
         for leaf in _leaves(skeleton):
             tensor = torch.empty(leaf.shape, dtype=leaf.dtype)

@@ -235,7 +235,7 @@ class StageExecutor:
                     receive.poll()
                     if not receive.opened:
                         break
-            self._check_errors()
+            # (a neighbour's error is seen by the next wait, which watches the error receives)
 
         for index, action in enumerate(actions):
             progress()

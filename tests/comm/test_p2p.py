@@ -84,6 +84,22 @@ def test_tensor_round_trip_every_dtype_and_shape(comm, dtype):
         assert got.is_contiguous() and not got.requires_grad
 
 
+def test_small_values_travel_in_one_message_large_ones_with_payloads(comm):
+    source, dest = ring(comm)
+    small = (torch.arange(6, dtype=torch.bfloat16), torch.tensor(True), torch.empty(0, 3), {"n": 7})
+    large = torch.arange(p2p.INLINE_BYTES // 4 + 1, dtype=torch.float32)  # one element past the limit
+    receives = [p2p.Receive(source, 24, comm) for _ in range(2)]
+    sends = [p2p.send(small, dest, 24, comm), p2p.send(large, dest, 24, comm)]
+    assert [len(send._requests) for send in sends] == [1, 2]
+    got_small, got_large = receives[0].wait(), receives[1].wait()
+    for got, want in zip(got_small[:3], small[:3]):
+        assert_same(got, want)
+    assert got_small[3] == {"n": 7}
+    assert_same(got_large, large)
+    for send in sends:
+        send.wait()
+
+
 def test_large_tensor(comm):
     source, _ = ring(comm)
     count = 3_000_000
@@ -235,7 +251,8 @@ def test_shapes_change_between_messages_on_the_same_tags(comm):
 
 
 def numbered(i):
-    """Message i of a sequence: sizes differ, one of them past the eager limit."""
+    """Message i of a sequence: sizes differ; some travel inline in the header message (at most
+    p2p.INLINE_BYTES of tensor data), others with payload messages past the eager limit."""
     size = [3, 100_000, 0, 17, 1, 40_000][i % 6]
     return i, torch.full((size,), float(i)), f"message {i}"
 
