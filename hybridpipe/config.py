@@ -114,7 +114,7 @@ class Config:
     cycle_time_ms: float = 0.5
     stall_check_seconds: float = 60.0
     stall_shutdown_seconds: float = 0.0
-    wait_spin_us: float = 50.0
+    wait_spin_us: float = 200.0
     wait_sleep_us: float = 20.0
     engine_nice: int = 19
     timeline: str = ""
