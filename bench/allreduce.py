@@ -134,42 +134,18 @@ class Worker:
             self._start_gloo()
 
     def _start_gloo(self) -> None:
-        """torch.distributed on gloo over loopback; rank 0 picks a free port and broadcasts it.
+        """torch.distributed on gloo over loopback (bench/_common.py); on failure its columns stay empty."""
+        from _common import start_gloo
 
-        Rank 0 opens the rendezvous store itself on port 0 (the kernel picks a free port), so no
-        other process can take the port between choosing and binding it.
-        """
-        import torch.distributed as dist
-
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        timeout = datetime.timedelta(seconds=120)
-        store, port, error = None, 0, ""
-        if self.rank == 0:
-            try:
-                store = dist.TCPStore("127.0.0.1", 0, self.n, True, timeout=timeout, wait_for_workers=False)
-                port = store.port
-            except Exception as exc:  # reported in the table, the MPI benchmarks still run
-                error = f"rank 0 could not open a TCPStore on 127.0.0.1 ({exc})"
-        port = self.comm.bcast(port, root=0)
-        if port:
-            try:
-                if store is None:
-                    store = dist.TCPStore("127.0.0.1", port, self.n, False, timeout=timeout)
-                dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.n, timeout=timeout)
-            except Exception as exc:
-                error = f"rank {self.rank}: gloo init on 127.0.0.1:{port} failed ({exc})"
-        errors = [e for e in self.comm.allgather(error) if e]
-        if errors:
-            self.gloo_error = "; ".join(errors)
+        try:
+            self.dist, self.gloo_store = start_gloo(self.comm, timeout_s=120)
+        except RuntimeError as error:
+            self.gloo_error = str(error)
             if self.rank == 0:
                 progress(f"gloo unavailable, its columns stay empty: {self.gloo_error}")
-            if dist.is_initialized():
-                dist.destroy_process_group()
             return
-        self.dist = dist
-        self.gloo_port = port
         if self.rank == 0:
-            progress(f"gloo process group up on 127.0.0.1:{port} ({self.n} ranks)")
+            progress(f"gloo process group up on 127.0.0.1:{self.gloo_store.port} ({self.n} ranks)")
 
     def close(self) -> None:
         if self.dist is not None:

@@ -290,23 +290,44 @@ class MLPWorker:
         return result
 
 
+def mlp_training(worker: Any, x: Any, y: Any, wrap: Callable[[Any, Any], Any] | None = None,
+                 step: Callable[[Any, Any], None] | None = None,
+                 wrap_model: Callable[[Any], Any] | None = None) -> Callable[[], float]:
+    """The benchmark MLP trained with SGD on (x, y): ``worker.timed_step`` of zero_grad, forward +
+    backward, and ``optimizer.step()`` — or ``step(model, optimizer)``. ``wrap_model(model)`` may
+    replace the model (e.g. by DDP around it), ``wrap(model, optimizer)`` the SGD optimizer (e.g. by
+    a DistributedOptimizer around it)."""
+    from torch import nn
+
+    args = worker.args
+    model = nn.Sequential(*[seeded_layer(worker.Block, i, args.width) for i in range(args.layers)])
+    if wrap_model is not None:
+        model = wrap_model(model)
+    optimizer = worker.torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    if wrap is not None:
+        optimizer = wrap(model, optimizer)
+    loss_fn = nn.MSELoss()
+
+    def forward_backward() -> float:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        return float(loss.detach())
+    return worker.timed_step(lambda: optimizer.zero_grad(set_to_none=True), forward_backward,
+                             optimizer.step if step is None else lambda: step(model, optimizer))
+
+
+def hp_distributed(model: Any, optimizer: Any) -> Any:
+    """``optimizer`` wrapped in hp.DistributedOptimizer over ``model``'s named parameters."""
+    import hybridpipe as hp
+
+    return hp.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+
+
 class SingleWorker(MLPWorker):
     """The whole model and the whole batch in one process, one thread."""
 
     def build(self) -> Callable[[], float]:
-        torch, args = self.torch, self.args
-        from torch import nn
-
-        model = nn.Sequential(*[seeded_layer(self.Block, i, args.width) for i in range(args.layers)])
-        optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-        loss_fn, x, y = nn.MSELoss(), self.inputs, self.targets
-
-        def forward_backward() -> float:
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            return float(loss.detach())
-        return self.timed_step(lambda: optimizer.zero_grad(set_to_none=True), forward_backward,
-                               optimizer.step)
+        return mlp_training(self, self.inputs, self.targets)
 
 
 class MPIWorker(MLPWorker):
@@ -338,20 +359,7 @@ class IndependentWorker(MPIWorker):
     ceiling of data parallelism on this machine (its models drift apart; its loss is not comparable)."""
 
     def build(self) -> Callable[[], float]:
-        torch, args = self.torch, self.args
-        from torch import nn
-
-        model = nn.Sequential(*[seeded_layer(self.Block, i, args.width) for i in range(args.layers)])
-        optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-        loss_fn = nn.MSELoss()
-        x, y = self.shard(self.size, self.rank)
-
-        def forward_backward() -> float:
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            return float(loss.detach())
-        return self.timed_step(lambda: optimizer.zero_grad(set_to_none=True), forward_backward,
-                               optimizer.step)
+        return mlp_training(self, *self.shard(self.size, self.rank))
 
 
 class HybridpipeDPWorker(MPIWorker):
@@ -366,21 +374,7 @@ class HybridpipeDPWorker(MPIWorker):
         self.trace_engine()
 
     def build(self) -> Callable[[], float]:
-        torch, args, hp = self.torch, self.args, self.hp
-        from torch import nn
-
-        model = nn.Sequential(*[seeded_layer(self.Block, i, args.width) for i in range(args.layers)])
-        optimizer = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LEARNING_RATE),
-                                            named_parameters=model.named_parameters())
-        loss_fn = nn.MSELoss()
-        x, y = self.shard(self.size, self.rank)
-
-        def forward_backward() -> float:
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            return float(loss.detach())
-        return self.timed_step(lambda: optimizer.zero_grad(set_to_none=True), forward_backward,
-                               optimizer.step)
+        return mlp_training(self, *self.shard(self.size, self.rank), wrap=hp_distributed)
 
     def engine_stats(self) -> dict[str, int] | None:
         return self.hp.engine_stats("data")
@@ -402,24 +396,12 @@ class GroupedWorker(HybridpipeDPWorker):
     (average) on the training thread, then plain SGD."""
 
     def build(self) -> Callable[[], float]:
-        torch, args, hp = self.torch, self.args, self.hp
-        from torch import nn
+        hp = self.hp
 
-        model = nn.Sequential(*[seeded_layer(self.Block, i, args.width) for i in range(args.layers)])
-        parameters = list(model.parameters())
-        optimizer = torch.optim.SGD(parameters, lr=LEARNING_RATE)
-        loss_fn = nn.MSELoss()
-        x, y = self.shard(self.size, self.rank)
-
-        def forward_backward() -> float:
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            return float(loss.detach())
-
-        def step() -> None:
-            hp.grouped_allreduce_([p.grad for p in parameters], op=hp.Average)
+        def step(model: Any, optimizer: Any) -> None:
+            hp.grouped_allreduce_([p.grad for p in model.parameters()], op=hp.Average)
             optimizer.step()
-        return self.timed_step(lambda: optimizer.zero_grad(set_to_none=True), forward_backward, step)
+        return mlp_training(self, *self.shard(self.size, self.rank), step=step)
 
     def engine_stats(self) -> dict[str, int] | None:
         return None
@@ -430,28 +412,16 @@ class AsyncAfterWorker(HybridpipeDPWorker):
     hp.allreduce_async_ (last layer first, as the hooks would) and waited for, then plain SGD."""
 
     def build(self) -> Callable[[], float]:
-        torch, args, hp = self.torch, self.args, self.hp
-        from torch import nn
+        hp = self.hp
 
-        model = nn.Sequential(*[seeded_layer(self.Block, i, args.width) for i in range(args.layers)])
-        named = list(model.named_parameters())[::-1]
-        optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-        loss_fn = nn.MSELoss()
-        x, y = self.shard(self.size, self.rank)
-
-        def forward_backward() -> float:
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            return float(loss.detach())
-
-        def step() -> None:
+        def step(model: Any, optimizer: Any) -> None:
             handles = [hp.allreduce_async_(p.grad, name=name, op=hp.Average, group="data")
-                       for name, p in named]
+                       for name, p in list(model.named_parameters())[::-1]]
             self.handles.extend(handles)
             for handle in handles:
                 handle.wait()
             optimizer.step()
-        return self.timed_step(lambda: optimizer.zero_grad(set_to_none=True), forward_backward, step)
+        return mlp_training(self, *self.shard(self.size, self.rank), step=step)
 
 
 class GridWorker(HybridpipeDPWorker):
@@ -496,38 +466,14 @@ class DDPWorker(MPIWorker):
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
-        import torch.distributed as dist
+        from _common import start_gloo
 
-        self.dist = dist
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        timeout = datetime.timedelta(seconds=300)
-        store, port = None, 0
-        if self.rank == 0:  # port 0: the kernel picks a free port, nobody can take it meanwhile
-            store = dist.TCPStore("127.0.0.1", 0, self.size, True, timeout=timeout, wait_for_workers=False)
-            port = store.port
-        port = self.comm.bcast(port, root=0)
-        if store is None:
-            store = dist.TCPStore("127.0.0.1", port, self.size, False, timeout=timeout)
-        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.size, timeout=timeout)
-        self.store = store
+        self.dist, self.store = start_gloo(self.comm)
 
     def build(self) -> Callable[[], float]:
-        torch, args = self.torch, self.args
-        from torch import nn
         from torch.nn.parallel import DistributedDataParallel
 
-        model = DistributedDataParallel(
-            nn.Sequential(*[seeded_layer(self.Block, i, args.width) for i in range(args.layers)]))
-        optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-        loss_fn = nn.MSELoss()
-        x, y = self.shard(self.size, self.rank)
-
-        def forward_backward() -> float:
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            return float(loss.detach())
-        return self.timed_step(lambda: optimizer.zero_grad(set_to_none=True), forward_backward,
-                               optimizer.step)
+        return mlp_training(self, *self.shard(self.size, self.rank), wrap_model=DistributedDataParallel)
 
     def close(self) -> None:
         self.comm.Barrier()
@@ -688,29 +634,17 @@ class SweepDPWorker(MPIWorker):
 
     def run(self) -> dict[str, Any]:
         torch, args, hp = self.torch, self.args, self.hp
-        from torch import nn
-
         settings = args.settings
         blocks = {s: [] for s in settings}
         phases = {s: [] for s in settings}
         engine = {s: [] for s in settings}
         x, y = self.shard(self.size, self.rank)
-        loss_fn = nn.MSELoss()
         for block in range(args.blocks):
             shift = block % len(settings)
             for setting in settings[shift:] + settings[:shift]:
                 hp.init(pipeline_stages=1, config=setting_config(setting))
                 self.trace_engine()
-                model = nn.Sequential(*[seeded_layer(self.Block, i, args.width) for i in range(args.layers)])
-                optimizer = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LEARNING_RATE),
-                                                    named_parameters=model.named_parameters())
-
-                def forward_backward() -> float:
-                    loss = loss_fn(model(x), y)
-                    loss.backward()
-                    return float(loss.detach())
-                step = self.timed_step(lambda: optimizer.zero_grad(set_to_none=True), forward_backward,
-                                       optimizer.step)
+                step = mlp_training(self, x, y, wrap=hp_distributed)
                 for _ in range(args.warmup):
                     step()
                 before = hp.engine_stats("data")

@@ -319,20 +319,9 @@ class HybridpipeWorker(MPIWorker):
 class TorchPipeliningWorker(MPIWorker):
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
-        import torch.distributed as dist
+        from _common import start_gloo
 
-        self.dist = dist
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        timeout = datetime.timedelta(seconds=300)
-        store, port = None, 0
-        if self.rank == 0:  # port 0: the kernel picks a free port, nobody can take it meanwhile
-            store = dist.TCPStore("127.0.0.1", 0, self.size, True, timeout=timeout, wait_for_workers=False)
-            port = store.port
-        port = self.comm.bcast(port, root=0)
-        if store is None:
-            store = dist.TCPStore("127.0.0.1", port, self.size, False, timeout=timeout)
-        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.size, timeout=timeout)
-        self.store = store
+        self.dist, self.store = start_gloo(self.comm)
 
     def build(self) -> None:
         torch, args = self.torch, self.args

@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 
-from . import runtime
 from . import _trace as timeline
 from .comm import collectives, engine
 from .pipeline import stage

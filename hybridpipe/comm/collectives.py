@@ -144,15 +144,22 @@ def _forget_groups() -> None:
     _options = None
 
 
+def _new_allreduce_options(config: Any, wait: Any = None) -> Any:
+    """The C++ AllreduceOptions for ``config``; ``wait``: a WaitPolicy (default: MPI's own wait)."""
+    options = core().AllreduceOptions()
+    options.segment_bytes = config.segment_bytes
+    options.receive_window = config.receive_window
+    options.small_message_bytes = config.small_message_bytes
+    options.unfused_bytes = config.unfused_bytes
+    if wait is not None:
+        options.wait = wait
+    return options
+
+
 def _allreduce_options() -> Any:
     global _options
     if _options is None:
-        config = runtime.config()
-        _options = core().AllreduceOptions()
-        _options.segment_bytes = config.segment_bytes
-        _options.receive_window = config.receive_window
-        _options.small_message_bytes = config.small_message_bytes
-        _options.unfused_bytes = config.unfused_bytes
+        _options = _new_allreduce_options(runtime.config())
     return _options
 
 

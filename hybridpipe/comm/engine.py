@@ -43,14 +43,8 @@ class _EngineState:
         options.stall_check_seconds = config.stall_check_seconds
         options.stall_shutdown_seconds = config.stall_shutdown_seconds
         options.fusion_threshold_bytes = config.fusion_threshold_bytes
-        ring = collectives._allreduce_options()
-        engine_ring = core().AllreduceOptions()
-        engine_ring.segment_bytes = ring.segment_bytes
-        engine_ring.receive_window = ring.receive_window
-        engine_ring.small_message_bytes = ring.small_message_bytes
-        engine_ring.unfused_bytes = ring.unfused_bytes
-        engine_ring.wait = collectives.wait_policy()  # leave the cores to the backward pass
-        options.allreduce = engine_ring
+        # polite waits: leave the cores to the backward pass
+        options.allreduce = collectives._new_allreduce_options(config, collectives.wait_policy())
         options.thread_nice = config.engine_nice
         options.record_events = bool(config.timeline)
         self.engine = core().Engine(options)

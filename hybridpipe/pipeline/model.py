@@ -35,13 +35,12 @@ from hybridpipe.pipeline.partition import (
     BALANCE_METHODS,
     BalanceReport,
     _check_stage_count,
-    balance_by,
     partition_by_weights,
     partition_uniform,
     profile_layers,
     validate_balance,
 )
-from hybridpipe.pipeline.schedule import SCHEDULE_NAMES, get_schedule, validate
+from hybridpipe.pipeline.schedule import get_schedule, validate
 from hybridpipe.pipeline.stage import CHECKPOINT_MODES, StageExecutor, StepResult
 
 __all__ = ["LayerSpec", "PipelineModel"]

@@ -3,9 +3,6 @@ with a one-process copy of the model trained on the same mini-batches."""
 
 from __future__ import annotations
 
-import copy
-import itertools
-import math
 
 import pytest
 import torch
