@@ -97,6 +97,9 @@ def _copy_into(destination: Any, source: Any) -> None:
     if destination is source:
         return
     if _is_tensor(destination):
+        if destination.device == source.device and destination.data_ptr() == source.data_ptr() \
+                and destination.is_contiguous():
+            return  # the in-place work was the tensor itself (a detached view of the same memory)
         destination.copy_(source)
     else:
         destination[...] = source
