@@ -115,7 +115,7 @@ class Config:
     stall_check_seconds: float = 60.0
     stall_shutdown_seconds: float = 0.0
     wait_spin_us: float = 200.0
-    wait_sleep_us: float = 20.0
+    wait_sleep_us: float = 200.0
     engine_nice: int = 19
     timeline: str = ""
 

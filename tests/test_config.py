@@ -57,7 +57,7 @@ def test_wait_and_engine_priority_settings():
     config = Config.from_env({"HYBRIDPIPE_WAIT_SPIN_US": "-1", "HYBRIDPIPE_WAIT_SLEEP_US": "5",
                               "HYBRIDPIPE_ENGINE_NICE": "0"})
     assert (config.wait_spin_us, config.wait_sleep_us, config.engine_nice) == (-1.0, 5.0, 0)
-    assert (Config().wait_spin_us, Config().wait_sleep_us, Config().engine_nice) == (200.0, 20.0, 19)
+    assert (Config().wait_spin_us, Config().wait_sleep_us, Config().engine_nice) == (200.0, 200.0, 19)
     with pytest.raises(HybridPipeError, match=r"HYBRIDPIPE_ENGINE_NICE='20' is not a nice increment 0\.\.19"):
         Config.from_env({"HYBRIDPIPE_ENGINE_NICE": "20"})
     with pytest.raises(HybridPipeError, match=r"HYBRIDPIPE_WAIT_SPIN_US='soon' is not a number of microseconds"):
