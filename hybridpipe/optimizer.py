@@ -42,6 +42,7 @@ __all__ = ["Compression", "DistributedOptimizer", "broadcast_parameters", "broad
            "broadcast_object", "allgather_object", "clip_grad_norm_"]
 
 _DEFAULT_GROUP = "data"
+_optimizers_created = 0  # names the per-optimizer has-gradient agreement on the engine
 
 
 class Compression(enum.Enum):
@@ -102,6 +103,9 @@ class _DistributedOptimizerMixin:
         self._hp_skip = False
         self._hp_handles: dict[str, tuple[Any, torch.nn.Parameter, torch.Tensor]] = {}
         self._hp_counts: dict[str, int] = {}
+        global _optimizers_created
+        _optimizers_created += 1  # every rank creates its optimizers in the same order
+        self._hp_flags_name = f"hybridpipe.DistributedOptimizer{_optimizers_created}.has_grad"
         collectives._communicator(group, "DistributedOptimizer")  # validates the group now
         self._hp_hooks = [parameter.register_post_accumulate_grad_hook(self._hp_hook(name))
                           for name, parameter in self._hp_parameters if parameter.requires_grad]
@@ -145,7 +149,10 @@ class _DistributedOptimizerMixin:
         if parameters:  # which parameters have a gradient anywhere: the same answer on every rank
             flags = torch.tensor([name in self._hp_handles or p.grad is not None for name, p in parameters],
                                  dtype=torch.int32)
-            collectives.allreduce_(flags, op=collectives.Max, group=self._hp_group)
+            # through the engine, not a direct collective: a main thread spinning in MPI beside the
+            # (niced) engine thread that is still reducing early buckets can starve it for tens of ms
+            engine.allreduce_async_(flags, name=self._hp_flags_name, op=collectives.Max,
+                                    group=self._hp_group).wait()
             for (name, parameter), anywhere in zip(parameters, flags.tolist()):
                 if anywhere and name not in self._hp_handles:
                     if parameter.grad is None:
