@@ -97,6 +97,15 @@ int wait_any(int count, MPI_Request* requests, int* index, MPI_Status* status, c
   return polite_wait([&](int* flag) { return MPI_Testany(count, requests, index, flag, status); }, policy);
 }
 
+int allreduce_waiting(const void* send, void* receive, int count, MPI_Datatype type, MPI_Op op, MPI_Comm comm,
+                      const WaitPolicy& policy) {
+  if (policy.spin_us < 0) return MPI_Allreduce(send, receive, count, type, op, comm);
+  MPI_Request request = MPI_REQUEST_NULL;
+  const int rc = MPI_Iallreduce(send, receive, count, type, op, comm, &request);
+  if (rc != MPI_SUCCESS) return rc;
+  return wait_all(1, &request, MPI_STATUSES_IGNORE, policy);
+}
+
 void raise_mpi_error(int code, const char* call, MPI_Comm comm) {
   int rank = -1;
   // The communicator itself may be what is broken: fall back to the world rank.

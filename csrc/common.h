@@ -54,6 +54,11 @@ int wait_all(int count, MPI_Request* requests, MPI_Status* statuses, const WaitP
 // MPI_Waitany under `policy`; returns MPI's return code.
 int wait_any(int count, MPI_Request* requests, int* index, MPI_Status* status, const WaitPolicy& policy);
 
+// MPI_Allreduce under `policy`: MPI's own blocking call, or MPI_Iallreduce and a polite wait (so a
+// collective made beside busy engine threads does not spin them off the core). Returns MPI's code.
+int allreduce_waiting(const void* send, void* receive, int count, MPI_Datatype type, MPI_Op op, MPI_Comm comm,
+                      const WaitPolicy& policy);
+
 // HP_MPI(MPI_Isend, comm, buf, ...) calls MPI_Isend(buf, ...) and raises with its name on failure.
 #define HP_MPI(fn, comm, ...)                                                      \
   do {                                                                             \

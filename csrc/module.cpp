@@ -57,14 +57,14 @@ py::dict mpi_build_info() {
 }
 
 // True when every rank of `comm` passed the same `fields` (one MPI_Allreduce of max(f), max(-f)).
-bool headers_agree(MPI_Comm comm, const std::vector<long long>& fields) {
+bool headers_agree(MPI_Comm comm, const std::vector<long long>& fields, const WaitPolicy& policy = {}) {
   std::vector<long long> extremes(2 * fields.size());
   for (size_t i = 0; i < fields.size(); ++i) {
     extremes[i] = fields[i];
     extremes[fields.size() + i] = -fields[i];
   }
-  HP_MPI(MPI_Allreduce, comm, MPI_IN_PLACE, extremes.data(), static_cast<int>(extremes.size()), MPI_LONG_LONG,
-         MPI_MAX, comm);
+  HP_MPI(allreduce_waiting, comm, MPI_IN_PLACE, extremes.data(), static_cast<int>(extremes.size()), MPI_LONG_LONG,
+         MPI_MAX, comm, policy);
   for (size_t i = 0; i < fields.size(); ++i) {
     if (extremes[i] != -extremes[fields.size() + i]) return false;
   }
@@ -113,7 +113,7 @@ PYBIND11_MODULE(_C, m) {
          const AllreduceOptions& options, const std::vector<long long>& header, AllreduceAlgorithm algorithm) {
         py::gil_scoped_release no_gil;
         std::lock_guard<std::mutex> guard(core().lock);
-        if (!header.empty() && !headers_agree(to_comm(comm), header)) return false;
+        if (!header.empty() && !headers_agree(to_comm(comm), header, options.wait)) return false;
         allreduce(to_buffer(input, count, dtype), to_buffer(output, count, dtype), static_cast<ReduceOp>(op),
                   to_comm(comm), options, core().workspace, algorithm);
         return true;
@@ -127,11 +127,12 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "headers_agree",
-      [](long long comm, const std::vector<long long>& fields) {
+      [](long long comm, const std::vector<long long>& fields, const WaitPolicy& policy) {
         py::gil_scoped_release no_gil;
-        return headers_agree(to_comm(comm), fields);
+        return headers_agree(to_comm(comm), fields, policy);
       },
-      py::arg("comm"), py::arg("fields"), "Whether every rank of `comm` passed the same integers.");
+      py::arg("comm"), py::arg("fields"), py::arg("policy") = WaitPolicy{},
+      "Whether every rank of `comm` passed the same integers.");
 
   m.def(
       "grouped_allreduce",

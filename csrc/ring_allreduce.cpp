@@ -149,17 +149,18 @@ void allgather_chunks(unsigned char* data, size_t count, DType dtype, int rank, 
 
 // MPI_Allreduce on the accumulation dtype: one library call, best for small buffers.
 void library_allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_Comm comm, int size,
-                       Workspace& workspace) {
+                       const AllreduceOptions& options, Workspace& workspace) {
   const DType work_dtype = accumulation_dtype(output.dtype);
   void* work = output.data;
   if (is_half(output.dtype)) {
     work = workspace.get(kHalfCopy, output.count * sizeof(float));
     half_to_float(input.data, static_cast<float*>(work), output.count, output.dtype);
-    HP_MPI(MPI_Allreduce, comm, MPI_IN_PLACE, work, static_cast<int>(output.count), MPI_FLOAT, mpi_op(op), comm);
+    HP_MPI(allreduce_waiting, comm, MPI_IN_PLACE, work, static_cast<int>(output.count), MPI_FLOAT, mpi_op(op),
+           comm, options.wait);
   } else {
     const void* send = input.data == output.data ? MPI_IN_PLACE : input.data;
-    HP_MPI(MPI_Allreduce, comm, send, work, static_cast<int>(output.count), mpi_type(work_dtype), mpi_op(op),
-           comm);
+    HP_MPI(allreduce_waiting, comm, send, work, static_cast<int>(output.count), mpi_type(work_dtype), mpi_op(op),
+           comm, options.wait);
   }
   if (op == ReduceOp::Average) finalize_average(work, output.count, work_dtype, static_cast<size_t>(size));
   if (is_half(output.dtype)) float_to_half(static_cast<float*>(work), output.data, output.count, output.dtype);
@@ -219,7 +220,7 @@ void allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_Comm 
   if (use_ring) {
     ring_allreduce(input, output, op, comm, rank, size, options, workspace);
   } else {
-    library_allreduce(input, output, op, comm, size, workspace);
+    library_allreduce(input, output, op, comm, size, options, workspace);
   }
 }
 

@@ -44,6 +44,7 @@ _UNSUPPORTED = -1
 _SAME_TENSOR = "every rank must pass the same shape, dtype and op"
 _user_groups: dict[int, tuple[Any, Any]] = {}
 _options: Any = None
+_polite_options: Any = None
 
 
 def _torch() -> Any:
@@ -140,11 +141,11 @@ def _communicator(group: Any, function: str) -> Any:
 
 def _forget_groups() -> None:
     """Called by hp.shutdown(): frees duplicates of user communicators."""
-    global _options
+    global _options, _polite_options
     for _, private in _user_groups.values():
         private.Free()
     _user_groups.clear()
-    _options = None
+    _options = _polite_options = None
 
 
 def _new_allreduce_options(config: Any, wait: Any = None) -> Any:
@@ -160,10 +161,17 @@ def _new_allreduce_options(config: Any, wait: Any = None) -> Any:
 
 
 def _allreduce_options() -> Any:
-    global _options
+    """Options of direct collectives: MPI's spinning waits, or polite ones while this process has
+    tensors in flight on the background engine, so that a blocking call made beside the (niced)
+    engine threads does not spin them off the cores (docs/sharp_bits.md)."""
+    global _options, _polite_options
     if _options is None:
-        _options = _new_allreduce_options(runtime.config())
-    return _options
+        config = runtime.config()
+        _options = _new_allreduce_options(config)
+        _polite_options = _new_allreduce_options(config, wait_policy())
+    from . import engine  # imports this module
+
+    return _polite_options if engine._busy() else _options
 
 
 def wait_policy() -> Any:
@@ -184,7 +192,7 @@ def _agree(comm: Any, function: str, fields: Sequence[int], description: Callabl
     The common case costs one MPI_Allreduce of 2·len(fields) integers (in C++); only on a mismatch
     are the ranks' ``description()`` values gathered and turned into a message by ``explain``.
     """
-    if not core().headers_agree(comm.py2f(), list(fields)):
+    if not core().headers_agree(comm.py2f(), list(fields), _allreduce_options().wait):
         _mismatch(comm, function, description, fix, explain)
 
 

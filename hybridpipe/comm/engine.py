@@ -79,6 +79,11 @@ class _EngineState:
 _state: _EngineState | None = None
 
 
+def _busy() -> bool:
+    """Whether this process has tensors queued or running on the background engine."""
+    return _state is not None and bool(_state.in_flight)
+
+
 def _start(config: Any, grid: Any) -> None:
     """Called by hp.init."""
     global _state

@@ -225,3 +225,24 @@ def test_engine_thread_priority_and_wait_policy(nice, spin_us):
         assert values[__import__("os").getpid()] == 0  # the main thread keeps its priority
     finally:
         hp.shutdown()
+
+
+def test_direct_collectives_beside_tensors_in_flight(grid):
+    """While this process has tensors on the engine, direct collectives wait politely (MPI_Iallreduce
+    and the polite wait instead of a spinning MPI_Allreduce): same results, mismatches still raise."""
+    big = torch.full((1 << 20,), float(RANK + 1))  # 4 MiB on the engine, reduced meanwhile
+    handle = hp.allreduce_async_(big, name="in.flight", op=hp.Sum)
+    from hybridpipe.comm import engine as engine_module
+
+    assert engine_module._busy()
+    total = SIZE * (SIZE + 1) / 2
+    small = hp.allreduce(torch.full((10,), float(RANK + 1)), op=hp.Sum)  # the library's allreduce
+    ring = hp.allreduce(torch.full((100_000,), float(RANK + 1)), op=hp.Sum)  # the ring
+    grouped = hp.grouped_allreduce([torch.full((3,), float(RANK)), torch.ones(70_000)], op=hp.Sum)
+    assert torch.equal(small, torch.full((10,), total)) and torch.equal(ring, torch.full((100_000,), total))
+    assert torch.equal(grouped[0], torch.full((3,), float(SIZE * (SIZE - 1) // 2)))
+    assert torch.equal(grouped[1], torch.full((70_000,), float(SIZE)))
+    with pytest.raises(MismatchError):
+        hp.allreduce(torch.ones(4 if RANK == 0 else 5), op=hp.Sum)
+    assert torch.equal(handle.wait(), torch.full((1 << 20,), total))
+    assert not engine_module._busy()
