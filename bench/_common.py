@@ -1,10 +1,64 @@
-"""Pieces the benchmark drivers share: torch.distributed on gloo over loopback beside MPI."""
+"""Pieces the benchmark drivers share: progress lines, argument and table helpers, the worker
+entry, the command line for the report, and torch.distributed on gloo over loopback beside MPI."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import json
 import os
+import shlex
+import sys
+import time
+from pathlib import Path
 from typing import Any
+
+
+def progress(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def int_list(text: str, what: str) -> list[int]:
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} needs comma-separated integers (got {text!r})") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{what} needs positive integers (got {text!r})")
+    return values
+
+
+def render(header: list[str], rows: list[list[str]], markdown: bool, left: int = 2) -> str:
+    """A Markdown or plain-text table; the first ``left`` columns are left-aligned, the rest right."""
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |",
+                 "|" + "|".join("---" if i < left else "---:" for i in range(len(header))) + "|"]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+        return "\n".join(lines)
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
+    line = lambda cells: "  ".join(c.ljust(w) if i < left else c.rjust(w)  # noqa: E731
+                                   for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
+
+
+def command_line() -> str:
+    """This process's command line for the report, the interpreter relative to the working directory."""
+    here = Path.cwd()
+    python = sys.executable
+    if Path(python).is_relative_to(here):
+        python = str(Path(python).relative_to(here))
+    return shlex.join([python, *sys.argv])
+
+
+def run_worker(worker: Any, result_path: str) -> int:
+    """Runs one rank's worker; rank 0 writes the JSON result the driver reads; always closes it."""
+    try:
+        result = worker.run()
+        if worker.rank == 0:
+            Path(result_path).write_text(json.dumps(result, indent=1))
+    finally:
+        worker.close()
+    return 0
 
 
 def start_gloo(comm: Any, timeout_s: float = 300.0) -> tuple[Any, Any]:

@@ -52,6 +52,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))  # hybridpipe from this checkout when it is not installed
 
+from _common import command_line, progress, render, run_worker, start_gloo  # noqa: E402
 from resnet50_shapes import RESNET50_PARAMETERS, RESNET50_TENSORS, resnet50_parameter_shapes  # noqa: E402
 
 DEFAULT_RANKS = "2,4,8"
@@ -90,10 +91,6 @@ def repeats_for(nbytes: int, requested: int | None) -> int:
     if requested is not None:
         return requested
     return REPEATS_SMALL if nbytes <= LARGE_BYTES else REPEATS_LARGE
-
-
-def progress(message: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def memcpy_bandwidth(nbytes: int = 64 * 1024 * 1024, repeats: int = 20) -> float:
@@ -135,8 +132,6 @@ class Worker:
 
     def _start_gloo(self) -> None:
         """torch.distributed on gloo over loopback (bench/_common.py); on failure its columns stay empty."""
-        from _common import start_gloo
-
         try:
             self.dist, self.gloo_store = start_gloo(self.comm, timeout_s=120)
         except RuntimeError as error:
@@ -283,14 +278,7 @@ class Worker:
 
 
 def worker_main(args: argparse.Namespace) -> int:
-    worker = Worker(args)
-    try:
-        result = worker.run()
-        if worker.rank == 0:
-            Path(args.result).write_text(json.dumps(result, indent=1))
-    finally:
-        worker.close()
-    return 0
+    return run_worker(Worker(args), args.result)
 
 
 # ------------------------------------------------------------------------------------------ driver
@@ -382,28 +370,12 @@ def resnet_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[str
     return header, rows
 
 
-def render(header: list[str], rows: list[list[str]], markdown: bool) -> str:
-    if markdown:
-        lines = ["| " + " | ".join(header) + " |",
-                 "|" + "|".join("---" if i < 2 else "---:" for i in range(len(header))) + "|"]
-        lines += ["| " + " | ".join(row) + " |" for row in rows]
-        return "\n".join(lines)
-    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
-    line = lambda cells: "  ".join(c.ljust(w) if i < 2 else c.rjust(w)  # noqa: E731
-                                   for i, (c, w) in enumerate(zip(cells, widths)))
-    return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
-
-
 def report(results: list[dict[str, Any]], memcpy: float, args: argparse.Namespace, started: str,
            total_seconds: float) -> str:
     from hybridpipe.launch import available_cores
 
     first = results[0]
-    here = Path.cwd()
-    python = sys.executable
-    if Path(python).is_relative_to(here):
-        python = str(Path(python).relative_to(here))
-    command = shlex.join([python, *sys.argv])
+    command = command_line()
     oversubscribed = [str(r["n"]) for r in results if r["oversubscribed"]]
     setup = (f"{started}; {first['describe']}; {available_cores()} CPU cores (os.cpu_count() {os.cpu_count()}); "
              f"fusion threshold {size_label(first['fusion_threshold_bytes'])}, "

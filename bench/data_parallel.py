@@ -85,6 +85,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))  # hybridpipe from this checkout when it is not installed
 
+from _common import command_line, int_list, progress, render, run_worker, start_gloo  # noqa: E402
+
 SEED = 1234
 DATA_SEED = 7
 LEARNING_RATE = 0.1
@@ -110,20 +112,6 @@ MLP_LABELS = {"single": "one process, one thread",
               "async-after": "hybridpipe allreduce_async_ per gradient after backward "
                              "(engine, no overlap; diagnostic)",
               "grid": "hybridpipe PipelineModel + DistributedOptimizer"}
-
-
-def progress(message: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def int_list(text: str, what: str) -> list[int]:
-    try:
-        values = [int(v) for v in str(text).split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{what} needs comma-separated integers (got {text!r})") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"{what} needs positive integers (got {text!r})")
-    return values
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -466,8 +454,6 @@ class DDPWorker(MPIWorker):
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
-        from _common import start_gloo
-
         self.dist, self.store = start_gloo(self.comm)
 
     def build(self) -> Callable[[], float]:
@@ -715,14 +701,7 @@ def worker_main(args: argparse.Namespace) -> int:
                     "dp-sweep": SweepDPWorker,
                     "resnet-sweep": SweepResNetWorker,
                     "grid": GridWorker, "resnet": ResNetWorker}[args.variant]
-    worker = worker_class(args)
-    try:
-        result = worker.run()
-        if worker.rank == 0:
-            Path(args.result).write_text(json.dumps(result, indent=1))
-    finally:
-        worker.close()
-    return 0
+    return run_worker(worker_class(args), args.result)
 
 
 # ------------------------------------------------------------------------------------------ driver
@@ -853,18 +832,6 @@ def _resnet_median(launch: Launch, name: str) -> float:
     return statistics.median(t for r in launch.results for t in r["all_seconds"][name])
 
 
-def render(header: list[str], rows: list[list[str]], markdown: bool, left: int) -> str:
-    if markdown:
-        lines = ["| " + " | ".join(header) + " |",
-                 "|" + "|".join("---" if i < left else "---:" for i in range(len(header))) + "|"]
-        lines += ["| " + " | ".join(row) + " |" for row in rows]
-        return "\n".join(lines)
-    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
-    line = lambda cells: "  ".join(c.ljust(w) if i < left else c.rjust(w)  # noqa: E731
-                                   for i, (c, w) in enumerate(zip(cells, widths)))
-    return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
-
-
 def mlp_rows(launches: list[Launch], args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
     mlp = [launch for launch in launches if launch.kind == "mlp"]
     reference = next((launch for launch in mlp if launch.variant == "single"), None)
@@ -977,11 +944,7 @@ def report(main: list[Launch], sweep: list[Launch], args: argparse.Namespace, st
            total_seconds: float) -> str:
     from hybridpipe.launch import available_cores
 
-    here = Path.cwd()
-    python = sys.executable
-    if Path(python).is_relative_to(here):
-        python = str(Path(python).relative_to(here))
-    command = shlex.join([python, *sys.argv])
+    command = command_line()
     everything = main + sweep
     info = next((r for launch in everything for r in launch.results if "describe" in r), {})
     torch_version = next((r["torch"] for launch in everything for r in launch.results if "torch" in r), "")

@@ -78,6 +78,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))  # hybridpipe from this checkout when it is not installed
 
+from _common import command_line, int_list, progress, render, run_worker, start_gloo  # noqa: E402
+
 SCHEDULES = ("gpipe", "1f1b")
 SEED = 1234
 DATA_SEED = 99
@@ -85,22 +87,8 @@ LEARNING_RATE = 0.01
 SLEEP_WIDTH, SLEEP_ROWS_PER_MICRO_BATCH = 16, 4
 
 
-def progress(message: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
 def peak_rss_kib() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-
-
-def int_list(text: str, what: str) -> list[int]:
-    try:
-        values = [int(v) for v in str(text).split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{what} needs comma-separated integers (got {text!r})") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"{what} needs positive integers (got {text!r})")
-    return values
 
 
 # ------------------------------------------------------------------------------------------ worker
@@ -319,8 +307,6 @@ class HybridpipeWorker(MPIWorker):
 class TorchPipeliningWorker(MPIWorker):
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
-        from _common import start_gloo
-
         self.dist, self.store = start_gloo(self.comm)
 
     def build(self) -> None:
@@ -363,14 +349,7 @@ def worker_main(args: argparse.Namespace) -> int:
     worker_class = {"single": SingleWorker, "single-micro": SingleWorker,
                     "single-micro-copies": ConcurrentCopiesWorker, "hybridpipe": HybridpipeWorker,
                     "torch": TorchPipeliningWorker}[args.variant]
-    worker = worker_class(args)
-    try:
-        result = worker.run()
-        if worker.rank == 0:
-            Path(args.result).write_text(json.dumps(result, indent=1))
-    finally:
-        worker.close()
-    return 0
+    return run_worker(worker_class(args), args.result)
 
 
 # ------------------------------------------------------------------------------------------ driver
@@ -586,26 +565,10 @@ def sleep_rows(launches: list[Launch], args: argparse.Namespace) -> tuple[list[s
     return header, rows
 
 
-def render(header: list[str], rows: list[list[str]], markdown: bool, left: int) -> str:
-    if markdown:
-        lines = ["| " + " | ".join(header) + " |",
-                 "|" + "|".join("---" if i < left else "---:" for i in range(len(header))) + "|"]
-        lines += ["| " + " | ".join(row) + " |" for row in rows]
-        return "\n".join(lines)
-    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
-    line = lambda cells: "  ".join(c.ljust(w) if i < left else c.rjust(w)  # noqa: E731
-                                   for i, (c, w) in enumerate(zip(cells, widths)))
-    return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
-
-
 def report(launches: list[Launch], args: argparse.Namespace, started: str, total_seconds: float) -> str:
     from hybridpipe.launch import available_cores
 
-    here = Path.cwd()
-    python = sys.executable
-    if Path(python).is_relative_to(here):
-        python = str(Path(python).relative_to(here))
-    command = shlex.join([python, *sys.argv])
+    command = command_line()
     describe = next((r["describe"] for launch in launches for r in launch.results if "describe" in r), "")
     torch_version = launches[0].results[0]["torch"] if launches else ""
     setup = (f"{started}; {describe}; torch {torch_version}; {available_cores()} CPU cores; one thread per "
