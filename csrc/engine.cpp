@@ -452,36 +452,40 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
   if (fusion_.size() < threshold) fusion_.resize(threshold);
   std::vector<Entry> bucket;
   size_t bucket_bytes = 0;
-  auto flush = [&]() {
-    if (bucket.empty()) return;
+  // Reduces `entries` (one alone, in place; several packed into the fusion buffer) and completes them.
+  auto reduce = [&](std::vector<Entry>& entries, size_t total_bytes) {
     const double started = seconds_now();
-    if (bucket.size() == 1) {
-      allreduce(bucket[0].buffer, bucket[0].buffer, bucket[0].op, group.comm, options_.allreduce, workspace_);
-      record(group, "ring", started, seconds_now(), bucket_bytes, 1);
+    if (entries.size() == 1) {
+      allreduce(entries[0].buffer, entries[0].buffer, entries[0].op, group.comm, options_.allreduce, workspace_);
+      record(group, "ring", started, seconds_now(), total_bytes, 1);
     } else {
       unsigned char* cursor = fusion_.data();
-      for (const Entry& entry : bucket) {
+      for (const Entry& entry : entries) {
         std::memcpy(cursor, entry.buffer.data, entry.buffer.bytes());
         cursor += entry.buffer.bytes();
       }
       const double packed = seconds_now();
-      record(group, "pack", started, packed, bucket_bytes, bucket.size());
-      const DType dtype = bucket[0].buffer.dtype;
-      const Buffer fused{fusion_.data(), bucket_bytes / dtype_size(dtype), dtype};
-      allreduce(fused, fused, bucket[0].op, group.comm, options_.allreduce, workspace_);
+      record(group, "pack", started, packed, total_bytes, entries.size());
+      const DType dtype = entries[0].buffer.dtype;
+      const Buffer fused{fusion_.data(), total_bytes / dtype_size(dtype), dtype};
+      allreduce(fused, fused, entries[0].op, group.comm, options_.allreduce, workspace_);
       const double reduced = seconds_now();
-      record(group, "ring", packed, reduced, bucket_bytes, bucket.size());
+      record(group, "ring", packed, reduced, total_bytes, entries.size());
       cursor = fusion_.data();
-      for (const Entry& entry : bucket) {
+      for (const Entry& entry : entries) {
         std::memcpy(entry.buffer.data, cursor, entry.buffer.bytes());
         cursor += entry.buffer.bytes();
       }
-      record(group, "unpack", reduced, seconds_now(), bucket_bytes, bucket.size());
+      record(group, "unpack", reduced, seconds_now(), total_bytes, entries.size());
     }
     group.stats.buckets++;
-    group.stats.bytes += bucket_bytes;
-    group.stats.tensors += bucket.size();
-    complete(bucket, "", started);
+    group.stats.bytes += total_bytes;
+    group.stats.tensors += entries.size();
+    complete(entries, "", started);
+  };
+  auto flush = [&]() {
+    if (bucket.empty()) return;
+    reduce(bucket, bucket_bytes);
     bucket.clear();
     bucket_bytes = 0;
   };
@@ -489,14 +493,8 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
   for (Entry& entry : ready) {
     const size_t bytes = entry.buffer.bytes();
     if (unfused > 0 && bytes >= unfused && bytes < threshold) {  // in place, alone; the bucket stays open
-      std::vector<Entry> open;
-      open.swap(bucket);
-      const size_t open_bytes = bucket_bytes;
-      bucket.push_back(entry);
-      bucket_bytes = bytes;
-      flush();
-      bucket.swap(open);
-      bucket_bytes = open_bytes;
+      std::vector<Entry> alone{entry};
+      reduce(alone, bytes);
       continue;
     }
     if (!bucket.empty() && (entry.buffer.dtype != bucket[0].buffer.dtype || entry.op != bucket[0].op ||

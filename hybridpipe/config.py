@@ -47,7 +47,7 @@ def _wait_spin(text: str, name: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise HybridPipeError(f"{name}={text!r} is not a number of microseconds (e.g. 50; -1 for MPI's own "
+        raise HybridPipeError(f"{name}={text!r} is not a number of microseconds (e.g. 200; -1 for MPI's own "
                               "spinning wait)") from None
 
 
@@ -156,7 +156,7 @@ class Config:
         if self.stall_shutdown_seconds < 0:
             raise HybridPipeError(f"stall_shutdown_seconds={self.stall_shutdown_seconds} must be >= 0 (0: off)")
         if self.wait_sleep_us <= 0:
-            raise HybridPipeError(f"wait_sleep_us={self.wait_sleep_us} must be > 0 (e.g. 100)")
+            raise HybridPipeError(f"wait_sleep_us={self.wait_sleep_us} must be > 0 (e.g. 200)")
         if not 0 <= self.engine_nice <= 19:
             raise HybridPipeError(f"engine_nice={self.engine_nice} must be in 0..19 (e.g. 10)")
         if self.receive_window < 1:

@@ -174,10 +174,11 @@ def _allreduce_options() -> Any:
     return _polite_options if engine._busy() else _options
 
 
-def wait_policy() -> Any:
-    """The configured polite wait (``HYBRIDPIPE_WAIT_SPIN_US`` / ``HYBRIDPIPE_WAIT_SLEEP_US``) for
-    pipeline transfers and the background engine; direct collectives keep MPI's spinning wait."""
-    config = runtime.config()
+def wait_policy(config: Any = None) -> Any:
+    """The polite wait of ``config`` (default: the one in force; ``HYBRIDPIPE_WAIT_SPIN_US`` /
+    ``HYBRIDPIPE_WAIT_SLEEP_US``) for pipeline transfers, the background engine, and direct
+    collectives while tensors are in flight on the engine."""
+    config = runtime.config() if config is None else config
     return core().WaitPolicy(config.wait_spin_us, config.wait_sleep_us)
 
 

@@ -33,6 +33,7 @@ from .. import runtime
 from ..config import Config
 from ..errors import HybridPipeError
 from .._ext import core
+from . import collectives
 
 __all__ = ["HEADER_CAPACITY", "ERROR_TAG", "RemoteError", "Send", "Receive", "send", "send_error",
            "receive_error"]
@@ -115,7 +116,7 @@ def _wait_policy() -> Any:
     global _policy
     config = runtime.config() if runtime.is_initialized() else Config.from_env()
     if _policy is None or _policy[0] is not config:
-        _policy = (config, core().WaitPolicy(config.wait_spin_us, config.wait_sleep_us))
+        _policy = (config, collectives.wait_policy(config))
     return _policy[1]
 
 
@@ -170,9 +171,15 @@ def _post_header(header: bytes, dest: int, tag: int, comm_f: int) -> tuple[Any, 
     return core().isend(buffer.ctypes.data, buffer.nbytes, dest, tag, comm_f), buffer
 
 
+def _host_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw values in contiguous host memory (lazy conj/neg views materialized);
+    contiguous CPU tensors are not copied."""
+    host = tensor.detach().resolve_conj().resolve_neg()
+    return host.cpu().contiguous() if host.device.type != "cpu" else host.contiguous()
+
+
 def _raw_bytes(tensor: torch.Tensor) -> bytes:
-    host = tensor.detach().resolve_conj().resolve_neg().cpu().contiguous()
-    return host.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return _host_contiguous(tensor).reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _from_raw(data: bytes, leaf: _Leaf) -> torch.Tensor:
@@ -203,8 +210,7 @@ def send(value: Any, dest: int, tag: int, comm: Any) -> Send:
     request, header = _post_header(pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL), dest, tag, comm_f)
     requests, keep = [request], [header]
     for tensor in tensors:
-        host = tensor.detach().resolve_conj().resolve_neg()  # raw bytes: lazy conj/neg views materialized
-        host = host.cpu().contiguous() if host.device.type != "cpu" else host.contiguous()
+        host = _host_contiguous(tensor)
         keep.append(host)
         nbytes = host.numel() * host.element_size()
         requests.append(core().isend(host.data_ptr(), nbytes, dest, tag + 1, comm_f))

@@ -177,6 +177,7 @@ class PipelineModel(nn.Module):
         self.grid = grid
         self.stage = grid.stage
         self.stages = stages
+        self._schedule_cache: dict[tuple[str, int, int], list] = {}  # see _schedule
 
         balance_list, report = self._choose_balance(layer_list, balance, sample_input, seed_layers, grid)
         self._agree(grid, len(layer_list), balance_list)
@@ -287,12 +288,11 @@ class PipelineModel(nn.Module):
     def _schedule(self, name: str) -> list:
         """This stage's validated action list, built once per (schedule, P, M) and then reused."""
         key = (name, self.stages, self.micro_batches)
-        cache = self.__dict__.setdefault("_schedule_cache", {})
-        if key not in cache:
+        if key not in self._schedule_cache:
             schedule = get_schedule(name, self.stages, self.micro_batches)
             validate(schedule, self.stages, self.micro_batches, require_backward=name != "forward")
-            cache[key] = schedule[self.stage]
-        return cache[key]
+            self._schedule_cache[key] = schedule[self.stage]
+        return self._schedule_cache[key]
 
     def train_step(self, inputs: Any, targets: Any) -> float:
         """One forward+backward of a mini-batch through the pipeline; gradients accumulate into
