@@ -95,7 +95,7 @@ RESNET_WARMUP = 2
 #: reductions); the engine's allreduce time (union of its buckets' ring runs); when the first
 #: bucket started (from the step's start); how long after backward ended the last bucket finished.
 PHASES = ("fwd_bwd", "step", "ring", "first_start", "tail")
-STATS_KEYS = ("cycles", "slow_rounds", "tensors", "buckets", "bytes")
+STATS_KEYS = ("cycles", "slow_rounds", "tensors", "buckets", "helped", "bytes")
 
 #: Reference numbers and targets quoted in the issue (measured there on this kind of machine).
 ISSUE = {
@@ -837,7 +837,7 @@ def mlp_rows(launches: list[Launch], args: argparse.Namespace) -> tuple[list[str
     reference = next((launch for launch in mlp if launch.variant == "single"), None)
     base = steps_per_s(reference) if reference else None
     header = ["variant", "ranks", "steps/s", "ms/step", "× one process", "target", "fwd+bwd ms", "step() ms",
-              "engine ring ms", "first bucket at ms", "last bucket after bwd ms", "engine cycles / buckets",
+              "engine ring ms", "first bucket at ms", "last bucket after bwd ms", "engine cycles / buckets (helped)",
               "CPU cores used", "other threads' CPU ms", "loss step 1", "loss last step"]
     rows = []
     for launch in mlp:
@@ -863,7 +863,7 @@ def mlp_rows(launches: list[Launch], args: argparse.Namespace) -> tuple[list[str
                      f"{rate / base:.2f}" if base else "n/a", target or "—", f"{phase['fwd_bwd']:.0f}",
                      f"{phase['step']:.1f}", *(f"{phase[k]:.1f}" if k in phase else "—"
                                                for k in ("ring", "first_start", "tail")),
-                     f"{engine['cycles']:.0f} / {engine['buckets']:.0f}" if engine else "—",
+                     f"{engine['cycles']:.0f} / {engine['buckets']:.0f} ({engine['helped']:.0f})" if engine else "—",
                      f"{_cpu_cores(launch):.2f}",
                      f"{max(0.0, _other_cpu(launch)) * 1e3:.0f}",
                      *((f"{first['first_loss']:.7f}", f"{launch.results[-1]['last_loss']:.7f}")
@@ -875,7 +875,7 @@ def resnet_rows(launches: list[Launch]) -> tuple[list[str], list[list[str]]]:
     header = ["n", "161 × allreduce_async_ ms", "grouped_allreduce_ ms", "mpi4py Allreduce × 161 ms",
               "Horovod (issue) ms", "target ms", "async / grouped", "submit loop ms",
               "first bucket starts ms",
-              "last bucket ends ms", "cycles / buckets per run", "slow rounds: first / warm-up / timed runs"]
+              "last bucket ends ms", "cycles / buckets (helped) per run", "slow rounds: first / warm-up / timed runs"]
     rows = []
     for launch in (launch for launch in launches if launch.kind == "resnet"):
         r = launch.results[0]
@@ -897,7 +897,8 @@ def resnet_rows(launches: list[Launch]) -> tuple[list[str], list[list[str]]]:
                      f"{seconds['async'] / seconds['grouped']:.2f}",
                      f"{breakdown['submit_s'] * 1e3:.1f}", f"{breakdown['first_start_s'] * 1e3:.1f}",
                      f"{breakdown['last_finish_s'] * 1e3:.1f}",
-                     f"{statistics.median(timed['cycles']):.0f} / {statistics.median(timed['buckets']):.0f}",
+                     (f"{statistics.median(timed['cycles']):.0f} / {statistics.median(timed['buckets']):.0f} "
+                      f"({statistics.median(timed['helped']):.0f})"),
                      f"{first_run} / {warm} / {slow_timed}"])
     return header, rows
 
@@ -975,7 +976,8 @@ def report(main: list[Launch], sweep: list[Launch], args: argparse.Namespace, st
                 "time = median of the max over ranks. Breakdown columns (async, max over ranks, median): "
                 "the Python submit loop, when the first bucket's ring allreduce started and the last one "
                 "ended (from the first submit); cycles / buckets = engine_stats('world') deltas per async "
-                "run; slow rounds = name gathers.", ""]
+                "run, (helped) = buckets run by the main thread waiting in handle.wait(); slow rounds = name "
+                "gathers.", ""]
         out += [render(*resnet_rows(main), md, left=1), ""]
     if sweep:
         out += ["Engine settings, compared inside one job per column group (each setting alone; per block "

@@ -134,7 +134,29 @@ std::string Engine::wait(uint64_t handle, double* started, double* finished) {
   auto found = handles_.find(handle);
   if (found == handles_.end()) throw std::invalid_argument("unknown or already waited-for handle");
   Group& group = *groups_[found->second.group];
-  changed_.wait(lock, [&] { return found->second.done || group.thread_done; });
+  ++waiting_;
+  while (!(found->second.done || group.thread_done)) {
+    if (offered_.empty()) {
+      changed_.wait(lock);
+      continue;
+    }
+    Job* job = offered_.front();  // an engine thread's allreduce: run it here, then look again
+    offered_.pop_front();
+    job->taken = true;
+    lock.unlock();
+    std::string error;
+    try {
+      job->work();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    lock.lock();
+    job->error = error;
+    job->done = true;
+    changed_.notify_all();
+  }
+  --waiting_;
+  last_wait_return_ = Clock::now();
   std::string error = found->second.done ? found->second.error
                                          : "the background engine stopped before this tensor was reduced" +
                                                (fatal_.empty() ? std::string() : ": " + fatal_);
@@ -206,6 +228,9 @@ void Engine::run(Group& group) {
     } else {
       WaitPolicy negotiation_wait = options_.allreduce.wait;
       if (negotiation_wait.spin_us < 0) negotiation_wait = WaitPolicy{0.0, options_.cycle_time_ms * 250 + 20};
+      // With nothing of its own to reduce, a rank has no reason to spin: it sleeps between tests
+      // from the start, so idle negotiations do not take the cores from a busy group's ring.
+      const WaitPolicy idle_wait{0.0, negotiation_wait.max_sleep_us};
       while (!group.finished) {
         {
           std::unique_lock<std::mutex> lock(mutex_);
@@ -218,7 +243,8 @@ void Engine::run(Group& group) {
         const double negotiation_start = seconds_now();
         start_negotiation(group);
         // polite: spin briefly, then sleep between tests (other groups' threads and Python need the cores)
-        HP_MPI(wait_all, group.comm, 1, &group.request, MPI_STATUSES_IGNORE, negotiation_wait);
+        HP_MPI(wait_all, group.comm, 1, &group.request, MPI_STATUSES_IGNORE,
+               group.snapshot.empty() ? idle_wait : negotiation_wait);
         if (!(group.vector[0] & kIdle)) record(group, "negotiate", negotiation_start, seconds_now(), 0, 0);
         finish_negotiation(group);
       }
@@ -322,7 +348,12 @@ void Engine::finish_negotiation(Group& group) {
   if (!ready.empty()) execute(group, ready);
   if ((flags & kWantStop) && ready.empty() && failed.empty()) group.finished = true;
   group.idle_cycles = (flags & kIdle) ? group.idle_cycles + 1 : 0;
-  const double wait_ms = group.idle_cycles > 100 ? options_.idle_cycle_time_ms : options_.cycle_time_ms;
+  // After a few agreed idle cycles the group goes quiet: its next negotiation comes only when a tensor
+  // is submitted here, on stop, or after the idle cycle time. Every rank sees the same flags, so all
+  // ranks go quiet together and their idle timers stay in step. The timer is what lets a rank that
+  // never submits be reported, hence at most a quarter of stall_check_seconds.
+  const double idle_ms = std::min(options_.idle_cycle_time_ms, options_.stall_check_seconds * 250);
+  const double wait_ms = group.idle_cycles > kQuietAfterIdleCycles ? idle_ms : options_.cycle_time_ms;
   group.next_cycle = Clock::now() + std::chrono::microseconds(static_cast<int64_t>(wait_ms * 1000));
   group.snapshot.clear();
 }
@@ -445,10 +476,46 @@ void Engine::slow_round(Group& group, std::vector<Entry>& ready, std::vector<std
   }
 }
 
+void Engine::reduce_bucket(Group& group, const Buffer& buffer, ReduceOp op) {
+  auto run_here = [&] { allreduce(buffer, buffer, op, group.comm, options_.allreduce, group.workspace); };
+  if (!options_.waiters_help) return run_here();
+  // A thread leaving wait() usually comes back for its next handle within microseconds.
+  const auto grace = std::chrono::microseconds(200);
+  Job job;
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (waiting_ == 0 && Clock::now() - last_wait_return_ > grace) {
+      lock.unlock();
+      return run_here();
+    }
+    // Spin, but keep the same MPI calls as the engine thread's policy: a blocking collective on one
+    // rank does not match a nonblocking one on another, and another rank's bucket may be run by its
+    // engine thread.
+    AllreduceOptions helped = options_.allreduce;
+    if (helped.wait.spin_us >= 0) helped.wait.spin_us = 1e12;
+    job.work = [&group, buffer, op, helped] { allreduce(buffer, buffer, op, group.comm, helped, group.workspace); };
+    offered_.push_back(&job);
+    changed_.notify_all();
+    while (!job.done) {
+      if (!job.taken && waiting_ == 0 && Clock::now() - last_wait_return_ > grace) {  // nobody came
+        offered_.erase(std::find(offered_.begin(), offered_.end(), &job));
+        lock.unlock();
+        return run_here();
+      }
+      if (job.taken) {
+        changed_.wait(lock);
+      } else {
+        changed_.wait_for(lock, grace);
+      }
+    }
+  }
+  if (!job.error.empty()) throw std::runtime_error(job.error);
+  group.stats.helped++;
+}
+
 void Engine::execute(Group& group, std::vector<Entry>& ready) {
   const size_t threshold = std::max<size_t>(options_.fusion_threshold_bytes, 1);
   std::vector<unsigned char>& fusion_ = group.fusion;
-  Workspace& workspace_ = group.workspace;
   if (fusion_.size() < threshold) fusion_.resize(threshold);
   std::vector<Entry> bucket;
   size_t bucket_bytes = 0;
@@ -456,7 +523,7 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
   auto reduce = [&](std::vector<Entry>& entries, size_t total_bytes) {
     const double started = seconds_now();
     if (entries.size() == 1) {
-      allreduce(entries[0].buffer, entries[0].buffer, entries[0].op, group.comm, options_.allreduce, workspace_);
+      reduce_bucket(group, entries[0].buffer, entries[0].op);
       record(group, "ring", started, seconds_now(), total_bytes, 1);
     } else {
       unsigned char* cursor = fusion_.data();
@@ -468,7 +535,7 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
       record(group, "pack", started, packed, total_bytes, entries.size());
       const DType dtype = entries[0].buffer.dtype;
       const Buffer fused{fusion_.data(), total_bytes / dtype_size(dtype), dtype};
-      allreduce(fused, fused, entries[0].op, group.comm, options_.allreduce, workspace_);
+      reduce_bucket(group, fused, entries[0].op);
       const double reduced = seconds_now();
       record(group, "ring", packed, reduced, total_bytes, entries.size());
       cursor = fusion_.data();
@@ -492,7 +559,7 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
   const size_t unfused = options_.allreduce.unfused_bytes;
   for (Entry& entry : ready) {
     const size_t bytes = entry.buffer.bytes();
-    if (unfused > 0 && bytes >= unfused && bytes < threshold) {  // in place, alone; the bucket stays open
+    if (bytes >= threshold || (unfused > 0 && bytes >= unfused)) {  // in place, alone; the bucket stays open
       std::vector<Entry> alone{entry};
       reduce(alone, bytes);
       continue;
@@ -503,7 +570,6 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
     }
     bucket.push_back(entry);
     bucket_bytes += bytes;
-    if (bytes >= threshold) flush();
   }
   flush();
 }

@@ -27,6 +27,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <deque>
+#include <functional>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -36,13 +38,20 @@
 
 namespace hybridpipe {
 
+constexpr int kQuietAfterIdleCycles = 20;
+
 struct EngineOptions {
   double cycle_time_ms = 0.5;
-  double idle_cycle_time_ms = 20.0;  // sleep between negotiations after a while with nothing to do
+  // Time between negotiations once a group has been idle on every rank for kQuietAfterIdleCycles
+  // cycles (capped at stall_check_seconds / 4); a submission or shutdown on this rank ends it early.
+  double idle_cycle_time_ms = 1000.0;
   double stall_check_seconds = 60.0;
   double stall_shutdown_seconds = 0.0;  // 0: off; else a tensor waiting this long stops the group
   size_t fusion_threshold_bytes = 4 * 1024 * 1024;
   AllreduceOptions allreduce;
+  // A thread blocked in wait() runs the buckets' allreduces itself (at its own priority, testing
+  // its requests without sleeping) instead of leaving them to the niced engine thread; false: never.
+  bool waiters_help = true;
   bool record_events = false;  // keep phase timings for the timeline (EngineEvent)
   // Scheduling priority of the engine threads (Linux nice, 0..19 above the process's own): a
   // positive value lets compute threads preempt the ring on a host with no spare core, so the
@@ -64,6 +73,7 @@ struct EngineStats {
   uint64_t slow_rounds = 0;     // negotiations that had to gather names
   uint64_t tensors = 0;         // buffers reduced
   uint64_t buckets = 0;         // allreduce calls made
+  uint64_t helped = 0;          // of those, run by a thread blocked in wait()
   uint64_t bytes = 0;           // bytes reduced
   uint64_t stall_warnings = 0;
 };
@@ -140,6 +150,9 @@ class Engine {
   void slow_round(Group& group, std::vector<Entry>& ready, std::vector<std::pair<Entry, std::string>>& failed);
   void execute(Group& group, std::vector<Entry>& ready);
   void complete(const std::vector<Entry>& entries, const std::string& error, double started = 0);
+  // Runs one bucket's allreduce: on a thread blocked in wait() when there is one (it has nothing
+  // else to do and runs at the process's own priority), else on the calling engine thread.
+  void reduce_bucket(Group& group, const Buffer& buffer, ReduceOp op);
   void record(Group& group, const char* phase, double start, double end, size_t bytes, size_t tensors);
 
   EngineOptions options_;
@@ -147,6 +160,15 @@ class Engine {
   std::condition_variable changed_;
   std::vector<std::unique_ptr<Group>> groups_;
   std::unordered_map<uint64_t, HandleState> handles_;
+  // Work handed to threads blocked in wait() (see reduce_bucket); guarded by mutex_.
+  struct Job {
+    std::function<void()> work;
+    bool taken = false, done = false;
+    std::string error;
+  };
+  std::deque<Job*> offered_;
+  int waiting_ = 0;                        // threads blocked in wait()
+  std::chrono::steady_clock::time_point last_wait_return_{};   // a thread that just returned from wait() often waits again
   uint64_t next_handle_ = 1;
   bool stop_requested_ = false;
   bool shut_down_ = false;

@@ -218,6 +218,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("slow_rounds", &EngineStats::slow_rounds)
       .def_readonly("tensors", &EngineStats::tensors)
       .def_readonly("buckets", &EngineStats::buckets)
+      .def_readonly("helped", &EngineStats::helped)
       .def_readonly("bytes", &EngineStats::bytes)
       .def_readonly("stall_warnings", &EngineStats::stall_warnings);
 

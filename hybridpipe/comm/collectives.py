@@ -160,15 +160,26 @@ def _new_allreduce_options(config: Any, wait: Any = None) -> Any:
     return options
 
 
+# A WaitPolicy spin this long never sleeps: it tests its requests until they complete.
+SPIN_FOREVER_US = 1e12
+
+
 def _allreduce_options() -> Any:
-    """Options of direct collectives: MPI's spinning waits, or polite ones while this process has
+    """Options of direct collectives: spinning waits, or polite ones while this process has
     tensors in flight on the background engine, so that a blocking call made beside the (niced)
-    engine threads does not spin them off the cores (docs/sharp_bits.md)."""
+    engine threads does not spin them off the cores (docs/sharp_bits.md).
+
+    Both make the same MPI calls (nonblocking ones, tested), because whether a rank has tensors in
+    flight is its own state: a blocking MPI_Allreduce on one rank does not match an MPI_Iallreduce
+    on another. Only with HYBRIDPIPE_WAIT_SPIN_US=-1 (MPI's own waits everywhere) are they blocking.
+    """
     global _options, _polite_options
     if _options is None:
         config = runtime.config()
-        _options = _new_allreduce_options(config)
-        _polite_options = _new_allreduce_options(config, wait_policy())
+        polite = wait_policy(config)
+        spinning = core().WaitPolicy(SPIN_FOREVER_US, config.wait_sleep_us) if config.wait_spin_us >= 0 else polite
+        _options = _new_allreduce_options(config, spinning)
+        _polite_options = _new_allreduce_options(config, polite)
     from . import engine  # imports this module
 
     return _polite_options if engine._busy() else _options
