@@ -134,7 +134,7 @@ std::string Engine::wait(uint64_t handle, double* started, double* finished) {
   auto found = handles_.find(handle);
   if (found == handles_.end()) throw std::invalid_argument("unknown or already waited-for handle");
   Group& group = *groups_[found->second.group];
-  ++waiting_;
+  ++idle_waiters_;
   while (!(found->second.done || group.thread_done)) {
     if (offered_.empty()) {
       changed_.wait(lock);
@@ -143,6 +143,7 @@ std::string Engine::wait(uint64_t handle, double* started, double* finished) {
     Job* job = offered_.front();  // an engine thread's allreduce: run it here, then look again
     offered_.pop_front();
     job->taken = true;
+    --idle_waiters_;  // busy: another group's engine thread must not count on this thread now
     lock.unlock();
     std::string error;
     try {
@@ -153,9 +154,10 @@ std::string Engine::wait(uint64_t handle, double* started, double* finished) {
     lock.lock();
     job->error = error;
     job->done = true;
+    ++idle_waiters_;
     changed_.notify_all();
   }
-  --waiting_;
+  --idle_waiters_;
   last_wait_return_ = Clock::now();
   std::string error = found->second.done ? found->second.error
                                          : "the background engine stopped before this tensor was reduced" +
@@ -484,7 +486,7 @@ void Engine::reduce_bucket(Group& group, const Buffer& buffer, ReduceOp op) {
   Job job;
   {
     std::unique_lock<std::mutex> lock(mutex_);
-    if (waiting_ == 0 && Clock::now() - last_wait_return_ > grace) {
+    if (idle_waiters_ == 0 && Clock::now() - last_wait_return_ > grace) {
       lock.unlock();
       return run_here();
     }
@@ -497,7 +499,7 @@ void Engine::reduce_bucket(Group& group, const Buffer& buffer, ReduceOp op) {
     offered_.push_back(&job);
     changed_.notify_all();
     while (!job.done) {
-      if (!job.taken && waiting_ == 0 && Clock::now() - last_wait_return_ > grace) {  // nobody came
+      if (!job.taken && idle_waiters_ == 0 && Clock::now() - last_wait_return_ > grace) {  // nobody came
         offered_.erase(std::find(offered_.begin(), offered_.end(), &job));
         lock.unlock();
         return run_here();

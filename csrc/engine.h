@@ -167,7 +167,7 @@ class Engine {
     std::string error;
   };
   std::deque<Job*> offered_;
-  int waiting_ = 0;                        // threads blocked in wait()
+  int idle_waiters_ = 0;                   // threads blocked in wait() and not running a Job
   std::chrono::steady_clock::time_point last_wait_return_{};   // a thread that just returned from wait() often waits again
   uint64_t next_handle_ = 1;
   bool stop_requested_ = false;

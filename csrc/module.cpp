@@ -204,7 +204,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("fusion_threshold_bytes", &EngineOptions::fusion_threshold_bytes)
       .def_readwrite("allreduce", &EngineOptions::allreduce)
       .def_readwrite("record_events", &EngineOptions::record_events)
-      .def_readwrite("thread_nice", &EngineOptions::thread_nice);
+      .def_readwrite("thread_nice", &EngineOptions::thread_nice)
+      .def_readwrite("waiters_help", &EngineOptions::waiters_help);
 
   py::class_<EngineEvent>(m, "EngineEvent")
       .def_readonly("phase", &EngineEvent::phase)

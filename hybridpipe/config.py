@@ -61,6 +61,13 @@ def _nice(text: str, name: str) -> int:
     return value
 
 
+def _switch(text: str, name: str) -> bool:
+    value = text.strip().lower()
+    if value not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+        raise HybridPipeError(f"{name}={text!r} is not a switch (use 1 or 0)")
+    return value in ("1", "true", "yes", "on")
+
+
 def _non_negative_float(text: str, name: str) -> float:
     try:
         value = float(text)
@@ -103,6 +110,10 @@ class Config:
             process (0..19; Linux), so compute threads preempt the ring on a host without a spare
             core and the reduction fills the gaps instead of slowing the backward pass
             (HYBRIDPIPE_ENGINE_NICE).
+        waiters_help: a thread blocked in ``handle.wait()`` / ``step()`` runs the background
+            engine's bucket allreduces itself, at its own priority and without sleeping between
+            tests, instead of leaving them to the niced engine thread; the waiting thread has
+            nothing else to do (HYBRIDPIPE_WAITERS_HELP, 1 or 0).
         timeline: path of a Chrome-trace timeline to write, or "" (HYBRIDPIPE_TIMELINE).
     """
 
@@ -117,6 +128,7 @@ class Config:
     wait_spin_us: float = 200.0
     wait_sleep_us: float = 200.0
     engine_nice: int = 19
+    waiters_help: bool = True
     timeline: str = ""
 
     @classmethod
@@ -140,6 +152,7 @@ class Config:
             ("HYBRIDPIPE_WAIT_SPIN_US", "wait_spin_us", _wait_spin),
             ("HYBRIDPIPE_WAIT_SLEEP_US", "wait_sleep_us", _positive_float),
             ("HYBRIDPIPE_ENGINE_NICE", "engine_nice", _nice),
+            ("HYBRIDPIPE_WAITERS_HELP", "waiters_help", _switch),
         ):
             if env.get(name, "").strip():
                 values[field] = parse(env[name], name)

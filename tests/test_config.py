@@ -64,5 +64,8 @@ def test_wait_and_engine_priority_settings():
         Config.from_env({"HYBRIDPIPE_WAIT_SPIN_US": "soon"})
     assert Config.from_env({"HYBRIDPIPE_UNFUSED_BYTES": "1MiB"}).unfused_bytes == 1 << 20
     assert Config().unfused_bytes == 256 << 10
+    assert Config().waiters_help and not Config.from_env({"HYBRIDPIPE_WAITERS_HELP": "0"}).waiters_help
+    with pytest.raises(HybridPipeError, match=r"HYBRIDPIPE_WAITERS_HELP='maybe' is not a switch \(use 1 or 0\)"):
+        Config.from_env({"HYBRIDPIPE_WAITERS_HELP": "maybe"})
     with pytest.raises(HybridPipeError, match=r"engine_nice=-3 must be in 0\.\.19"):
         Config(engine_nice=-3).validated()

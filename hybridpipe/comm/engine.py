@@ -46,6 +46,7 @@ class _EngineState:
         # polite waits: leave the cores to the backward pass
         options.allreduce = collectives._new_allreduce_options(config, collectives.wait_policy())
         options.thread_nice = config.engine_nice
+        options.waiters_help = config.waiters_help
         options.record_events = bool(config.timeline)
         self.engine = core().Engine(options)
         self.groups: dict[Any, int] = {}

@@ -246,3 +246,75 @@ def test_direct_collectives_beside_tensors_in_flight(grid):
         hp.allreduce(torch.ones(4 if RANK == 0 else 5), op=hp.Sum)
     assert torch.equal(handle.wait(), torch.full((1 << 20,), total))
     assert not engine_module._busy()
+
+
+def test_direct_collectives_when_only_some_ranks_have_tensors_in_flight(grid):
+    """Whether tensors are in flight is each rank's own state; the direct collectives must make
+    matching MPI calls either way (a blocking MPI_Allreduce does not match an MPI_Iallreduce: this
+    hung before they were made the same)."""
+    from hybridpipe.comm import engine as engine_module
+
+    handle = hp.allreduce_async_(torch.full((8,), float(RANK)), name="some.in.flight", op=hp.Sum)
+    if RANK == 0:
+        handle.wait()
+    assert engine_module._busy() == (RANK != 0)
+    small = hp.allreduce(torch.full((10,), float(RANK + 1)), op=hp.Sum)
+    hp.barrier()
+    assert torch.equal(small, torch.full((10,), SIZE * (SIZE + 1) / 2))
+    assert torch.equal(handle.wait(), torch.full((8,), float(SIZE * (SIZE - 1) // 2)))
+
+
+@pytest.mark.parametrize("help_", [True, False])
+def test_waiting_thread_runs_the_buckets(help_):
+    """With waiters_help, the thread blocked in wait() runs the buckets' allreduces (counted in
+    engine_stats()['helped']); without it the engine thread does; both reduce correctly."""
+    hp.shutdown()
+    hp.init(config=Config(waiters_help=help_))
+    try:
+        before = hp.engine_stats("world")
+        for step in range(3):
+            tensors = [torch.full((count,), float(RANK + step)) for count in (300_000, 1 << 20, 5, 70_000)]
+            handles = [hp.allreduce_async_(t, name=f"help.{i}", op=hp.Sum) for i, t in enumerate(tensors)]
+            for t, h in zip(tensors, handles):
+                assert torch.equal(h.wait(), torch.full_like(t, float(SIZE * (SIZE - 1) // 2 + SIZE * step)))
+        after = hp.engine_stats("world")
+        buckets, helped = after["buckets"] - before["buckets"], after["helped"] - before["helped"]
+        assert buckets >= 6  # the two large tensors alone, the small ones fused
+        assert (helped >= 1) if help_ else (helped == 0), (buckets, helped)
+    finally:
+        hp.shutdown()
+
+
+def test_idle_groups_go_quiet_and_wake_on_submit(grid):
+    """A group with nothing to do stops negotiating after a few idle cycles (instead of one
+    negotiation every cycle_time_ms), and a submission wakes it at once."""
+    time.sleep(0.6)
+    first = {group: hp.engine_stats(group)["cycles"] for group in ("world", "data")}
+    time.sleep(0.6)
+    quiet = {group: hp.engine_stats(group)["cycles"] - first[group] for group in ("world", "data")}
+    assert all(cycles <= 3 for cycles in quiet.values()), quiet  # 0.5 ms cycles would be ~1000
+    result = hp.allreduce_async_(torch.ones(4), name="wake", op=hp.Sum, group="data").wait()
+    assert torch.equal(result, torch.full((4,), float(SIZE)))
+
+
+def test_waiters_help_while_two_groups_are_busy():
+    """Buckets of two groups in flight, each rank waiting on them in its own order: a thread busy
+    running one group's allreduce must not be counted on by the other group's engine thread (ranks
+    that each ran the other group's bucket first would wait on each other forever)."""
+    if SIZE < 4:
+        pytest.skip("needs a 2 x 2 grid")
+    hp.shutdown()
+    grid = hp.init(pipeline_stages=2)
+    try:
+        for step in range(5):
+            world = torch.full((400_000,), float(RANK + step))
+            data = torch.full((300_000,), float(grid.replica + step))
+            handles = [hp.allreduce_async_(world, name="two.world", op=hp.Sum, group="world"),
+                       hp.allreduce_async_(data, name="two.data", op=hp.Sum, group="data")]
+            for h in handles if (RANK + step) % 2 else handles[::-1]:
+                h.wait()
+            assert torch.equal(world, torch.full((400_000,), float(SIZE * (SIZE - 1) // 2 + SIZE * step)))
+            replicas = grid.data_replicas
+            assert torch.equal(data, torch.full((300_000,), float(replicas * (replicas - 1) // 2 + replicas * step)))
+    finally:
+        hp.shutdown()
