@@ -178,14 +178,22 @@ def _host_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     return host.cpu().contiguous() if host.device.type != "cpu" else host.contiguous()
 
 
+# dtypes whose CPU tensors numpy can view directly (the common case takes two torch calls, not six:
+# a stage's send runs right after its compute, when this code is cold)
+_NUMPY_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16,
+                           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128})
+
+
 def _raw_bytes(tensor: torch.Tensor) -> bytes:
+    if tensor.dtype in _NUMPY_DTYPES and tensor.device.type == "cpu" and not tensor.is_conj() and not tensor.is_neg():
+        return tensor.detach().numpy().tobytes()  # C order, also for non-contiguous tensors
     return _host_contiguous(tensor).reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _from_raw(data: bytes, leaf: _Leaf) -> torch.Tensor:
     if not data:
         return torch.empty(leaf.shape, dtype=leaf.dtype)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(leaf.dtype).reshape(leaf.shape)
+    return torch.frombuffer(bytearray(data), dtype=leaf.dtype).reshape(leaf.shape)
 
 
 def send(value: Any, dest: int, tag: int, comm: Any) -> Send:
