@@ -118,7 +118,7 @@ uint64_t Engine::submit(int group_id, const std::string& name, const Buffer& buf
   const uint64_t handle = next_handle_++;
   group.pending.push_back(Entry{handle, name, buffer, op, Clock::now(), false});
   handles_[handle] = HandleState{group_id, false, ""};
-  changed_.notify_all();
+  group.wake.notify_one();  // only this group's thread: other threads have no use for a submission
   return handle;
 }
 
@@ -175,6 +175,7 @@ void Engine::shutdown() {
     shut_down_ = true;
     stop_requested_ = true;
     changed_.notify_all();
+    for (auto& group : groups_) group->wake.notify_all();
   }
   for (auto& group : groups_) {
     if (group->thread.joinable()) group->thread.join();
@@ -237,7 +238,7 @@ void Engine::run(Group& group) {
         {
           std::unique_lock<std::mutex> lock(mutex_);
           // sleep until the next cycle; a submission or a stop request wakes an idle group early
-          changed_.wait_until(lock, group.next_cycle, [&] {
+          group.wake.wait_until(lock, group.next_cycle, [&] {
             return Clock::now() >= group.next_cycle ||
                    (group.idle_cycles > 0 && (!group.pending.empty() || stop_requested_));
           });
@@ -273,7 +274,7 @@ void Engine::run_single(Group& group) {  // an allreduce over one rank is the id
     bool stop;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      changed_.wait(lock, [&] { return !group.pending.empty() || stop_requested_; });
+      group.wake.wait(lock, [&] { return !group.pending.empty() || stop_requested_; });
       ready.swap(group.pending);
       stop = stop_requested_;
     }

@@ -135,6 +135,7 @@ class Engine {
     Workspace workspace;
     std::vector<unsigned char> fusion;
     std::thread thread;
+    std::condition_variable wake;  // (with Engine::mutex_) a submission to this group, or a stop
   };
   struct HandleState {
     int group = 0;
