@@ -134,16 +134,16 @@ std::string Engine::wait(uint64_t handle, double* started, double* finished) {
   auto found = handles_.find(handle);
   if (found == handles_.end()) throw std::invalid_argument("unknown or already waited-for handle");
   Group& group = *groups_[found->second.group];
-  ++idle_waiters_;
+  ++group.idle_waiters;
   while (!(found->second.done || group.thread_done)) {
-    if (offered_.empty()) {
+    Job* job = group.offered;  // this group's next allreduce: run it here, then look again
+    if (job == nullptr) {
       changed_.wait(lock);
       continue;
     }
-    Job* job = offered_.front();  // an engine thread's allreduce: run it here, then look again
-    offered_.pop_front();
+    group.offered = nullptr;
     job->taken = true;
-    --idle_waiters_;  // busy: another group's engine thread must not count on this thread now
+    --group.idle_waiters;
     lock.unlock();
     std::string error;
     try {
@@ -154,11 +154,11 @@ std::string Engine::wait(uint64_t handle, double* started, double* finished) {
     lock.lock();
     job->error = error;
     job->done = true;
-    ++idle_waiters_;
+    ++group.idle_waiters;
     changed_.notify_all();
   }
-  --idle_waiters_;
-  last_wait_return_ = Clock::now();
+  --group.idle_waiters;
+  group.last_wait_return = Clock::now();
   std::string error = found->second.done ? found->second.error
                                          : "the background engine stopped before this tensor was reduced" +
                                                (fatal_.empty() ? std::string() : ": " + fatal_);
@@ -487,7 +487,7 @@ void Engine::reduce_bucket(Group& group, const Buffer& buffer, ReduceOp op) {
   Job job;
   {
     std::unique_lock<std::mutex> lock(mutex_);
-    if (idle_waiters_ == 0 && Clock::now() - last_wait_return_ > grace) {
+    if (group.idle_waiters == 0 && Clock::now() - group.last_wait_return > grace) {
       lock.unlock();
       return run_here();
     }
@@ -497,11 +497,11 @@ void Engine::reduce_bucket(Group& group, const Buffer& buffer, ReduceOp op) {
     AllreduceOptions helped = options_.allreduce;
     if (helped.wait.spin_us >= 0) helped.wait.spin_us = 1e12;
     job.work = [&group, buffer, op, helped] { allreduce(buffer, buffer, op, group.comm, helped, group.workspace); };
-    offered_.push_back(&job);
+    group.offered = &job;
     changed_.notify_all();
     while (!job.done) {
-      if (!job.taken && idle_waiters_ == 0 && Clock::now() - last_wait_return_ > grace) {  // nobody came
-        offered_.erase(std::find(offered_.begin(), offered_.end(), &job));
+      if (!job.taken && group.idle_waiters == 0 && Clock::now() - group.last_wait_return > grace) {  // nobody came
+        group.offered = nullptr;
         lock.unlock();
         return run_here();
       }

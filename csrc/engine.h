@@ -22,12 +22,10 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <deque>
 #include <functional>
 #include <thread>
 #include <unordered_map>
@@ -49,7 +47,7 @@ struct EngineOptions {
   double stall_shutdown_seconds = 0.0;  // 0: off; else a tensor waiting this long stops the group
   size_t fusion_threshold_bytes = 4 * 1024 * 1024;
   AllreduceOptions allreduce;
-  // A thread blocked in wait() runs the buckets' allreduces itself (at its own priority, testing
+  // A thread blocked in wait() runs its group's bucket allreduces itself (at its own priority, testing
   // its requests without sleeping) instead of leaving them to the niced engine thread; false: never.
   bool waiters_help = true;
   bool record_events = false;  // keep phase timings for the timeline (EngineEvent)
@@ -116,6 +114,12 @@ class Engine {
     DType dtype;
     ReduceOp op;
   };
+  // An allreduce an engine thread hands to a thread blocked in wait() (see reduce_bucket).
+  struct Job {
+    std::function<void()> work;
+    bool taken = false, done = false;
+    std::string error;
+  };
   struct Group {
     MPI_Comm comm;
     std::string label;
@@ -136,6 +140,11 @@ class Engine {
     std::vector<unsigned char> fusion;
     std::thread thread;
     std::condition_variable wake;  // (with Engine::mutex_) a submission to this group, or a stop
+    // Helping (guarded by Engine::mutex_): only threads waiting for this group's handles run its
+    // allreduces, so a waiter is never held up by another group's ring.
+    Job* offered = nullptr;
+    int idle_waiters = 0;  // threads blocked in wait() on this group's handles, not running a Job
+    std::chrono::steady_clock::time_point last_wait_return{};  // a thread that just returned often waits again
   };
   struct HandleState {
     int group = 0;
@@ -161,15 +170,7 @@ class Engine {
   std::condition_variable changed_;
   std::vector<std::unique_ptr<Group>> groups_;
   std::unordered_map<uint64_t, HandleState> handles_;
-  // Work handed to threads blocked in wait() (see reduce_bucket); guarded by mutex_.
-  struct Job {
-    std::function<void()> work;
-    bool taken = false, done = false;
-    std::string error;
-  };
-  std::deque<Job*> offered_;
-  int idle_waiters_ = 0;                   // threads blocked in wait() and not running a Job
-  std::chrono::steady_clock::time_point last_wait_return_{};   // a thread that just returned from wait() often waits again
+
   uint64_t next_handle_ = 1;
   bool stop_requested_ = false;
   bool shut_down_ = false;

@@ -111,9 +111,9 @@ class Config:
             core and the reduction fills the gaps instead of slowing the backward pass
             (HYBRIDPIPE_ENGINE_NICE).
         waiters_help: a thread blocked in ``handle.wait()`` / ``step()`` runs the background
-            engine's bucket allreduces itself, at its own priority and without sleeping between
-            tests, instead of leaving them to the niced engine thread; the waiting thread has
-            nothing else to do (HYBRIDPIPE_WAITERS_HELP, 1 or 0).
+            engine's bucket allreduces of that handle's group itself, at its own priority and
+            without sleeping between tests, instead of leaving them to the niced engine thread;
+            the waiting thread has nothing else to do (HYBRIDPIPE_WAITERS_HELP, 1 or 0).
         timeline: path of a Chrome-trace timeline to write, or "" (HYBRIDPIPE_TIMELINE).
     """
 

@@ -298,9 +298,9 @@ def test_idle_groups_go_quiet_and_wake_on_submit(grid):
 
 
 def test_waiters_help_while_two_groups_are_busy():
-    """Buckets of two groups in flight, each rank waiting on them in its own order: a thread busy
-    running one group's allreduce must not be counted on by the other group's engine thread (ranks
-    that each ran the other group's bucket first would wait on each other forever)."""
+    """Buckets of two groups in flight, each rank waiting on them in its own order: a waiting thread
+    runs only its own group's allreduces (when any waiter ran any group's, ranks that each ran the
+    other group's bucket first waited on each other forever)."""
     if SIZE < 4:
         pytest.skip("needs a 2 x 2 grid")
     hp.shutdown()
