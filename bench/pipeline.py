@@ -333,7 +333,7 @@ class TorchPipeliningWorker(MPIWorker):
                 elif last:
                     losses: list = []
                     runner.step(target=self.targets, losses=losses)
-                    loss = float(torch.stack([l.detach() for l in losses]).mean())
+                    loss = float(torch.stack([value.detach() for value in losses]).mean())
                 else:
                     runner.step()
                 optimizer.step()
@@ -558,7 +558,8 @@ def sleep_rows(launches: list[Launch], args: argparse.Namespace) -> tuple[list[s
                     totals.append((rank["forward_s"] + rank["backward_s"]) / (blocks * m) * 1e3)
             slept = statistics.mean(totals) * (m + p - 1)
             rows.append([VARIANT_LABELS[launch.variant], str(p), str(m), schedule, f"{step_ms:.1f}",
-                         f"{ideal:.1f}", _ratio(step_ms, ideal), f"{slept:.1f}", _ratio(step_ms, slept if ideal > 0 else 0.0),
+                         f"{ideal:.1f}", _ratio(step_ms, ideal), f"{slept:.1f}",
+                         _ratio(step_ms, slept if ideal > 0 else 0.0),
                          f"{(p - 1) / (m + p - 1):.3f}", _gap(launch, schedule, "local"),
                          _gap(launch, schedule, "hop"),
                          f"{_cpu_cores(launch, schedule):.2f}"])
@@ -610,7 +611,7 @@ def report(launches: list[Launch], args: argparse.Namespace, started: str, total
                 "sleeps' perf_counter timestamps on all ranks", ""]
         out += [render(*sleep_rows(launches, args), md, left=4), ""]
     out.append(f"{'Whole run' if md else 'whole run'}: {total_seconds:.0f} s "
-               f"(launches: {sum(sum(l.seconds) for l in launches):.0f} s).")
+               f"(launches: {sum(sum(launch.seconds) for launch in launches):.0f} s).")
     return "\n".join(out)
 
 

@@ -58,7 +58,8 @@ def core() -> ModuleType:
     if loaded.strip() != runtime.strip():
         problems.append(f"the extension resolved {loaded.strip()[:60]!r} but mpi4py loaded {runtime.strip()[:60]!r}")
     if built_family != "unknown" and built_family != _family(runtime):
-        problems.append(f"built with {built['implementation']} {built['version']}, mpi4py runs {runtime.strip()[:60]!r}")
+        problems.append(f"built with {built['implementation']} {built['version']}, "
+                        f"mpi4py runs {runtime.strip()[:60]!r}")
     elif built_family == "Open MPI" and _open_mpi_major(runtime) not in ("", built["version"].split(".")[0]):
         problems.append(f"built with Open MPI {built['version']}, mpi4py runs Open MPI v{_open_mpi_major(runtime)}")
     if problems:

@@ -49,7 +49,8 @@ def test_grid_mapping_and_communicators(stages):
 def test_init_twice_same_grid_returns_it_and_other_grid_is_an_error():
     grid = hp.init(pipeline_stages=2)
     assert hp.init(pipeline_stages=2) is grid
-    with pytest.raises(hp.GridError, match=r"already initialized with pipeline_stages=2 on \d+ ranks; .*\(call hp.shutdown\(\) first\)"):
+    with pytest.raises(hp.GridError, match=r"already initialized with pipeline_stages=2 on \d+ ranks; "
+                                           r".*\(call hp.shutdown\(\) first\)"):
         hp.init(pipeline_stages=1)
     hp.shutdown()
     assert not hp.is_initialized()

@@ -119,13 +119,15 @@ def batches(kind: str, steps: int = 3, batch: int = 10, seed: int = 1) -> list[t
     out = []
     for _ in range(steps):
         if kind == "mlp":
-            out.append((torch.randn(batch, 12, generator=generator), torch.randint(0, 5, (batch,), generator=generator)))
+            out.append((torch.randn(batch, 12, generator=generator),
+                        torch.randint(0, 5, (batch,), generator=generator)))
         elif kind == "transformer":
             ids = torch.randint(1, 11, (batch, 7), generator=generator)
             ids[:, -2:] = 0  # padding
             out.append((ids, torch.randint(0, 11, (batch, 7), generator=generator)))
         else:
-            out.append((torch.randn(batch, 1, 6, 6, generator=generator), torch.randint(0, 3, (batch,), generator=generator)))
+            out.append((torch.randn(batch, 1, 6, 6, generator=generator),
+                        torch.randint(0, 3, (batch,), generator=generator)))
     return out
 
 
@@ -426,7 +428,8 @@ def test_an_exception_on_one_stage_raises_on_every_stage_and_breaks_the_pipeline
             with pytest.raises(ValueError, match="layer exploded on purpose"):
                 model.train_step(inputs, targets)
         else:
-            with pytest.raises(RemoteError, match=rf"stage {grid.pipeline_stages - 1} .*raised ValueError: layer exploded"):
+            last = grid.pipeline_stages - 1
+            with pytest.raises(RemoteError, match=rf"stage {last} .*raised ValueError: layer exploded"):
                 model.train_step(inputs, targets)
         with pytest.raises(PipelineBroken, match="failed in an earlier step"):
             model.train_step(inputs, targets)
