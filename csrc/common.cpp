@@ -86,6 +86,11 @@ int polite_wait(Test test, const WaitPolicy& policy) {
 
 }  // namespace
 
+WaitPolicy spinning(const WaitPolicy& policy) {
+  constexpr double kForeverUs = 1e12;  // a spin this long never reaches the sleeps
+  return policy.spin_us < 0 ? policy : WaitPolicy{kForeverUs, policy.max_sleep_us};
+}
+
 int wait_all(int count, MPI_Request* requests, MPI_Status* statuses, const WaitPolicy& policy) {
   if (count == 0) return MPI_SUCCESS;
   if (policy.spin_us < 0) return MPI_Waitall(count, requests, statuses);

@@ -49,6 +49,11 @@ struct WaitPolicy {
   double max_sleep_us = 100.0;  // longest sleep between two tests in the polite wait
 };
 
+// `policy` without its sleeps: a polite policy becomes one that tests until done, so it still makes
+// the same MPI calls (a blocking collective on one rank does not match a nonblocking one on
+// another); MPI's own wait (spin_us < 0) stays as it is.
+WaitPolicy spinning(const WaitPolicy& policy);
+
 // MPI_Waitall under `policy`; returns MPI's return code (statuses may be MPI_STATUSES_IGNORE).
 int wait_all(int count, MPI_Request* requests, MPI_Status* statuses, const WaitPolicy& policy);
 // MPI_Waitany under `policy`; returns MPI's return code.

@@ -480,7 +480,10 @@ void Engine::slow_round(Group& group, std::vector<Entry>& ready, std::vector<std
 }
 
 void Engine::reduce_bucket(Group& group, const Buffer& buffer, ReduceOp op) {
-  auto run_here = [&] { allreduce(buffer, buffer, op, group.comm, options_.allreduce, group.workspace); };
+  auto run = [&](const AllreduceOptions& options) {
+    allreduce(buffer, buffer, op, group.comm, options, group.workspace);
+  };
+  auto run_here = [&] { run(options_.allreduce); };
   if (!options_.waiters_help) return run_here();
   // A thread leaving wait() usually comes back for its next handle within microseconds.
   const auto grace = std::chrono::microseconds(200);
@@ -491,12 +494,11 @@ void Engine::reduce_bucket(Group& group, const Buffer& buffer, ReduceOp op) {
       lock.unlock();
       return run_here();
     }
-    // Spin, but keep the same MPI calls as the engine thread's policy: a blocking collective on one
-    // rank does not match a nonblocking one on another, and another rank's bucket may be run by its
-    // engine thread.
+    // Spin, with the same MPI calls as the engine thread's policy (another rank's engine thread may
+    // run this bucket there). `run` outlives the job: this frame waits for it or takes it back.
     AllreduceOptions helped = options_.allreduce;
-    if (helped.wait.spin_us >= 0) helped.wait.spin_us = 1e12;
-    job.work = [&group, buffer, op, helped] { allreduce(buffer, buffer, op, group.comm, helped, group.workspace); };
+    helped.wait = spinning(helped.wait);
+    job.work = [&run, helped] { run(helped); };
     group.offered = &job;
     changed_.notify_all();
     while (!job.done) {
@@ -559,10 +561,9 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
     bucket.clear();
     bucket_bytes = 0;
   };
-  const size_t unfused = options_.allreduce.unfused_bytes;
   for (Entry& entry : ready) {
     const size_t bytes = entry.buffer.bytes();
-    if (bytes >= threshold || (unfused > 0 && bytes >= unfused)) {  // in place, alone; the bucket stays open
+    if (reduced_alone(bytes, threshold, options_.allreduce)) {  // in place, alone; the bucket stays open
       std::vector<Entry> alone{entry};
       reduce(alone, bytes);
       continue;

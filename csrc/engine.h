@@ -22,11 +22,11 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <functional>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -170,7 +170,6 @@ class Engine {
   std::condition_variable changed_;
   std::vector<std::unique_ptr<Group>> groups_;
   std::unordered_map<uint64_t, HandleState> handles_;
-
   uint64_t next_handle_ = 1;
   bool stop_requested_ = false;
   bool shut_down_ = false;

@@ -42,7 +42,7 @@ void grouped_allreduce(const std::vector<Buffer>& inputs, const std::vector<Buff
       throw std::invalid_argument("grouped_allreduce: input and output " + std::to_string(i) +
                                   " differ in count or dtype");
     }
-    if (in.bytes() >= fusion_threshold_bytes || (options.unfused_bytes > 0 && in.bytes() >= options.unfused_bytes)) {
+    if (reduced_alone(in.bytes(), fusion_threshold_bytes, options)) {
       allreduce(in, outputs[i], op, comm, options, workspace);
       continue;
     }

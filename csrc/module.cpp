@@ -99,6 +99,9 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("spin_us", &WaitPolicy::spin_us)
       .def_readwrite("max_sleep_us", &WaitPolicy::max_sleep_us);
 
+  m.def("spinning_wait", &spinning, py::arg("policy"),
+        "The policy without its sleeps, making the same MPI calls (a polite one tests until done).");
+
   py::class_<AllreduceOptions>(m, "AllreduceOptions")
       .def(py::init<>())
       .def_readwrite("wait", &AllreduceOptions::wait)

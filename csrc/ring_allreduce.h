@@ -28,6 +28,12 @@ struct AllreduceOptions {
   WaitPolicy wait;                            // how the ring waits for its segments (default: MPI's spin)
 };
 
+// Whether a fused (grouped / engine) allreduce reduces a buffer of `bytes` alone, in place, instead of
+// packing it into the fusion buffer; the open bucket of smaller buffers stays open either way.
+inline bool reduced_alone(size_t bytes, size_t fusion_threshold_bytes, const AllreduceOptions& options) {
+  return bytes >= fusion_threshold_bytes || (options.unfused_bytes > 0 && bytes >= options.unfused_bytes);
+}
+
 enum class AllreduceAlgorithm : int { Auto = 0, Ring = 1, Library = 2 };
 
 // Scratch memory reused across calls (receive slots, float32 copies of half buffers).

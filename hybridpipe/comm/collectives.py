@@ -160,10 +160,6 @@ def _new_allreduce_options(config: Any, wait: Any = None) -> Any:
     return options
 
 
-# A WaitPolicy spin this long never sleeps: it tests its requests until they complete.
-SPIN_FOREVER_US = 1e12
-
-
 def _allreduce_options() -> Any:
     """Options of direct collectives: spinning waits, or polite ones while this process has
     tensors in flight on the background engine, so that a blocking call made beside the (niced)
@@ -177,8 +173,7 @@ def _allreduce_options() -> Any:
     if _options is None:
         config = runtime.config()
         polite = wait_policy(config)
-        spinning = core().WaitPolicy(SPIN_FOREVER_US, config.wait_sleep_us) if config.wait_spin_us >= 0 else polite
-        _options = _new_allreduce_options(config, spinning)
+        _options = _new_allreduce_options(config, core().spinning_wait(polite))
         _polite_options = _new_allreduce_options(config, polite)
     from . import engine  # imports this module
 
