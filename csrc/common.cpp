@@ -1,14 +1,7 @@
 // Dtype/op names and the MPI error formatter declared in common.h.
 #include "common.h"
 
-#include <algorithm>
-#include <chrono>
 #include <sstream>
-#include <thread>
-
-#ifdef __linux__
-#include <sys/prctl.h>
-#endif
 
 namespace hybridpipe {
 
@@ -47,44 +40,6 @@ const char* op_name(ReduceOp op) {
 }
 
 bool is_half(DType dtype) { return dtype == DType::Float16 || dtype == DType::BFloat16; }
-
-namespace {
-
-// Tests with `test(&flag)` until it sets flag or fails: spins for policy.spin_us, then sleeps with
-// an exponential backoff. While sleeping, the thread's timer slack is cut to 1 us (Linux's 50 us
-// default would turn every short sleep into 60 us) and restored afterwards.
-template <class Test>
-int polite_wait(Test test, const WaitPolicy& policy) {
-  using Clock = std::chrono::steady_clock;
-  int flag = 0;
-  int rc = test(&flag);
-  if (rc != MPI_SUCCESS || flag) return rc;
-  const auto spin_until = Clock::now() + std::chrono::nanoseconds(static_cast<int64_t>(policy.spin_us * 1000));
-  double sleep_us = 2.0;
-  const double max_sleep_us = std::max(policy.max_sleep_us, 1.0);
-#ifdef __linux__
-  int old_slack = -1;
-#endif
-  while (true) {
-    rc = test(&flag);
-    if (rc != MPI_SUCCESS || flag) break;
-    if (Clock::now() < spin_until) continue;
-#ifdef __linux__
-    if (old_slack < 0) {
-      old_slack = prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
-      prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
-    }
-#endif
-    std::this_thread::sleep_for(std::chrono::nanoseconds(static_cast<int64_t>(sleep_us * 1000)));
-    sleep_us = std::min(sleep_us * 2, max_sleep_us);
-  }
-#ifdef __linux__
-  if (old_slack > 0) prctl(PR_SET_TIMERSLACK, static_cast<unsigned long>(old_slack), 0, 0, 0);
-#endif
-  return rc;
-}
-
-}  // namespace
 
 WaitPolicy spinning(const WaitPolicy& policy) {
   constexpr double kForeverUs = 1e12;  // a spin this long never reaches the sleeps

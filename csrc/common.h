@@ -7,10 +7,17 @@
 
 #include <mpi.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <thread>
+
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
 
 namespace hybridpipe {
 
@@ -48,6 +55,40 @@ struct WaitPolicy {
   double spin_us = -1.0;       // < 0: MPI's own blocking wait (spins); >= 0: polite
   double max_sleep_us = 100.0;  // longest sleep between two tests in the polite wait
 };
+
+// Tests with `test(&flag)` until it sets flag or fails: spins for policy.spin_us, then sleeps with
+// an exponential backoff. While sleeping, the thread's timer slack is cut to 1 us (Linux's 50 us
+// default would turn every short sleep into 60 us) and restored afterwards.
+template <class Test>
+int polite_wait(Test test, const WaitPolicy& policy) {
+  using Clock = std::chrono::steady_clock;
+  int flag = 0;
+  int rc = test(&flag);
+  if (rc != MPI_SUCCESS || flag) return rc;
+  const auto spin_until = Clock::now() + std::chrono::nanoseconds(static_cast<int64_t>(policy.spin_us * 1000));
+  double sleep_us = 2.0;
+  const double max_sleep_us = std::max(policy.max_sleep_us, 1.0);
+#ifdef __linux__
+  int old_slack = -1;
+#endif
+  while (true) {
+    rc = test(&flag);
+    if (rc != MPI_SUCCESS || flag) break;
+    if (Clock::now() < spin_until) continue;
+#ifdef __linux__
+    if (old_slack < 0) {
+      old_slack = prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
+      prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+    }
+#endif
+    std::this_thread::sleep_for(std::chrono::nanoseconds(static_cast<int64_t>(sleep_us * 1000)));
+    sleep_us = std::min(sleep_us * 2, max_sleep_us);
+  }
+#ifdef __linux__
+  if (old_slack > 0) prctl(PR_SET_TIMERSLACK, static_cast<unsigned long>(old_slack), 0, 0, 0);
+#endif
+  return rc;
+}
 
 // `policy` without its sleeps: a polite policy becomes one that tests until done, so it still makes
 // the same MPI calls (a blocking collective on one rank does not match a nonblocking one on

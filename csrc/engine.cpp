@@ -81,6 +81,7 @@ int Engine::add_group(MPI_Comm comm, const std::string& label) {
   MPI_Comm_size(group->comm, &group->size);
   group->label = label;
   group->next_cycle = Clock::now();
+  group->shm = fused_shared_memory(group->comm, options_.allreduce);  // collective, like the dup
   std::lock_guard<std::mutex> lock(mutex_);
   if (stop_requested_) {
     MPI_Comm_free(&group->comm);
@@ -479,10 +480,7 @@ void Engine::slow_round(Group& group, std::vector<Entry>& ready, std::vector<std
   }
 }
 
-void Engine::reduce_bucket(Group& group, const Buffer& buffer, ReduceOp op) {
-  auto run = [&](const AllreduceOptions& options) {
-    allreduce(buffer, buffer, op, group.comm, options, group.workspace);
-  };
+void Engine::reduce_bucket(Group& group, const std::function<void(const AllreduceOptions&)>& run) {
   auto run_here = [&] { run(options_.allreduce); };
   if (!options_.waiters_help) return run_here();
   // A thread leaving wait() usually comes back for its next handle within microseconds.
@@ -527,9 +525,21 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
   // Reduces `entries` (one alone, in place; several packed into the fusion buffer) and completes them.
   auto reduce = [&](std::vector<Entry>& entries, size_t total_bytes) {
     const double started = seconds_now();
+    const ReduceOp op = entries[0].op;
     if (entries.size() == 1) {
-      reduce_bucket(group, entries[0].buffer, entries[0].op);
+      const Buffer& buffer = entries[0].buffer;
+      reduce_bucket(group, [&](const AllreduceOptions& options) {
+        allreduce(buffer, buffer, op, group.comm, options, group.workspace);
+      });
       record(group, "ring", started, seconds_now(), total_bytes, 1);
+    } else if (group.shm && total_bytes > options_.allreduce.small_message_bytes) {
+      // packed straight into the shared segment and unpacked straight from it: no fusion buffer
+      std::vector<Buffer> buffers;
+      for (const Entry& entry : entries) buffers.push_back(entry.buffer);
+      reduce_bucket(group, [&](const AllreduceOptions& options) {
+        group.shm->allreduce(buffers, buffers, op, options.wait);
+      });
+      record(group, "ring", started, seconds_now(), total_bytes, entries.size());
     } else {
       unsigned char* cursor = fusion_.data();
       for (const Entry& entry : entries) {
@@ -540,7 +550,9 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
       record(group, "pack", started, packed, total_bytes, entries.size());
       const DType dtype = entries[0].buffer.dtype;
       const Buffer fused{fusion_.data(), total_bytes / dtype_size(dtype), dtype};
-      reduce_bucket(group, fused, entries[0].op);
+      reduce_bucket(group, [&](const AllreduceOptions& options) {
+        allreduce(fused, fused, op, group.comm, options, group.workspace);
+      });
       const double reduced = seconds_now();
       record(group, "ring", packed, reduced, total_bytes, entries.size());
       cursor = fusion_.data();
@@ -563,7 +575,7 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
   };
   for (Entry& entry : ready) {
     const size_t bytes = entry.buffer.bytes();
-    if (reduced_alone(bytes, threshold, options_.allreduce)) {  // in place, alone; the bucket stays open
+    if (reduced_alone(bytes, threshold, options_.allreduce, group.shm != nullptr)) {  // in place, alone; the bucket stays open
       std::vector<Entry> alone{entry};
       reduce(alone, bytes);
       continue;

@@ -33,6 +33,7 @@
 
 #include "common.h"
 #include "ring_allreduce.h"
+#include "shm_allreduce.h"
 
 namespace hybridpipe {
 
@@ -58,7 +59,7 @@ struct EngineOptions {
 };
 
 // One timed phase of a group's work, for the timeline: "negotiate", "gather names", "pack",
-// "ring", "unpack". Times in seconds of the steady clock (= Python's time.monotonic()).
+// "ring" (a bucket's allreduce, whichever algorithm: ring, shared memory or the MPI library), "unpack". Times in seconds of the steady clock (= Python's time.monotonic()).
 struct EngineEvent {
   std::string phase;
   double start = 0, end = 0;
@@ -138,6 +139,7 @@ class Engine {
     std::vector<EngineEvent> events;  // guarded by Engine::mutex_
     Workspace workspace;
     std::vector<unsigned char> fusion;
+    SharedMemoryAllreduce* shm = nullptr;  // the group's segment when its ranks share a host (owned by comm)
     std::thread thread;
     std::condition_variable wake;  // (with Engine::mutex_) a submission to this group, or a stop
     // Helping (guarded by Engine::mutex_): only threads waiting for this group's handles run its
@@ -160,9 +162,9 @@ class Engine {
   void slow_round(Group& group, std::vector<Entry>& ready, std::vector<std::pair<Entry, std::string>>& failed);
   void execute(Group& group, std::vector<Entry>& ready);
   void complete(const std::vector<Entry>& entries, const std::string& error, double started = 0);
-  // Runs one bucket's allreduce: on a thread blocked in wait() when there is one (it has nothing
-  // else to do and runs at the process's own priority), else on the calling engine thread.
-  void reduce_bucket(Group& group, const Buffer& buffer, ReduceOp op);
+  // Runs one bucket's allreduce, `work(options)`: on a thread blocked in wait() when there is one (it
+  // has nothing else to do and runs at the process's own priority), else on the calling engine thread.
+  void reduce_bucket(Group& group, const std::function<void(const AllreduceOptions&)>& work);
   void record(Group& group, const char* phase, double start, double end, size_t bytes, size_t tensors);
 
   EngineOptions options_;

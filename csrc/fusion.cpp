@@ -3,6 +3,8 @@
 
 #include <cstring>
 
+#include "shm_allreduce.h"
+
 namespace hybridpipe {
 
 void grouped_allreduce(const std::vector<Buffer>& inputs, const std::vector<Buffer>& outputs, ReduceOp op,
@@ -13,6 +15,7 @@ void grouped_allreduce(const std::vector<Buffer>& inputs, const std::vector<Buff
                                 std::to_string(outputs.size()) + " outputs");
   }
   if (fusion_buffer.size() < fusion_threshold_bytes) fusion_buffer.resize(fusion_threshold_bytes);
+  SharedMemoryAllreduce* shm = fused_shared_memory(comm, options);
 
   // Each dtype gets its own buckets, filled in list order; `pending` holds one dtype's bucket.
   std::vector<size_t> pending;
@@ -20,6 +23,17 @@ void grouped_allreduce(const std::vector<Buffer>& inputs, const std::vector<Buff
   size_t pending_bytes = 0;
   auto flush = [&]() {
     if (pending.empty()) return;
+    if (shm && pending_bytes > options.small_message_bytes) {  // straight into the segment and back
+      std::vector<Buffer> ins, outs;
+      for (size_t i : pending) {
+        ins.push_back(inputs[i]);
+        outs.push_back(outputs[i]);
+      }
+      shm->allreduce(ins, outs, op, options.wait);
+      pending.clear();
+      pending_bytes = 0;
+      return;
+    }
     unsigned char* cursor = fusion_buffer.data();
     for (size_t i : pending) {
       std::memcpy(cursor, inputs[i].data, inputs[i].bytes());
@@ -42,7 +56,7 @@ void grouped_allreduce(const std::vector<Buffer>& inputs, const std::vector<Buff
       throw std::invalid_argument("grouped_allreduce: input and output " + std::to_string(i) +
                                   " differ in count or dtype");
     }
-    if (reduced_alone(in.bytes(), fusion_threshold_bytes, options)) {
+    if (reduced_alone(in.bytes(), fusion_threshold_bytes, options, shm != nullptr)) {
       allreduce(in, outputs[i], op, comm, options, workspace);
       continue;
     }

@@ -9,6 +9,7 @@
 #include "fusion.h"
 #include "p2p.h"
 #include "ring_allreduce.h"
+#include "shm_allreduce.h"
 
 namespace py = pybind11;
 using namespace hybridpipe;
@@ -88,7 +89,8 @@ PYBIND11_MODULE(_C, m) {
   py::enum_<AllreduceAlgorithm>(m, "AllreduceAlgorithm")
       .value("Auto", AllreduceAlgorithm::Auto)
       .value("Ring", AllreduceAlgorithm::Ring)
-      .value("Library", AllreduceAlgorithm::Library);
+      .value("Library", AllreduceAlgorithm::Library)
+      .value("SharedMemory", AllreduceAlgorithm::SharedMemory);
 
   py::class_<WaitPolicy>(m, "WaitPolicy",
                          "How a thread waits for MPI requests: spin_us < 0 is MPI's own (spinning) wait; "
@@ -108,7 +110,27 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("unfused_bytes", &AllreduceOptions::unfused_bytes)
       .def_readwrite("segment_bytes", &AllreduceOptions::segment_bytes)
       .def_readwrite("receive_window", &AllreduceOptions::receive_window)
-      .def_readwrite("small_message_bytes", &AllreduceOptions::small_message_bytes);
+      .def_readwrite("small_message_bytes", &AllreduceOptions::small_message_bytes)
+      .def_readwrite("shared_memory", &AllreduceOptions::shared_memory)
+      .def_readwrite("shared_memory_chunk_bytes", &AllreduceOptions::shared_memory_chunk_bytes);
+
+  m.def(
+      "shared_memory_info",
+      [](long long comm, const AllreduceOptions& options) {
+        py::gil_scoped_release no_gil;
+        SharedMemoryAllreduce* shm = fused_shared_memory(to_comm(comm), options);
+        py::gil_scoped_acquire gil;
+        py::dict info;
+        info["available"] = shm != nullptr;
+        info["reason"] = shm ? std::string() : shared_memory_unavailable_reason(to_comm(comm));
+        info["chunk_bytes"] = shm ? shm->chunk_bytes() : 0;
+        info["sets"] = shm ? shm->sets() : 0;
+        info["mapped_bytes"] = shm ? shm->mapped_bytes() : 0;
+        return info;
+      },
+      py::arg("comm"), py::arg("options"),
+      "Whether allreduces over `comm` go through a shared-memory segment, and its geometry. Collective "
+      "the first time it is asked for a communicator (it creates the segment).");
 
   m.def(
       "allreduce",

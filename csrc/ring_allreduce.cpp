@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "reduce.h"
+#include "shm_allreduce.h"
 
 namespace hybridpipe {
 namespace {
@@ -200,6 +201,13 @@ void* Workspace::get(size_t slot, size_t bytes) {
   return slots_[slot].data();
 }
 
+SharedMemoryAllreduce* fused_shared_memory(MPI_Comm comm, const AllreduceOptions& options) {
+  int size = 1;
+  HP_MPI(MPI_Comm_size, comm, comm, &size);
+  if (!options.shared_memory || size == 1) return nullptr;
+  return shared_memory_for(comm, options.shared_memory_chunk_bytes);
+}
+
 void allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_Comm comm,
                const AllreduceOptions& options, Workspace& workspace, AllreduceAlgorithm algorithm) {
   if (input.count != output.count || input.dtype != output.dtype) {
@@ -213,10 +221,20 @@ void allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_Comm 
     if (input.data != output.data) std::memcpy(output.data, input.data, output.bytes());
     return;
   }
-  bool use_ring = algorithm == AllreduceAlgorithm::Ring;
-  if (algorithm == AllreduceAlgorithm::Auto) {
-    use_ring = output.bytes() > options.small_message_bytes && output.count >= static_cast<size_t>(size);
+  const bool large = output.bytes() > options.small_message_bytes && output.count >= static_cast<size_t>(size);
+  if (algorithm == AllreduceAlgorithm::SharedMemory ||
+      (algorithm == AllreduceAlgorithm::Auto && large && options.shared_memory)) {
+    if (SharedMemoryAllreduce* shm = shared_memory_for(comm, options.shared_memory_chunk_bytes)) {
+      shm->allreduce({input}, {output}, op, options.wait);
+      return;
+    }
+    if (algorithm == AllreduceAlgorithm::SharedMemory) {
+      throw std::invalid_argument("allreduce: shared memory cannot serve this communicator: " +
+                                  shared_memory_unavailable_reason(comm) + " (use the ring: algorithm Ring or Auto)");
+    }
   }
+  bool use_ring = algorithm == AllreduceAlgorithm::Ring;
+  if (algorithm == AllreduceAlgorithm::Auto) use_ring = large;
   if (use_ring) {
     ring_allreduce(input, output, op, comm, rank, size, options, workspace);
   } else {

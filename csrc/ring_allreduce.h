@@ -25,16 +25,30 @@ struct AllreduceOptions {
   // own instead of being copied into and out of the fusion buffer (the copies cost more than the
   // extra ring start). 0: every buffer below the fusion threshold is packed.
   size_t unfused_bytes = 0;
+  // Communicators whose ranks all share one host reduce buffers above small_message_bytes through a
+  // shared-memory segment (shm_allreduce.h) instead of the ring; chunk: the segment's unit of streaming.
+  bool shared_memory = true;
+  size_t shared_memory_chunk_bytes = 128 * 1024;
   WaitPolicy wait;                            // how the ring waits for its segments (default: MPI's spin)
 };
 
+class SharedMemoryAllreduce;
+
 // Whether a fused (grouped / engine) allreduce reduces a buffer of `bytes` alone, in place, instead of
-// packing it into the fusion buffer; the open bucket of smaller buffers stays open either way.
-inline bool reduced_alone(size_t bytes, size_t fusion_threshold_bytes, const AllreduceOptions& options) {
-  return bytes >= fusion_threshold_bytes || (options.unfused_bytes > 0 && bytes >= options.unfused_bytes);
+// packing it into the fusion buffer; the open bucket of smaller buffers stays open either way. Through
+// shared memory (`streamed`) packing is free (a bucket's buffers are copied straight into the segment),
+// so only buffers of at least the fusion threshold go alone.
+inline bool reduced_alone(size_t bytes, size_t fusion_threshold_bytes, const AllreduceOptions& options,
+                          bool streamed = false) {
+  if (bytes >= fusion_threshold_bytes) return true;
+  return !streamed && options.unfused_bytes > 0 && bytes >= options.unfused_bytes;
 }
 
-enum class AllreduceAlgorithm : int { Auto = 0, Ring = 1, Library = 2 };
+// The shared-memory segment that fused allreduces of `bytes` over `comm` stream through, or nullptr
+// (ring / library). Collective the first time it is asked for `comm` (see shared_memory_for).
+SharedMemoryAllreduce* fused_shared_memory(MPI_Comm comm, const AllreduceOptions& options);
+
+enum class AllreduceAlgorithm : int { Auto = 0, Ring = 1, Library = 2, SharedMemory = 3 };
 
 // Scratch memory reused across calls (receive slots, float32 copies of half buffers).
 class Workspace {
@@ -47,6 +61,8 @@ class Workspace {
 
 // Reduces `input` over `comm` into `output` (same count and dtype; may alias for in place).
 // Every rank must call with the same count, dtype and op (the Python layer checks this first).
+// Auto: the MPI library at or below small_message_bytes; above it shared memory when every rank of
+// `comm` is on one host (and options.shared_memory), else the ring.
 void allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_Comm comm,
                const AllreduceOptions& options, Workspace& workspace,
                AllreduceAlgorithm algorithm = AllreduceAlgorithm::Auto);

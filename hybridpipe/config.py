@@ -93,6 +93,12 @@ class Config:
         receive_window: ring receives posted ahead per step (HYBRIDPIPE_RECEIVE_WINDOW).
         small_message_bytes: at or below this size the MPI library's own MPI_Allreduce is used
             instead of the ring (HYBRIDPIPE_SMALL_MESSAGE_BYTES).
+        shared_memory: when every rank of a communicator is on one host, allreduces above the
+            small-message cutoff go through one shared-memory segment (each rank copies its data
+            in, sums its piece of everyone's data, copies the result out) instead of the ring; 0
+            uses the ring everywhere (HYBRIDPIPE_SHARED_MEMORY, 1 or 0).
+        shared_memory_chunk_bytes: the unit in which buffers stream through that segment; the
+            segment holds 4 x (ranks + 1) chunks (HYBRIDPIPE_SHARED_MEMORY_CHUNK, e.g. ``128KiB``).
         cycle_time_ms: how often the background engine fuses and runs ready tensors
             (HYBRIDPIPE_CYCLE_TIME_MS).
         stall_check_seconds: warn when a collective waits this long for some rank
@@ -122,6 +128,8 @@ class Config:
     segment_bytes: int = 256 * 1024
     receive_window: int = 4
     small_message_bytes: int = 64 * 1024
+    shared_memory: bool = True
+    shared_memory_chunk_bytes: int = 128 * 1024
     cycle_time_ms: float = 0.5
     stall_check_seconds: float = 60.0
     stall_shutdown_seconds: float = 0.0
@@ -146,6 +154,8 @@ class Config:
             ("HYBRIDPIPE_SEGMENT_BYTES", "segment_bytes", parse_bytes),
             ("HYBRIDPIPE_RECEIVE_WINDOW", "receive_window", parse_bytes),
             ("HYBRIDPIPE_SMALL_MESSAGE_BYTES", "small_message_bytes", parse_bytes),
+            ("HYBRIDPIPE_SHARED_MEMORY", "shared_memory", _switch),
+            ("HYBRIDPIPE_SHARED_MEMORY_CHUNK", "shared_memory_chunk_bytes", parse_bytes),
             ("HYBRIDPIPE_CYCLE_TIME_MS", "cycle_time_ms", _positive_float),
             ("HYBRIDPIPE_STALL_CHECK_SECONDS", "stall_check_seconds", _positive_float),
             ("HYBRIDPIPE_STALL_SHUTDOWN_SECONDS", "stall_shutdown_seconds", _non_negative_float),
@@ -166,6 +176,9 @@ class Config:
             raise HybridPipeError(f"fusion_threshold_bytes={self.fusion_threshold_bytes} must be >= 1 (e.g. 4MiB)")
         if self.segment_bytes < 8:
             raise HybridPipeError(f"segment_bytes={self.segment_bytes} must be >= 8 (e.g. 256KiB)")
+        if self.shared_memory_chunk_bytes < 4096:
+            raise HybridPipeError(f"shared_memory_chunk_bytes={self.shared_memory_chunk_bytes} must be >= 4096 "
+                                  "(e.g. 1MiB)")
         if self.stall_shutdown_seconds < 0:
             raise HybridPipeError(f"stall_shutdown_seconds={self.stall_shutdown_seconds} must be >= 0 (0: off)")
         if self.wait_sleep_us <= 0:

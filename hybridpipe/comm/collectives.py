@@ -155,6 +155,8 @@ def _new_allreduce_options(config: Any, wait: Any = None) -> Any:
     options.receive_window = config.receive_window
     options.small_message_bytes = config.small_message_bytes
     options.unfused_bytes = config.unfused_bytes
+    options.shared_memory = config.shared_memory
+    options.shared_memory_chunk_bytes = config.shared_memory_chunk_bytes
     if wait is not None:
         options.wait = wait
     return options
