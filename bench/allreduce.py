@@ -1,5 +1,9 @@
 """Allreduce benchmark: hybridpipe vs mpi4py (the MPI library's MPI_Allreduce) vs torch.distributed gloo.
 
+"hybridpipe" is hp.allreduce_ / hp.grouped_allreduce_ as a user calls them: on one host, buffers above
+the small-message cutoff go through the shared-memory allreduce. "hybridpipe ring" is the same C++ call
+with shared memory switched off (the segmented ring, as between hosts), measured beside it.
+
 Usage:
     python bench/allreduce.py [--ranks 2,4,8] [--sizes 4KiB,256KiB,4MiB,64MiB] [--repeats N] [--markdown]
 
@@ -60,9 +64,11 @@ DEFAULT_SIZES = "4KiB,256KiB,4MiB,64MiB"
 WARMUP = 2
 LARGE_BYTES = 4 * 1024 * 1024  # above this, fewer repetitions by default
 REPEATS_SMALL, REPEATS_LARGE = 20, 7
-IMPLEMENTATIONS = ("hybridpipe", "mpi4py", "gloo")
+IMPLEMENTATIONS = ("hybridpipe", "hybridpipe_ring", "mpi4py", "gloo")
+OURS = ("hybridpipe", "hybridpipe_ring")  # never a peer
 RESNET_VARIANTS = (
     ("hybridpipe", "hybridpipe grouped_allreduce_ (161 tensors)"),
+    ("hybridpipe_ring", "same, ring (shared memory off)"),
     ("mpi4py", "mpi4py Allreduce × 161 calls"),
     ("gloo", "gloo all_reduce × 161 calls"),
     ("mpi4py_flat", "mpi4py Allreduce × 1 flat buffer (no packing)"),
@@ -154,6 +160,32 @@ class Worker:
         hp = self.hp
         return (lambda: hp.allreduce_(tensor, op=hp.Sum)), [tensor.numpy()]
 
+    def _ring_options(self) -> Any:
+        """The options of a direct collective (spinning waits), with the shared-memory path switched off."""
+        from hybridpipe._ext import core
+        from hybridpipe.comm import collectives
+
+        config = self.hp.config()  # a fresh object: the cached one serves hp.allreduce_ beside it
+        options = collectives._new_allreduce_options(config, core().spinning_wait(collectives.wait_policy(config)))
+        options.shared_memory = False
+        return options
+
+    def _hybridpipe_ring(self, count: int) -> tuple[Callable[[], Any], list[np.ndarray]]:
+        """hp.allreduce_'s C++ call (with its agreement header), forced onto the ring: the path every
+        allreduce above the small-message cutoff took before the shared-memory allreduce, and the one
+        ranks on several hosts take."""
+        from hybridpipe._ext import core
+        from hybridpipe.comm import collectives
+
+        tensor = self.torch.zeros(count, dtype=self.torch.float32)
+        comm = collectives._communicator(None, "bench").py2f()
+        options, address, sum_code = self._ring_options(), tensor.data_ptr(), int(self.hp.Sum)
+        header = [1, count, 0, sum_code, 0]
+        auto = core().AllreduceAlgorithm.Auto  # with shared memory off: MPI_Allreduce when small, else the ring
+        def call(keep=tensor):  # the closure keeps the tensor (its address is all the call sees) alive
+            return core().allreduce(address, address, count, 0, sum_code, comm, options, header, auto)
+        return call, [tensor.numpy()]
+
     def _mpi4py(self, count: int) -> tuple[Callable[[], Any], list[np.ndarray]]:
         array = np.zeros(count, dtype=np.float32)
         comm, in_place, total = self.comm, self.MPI.IN_PLACE, self.MPI.SUM
@@ -190,7 +222,20 @@ class Worker:
                     dist.all_reduce(t, op=dist.ReduceOp.SUM)
             return call, [t.numpy().reshape(-1) for t in tensors]
 
-        factories = {"hybridpipe": grouped, "mpi4py": mpi_each, "mpi4py_flat": lambda: self._mpi4py(sum(counts))}
+        def grouped_ring():
+            from hybridpipe._ext import core
+            from hybridpipe.comm import collectives
+
+            tensors = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
+            addresses, dtypes = [t.data_ptr() for t in tensors], [0] * len(tensors)
+            comm = collectives._communicator(None, "bench").py2f()
+            options, threshold = self._ring_options(), hp.config().fusion_threshold_bytes
+
+            def call(keep=tensors):  # keeps the tensors behind the addresses alive
+                core().grouped_allreduce(addresses, addresses, counts, dtypes, int(hp.Sum), comm, threshold, options)
+            return call, [t.numpy().reshape(-1) for t in tensors]
+
+        factories = {"hybridpipe": grouped, "hybridpipe_ring": grouped_ring, "mpi4py": mpi_each, "mpi4py_flat": lambda: self._mpi4py(sum(counts))}
         if self.dist is not None:
             factories["gloo"] = gloo_each
             factories["gloo_flat"] = lambda: self._gloo(sum(counts))
@@ -255,6 +300,7 @@ class Worker:
         for nbytes in args.sizes:
             count = nbytes // 4
             factories = {"hybridpipe": lambda c=count: self._hybridpipe(c),
+                         "hybridpipe_ring": lambda c=count: self._hybridpipe_ring(c),
                          "mpi4py": lambda c=count: self._mpi4py(c)}
             if self.dist is not None:
                 factories["gloo"] = lambda c=count: self._gloo(c)
@@ -329,8 +375,9 @@ def _cell_time(case: dict[str, Any], name: str) -> str:
 
 
 def size_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    header = ["n", "size", "hybridpipe ms", "mpi4py ms", "gloo ms", "hybridpipe algbw/busbw GB/s",
-              "mpi4py algbw/busbw GB/s", "gloo algbw/busbw GB/s", "best peer", "best peer / hybridpipe"]
+    header = ["n", "size", "hybridpipe ms", "hybridpipe ring ms", "mpi4py ms", "gloo ms", "hybridpipe algbw/busbw GB/s",
+              "ring algbw/busbw GB/s", "mpi4py algbw/busbw GB/s", "gloo algbw/busbw GB/s", "best peer",
+              "best peer / hybridpipe", "ring / hybridpipe"]
     rows = []
     for result in results:
         n = result["n"]
@@ -342,16 +389,18 @@ def size_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]
                     bandwidths.append(f"{_gbps(nbytes, seconds[name]):.2f} / {_busbw(nbytes, seconds[name], n):.2f}")
                 else:
                     bandwidths.append("n/a")
-            peers = {k: v for k, v in seconds.items() if k != "hybridpipe"}
+            peers = {k: v for k, v in seconds.items() if k not in OURS}
             best = min(peers, key=peers.get)
             rows.append([str(n), size_label(nbytes), *(_cell_time(case, k) for k in IMPLEMENTATIONS), *bandwidths,
-                         best, f"{peers[best] / seconds['hybridpipe']:.2f}x"])
+                         best, f"{peers[best] / seconds['hybridpipe']:.2f}x",
+                         f"{seconds['hybridpipe_ring'] / seconds['hybridpipe']:.2f}x"])
     return header, rows
 
 
 def resnet_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     header = ["n", *(label + " ms" for _, label in RESNET_VARIANTS),
-              "hybridpipe busbw GB/s", "best 161-call peer / hybridpipe", "best flat / hybridpipe"]
+              "hybridpipe busbw GB/s", "best 161-call peer / hybridpipe", "best flat / hybridpipe",
+              "ring / hybridpipe"]
     rows = []
     for result in results:
         case = result.get("resnet50")
@@ -366,7 +415,8 @@ def resnet_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[str
         rows.append([str(n), *(_cell_time(case, k) for k, _ in RESNET_VARIANTS),
                      f"{_busbw(nbytes, hp_time, n):.2f}",
                      f"{per_call[best_call] / hp_time:.2f}x ({best_call})",
-                     f"{flat[best_flat] / hp_time:.2f}x ({best_flat.replace('_flat', ' flat')})"])
+                     f"{flat[best_flat] / hp_time:.2f}x ({best_flat.replace('_flat', ' flat')})",
+                     f"{seconds['hybridpipe_ring'] / hp_time:.2f}x"])
     return header, rows
 
 

@@ -563,6 +563,7 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
       record(group, "unpack", reduced, seconds_now(), total_bytes, entries.size());
     }
     group.stats.buckets++;
+    if (group.shm && total_bytes > options_.allreduce.small_message_bytes) group.stats.shared_memory++;
     group.stats.bytes += total_bytes;
     group.stats.tensors += entries.size();
     complete(entries, "", started);

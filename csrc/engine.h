@@ -72,6 +72,7 @@ struct EngineStats {
   uint64_t slow_rounds = 0;     // negotiations that had to gather names
   uint64_t tensors = 0;         // buffers reduced
   uint64_t buckets = 0;         // allreduce calls made
+  uint64_t shared_memory = 0;   // of those, through the group's shared-memory segment
   uint64_t helped = 0;          // of those, run by a thread blocked in wait()
   uint64_t bytes = 0;           // bytes reduced
   uint64_t stall_warnings = 0;

@@ -116,21 +116,36 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "shared_memory_info",
-      [](long long comm, const AllreduceOptions& options) {
-        py::gil_scoped_release no_gil;
-        SharedMemoryAllreduce* shm = fused_shared_memory(to_comm(comm), options);
-        py::gil_scoped_acquire gil;
+      [](long long comm_handle, const AllreduceOptions& options, bool create) {
+        const MPI_Comm comm = to_comm(comm_handle);
+        int size = 1;
+        HP_MPI(MPI_Comm_size, comm, comm, &size);
+        SharedMemoryAllreduce* shm = nullptr;
+        std::string reason;
+        if (size == 1) {
+          reason = "one rank: nothing to share";
+        } else if (!options.shared_memory) {
+          reason = "switched off (shared_memory=False)";
+        } else {
+          bool asked = true;
+          {
+            py::gil_scoped_release no_gil;
+            shm = create ? shared_memory_for(comm, options.shared_memory_chunk_bytes) : cached_shared_memory(comm, &asked);
+          }
+          reason = !asked ? "not created" : shm ? "" : shared_memory_unavailable_reason(comm);
+        }
         py::dict info;
         info["available"] = shm != nullptr;
-        info["reason"] = shm ? std::string() : shared_memory_unavailable_reason(to_comm(comm));
+        info["reason"] = reason;
         info["chunk_bytes"] = shm ? shm->chunk_bytes() : 0;
         info["sets"] = shm ? shm->sets() : 0;
         info["mapped_bytes"] = shm ? shm->mapped_bytes() : 0;
         return info;
       },
-      py::arg("comm"), py::arg("options"),
-      "Whether allreduces over `comm` go through a shared-memory segment, and its geometry. Collective "
-      "the first time it is asked for a communicator (it creates the segment).");
+      py::arg("comm"), py::arg("options"), py::arg("create") = true,
+      "Whether allreduces over `comm` go through a shared-memory segment, its geometry, or why not. With "
+      "create (the default) a collective call the first time it is asked for a communicator: it makes the "
+      "segment; without, it only reports what earlier calls made.");
 
   m.def(
       "allreduce",
@@ -244,6 +259,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("slow_rounds", &EngineStats::slow_rounds)
       .def_readonly("tensors", &EngineStats::tensors)
       .def_readonly("buckets", &EngineStats::buckets)
+      .def_readonly("shared_memory", &EngineStats::shared_memory)
       .def_readonly("helped", &EngineStats::helped)
       .def_readonly("bytes", &EngineStats::bytes)
       .def_readonly("stall_warnings", &EngineStats::stall_warnings);

@@ -110,20 +110,35 @@ void reduce_sources(unsigned char* destination, const std::vector<const unsigned
   }
 }
 
+constexpr int kProgressTag = 7099;     // never sent: probing it only drives MPI's progress engine
+constexpr unsigned kProgressEvery = 64;  // tests between two such probes
+
 // Tests `ready` until it holds, giving the core away between tests (ranks may outnumber cores):
 // MPI's spin (policy.spin_us < 0) becomes test-and-yield forever; a polite policy yields for spin_us,
-// then sleeps with the same backoff as its MPI waits.
+// then sleeps with the same backoff as its MPI waits. Every kProgressEvery tests it probes `comm`, so
+// that a rank whose only busy thread is waiting here still moves its other MPI traffic along (a
+// peer's rendezvous send to it, say) as it would inside an MPI wait.
 template <class Ready>
-void wait_until(Ready ready, const WaitPolicy& policy) {
+void wait_until(Ready ready, MPI_Comm comm, const WaitPolicy& policy) {
   if (ready()) return;
+  unsigned tests = 0;
+  auto test = [&] {
+    if (ready()) return true;
+    if (++tests % kProgressEvery == 0) {
+      int flag = 0;
+      MPI_Iprobe(MPI_ANY_SOURCE, kProgressTag, comm, &flag, MPI_STATUS_IGNORE);
+    }
+    sched_yield();
+    return false;
+  };
   if (policy.spin_us < 0) {
-    while (!ready()) sched_yield();
+    while (!test()) {
+    }
     return;
   }
   polite_wait(
       [&](int* flag) {
-        *flag = ready() ? 1 : 0;
-        if (!*flag) sched_yield();
+        *flag = test() ? 1 : 0;
         return MPI_SUCCESS;
       },
       policy);
@@ -196,6 +211,7 @@ std::unique_ptr<SharedMemoryAllreduce> SharedMemoryAllreduce::create(MPI_Comm co
     return nullptr;
   }
   std::unique_ptr<SharedMemoryAllreduce> segment(new SharedMemoryAllreduce());
+  segment->comm_ = comm;
   segment->rank_ = rank;
   segment->size_ = size;
   segment->chunk_bytes_ = plan.chunk_bytes;
@@ -229,7 +245,7 @@ void SharedMemoryAllreduce::wait_all_reach(int kind, uint64_t value, const WaitP
         while (next < size_ && counter(next, kind).load(std::memory_order_acquire) >= value) ++next;
         return next == size_;
       },
-      policy);
+      comm_, policy);
 }
 
 void SharedMemoryAllreduce::allreduce(const std::vector<Buffer>& inputs, const std::vector<Buffer>& outputs,
@@ -359,6 +375,12 @@ SharedMemoryAllreduce* shared_memory_for(MPI_Comm comm, size_t chunk_bytes) {
   cached->segment = SharedMemoryAllreduce::create(comm, chunk_bytes, &cached->why);
   HP_MPI(MPI_Comm_set_attr, comm, comm, cache_key(), cached.get());
   return cached.release()->segment.get();
+}
+
+SharedMemoryAllreduce* cached_shared_memory(MPI_Comm comm, bool* asked) {
+  Cached* cached = find_cached(comm);
+  *asked = cached != nullptr;
+  return cached ? cached->segment.get() : nullptr;
 }
 
 std::string shared_memory_unavailable_reason(MPI_Comm comm) {

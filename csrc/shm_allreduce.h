@@ -54,6 +54,7 @@ class SharedMemoryAllreduce {
   unsigned char* result(size_t set);
   void wait_all_reach(int kind, uint64_t value, const WaitPolicy& policy);
 
+  MPI_Comm comm_ = MPI_COMM_NULL;  // the communicator it serves (the segment lives as its attribute)
   int rank_ = 0, size_ = 1;
   size_t chunk_bytes_ = 0, sets_ = 0, mapped_ = 0, header_ = 0;
   unsigned char* base_ = nullptr;
@@ -64,6 +65,8 @@ class SharedMemoryAllreduce {
 // at the same point) and cached on the communicator as an MPI attribute, so it is released with
 // MPI_Comm_free. nullptr when shared memory cannot serve `comm` (the reason is kept: see below).
 SharedMemoryAllreduce* shared_memory_for(MPI_Comm comm, size_t chunk_bytes);
+// The segment shared_memory_for(comm) made, without making one; *asked: whether it was ever asked.
+SharedMemoryAllreduce* cached_shared_memory(MPI_Comm comm, bool* asked);
 // Why shared_memory_for(comm) gave nullptr ("" if it was never asked or succeeded).
 std::string shared_memory_unavailable_reason(MPI_Comm comm);
 

@@ -178,7 +178,7 @@ class Config:
             raise HybridPipeError(f"segment_bytes={self.segment_bytes} must be >= 8 (e.g. 256KiB)")
         if self.shared_memory_chunk_bytes < 4096:
             raise HybridPipeError(f"shared_memory_chunk_bytes={self.shared_memory_chunk_bytes} must be >= 4096 "
-                                  "(e.g. 1MiB)")
+                                  "(e.g. 128KiB)")
         if self.stall_shutdown_seconds < 0:
             raise HybridPipeError(f"stall_shutdown_seconds={self.stall_shutdown_seconds} must be >= 0 (0: off)")
         if self.wait_sleep_us <= 0:

@@ -69,3 +69,13 @@ def test_wait_and_engine_priority_settings():
         Config.from_env({"HYBRIDPIPE_WAITERS_HELP": "maybe"})
     with pytest.raises(HybridPipeError, match=r"engine_nice=-3 must be in 0\.\.19"):
         Config(engine_nice=-3).validated()
+
+
+def test_shared_memory_settings():
+    config = Config.from_env({"HYBRIDPIPE_SHARED_MEMORY": "0", "HYBRIDPIPE_SHARED_MEMORY_CHUNK": "256KiB"})
+    assert (config.shared_memory, config.shared_memory_chunk_bytes) == (False, 256 << 10)
+    assert (Config().shared_memory, Config().shared_memory_chunk_bytes) == (True, 128 << 10)
+    with pytest.raises(HybridPipeError, match=r"HYBRIDPIPE_SHARED_MEMORY='maybe' is not a switch \(use 1 or 0\)"):
+        Config.from_env({"HYBRIDPIPE_SHARED_MEMORY": "maybe"})
+    with pytest.raises(HybridPipeError, match=r"shared_memory_chunk_bytes=100 must be >= 4096 \(e.g. 128KiB\)"):
+        Config.from_env({"HYBRIDPIPE_SHARED_MEMORY_CHUNK": "100"})

@@ -212,9 +212,10 @@ def poll(handle: Handle) -> bool:
 
 def engine_stats(group: Any = "data") -> dict[str, int]:
     """Counters of the engine for ``group``: cycles (negotiations), slow_rounds (name gathers),
-    tensors, buckets (ring calls), helped (buckets run by a thread blocked in wait(), not the engine
-    thread), bytes, stall_warnings."""
+    tensors, buckets (allreduce calls), shared_memory (of those, buckets reduced through the group's
+    shared-memory segment, when its ranks share a host), helped (buckets run by a thread blocked in
+    wait(), not the engine thread), bytes, stall_warnings."""
     state = _require("engine_stats")
     stats = state.engine.stats(state.group_id(group, "engine_stats"))
     return {name: getattr(stats, name) for name in
-            ("cycles", "slow_rounds", "tensors", "buckets", "helped", "bytes", "stall_warnings")}
+            ("cycles", "slow_rounds", "tensors", "buckets", "shared_memory", "helped", "bytes", "stall_warnings")}

@@ -66,12 +66,24 @@ def assert_matches(got, want, dtype, op):
         np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * 10)
 
 
+@pytest.fixture(params=[True, False], ids=["shared_memory", "ring"])
+def algorithm(request):
+    """One host here, so large buffers go through shared memory by default; False forces the ring."""
+    if not request.param:
+        hp.shutdown()
+        hp.init(config=Config(shared_memory=False))
+    yield request.param
+    if not request.param:
+        hp.shutdown()
+        hp.init()
+
+
 def as_torch(array, dtype):
     return torch.from_numpy(array.copy()).to(getattr(torch, dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_allreduce_all_ops_and_sizes(dtype):
+def test_allreduce_all_ops_and_sizes(dtype, algorithm):
     n, rank = hp.size(), hp.rank()
     for op in OPS:
         for count in SIZES:
@@ -98,7 +110,7 @@ def test_allreduce_in_place_and_numpy(dtype):
         assert_matches(array, reference(arrays, hp.Min, dtype), dtype, hp.Min)
 
 
-def test_allreduce_over_64_mib():
+def test_allreduce_over_64_mib(algorithm):
     n, rank = hp.size(), hp.rank()
     count = 16 * 1024 * 1024 + 3  # 64 MiB + 12 bytes of float32
     mine = torch.full((count,), float(rank + 1))
@@ -121,10 +133,11 @@ def test_allreduce_non_contiguous_and_multidimensional():
     assert torch.equal(view, want) and torch.equal(base, want.transpose(0, 2))
 
 
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared_memory", "ring"])
 @pytest.mark.parametrize("threshold", [1024, 4 * 1024 * 1024])
-def test_grouped_allreduce_mixed_dtypes(threshold):
+def test_grouped_allreduce_mixed_dtypes(threshold, shared_memory):
     hp.shutdown()
-    hp.init(config=Config(fusion_threshold_bytes=threshold))
+    hp.init(config=Config(fusion_threshold_bytes=threshold, shared_memory=shared_memory))
     n, rank = hp.size(), hp.rank()
     rng = np.random.default_rng(7)
     specs = [(DTYPES[i % len(DTYPES)], int(rng.integers(0, 3000))) for i in range(29)]
