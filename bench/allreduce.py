@@ -235,7 +235,8 @@ class Worker:
                 core().grouped_allreduce(addresses, addresses, counts, dtypes, int(hp.Sum), comm, threshold, options)
             return call, [t.numpy().reshape(-1) for t in tensors]
 
-        factories = {"hybridpipe": grouped, "hybridpipe_ring": grouped_ring, "mpi4py": mpi_each, "mpi4py_flat": lambda: self._mpi4py(sum(counts))}
+        factories = {"hybridpipe": grouped, "hybridpipe_ring": grouped_ring, "mpi4py": mpi_each,
+                     "mpi4py_flat": lambda: self._mpi4py(sum(counts))}
         if self.dist is not None:
             factories["gloo"] = gloo_each
             factories["gloo_flat"] = lambda: self._gloo(sum(counts))
