@@ -73,15 +73,23 @@ Engine::~Engine() {
   shutdown();
 }
 
-int Engine::add_group(MPI_Comm comm, const std::string& label) {
+int Engine::add_group(MPI_Comm comm, const std::string& label, bool start) {
   auto group = std::make_unique<Group>();
   HP_MPI(MPI_Comm_dup, comm, comm, &group->comm);
   MPI_Comm_set_errhandler(group->comm, MPI_ERRORS_RETURN);
   MPI_Comm_rank(group->comm, &group->rank);
   MPI_Comm_size(group->comm, &group->size);
   group->label = label;
-  group->next_cycle = Clock::now();
+  // A new group starts quiet, as if every rank had agreed on kQuietAfterIdleCycles idle cycles: it
+  // negotiates on its first local submission (or stop, or after the idle cycle time). A burst of
+  // negotiations right after hp.init would meet the communicators a script creates then (a
+  // PipelineModel's duplicate, say); with ranks on several hosts, Open MPI's context-id agreement for
+  // a new communicator took 5-58 s here beside them, and 0.03-0.05 s beside quiet groups.
+  group->idle_cycles = kQuietAfterIdleCycles + 1;
+  group->next_cycle = Clock::now() + std::chrono::microseconds(static_cast<int64_t>(
+      std::min(options_.idle_cycle_time_ms, options_.stall_check_seconds * 250) * 1000));
   group->shm = fused_shared_memory(group->comm, options_.allreduce);  // collective, like the dup
+  group->waiters_help = options_.waiters_help && (group->shm != nullptr || group->size == 1 || on_one_host(group->comm));
   std::lock_guard<std::mutex> lock(mutex_);
   if (stop_requested_) {
     MPI_Comm_free(&group->comm);
@@ -89,6 +97,19 @@ int Engine::add_group(MPI_Comm comm, const std::string& label) {
   }
   Group* raw = group.get();
   groups_.push_back(std::move(group));
+  if (start) start_thread(*raw);
+  return static_cast<int>(groups_.size() - 1);
+}
+
+void Engine::start() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& group : groups_) {
+    if (!group->thread.joinable()) start_thread(*group);
+  }
+}
+
+void Engine::start_thread(Group& group) {
+  Group* raw = &group;
   raw->thread = std::thread([this, raw] {
 #ifdef __linux__
     if (options_.thread_nice > 0) {  // per thread on Linux: the thread id names the thread
@@ -98,7 +119,6 @@ int Engine::add_group(MPI_Comm comm, const std::string& label) {
 #endif
     run(*raw);
   });
-  return static_cast<int>(groups_.size() - 1);
 }
 
 uint64_t Engine::submit(int group_id, const std::string& name, const Buffer& buffer, ReduceOp op) {
@@ -175,6 +195,9 @@ void Engine::shutdown() {
     if (shut_down_) return;
     shut_down_ = true;
     stop_requested_ = true;
+    for (auto& group : groups_) {  // the stop is agreed by every group's thread: start any not yet running
+      if (!group->thread.joinable()) start_thread(*group);
+    }
     changed_.notify_all();
     for (auto& group : groups_) group->wake.notify_all();
   }
@@ -482,7 +505,7 @@ void Engine::slow_round(Group& group, std::vector<Entry>& ready, std::vector<std
 
 void Engine::reduce_bucket(Group& group, const std::function<void(const AllreduceOptions&)>& run) {
   auto run_here = [&] { run(options_.allreduce); };
-  if (!options_.waiters_help) return run_here();
+  if (!group.waiters_help) return run_here();
   // A thread leaving wait() usually comes back for its next handle within microseconds.
   const auto grace = std::chrono::microseconds(200);
   Job job;

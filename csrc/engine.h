@@ -50,6 +50,8 @@ struct EngineOptions {
   AllreduceOptions allreduce;
   // A thread blocked in wait() runs its group's bucket allreduces itself (at its own priority, testing
   // its requests without sleeping) instead of leaving them to the niced engine thread; false: never.
+  // Only for groups whose ranks share one host: over Open MPI's TCP transport, a waiter spinning in
+  // MPI beside the niced engine threads stalled a 4-rank, 2-host job for minutes (tests/test_multihost.py).
   bool waiters_help = true;
   bool record_events = false;  // keep phase timings for the timeline (EngineEvent)
   // Scheduling priority of the engine threads (Linux nice, 0..19 above the process's own): a
@@ -86,8 +88,13 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   // Registers a communicator (hybridpipe duplicates it first); returns its group id. Every rank of
-  // `comm` must register it (in the same order relative to its other groups).
-  int add_group(MPI_Comm comm, const std::string& label);
+  // `comm` must register it (in the same order relative to its other groups). With start = false
+  // the group's thread waits for start(): make all communicators first, then start the threads, so
+  // that no engine thread is in MPI while the process creates communicators (with ranks on several
+  // hosts, Open MPI's context-id agreement for a new communicator then took up to 41 s here).
+  int add_group(MPI_Comm comm, const std::string& label, bool start = true);
+  // Starts the threads of the groups added with start = false.
+  void start();
   // Queues an in-place allreduce of `buffer` over group `group`; returns a handle id.
   uint64_t submit(int group, const std::string& name, const Buffer& buffer, ReduceOp op);
   bool poll(uint64_t handle);
@@ -141,6 +148,7 @@ class Engine {
     Workspace workspace;
     std::vector<unsigned char> fusion;
     SharedMemoryAllreduce* shm = nullptr;  // the group's segment when its ranks share a host (owned by comm)
+    bool waiters_help = true;  // waiters may run its buckets: options.waiters_help and all ranks on one host
     std::thread thread;
     std::condition_variable wake;  // (with Engine::mutex_) a submission to this group, or a stop
     // Helping (guarded by Engine::mutex_): only threads waiting for this group's handles run its
@@ -156,6 +164,7 @@ class Engine {
     double started = 0, finished = 0;
   };
 
+  void start_thread(Group& group);  // with mutex_ held or before any thread runs
   void run(Group& group);
   void run_single(Group& group);
   void start_negotiation(Group& group);

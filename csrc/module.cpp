@@ -268,11 +268,18 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<const EngineOptions&>(), py::arg("options"))
       .def(
           "add_group",
-          [](Engine& engine, long long comm, const std::string& label) {
+          [](Engine& engine, long long comm, const std::string& label, bool start) {
             py::gil_scoped_release no_gil;
-            return engine.add_group(to_comm(comm), label);
+            return engine.add_group(to_comm(comm), label, start);
           },
-          py::arg("comm"), py::arg("label"))
+          py::arg("comm"), py::arg("label"), py::arg("start") = true)
+      .def(
+          "start",
+          [](Engine& engine) {
+            py::gil_scoped_release no_gil;
+            engine.start();
+          },
+          "Starts the threads of the groups added with start=False.")
       .def(
           "submit",
           [](Engine& engine, int group, const std::string& name, uintptr_t address, size_t count, int dtype, int op) {

@@ -146,17 +146,23 @@ void wait_until(Ready ready, MPI_Comm comm, const WaitPolicy& policy) {
 
 }  // namespace
 
-std::unique_ptr<SharedMemoryAllreduce> SharedMemoryAllreduce::create(MPI_Comm comm, size_t chunk_bytes,
-                                                                     std::string* why) {
-  int rank = 0, size = 1;
-  HP_MPI(MPI_Comm_rank, comm, comm, &rank);
+bool on_one_host(MPI_Comm comm) {
+  int size = 1;
   HP_MPI(MPI_Comm_size, comm, comm, &size);
   MPI_Comm host = MPI_COMM_NULL;
   HP_MPI(MPI_Comm_split_type, comm, comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &host);
   int host_size = 0;
   HP_MPI(MPI_Comm_size, host, host, &host_size);
   HP_MPI(MPI_Comm_free, host, &host);
-  if (host_size != size) {  // the same answer on every rank: each host holds fewer than `size`
+  return host_size == size;  // the same answer on every rank: each host holds fewer than `size`
+}
+
+std::unique_ptr<SharedMemoryAllreduce> SharedMemoryAllreduce::create(MPI_Comm comm, size_t chunk_bytes,
+                                                                     std::string* why) {
+  int rank = 0, size = 1;
+  HP_MPI(MPI_Comm_rank, comm, comm, &rank);
+  HP_MPI(MPI_Comm_size, comm, comm, &size);
+  if (!on_one_host(comm)) {
     *why = "its " + std::to_string(size) + " ranks are not all on one host";
     return nullptr;
   }

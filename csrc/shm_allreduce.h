@@ -28,6 +28,9 @@
 
 namespace hybridpipe {
 
+// Whether every rank of `comm` is on this host (MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)); collective.
+bool on_one_host(MPI_Comm comm);
+
 class SharedMemoryAllreduce {
  public:
   // Collective over `comm`. On every rank: the segment, or nullptr (with `why` set) when the ranks

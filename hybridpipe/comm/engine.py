@@ -50,8 +50,10 @@ class _EngineState:
         options.record_events = bool(config.timeline)
         self.engine = core().Engine(options)
         self.groups: dict[Any, int] = {}
+        # every communicator first, then the threads: see Engine::add_group in csrc/engine.h
         for label, comm in zip(_BUILTIN, (grid.world_comm, grid.data_comm, grid.pipe_comm)):
-            self.groups[label] = self.engine.add_group(comm.py2f(), label)
+            self.groups[label] = self.engine.add_group(comm.py2f(), label, start=False)
+        self.engine.start()
         self.user_groups: dict[int, tuple[Any, int]] = {}
         self.in_flight: set[tuple[int, str]] = set()
 
