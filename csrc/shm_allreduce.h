@@ -4,7 +4,8 @@
 // it twice (into the transport's buffer and out again), and reduces it once more: about 11 passes
 // over the buffer's memory per rank at n = 8. Here each rank copies its data into its slot of a
 // segment mapped by every rank of the host; rank r sums piece r of all slots in one pass into a
-// result area; every rank copies the whole result out. That is about 4 passes per rank, whatever n.
+// result area (its own piece read straight from its input, the sum written straight to its output
+// too); every rank copies the rest of the result out. About 4 passes per rank, whatever n.
 //
 // The buffers stream through the segment in chunks: `sets` chunk-sized slot sets are in use at once,
 // so a rank that has copied its result of chunk s out may already copy chunk s + 1 in while slower
