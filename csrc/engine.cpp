@@ -86,8 +86,7 @@ int Engine::add_group(MPI_Comm comm, const std::string& label, bool start) {
   // PipelineModel's duplicate, say); with ranks on several hosts, Open MPI's context-id agreement for
   // a new communicator took 5-58 s here beside them, and 0.03-0.05 s beside quiet groups.
   group->idle_cycles = kQuietAfterIdleCycles + 1;
-  group->next_cycle = Clock::now() + std::chrono::microseconds(static_cast<int64_t>(
-      std::min(options_.idle_cycle_time_ms, options_.stall_check_seconds * 250) * 1000));
+  group->next_cycle = Clock::now() + std::chrono::microseconds(static_cast<int64_t>(quiet_cycle_ms() * 1000));
   group->shm = fused_shared_memory(group->comm, options_.allreduce);  // collective, like the dup
   group->waiters_help = options_.waiters_help && (group->shm != nullptr || group->size == 1 || on_one_host(group->comm));
   std::lock_guard<std::mutex> lock(mutex_);
@@ -106,6 +105,10 @@ void Engine::start() {
   for (auto& group : groups_) {
     if (!group->thread.joinable()) start_thread(*group);
   }
+}
+
+double Engine::quiet_cycle_ms() const {
+  return std::min(options_.idle_cycle_time_ms, options_.stall_check_seconds * 250);
 }
 
 void Engine::start_thread(Group& group) {
@@ -377,10 +380,8 @@ void Engine::finish_negotiation(Group& group) {
   group.idle_cycles = (flags & kIdle) ? group.idle_cycles + 1 : 0;
   // After a few agreed idle cycles the group goes quiet: its next negotiation comes only when a tensor
   // is submitted here, on stop, or after the idle cycle time. Every rank sees the same flags, so all
-  // ranks go quiet together and their idle timers stay in step. The timer is what lets a rank that
-  // never submits be reported, hence at most a quarter of stall_check_seconds.
-  const double idle_ms = std::min(options_.idle_cycle_time_ms, options_.stall_check_seconds * 250);
-  const double wait_ms = group.idle_cycles > kQuietAfterIdleCycles ? idle_ms : options_.cycle_time_ms;
+  // ranks go quiet together and their idle timers stay in step (see quiet_cycle_ms).
+  const double wait_ms = group.idle_cycles > kQuietAfterIdleCycles ? quiet_cycle_ms() : options_.cycle_time_ms;
   group.next_cycle = Clock::now() + std::chrono::microseconds(static_cast<int64_t>(wait_ms * 1000));
   group.snapshot.clear();
 }
@@ -549,13 +550,14 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
   auto reduce = [&](std::vector<Entry>& entries, size_t total_bytes) {
     const double started = seconds_now();
     const ReduceOp op = entries[0].op;
+    const bool streamed = group.shm && total_bytes > options_.allreduce.small_message_bytes;
     if (entries.size() == 1) {
       const Buffer& buffer = entries[0].buffer;
       reduce_bucket(group, [&](const AllreduceOptions& options) {
         allreduce(buffer, buffer, op, group.comm, options, group.workspace);
       });
       record(group, "ring", started, seconds_now(), total_bytes, 1);
-    } else if (group.shm && total_bytes > options_.allreduce.small_message_bytes) {
+    } else if (streamed) {
       // packed straight into the shared segment and unpacked straight from it: no fusion buffer
       std::vector<Buffer> buffers;
       for (const Entry& entry : entries) buffers.push_back(entry.buffer);
@@ -586,7 +588,7 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
       record(group, "unpack", reduced, seconds_now(), total_bytes, entries.size());
     }
     group.stats.buckets++;
-    if (group.shm && total_bytes > options_.allreduce.small_message_bytes) group.stats.shared_memory++;
+    if (streamed) group.stats.shared_memory++;
     group.stats.bytes += total_bytes;
     group.stats.tensors += entries.size();
     complete(entries, "", started);

@@ -165,6 +165,9 @@ class Engine {
   };
 
   void start_thread(Group& group);  // with mutex_ held or before any thread runs
+  // Time between negotiations of a quiet group: idle_cycle_time_ms, at most a quarter of the stall
+  // check (the timer is what lets a rank that never submits be reported).
+  double quiet_cycle_ms() const;
   void run(Group& group);
   void run_single(Group& group);
   void start_negotiation(Group& group);

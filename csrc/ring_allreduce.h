@@ -44,8 +44,9 @@ inline bool reduced_alone(size_t bytes, size_t fusion_threshold_bytes, const All
   return !streamed && options.unfused_bytes > 0 && bytes >= options.unfused_bytes;
 }
 
-// The shared-memory segment that fused allreduces of `bytes` over `comm` stream through, or nullptr
-// (ring / library). Collective the first time it is asked for `comm` (see shared_memory_for).
+// The shared-memory segment that fused allreduces over `comm` stream through, or nullptr (shared
+// memory switched off, one rank, or ranks on several hosts: ring / library). Collective the first
+// time it is asked for `comm` (see shared_memory_for).
 SharedMemoryAllreduce* fused_shared_memory(MPI_Comm comm, const AllreduceOptions& options);
 
 enum class AllreduceAlgorithm : int { Auto = 0, Ring = 1, Library = 2, SharedMemory = 3 };
