@@ -17,12 +17,19 @@ Design reasons:
   Without ``sample_input`` the default balance falls back to "parameters" and the report says so.
 * All ranks of the grid check that they agree on the configuration (layer count, balance,
   micro-batches, schedule, checkpoint); a difference raises on every rank.
+* A parameter shared by layers on different stages (``head.weight = embedding.weight``) is
+  refused with ``PartitionError`` once the balance is known and before any layer is built, moved
+  or communicated with: each stage would otherwise train its own copy. The check needs no
+  communication (every rank finds the same from the same model); its result is part of the
+  agreement above, so ranks given different models raise ``MismatchError`` rather than some of
+  them waiting in a collective that the others left. LayerSpec layers are built on the meta
+  device for it, which keeps any Parameter their factory reuses.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -35,9 +42,11 @@ from hybridpipe.pipeline.partition import (
     BALANCE_METHODS,
     BalanceReport,
     _check_stage_count,
+    find_shared_parameters,
     partition_by_weights,
     partition_uniform,
     profile_layers,
+    shared_parameters_error,
     validate_balance,
 )
 from hybridpipe.pipeline.schedule import get_schedule, validate
@@ -68,6 +77,17 @@ class LayerSpec:
     def __repr__(self) -> str:
         arguments = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
         return f"LayerSpec({getattr(self.cls, '__name__', self.cls)}, {', '.join(arguments)})"
+
+
+def _shapes_only(layers: Sequence[nn.Module | LayerSpec]) -> Iterable[nn.Module]:
+    """Each layer as it is, or a LayerSpec built on PyTorch's meta device (no memory, no RNG),
+    one at a time. A Parameter the spec's factory reuses keeps its identity."""
+    for layer in layers:
+        if isinstance(layer, LayerSpec):
+            with torch.device("meta"):
+                yield layer.build()
+        else:
+            yield layer
 
 
 def _build(layer: nn.Module | LayerSpec, index: int, seed_layers: int | None) -> nn.Module:
@@ -134,7 +154,8 @@ class PipelineModel(nn.Module):
 
     Raises:
         NotInitializedError: ``hp.init`` was not called.
-        PartitionError: bad balance (values named), more stages than layers.
+        PartitionError: bad balance (values named), more stages than layers, or a parameter shared
+            by layers on different stages (weight tying across stages is not supported yet).
         ScheduleError: unknown schedule.
         MismatchError: ranks constructed it with different settings (on every rank).
     """
@@ -180,7 +201,11 @@ class PipelineModel(nn.Module):
         self._schedule_cache: dict[tuple[str, int, int], list] = {}  # see _schedule
 
         balance_list, report = self._choose_balance(layer_list, balance, sample_input, seed_layers, grid)
-        self._agree(grid, len(layer_list), balance_list)
+        # before any layer is built or moved, and before the pipeline communicator exists
+        shared = find_shared_parameters(_shapes_only(layer_list), balance_list) if stages > 1 else []
+        self._agree(grid, len(layer_list), balance_list, tuple(s.layers for s in shared))
+        if shared:
+            raise shared_parameters_error(shared, balance_list)
         self.balance = balance_list
         self.balance_report = report
         own = self.layers_of_stage(self.stage)
@@ -241,21 +266,16 @@ class PipelineModel(nn.Module):
 
     @staticmethod
     def _parameter_counts(layers: list, seed_layers: int | None) -> list[int]:
-        counts = []
-        for index, layer in enumerate(layers):
-            if isinstance(layer, LayerSpec):
-                with torch.device("meta"):  # shapes only: no memory, no RNG
-                    module = layer.build()
-            else:
-                module = layer
-            counts.append(sum(p.numel() for p in module.parameters()))
-        return counts
+        return [sum(p.numel() for p in module.parameters()) for module in _shapes_only(layers)]
 
-    def _agree(self, grid: runtime.Grid, count: int, balance: list[int]) -> None:
-        mine = (count, tuple(balance), self.micro_batches, self.schedule_name, self.checkpoint)
+    def _agree(self, grid: runtime.Grid, count: int, balance: list[int],
+               shared_across_stages: tuple[tuple[int, ...], ...]) -> None:
+        mine = (count, tuple(balance), self.micro_batches, self.schedule_name, self.checkpoint,
+                shared_across_stages)
         everyone = grid.world_comm.allgather(mine)
         if len(set(everyone)) > 1:
-            names = ("layers", "balance", "micro_batches", "schedule", "checkpoint")
+            names = ("layers", "balance", "micro_batches", "schedule", "checkpoint",
+                     "layers_sharing_parameters_across_stages")
             differ = [name for i, name in enumerate(names) if len({e[i] for e in everyone}) > 1]
             listing = "; ".join(f"rank {r}: " + ", ".join(f"{n}={e[names.index(n)]!r}" for n in differ)
                                 for r, e in enumerate(everyone))

@@ -15,6 +15,10 @@ Design reasons:
   :func:`partition_uniform` gives the extra layers to the last stages. Under 1F1B stage 0
   holds ``P`` micro-batches of activations and the last stage one, so early stages should
   be the lighter ones.
+* A parameter shared by layers on different stages (a tied embedding and output head) would
+  become one independent copy per stage, each trained on its own gradient: silently wrong.
+  :func:`find_shared_parameters` finds such parameters by object identity so that
+  ``PipelineModel`` can refuse them before anything is built; sharing within one stage is fine.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
@@ -41,6 +45,10 @@ __all__ = [
     "partition_uniform",
     "partition_by_weights",
     "validate_balance",
+    "SharedParameter",
+    "find_shared_parameters",
+    "shared_parameters_error",
+    "check_shared_parameters",
     "profile_layers",
     "balance_by",
 ]
@@ -212,6 +220,138 @@ def partition_by_weights(
         index = next(i for i, length in enumerate(lengths) if length > 1)
         lengths[index : index + 1] = [1, lengths[index] - 1]
     return lengths
+
+
+@dataclass(frozen=True)
+class SharedParameter:
+    """One ``nn.Parameter`` object held by layers on two or more pipeline stages.
+
+    Attributes:
+        places: ``(layer index, name, stage)`` for each layer that holds it, in layer order; the
+            name is qualified as seen in that layer, e.g. ``"layer 0 (Embedding).weight"``.
+    """
+
+    places: tuple[tuple[int, str, int], ...]
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Indices of the layers that hold the parameter."""
+        return tuple(layer for layer, _, _ in self.places)
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name} on stage {stage}" for _, name, stage in self.places)
+
+
+def find_shared_parameters(layers: Iterable[nn.Module], balance: Sequence[int]) -> list[SharedParameter]:
+    """Parameters (the same object, by identity) that layers on different stages hold.
+
+    Buffers are not checked. Layers are visited one at a time, so ``layers`` may be a generator
+    that builds each layer on the meta device and drops it.
+
+    Args:
+        layers: The layers, in pipeline order.
+        balance: Layer counts per stage (already validated), summing to the number of layers.
+
+    Returns:
+        One :class:`SharedParameter` per parameter found on more than one stage, in the order of
+        first appearance; empty when every shared parameter stays within one stage.
+
+    Raises:
+        PartitionError: ``layers`` and ``balance`` disagree on the number of layers.
+
+    Example:
+        >>> embedding, head = nn.Embedding(11, 8), nn.Linear(8, 11)
+        >>> head.weight = embedding.weight
+        >>> [str(s) for s in find_shared_parameters([embedding, nn.Tanh(), head], [2, 1])]
+        ['layer 0 (Embedding).weight on stage 0, layer 2 (Linear).weight on stage 1']
+    """
+    stage_of = [stage for stage, count in enumerate(balance) for _ in range(count)]
+    # keyed by id(); the parameter itself is kept so that no id is reused by a later object
+    holders: dict[int, tuple[nn.Parameter, list[tuple[int, str, int]]]] = {}
+    count = 0
+    for index, layer in enumerate(layers):
+        count = index + 1
+        if index >= len(stage_of):
+            continue
+        for name, parameter in layer.named_parameters():
+            places = holders.setdefault(id(parameter), (parameter, []))[1]
+            places.append((index, f"layer {index} ({type(layer).__name__}).{name}", stage_of[index]))
+    if count != len(stage_of):
+        raise PartitionError(f"balance {list(balance)} sums to {len(stage_of)} but there are {count} layers "
+                             f"(pass one count per stage summing to {count})")
+    return [SharedParameter(tuple(places)) for _, places in holders.values()
+            if len({stage for _, _, stage in places}) > 1]
+
+
+def _balance_keeping_together(spans: list[tuple[int, int]], num_layers: int, stages: int) -> list[int] | None:
+    """A balance that keeps each span of layers on one stage (fewest layers on the fullest
+    stage), or None when the spans leave fewer than ``stages`` pieces to hand out."""
+    unit_sizes: list[int] = []
+    index = 0
+    for first, last in spans:
+        unit_sizes += [1] * (first - index) + [last - first + 1]
+        index = last + 1
+    unit_sizes += [1] * (num_layers - index)
+    if len(unit_sizes) < stages:
+        return None
+    balance, start = [], 0
+    for units in partition_by_weights(unit_sizes, stages):
+        balance.append(sum(unit_sizes[start : start + units]))
+        start += units
+    return balance
+
+
+def shared_parameters_error(shared: Sequence[SharedParameter], balance: Sequence[int]) -> PartitionError:
+    """The error for parameters shared across stages: each one's places, and the two fixes.
+
+    Args:
+        shared: What :func:`find_shared_parameters` found (not empty).
+        balance: The balance they were found under.
+    """
+    shown = 4
+    listing = "; ".join(str(s) for s in shared[:shown])
+    if len(shared) > shown:
+        listing += f"; and {len(shared) - shown} more"
+    spans: list[tuple[int, int]] = []
+    for first, last in sorted((min(s.layers), max(s.layers)) for s in shared):
+        if spans and first <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], last))
+        else:
+            spans.append((first, last))
+    num_layers, stages = sum(balance), len(balance)
+    together = " and ".join(f"layers {first}-{last}" for first, last in spans)
+    suggestion = _balance_keeping_together(spans, num_layers, stages)
+    if suggestion is not None:
+        keep = f"keep {together} on one stage with balance= (e.g. balance={suggestion})"
+    else:
+        most = num_layers - sum(last - first for first, last in spans)  # pieces left to hand out
+        limit = "only pipeline_stages=1 can" if most == 1 else f"at most pipeline_stages={most} can"
+        keep = f"keep {together} on one stage (no balance of {stages} stages can; {limit})"
+    noun = "a parameter is" if len(shared) == 1 else f"{len(shared)} parameters are"
+    return PartitionError(
+        f"{noun} shared by layers on different pipeline stages, so each stage would train its own copy "
+        f"({listing}; balance {list(balance)}): {keep}, or untie them (give each layer its own "
+        f"nn.Parameter: copy.deepcopy the layer, or assign nn.Parameter(weight.detach().clone())); "
+        f"weight tying across pipeline stages is not supported yet"
+    )
+
+
+def check_shared_parameters(layers: Iterable[nn.Module], balance: Sequence[int]) -> None:
+    """Refuse parameters shared by layers on different stages (see :func:`find_shared_parameters`).
+
+    Raises:
+        PartitionError: a parameter is held by layers on two or more stages; the message names
+            each layer's parameter and stage, a balance that keeps them together (if any), and
+            how to untie them.
+
+    Example:
+        >>> embedding, head = nn.Embedding(11, 8), nn.Linear(8, 11)
+        >>> head.weight = embedding.weight
+        >>> check_shared_parameters([embedding, nn.Tanh(), head], [3])  # one stage: fine
+    """
+    shared = find_shared_parameters(layers, balance)
+    if shared:
+        raise shared_parameters_error(shared, balance)
 
 
 @dataclass(frozen=True)
