@@ -25,6 +25,7 @@ constexpr uint64_t kNotStalled = 1ull << 1;  // AND: no rank has a name waiting 
 constexpr uint64_t kWantStop = 1ull << 2;    // AND: every rank asked to stop and has nothing pending
 constexpr uint64_t kIdle = 1ull << 3;        // AND: nobody has anything pending
 constexpr uint64_t kNotExpired = 1ull << 4;  // AND: nothing waited past stall_shutdown_seconds
+constexpr uint64_t kNoRegistration = 1ull << 5;  // AND (group 0 only): no rank has a group waiting to join
 
 struct Announced {  // one pending name of one rank, as gathered in a slow round
   int rank;
@@ -64,67 +65,93 @@ Engine::Engine(const EngineOptions& options) : options_(options) {
 Engine::~Engine() {
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (finalized) {  // MPI is gone: the threads cannot finish their protocol; leave them
-    for (auto& group : groups_) {
-      if (group->thread.joinable()) group->thread.detach();
-    }
+  if (finalized) {  // MPI is gone: the thread cannot finish its protocol; leave it
+    if (thread_.joinable()) thread_.detach();
     return;
   }
   shutdown();
 }
 
-int Engine::add_group(MPI_Comm comm, const std::string& label, bool start) {
+int Engine::add_group(MPI_Comm comm, const std::string& label, bool /*start*/) {
   auto group = std::make_unique<Group>();
   HP_MPI(MPI_Comm_dup, comm, comm, &group->comm);
   MPI_Comm_set_errhandler(group->comm, MPI_ERRORS_RETURN);
   MPI_Comm_rank(group->comm, &group->rank);
   MPI_Comm_size(group->comm, &group->size);
   group->label = label;
-  // A new group starts quiet, as if every rank had agreed on kQuietAfterIdleCycles idle cycles: it
-  // negotiates on its first local submission (or stop, or after the idle cycle time). A burst of
-  // negotiations right after hp.init would meet the communicators a script creates then (a
-  // PipelineModel's duplicate, say); with ranks on several hosts, Open MPI's context-id agreement for
-  // a new communicator took 5-58 s here beside them, and 0.03-0.05 s beside quiet groups.
+  // A new group starts quiet, as if every rank had agreed on kQuietAfterIdleCycles idle cycles.
   group->idle_cycles = kQuietAfterIdleCycles + 1;
-  group->next_cycle = Clock::now() + std::chrono::microseconds(static_cast<int64_t>(quiet_cycle_ms() * 1000));
   group->shm = fused_shared_memory(group->comm, options_.allreduce);  // collective, like the dup
   group->waiters_help = options_.waiters_help && (group->shm != nullptr || group->size == 1 || on_one_host(group->comm));
   std::lock_guard<std::mutex> lock(mutex_);
+  if (!groups_.empty()) {  // its ranks as ranks of group 0: the key all its ranks register it under
+    MPI_Group mine, coordinator;
+    MPI_Comm_group(group->comm, &mine);
+    MPI_Comm_group(groups_[0]->comm, &coordinator);
+    std::vector<int> ranks(group->size);
+    for (int r = 0; r < group->size; ++r) ranks[r] = r;
+    group->members.resize(group->size);
+    MPI_Group_translate_ranks(mine, group->size, ranks.data(), coordinator, group->members.data());
+    MPI_Group_free(&mine);
+    MPI_Group_free(&coordinator);
+    for (int member : group->members) {
+      if (member == MPI_UNDEFINED) {
+        MPI_Comm_free(&group->comm);
+        throw std::invalid_argument("group '" + label + "' has ranks outside the engine's first group '" +
+                                    groups_[0]->label + "': use a communicator made from hybridpipe's world");
+      }
+    }
+    for (const auto& other : groups_) {
+      if (other->members == group->members) group->registration++;
+    }
+  }
   if (stop_requested_) {
     MPI_Comm_free(&group->comm);
     throw std::runtime_error("engine is shutting down; cannot add group '" + label + "'");
   }
-  Group* raw = group.get();
+  // Before the thread starts every group is active from the first cycle on every rank; after it, a
+  // group of one rank needs no agreement, the others join at a cycle their ranks agree on.
+  group->active = !started_ || group->size == 1;
+  if (!group->active) {
+    registrations_pending_++;
+    wake_.notify_all();
+  }
   groups_.push_back(std::move(group));
-  if (start) start_thread(*raw);
   return static_cast<int>(groups_.size() - 1);
 }
 
 void Engine::start() {
   std::lock_guard<std::mutex> lock(mutex_);
-  for (auto& group : groups_) {
-    if (!group->thread.joinable()) start_thread(*group);
-  }
-}
-
-double Engine::quiet_cycle_ms() const {
-  return std::min(options_.idle_cycle_time_ms, options_.stall_check_seconds * 250);
-}
-
-void Engine::start_thread(Group& group) {
-  Group* raw = &group;
-  raw->thread = std::thread([this, raw] {
+  if (started_) return;
+  started_ = true;
+  for (size_t id = 0; id < groups_.size(); ++id) cycle_order_.push_back(static_cast<int>(id));
+  thread_ = std::thread([this] {
 #ifdef __linux__
     if (options_.thread_nice > 0) {  // per thread on Linux: the thread id names the thread
       const int base = getpriority(PRIO_PROCESS, 0);
       setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), std::min(base + options_.thread_nice, 19));
     }
 #endif
-    run(*raw);
+    run();
   });
 }
 
+double Engine::quiet_cycle_ms() const {
+  return std::min(options_.idle_cycle_time_ms, options_.stall_check_seconds * 250);
+}
+
+uint64_t Engine::submit_call(int group_id, const std::string& name, int kind, std::function<void()> job) {
+  // the kind travels as the element count: ranks that queued different kinds disagree on it
+  return enqueue(group_id, name, Buffer{nullptr, static_cast<size_t>(kind), DType::Int64}, ReduceOp::Max,
+                 std::move(job));
+}
+
 uint64_t Engine::submit(int group_id, const std::string& name, const Buffer& buffer, ReduceOp op) {
+  return enqueue(group_id, name, buffer, op, nullptr);
+}
+
+uint64_t Engine::enqueue(int group_id, const std::string& name, const Buffer& buffer, ReduceOp op,
+                         std::function<void()> job) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!fatal_.empty()) throw std::runtime_error("the background engine stopped after an error: " + fatal_);
   if (stop_requested_) throw std::runtime_error("hybridpipe is shutting down: no new allreduce_async");
@@ -132,7 +159,11 @@ uint64_t Engine::submit(int group_id, const std::string& name, const Buffer& buf
     throw std::invalid_argument("unknown engine group " + std::to_string(group_id));
   }
   Group& group = *groups_[group_id];
-  if (group.thread_done) throw std::runtime_error("the engine thread of group '" + group.label + "' has stopped");
+  if (thread_done_) throw std::runtime_error("the background engine's thread has stopped");
+  if (group.finished) {
+    throw std::runtime_error("the background engine stopped group '" + group.label + "'" +
+                             (group.stopped_because.empty() ? std::string() : ": " + group.stopped_because));
+  }
   for (const Entry& entry : group.pending) {
     if (entry.name == name) {
       throw std::invalid_argument("a tensor named '" + name + "' is already in flight on group '" + group.label +
@@ -140,9 +171,9 @@ uint64_t Engine::submit(int group_id, const std::string& name, const Buffer& buf
     }
   }
   const uint64_t handle = next_handle_++;
-  group.pending.push_back(Entry{handle, name, buffer, op, Clock::now(), false});
-  handles_[handle] = HandleState{group_id, false, ""};
-  group.wake.notify_one();  // only this group's thread: other threads have no use for a submission
+  group.pending.push_back(Entry{handle, name, buffer, op, Clock::now(), false, std::move(job)});
+  handles_[handle] = HandleState{group_id, false, "", ErrorKind::None};
+  wake_.notify_one();
   return handle;
 }
 
@@ -150,16 +181,16 @@ bool Engine::poll(uint64_t handle) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto found = handles_.find(handle);
   if (found == handles_.end()) throw std::invalid_argument("unknown or already waited-for handle");
-  return found->second.done || groups_[found->second.group]->thread_done;
+  return found->second.done || thread_done_;
 }
 
-std::string Engine::wait(uint64_t handle, double* started, double* finished) {
+std::string Engine::wait(uint64_t handle, double* started, double* finished, ErrorKind* kind) {
   std::unique_lock<std::mutex> lock(mutex_);
   auto found = handles_.find(handle);
   if (found == handles_.end()) throw std::invalid_argument("unknown or already waited-for handle");
   Group& group = *groups_[found->second.group];
   ++group.idle_waiters;
-  while (!(found->second.done || group.thread_done)) {
+  while (!(found->second.done || thread_done_)) {
     Job* job = group.offered;  // this group's next allreduce: run it here, then look again
     if (job == nullptr) {
       changed_.wait(lock);
@@ -186,6 +217,7 @@ std::string Engine::wait(uint64_t handle, double* started, double* finished) {
   std::string error = found->second.done ? found->second.error
                                          : "the background engine stopped before this tensor was reduced" +
                                                (fatal_.empty() ? std::string() : ": " + fatal_);
+  if (kind) *kind = found->second.done ? found->second.kind : (fatal_.empty() ? ErrorKind::Stopped : ErrorKind::Failed);
   if (started) *started = found->second.started;
   if (finished) *finished = found->second.finished;
   handles_.erase(found);
@@ -198,15 +230,11 @@ void Engine::shutdown() {
     if (shut_down_) return;
     shut_down_ = true;
     stop_requested_ = true;
-    for (auto& group : groups_) {  // the stop is agreed by every group's thread: start any not yet running
-      if (!group->thread.joinable()) start_thread(*group);
-    }
+    wake_.notify_all();
     changed_.notify_all();
-    for (auto& group : groups_) group->wake.notify_all();
   }
-  for (auto& group : groups_) {
-    if (group->thread.joinable()) group->thread.join();
-  }
+  start();  // the stop is agreed by the thread: start it if it never ran
+  if (thread_.joinable()) thread_.join();
   for (auto& group : groups_) {
     if (group->comm != MPI_COMM_NULL) MPI_Comm_free(&group->comm);
   }
@@ -220,7 +248,7 @@ EngineStats Engine::stats(int group_id) {
   return groups_[group_id]->stats;
 }
 
-void Engine::complete(const std::vector<Entry>& entries, const std::string& error, double started) {
+void Engine::complete(const std::vector<Entry>& entries, const std::string& error, double started, ErrorKind kind) {
   const double finished = seconds_now();
   std::lock_guard<std::mutex> lock(mutex_);
   for (const Entry& entry : entries) {
@@ -228,10 +256,24 @@ void Engine::complete(const std::vector<Entry>& entries, const std::string& erro
     if (found != handles_.end()) {
       found->second.done = true;
       found->second.error = error;
+      found->second.kind = error.empty() ? ErrorKind::None : kind;
       found->second.started = started;
       found->second.finished = started ? finished : 0;
     }
   }
+  changed_.notify_all();
+}
+
+void Engine::fail_pending(Group& group, const std::string& error, ErrorKind kind) {
+  for (const Entry& entry : group.pending) {
+    auto found = handles_.find(entry.handle);
+    if (found != handles_.end() && !found->second.done) {
+      found->second.done = true;
+      found->second.error = error;
+      found->second.kind = kind;
+    }
+  }
+  group.pending.clear();
   changed_.notify_all();
 }
 
@@ -251,63 +293,151 @@ void Engine::record(Group& group, const char* phase, double start, double end, s
   group.events.push_back(EngineEvent{phase, start, end, bytes, tensors});
 }
 
-void Engine::run(Group& group) {
+void Engine::run() {
+  WaitPolicy busy_wait = options_.allreduce.wait;
+  if (busy_wait.spin_us < 0) busy_wait = WaitPolicy{0.0, options_.cycle_time_ms * 250 + 20};
+  // With nothing of its own to reduce, a rank has no reason to spin: it sleeps between tests from the
+  // start, so idle negotiations do not take the cores from the compute threads.
+  const WaitPolicy idle_wait{0.0, busy_wait.max_sleep_us};
+  auto next_cycle = Clock::now();
+  bool last_cycle_idle = true;
   try {
-    if (group.size == 1) {
-      run_single(group);
-    } else {
-      WaitPolicy negotiation_wait = options_.allreduce.wait;
-      if (negotiation_wait.spin_us < 0) negotiation_wait = WaitPolicy{0.0, options_.cycle_time_ms * 250 + 20};
-      // With nothing of its own to reduce, a rank has no reason to spin: it sleeps between tests
-      // from the start, so idle negotiations do not take the cores from a busy group's ring.
-      const WaitPolicy idle_wait{0.0, negotiation_wait.max_sleep_us};
-      while (!group.finished) {
-        {
-          std::unique_lock<std::mutex> lock(mutex_);
-          // sleep until the next cycle; a submission or a stop request wakes an idle group early
-          group.wake.wait_until(lock, group.next_cycle, [&] {
-            return Clock::now() >= group.next_cycle ||
-                   (group.idle_cycles > 0 && (!group.pending.empty() || stop_requested_));
-          });
+    while (true) {
+      std::vector<int> order;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        // sleep until the next cycle; after an idle cycle, a submission, registration or stop wakes it early
+        wake_.wait_until(lock, next_cycle, [&] {
+          if (Clock::now() >= next_cycle) return true;
+          if (!last_cycle_idle) return false;
+          if (stop_requested_ || registrations_pending_ > 0) return true;
+          for (int id : cycle_order_) {
+            if (!groups_[id]->pending.empty()) return true;
+          }
+          return false;
+        });
+        for (size_t id = 0; id < groups_.size(); ++id) {  // one-rank groups added since: no agreement needed
+          const int gid = static_cast<int>(id);
+          if (groups_[id]->active && groups_[id]->size == 1 &&
+              std::find(cycle_order_.begin(), cycle_order_.end(), gid) == cycle_order_.end() && !groups_[id]->finished) {
+            cycle_order_.push_back(gid);
+          }
         }
-        const double negotiation_start = seconds_now();
-        start_negotiation(group);
-        // polite: spin briefly, then sleep between tests (other groups' threads and Python need the cores)
-        HP_MPI(wait_all, group.comm, 1, &group.request, MPI_STATUSES_IGNORE,
-               group.snapshot.empty() ? idle_wait : negotiation_wait);
-        if (!(group.vector[0] & kIdle)) record(group, "negotiate", negotiation_start, seconds_now(), 0, 0);
-        finish_negotiation(group);
+        order = cycle_order_;
+        if (order.empty() && stop_requested_) break;
       }
+      bool idle = true, quiet = true;
+      for (int id : order) {
+        Group& group = *groups_[id];
+        if (group.size == 1) {
+          cycle_single(group);
+          continue;
+        }
+        negotiate(group, busy_wait, idle_wait);
+        idle = idle && group.idle_cycles > 0;
+        quiet = quiet && group.idle_cycles > kQuietAfterIdleCycles;
+        if (id == 0 && !(group.vector[0] & kNoRegistration)) activate_registrations(group);
+      }
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        cycle_order_.erase(std::remove_if(cycle_order_.begin(), cycle_order_.end(),
+                                          [&](int id) { return groups_[id]->finished; }),
+                           cycle_order_.end());
+        if (cycle_order_.empty() && stop_requested_) break;
+      }
+      // After a few agreed idle cycles of every group the thread goes quiet: its next cycle comes when
+      // something is submitted here, on stop, or after the quiet cycle time. Every rank of a group sees
+      // the same flags, so the ranks' idle timers stay in step (see quiet_cycle_ms).
+      last_cycle_idle = idle;
+      next_cycle = Clock::now() + std::chrono::microseconds(static_cast<int64_t>(
+                                      (quiet ? quiet_cycle_ms() : options_.cycle_time_ms) * 1000));
     }
   } catch (const std::exception& error) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (fatal_.empty()) fatal_ = "group '" + group.label + "': " + error.what();
-    for (const Entry& entry : group.pending) {
-      auto found = handles_.find(entry.handle);
-      if (found != handles_.end() && !found->second.done) {
-        found->second.done = true;
-        found->second.error = "the background engine failed: " + fatal_;
-      }
-    }
+    if (fatal_.empty()) fatal_ = error.what();
+    for (auto& group : groups_) fail_pending(*group, "the background engine failed: " + fatal_, ErrorKind::Failed);
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  group.thread_done = true;
+  for (auto& group : groups_) {  // never became active (its other ranks never registered it), or left over
+    fail_pending(*group, "the background engine stopped before this tensor was reduced (group '" + group->label +
+                             "' was " + (group->active ? "stopped" : "never registered by all of its ranks") + ")",
+                 ErrorKind::Stopped);
+  }
+  thread_done_ = true;
   changed_.notify_all();
 }
 
-void Engine::run_single(Group& group) {  // an allreduce over one rank is the identity
-  while (true) {
-    std::vector<Entry> ready;
-    bool stop;
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      group.wake.wait(lock, [&] { return !group.pending.empty() || stop_requested_; });
-      ready.swap(group.pending);
-      stop = stop_requested_;
+void Engine::cycle_single(Group& group) {  // an allreduce over one rank is the identity
+  std::vector<Entry> ready;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ready.swap(group.pending);
+    if (ready.empty() && stop_requested_) group.finished = true;
+  }
+  group.stats.tensors += ready.size();
+  for (const Entry& entry : ready) {
+    const double started = seconds_now();
+    if (entry.job) entry.job();
+    complete({entry}, "", started);
+  }
+}
+
+void Engine::negotiate(Group& group, const WaitPolicy& busy_wait, const WaitPolicy& idle_wait) {
+  const double negotiation_start = seconds_now();
+  start_negotiation(group);
+  // polite: spin briefly, then sleep between tests (Python needs the cores)
+  HP_MPI(wait_all, group.comm, 1, &group.request, MPI_STATUSES_IGNORE, group.snapshot.empty() ? idle_wait : busy_wait);
+  if (!(group.vector[0] & kIdle)) record(group, "negotiate", negotiation_start, seconds_now(), 0, 0);
+  finish_negotiation(group);
+}
+
+void Engine::activate_registrations(Group& coordinator) {
+  // every rank of group 0 is here in the same cycle: gather (members, n) of each pending registration
+  std::vector<int> mine;
+  std::vector<Group*> waiting;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& group : groups_) {
+      if (group->active || group->finished) continue;
+      waiting.push_back(group.get());
+      mine.push_back(static_cast<int>(group->members.size()));
+      mine.insert(mine.end(), group->members.begin(), group->members.end());
+      mine.push_back(group->registration);
     }
-    group.stats.tensors += ready.size();
-    complete(ready, "", seconds_now());
-    if (stop && ready.empty()) return;
+  }
+  int my_length = static_cast<int>(mine.size());
+  std::vector<int> lengths(coordinator.size), offsets(coordinator.size, 0);
+  HP_MPI(MPI_Allgather, coordinator.comm, &my_length, 1, MPI_INT, lengths.data(), 1, MPI_INT, coordinator.comm);
+  for (int r = 1; r < coordinator.size; ++r) offsets[r] = offsets[r - 1] + lengths[r - 1];
+  std::vector<int> everyone(static_cast<size_t>(offsets.back() + lengths.back()) + 1);
+  HP_MPI(MPI_Allgatherv, coordinator.comm, mine.data(), my_length, MPI_INT, everyone.data(), lengths.data(),
+         offsets.data(), MPI_INT, coordinator.comm);
+  std::map<std::vector<int>, std::vector<int>> asked;  // key (members..., n) -> ranks that asked; sorted
+  for (int r = 0; r < coordinator.size; ++r) {
+    size_t at = static_cast<size_t>(offsets[r]);
+    const size_t end = at + static_cast<size_t>(lengths[r]);
+    while (at < end) {
+      const size_t count = static_cast<size_t>(everyone[at]);
+      std::vector<int> key(everyone.begin() + at + 1, everyone.begin() + at + 1 + count + 1);
+      asked[key].push_back(r);
+      at += count + 2;
+    }
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& item : asked) {  // the same order on every rank: a group's ranks add it in the same place
+    std::vector<int> members(item.first.begin(), item.first.end() - 1);
+    std::vector<int> sorted_members = members, sorted_asked = item.second;
+    std::sort(sorted_members.begin(), sorted_members.end());
+    if (sorted_members != sorted_asked) continue;  // not every rank of it has registered it yet
+    for (Group* group : waiting) {
+      if (group->members == members && group->registration == item.first.back()) {
+        group->active = true;
+        registrations_pending_--;
+        cycle_order_.push_back(static_cast<int>(
+            std::find_if(groups_.begin(), groups_.end(), [&](const auto& g) { return g.get() == group; }) -
+            groups_.begin()));
+      }
+    }
   }
 }
 
@@ -323,6 +453,10 @@ void Engine::start_negotiation(Group& group) {
   uint64_t flags = kAllCached | kNotStalled | kNotExpired;
   const auto expiry = std::chrono::duration<double>(options_.stall_shutdown_seconds);
   if (group.snapshot.empty()) flags |= kIdle | (stop ? kWantStop : 0);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (&group != groups_[0].get() || registrations_pending_ == 0) flags |= kNoRegistration;
+  }
   group.vector.assign(1 + (group.cache.size() + 63) / 64, 0);
   for (const Entry& entry : group.snapshot) {
     auto bit = group.bits.find(entry.name);
@@ -346,6 +480,7 @@ void Engine::finish_negotiation(Group& group) {
   const uint64_t flags = group.vector[0];
   std::vector<Entry> ready;
   std::vector<std::pair<Entry, std::string>> failed;
+  std::string expired;
   if ((flags & kAllCached) && (flags & kNotStalled) && (flags & kNotExpired)) {
     for (const Entry& entry : group.snapshot) {
       auto bit = group.bits.find(entry.name);
@@ -355,8 +490,18 @@ void Engine::finish_negotiation(Group& group) {
   } else {
     group.stats.slow_rounds++;
     const double gather_start = seconds_now();
-    slow_round(group, ready, failed);
+    expired = slow_round(group, ready, failed);
     record(group, "gather names", gather_start, seconds_now(), 0, 0);
+  }
+  if (!expired.empty()) {  // every rank of the group saw the same ages: they all stop it in this cycle
+    std::lock_guard<std::mutex> lock(mutex_);
+    group.finished = true;
+    group.stopped_because = expired;
+    // the thread goes on driving the other groups (their ranks would wait for it), but takes no new work
+    if (fatal_.empty()) fatal_ = expired;
+    fail_pending(group, expired, ErrorKind::Stalled);
+    group.snapshot.clear();
+    return;
   }
   std::sort(ready.begin(), ready.end(),
             [&](const Entry& a, const Entry& b) { return group.bits.at(a.name) < group.bits.at(b.name); });
@@ -374,19 +519,18 @@ void Engine::finish_negotiation(Group& group) {
       }
     }
   }
-  for (const auto& item : failed) complete({item.first}, item.second);
+  for (const auto& item : failed) complete({item.first}, item.second, 0, ErrorKind::Mismatch);
   if (!ready.empty()) execute(group, ready);
-  if ((flags & kWantStop) && ready.empty() && failed.empty()) group.finished = true;
+  if ((flags & kWantStop) && ready.empty() && failed.empty()) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    group.finished = true;
+  }
   group.idle_cycles = (flags & kIdle) ? group.idle_cycles + 1 : 0;
-  // After a few agreed idle cycles the group goes quiet: its next negotiation comes only when a tensor
-  // is submitted here, on stop, or after the idle cycle time. Every rank sees the same flags, so all
-  // ranks go quiet together and their idle timers stay in step (see quiet_cycle_ms).
-  const double wait_ms = group.idle_cycles > kQuietAfterIdleCycles ? quiet_cycle_ms() : options_.cycle_time_ms;
-  group.next_cycle = Clock::now() + std::chrono::microseconds(static_cast<int64_t>(wait_ms * 1000));
   group.snapshot.clear();
 }
 
-void Engine::slow_round(Group& group, std::vector<Entry>& ready, std::vector<std::pair<Entry, std::string>>& failed) {
+std::string Engine::slow_round(Group& group, std::vector<Entry>& ready,
+                               std::vector<std::pair<Entry, std::string>>& failed) {
   const auto now = Clock::now();
   std::string mine;
   for (const Entry& entry : group.snapshot) {
@@ -478,8 +622,8 @@ void Engine::slow_round(Group& group, std::vector<Entry>& ready, std::vector<std
                     waited);
       char limit[64];
       std::snprintf(limit, sizeof limit, "%g", options_.stall_shutdown_seconds);
-      throw std::runtime_error("allreduce '" + name + text + " (only ranks [" + have +
-                               "] did); stall_shutdown_seconds=" + limit + " stopped the engine");
+      return "allreduce '" + name + text + " (only ranks [" + have + "] did); stall_shutdown_seconds=" + limit +
+             " stopped the engine (group '" + group.label + "')";
     }
     if (!stalled) continue;
     if (mine_entry) mine_entry->warned = true;
@@ -502,6 +646,7 @@ void Engine::slow_round(Group& group, std::vector<Entry>& ready, std::vector<std
       group.stats.stall_warnings++;
     }
   }
+  return "";
 }
 
 void Engine::reduce_bucket(Group& group, const std::function<void(const AllreduceOptions&)>& run) {
@@ -600,6 +745,14 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
     bucket_bytes = 0;
   };
   for (Entry& entry : ready) {
+    if (entry.job) {  // a call: everything before it in the sequence first
+      flush();
+      const double started = seconds_now();
+      entry.job();
+      record(group, "call", started, seconds_now(), 0, 1);
+      complete({entry}, "", started);
+      continue;
+    }
     const size_t bytes = entry.buffer.bytes();
     if (reduced_alone(bytes, threshold, options_.allreduce, group.shm != nullptr)) {  // in place, alone; the bucket stays open
       std::vector<Entry> alone{entry};

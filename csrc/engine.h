@@ -1,20 +1,29 @@
-// The background engine: Horovod's design on hybridpipe's ring allreduce.
+// The background engine: Horovod's design on hybridpipe's allreduce algorithms.
 //
-// Python submits named buffers (allreduce_async); a background thread, every cycle and per group:
+// ONE communication thread per process drives every group (communicator) of the engine. Each cycle
+// it visits the active groups in one order that every rank shares (the order they were activated),
+// and for each group:
 //   1. negotiates which submitted names are ready on EVERY rank of the group. Steady state is one
-//      non-blocking MPI_Iallreduce(BAND) of a bit-vector: bit i = "cached name i is ready here",
-//      plus flag bits (all my ready names are cached / nothing of mine is stalled / I want to shut
-//      down). Names are cached (given a bit) the first time all ranks have them with the same
-//      count, dtype and op, so a repeated training step never gathers names again.
+//      MPI_Iallreduce(BAND) of a bit-vector: bit i = "cached name i is ready here", plus flag bits
+//      (all my ready names are cached / nothing of mine is stalled / I want to stop). Names are
+//      cached (given a bit) the first time all ranks have them with the same count, dtype and op.
 //   2. only when some rank has an uncached name (or a stalled one) does the group gather every
-//      rank's pending names (MPI_Allgatherv) to find the common ones, check their metadata
-//      (a mismatch fails those handles on every rank with every rank's values), assign new bits,
-//      and warn about names some ranks have waited on for longer than stall_check_seconds.
-//   3. packs the ready buffers into the fusion buffer, up to fusion_threshold_bytes per bucket of
-//      one dtype and op, reduces each bucket with the segmented ring, and unpacks.
-// Each group has its own thread (and fusion buffer), so groups progress independently: the
-// data-parallel reduction of one pipeline stage never waits for another stage's ranks, and the
-// blocking collectives of two groups can never be ordered differently on two ranks.
+//      rank's pending names (MPI_Allgatherv), check their metadata (a mismatch fails those handles
+//      on every rank, kind Mismatch, with every rank's values), assign new bits, and warn about
+//      names some ranks have waited on for longer than stall_check_seconds.
+//   3. reduces the ready buffers in fused buckets (ring, shared memory or the MPI library), in the
+//      order of their bits, before it moves on to the next group.
+// Why one thread: several threads each driving their own communicator stalled cross-host jobs for
+// minutes over Open MPI's TCP transport (a pure mpi4py reproducer shows it without hybridpipe:
+// docs/sharp_bits.md). Why it cannot deadlock: every rank of a group visits the group in every
+// cycle, so the k-th operation on a group is in the same cycle on all its ranks, and every rank runs
+// its blocking operations in the same (cycle, group order) sequence; the rank whose operation is the
+// earliest in that order among all ranks' waiting operations finds every peer at it or before it,
+// and those before it are not blocked (docs/concepts.md has the argument in full).
+// Groups added after start() (user communicators) join at a cycle all ranks agree on: group 0 (the
+// first added; its ranks include every other group's) gathers pending registrations when any rank
+// has one, and a group becomes active, in the same cycle on each of its ranks, once all its ranks
+// asked for it.
 #pragma once
 
 #include <mpi.h>
@@ -49,12 +58,11 @@ struct EngineOptions {
   size_t fusion_threshold_bytes = 4 * 1024 * 1024;
   AllreduceOptions allreduce;
   // A thread blocked in wait() runs its group's bucket allreduces itself (at its own priority, testing
-  // its requests without sleeping) instead of leaving them to the niced engine thread; false: never.
-  // Only for groups whose ranks share one host: over Open MPI's TCP transport, a waiter spinning in
-  // MPI beside the niced engine threads stalled a 4-rank, 2-host job for minutes (tests/test_multihost.py).
+  // its requests without sleeping) while the engine thread waits for it, so one thread at a time still
+  // makes the engine's MPI calls; false: never. Only for groups whose ranks share one host.
   bool waiters_help = true;
   bool record_events = false;  // keep phase timings for the timeline (EngineEvent)
-  // Scheduling priority of the engine threads (Linux nice, 0..19 above the process's own): a
+  // Scheduling priority of the engine thread (Linux nice, 0..19 above the process's own): a
   // positive value lets compute threads preempt the ring on a host with no spare core, so the
   // reduction runs in the gaps (waits, step()) instead of slowing the backward pass.
   int thread_nice = 0;
@@ -70,7 +78,7 @@ struct EngineEvent {
 };
 
 struct EngineStats {
-  uint64_t cycles = 0;          // negotiations completed
+  uint64_t cycles = 0;          // negotiations completed (of this group)
   uint64_t slow_rounds = 0;     // negotiations that had to gather names
   uint64_t tensors = 0;         // buffers reduced
   uint64_t buckets = 0;         // allreduce calls made
@@ -80,6 +88,9 @@ struct EngineStats {
   uint64_t stall_warnings = 0;
 };
 
+// Why a handle failed, so that Python picks the exception class without reading the message.
+enum class ErrorKind : int { None = 0, Mismatch = 1, Stalled = 2, Stopped = 3, Failed = 4 };
+
 class Engine {
  public:
   explicit Engine(const EngineOptions& options);
@@ -87,22 +98,30 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  // Registers a communicator (hybridpipe duplicates it first); returns its group id. Every rank of
-  // `comm` must register it (in the same order relative to its other groups). With start = false
-  // the group's thread waits for start(): make all communicators first, then start the threads, so
-  // that no engine thread is in MPI while the process creates communicators (with ranks on several
-  // hosts, Open MPI's context-id agreement for a new communicator then took up to 41 s here).
-  int add_group(MPI_Comm comm, const std::string& label, bool start = true);
-  // Starts the threads of the groups added with start = false.
+  // Registers a communicator (hybridpipe duplicates it first); returns its group id. Collective over
+  // `comm`: every rank of it registers it, in the same order relative to its other groups. Groups
+  // added before start() are active from the first cycle; later ones join at an agreed cycle (see
+  // above), and their ranks must all belong to group 0. `start` is ignored (kept for old callers).
+  int add_group(MPI_Comm comm, const std::string& label, bool start = false);
+  // Starts the communication thread.
   void start();
   // Queues an in-place allreduce of `buffer` over group `group`; returns a handle id.
   uint64_t submit(int group, const std::string& name, const Buffer& buffer, ReduceOp op);
+  // Queues `job`, to be run by the communication thread once every rank of `group` has queued a call
+  // under `name` with the same `kind`, at the same point of the thread's sequence on each of them: a
+  // blocking collective made this way is ordered with the engine's own operations on every rank, and
+  // the process keeps one thread in MPI. Ranks that queued different kinds fail it (ErrorKind
+  // Mismatch). `job` must not throw.
+  uint64_t submit_call(int group, const std::string& name, int kind, std::function<void()> job);
   bool poll(uint64_t handle);
-  // Blocks until done; returns "" on success or the error message (the handle is then released).
+  // Blocks until done; returns "" on success or the error message (the handle is then released);
+  // `kind` says why it failed.
   // `started` / `finished`: when its bucket's allreduce began and ended, in seconds of the steady
   // clock (CLOCK_MONOTONIC on Linux, the clock of Python's time.monotonic()); 0 if it never ran.
-  std::string wait(uint64_t handle, double* started = nullptr, double* finished = nullptr);
+  std::string wait(uint64_t handle, double* started = nullptr, double* finished = nullptr,
+                   ErrorKind* kind = nullptr);
   // Coordinated stop: returns once every rank of every group asked for it and nothing is pending.
+  // Handles of a group that never became active fail (kind Stopped).
   void shutdown();
   EngineStats stats(int group);
   // Recorded events of `group` since the last call (empty unless options.record_events).
@@ -116,6 +135,7 @@ class Engine {
     ReduceOp op;
     std::chrono::steady_clock::time_point submitted;
     bool warned = false;
+    std::function<void()> job;  // a call (submit_call) instead of an allreduce of `buffer`
   };
   struct CacheEntry {
     std::string name;
@@ -139,18 +159,18 @@ class Engine {
     MPI_Request request = MPI_REQUEST_NULL;
     std::vector<uint64_t> vector;
     std::vector<Entry> snapshot;                    // pending entries the in-flight vector describes
-    std::chrono::steady_clock::time_point next_cycle;
     int idle_cycles = 0;
-    bool finished = false;       // the ranks agreed to stop (engine thread of the group only)
-    bool thread_done = false;    // guarded by Engine::mutex_
+    bool active = false;         // negotiated every cycle (guarded by Engine::mutex_)
+    bool finished = false;       // the ranks agreed to stop, or stalled past stall_shutdown (guarded by mutex_)
+    std::string stopped_because;  // why a finished group refuses submissions (guarded by mutex_)
+    std::vector<int> members;    // ranks in group 0, in this group's rank order (registration key)
+    int registration = 0;        // n-th registration of these members on this rank (registration key)
     EngineStats stats;
     std::vector<EngineEvent> events;  // guarded by Engine::mutex_
     Workspace workspace;
     std::vector<unsigned char> fusion;
     SharedMemoryAllreduce* shm = nullptr;  // the group's segment when its ranks share a host (owned by comm)
     bool waiters_help = true;  // waiters may run its buckets: options.waiters_help and all ranks on one host
-    std::thread thread;
-    std::condition_variable wake;  // (with Engine::mutex_) a submission to this group, or a stop
     // Helping (guarded by Engine::mutex_): only threads waiting for this group's handles run its
     // allreduces, so a waiter is never held up by another group's ring.
     Job* offered = nullptr;
@@ -161,20 +181,28 @@ class Engine {
     int group = 0;
     bool done = false;
     std::string error;
+    ErrorKind kind = ErrorKind::None;
     double started = 0, finished = 0;
   };
 
-  void start_thread(Group& group);  // with mutex_ held or before any thread runs
-  // Time between negotiations of a quiet group: idle_cycle_time_ms, at most a quarter of the stall
-  // check (the timer is what lets a rank that never submits be reported).
+  uint64_t enqueue(int group, const std::string& name, const Buffer& buffer, ReduceOp op, std::function<void()> job);
+  // Time between cycles once every active group is quiet: idle_cycle_time_ms, at most a quarter of the
+  // stall check (the timer is what lets a rank that never submits be reported).
   double quiet_cycle_ms() const;
-  void run(Group& group);
-  void run_single(Group& group);
+  void run();
+  void cycle_single(Group& group);  // a group of one rank: no MPI
+  void negotiate(Group& group, const WaitPolicy& busy_wait, const WaitPolicy& idle_wait);
+  // Group 0's part of a cycle: when some rank has a registration pending, every rank of group 0
+  // gathers them, and the groups all of whose ranks asked become active.
+  void activate_registrations(Group& coordinator);
+  void fail_pending(Group& group, const std::string& error, ErrorKind kind);  // with mutex_ held
   void start_negotiation(Group& group);
   void finish_negotiation(Group& group);
-  void slow_round(Group& group, std::vector<Entry>& ready, std::vector<std::pair<Entry, std::string>>& failed);
+  // Returns "" or, when a name waited past stall_shutdown_seconds, the message the group stops with.
+  std::string slow_round(Group& group, std::vector<Entry>& ready, std::vector<std::pair<Entry, std::string>>& failed);
   void execute(Group& group, std::vector<Entry>& ready);
-  void complete(const std::vector<Entry>& entries, const std::string& error, double started = 0);
+  void complete(const std::vector<Entry>& entries, const std::string& error, double started = 0,
+                ErrorKind kind = ErrorKind::None);
   // Runs one bucket's allreduce, `work(options)`: on a thread blocked in wait() when there is one (it
   // has nothing else to do and runs at the process's own priority), else on the calling engine thread.
   void reduce_bucket(Group& group, const std::function<void(const AllreduceOptions&)>& work);
@@ -183,7 +211,14 @@ class Engine {
   EngineOptions options_;
   std::mutex mutex_;
   std::condition_variable changed_;
+  std::condition_variable wake_;  // (with mutex_) a submission, a registration or a stop for the thread
   std::vector<std::unique_ptr<Group>> groups_;
+  std::vector<int> cycle_order_;  // active groups, in the order every rank visits them (thread only)
+  std::thread thread_;
+  bool started_ = false;
+  bool thread_done_ = false;      // guarded by mutex_
+  int registrations_pending_ = 0; // added after start, not yet active (guarded by mutex_)
+  bool quiet_ = false;            // every active group idle long enough (thread only)
   std::unordered_map<uint64_t, HandleState> handles_;
   uint64_t next_handle_ = 1;
   bool stop_requested_ = false;

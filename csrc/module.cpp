@@ -264,6 +264,13 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("bytes", &EngineStats::bytes)
       .def_readonly("stall_warnings", &EngineStats::stall_warnings);
 
+  py::enum_<ErrorKind>(m, "ErrorKind", "Why an engine handle failed.")
+      .value("None_", ErrorKind::None)
+      .value("Mismatch", ErrorKind::Mismatch)
+      .value("Stalled", ErrorKind::Stalled)
+      .value("Stopped", ErrorKind::Stopped)
+      .value("Failed", ErrorKind::Failed);
+
   py::class_<Engine>(m, "Engine", "The background negotiation + fusion + ring-allreduce thread.")
       .def(py::init<const EngineOptions&>(), py::arg("options"))
       .def(
@@ -272,32 +279,53 @@ PYBIND11_MODULE(_C, m) {
             py::gil_scoped_release no_gil;
             return engine.add_group(to_comm(comm), label, start);
           },
-          py::arg("comm"), py::arg("label"), py::arg("start") = true)
+          py::arg("comm"), py::arg("label"), py::arg("start") = false)
       .def(
           "start",
           [](Engine& engine) {
             py::gil_scoped_release no_gil;
             engine.start();
           },
-          "Starts the threads of the groups added with start=False.")
+          "Starts the communication thread (groups added before it are active from its first cycle).")
       .def(
           "submit",
           [](Engine& engine, int group, const std::string& name, uintptr_t address, size_t count, int dtype, int op) {
             return engine.submit(group, name, to_buffer(address, count, dtype), static_cast<ReduceOp>(op));
           },
           py::arg("group"), py::arg("name"), py::arg("address"), py::arg("count"), py::arg("dtype"), py::arg("op"))
+      .def(
+          "submit_call",
+          [](Engine& engine, int group, const std::string& name, int kind, py::function function) {
+            // Borrowed: the caller keeps `function` alive until the handle is done (so no reference
+            // count changes without the GIL); the engine thread takes the GIL to call it.
+            PyObject* raw = function.ptr();
+            return engine.submit_call(group, name, kind, [raw] {
+              py::gil_scoped_acquire gil;
+              try {
+                py::handle function_handle(raw);
+                function_handle();
+              } catch (py::error_already_set& error) {
+                error.discard_as_unraisable("hybridpipe engine call");
+              }
+            });
+          },
+          py::arg("group"), py::arg("name"), py::arg("kind"), py::arg("function"),
+          "Queues function() to run on the engine thread at a point every rank of the group agrees on; "
+          "keep a reference to function until the handle is waited for.")
       .def("poll", &Engine::poll, py::arg("handle"))
       .def(
           "wait",
           [](Engine& engine, uint64_t handle) {
             double started = 0, finished = 0;
             std::string error;
+            ErrorKind kind = ErrorKind::None;
             {
               py::gil_scoped_release no_gil;
-              error = engine.wait(handle, &started, &finished);
+              error = engine.wait(handle, &started, &finished, &kind);
             }
-            return py::make_tuple(error, started, finished);
+            return py::make_tuple(error, started, finished, kind);
           },
+          "Blocks until done; returns (error message or '', started, finished, ErrorKind).",
           py::arg("handle"))
       .def(
           "shutdown",

@@ -252,6 +252,10 @@ def allreduce(tensor: Any, op: ReduceOp = Average, group: Any = None) -> Any:
         MismatchError: ranks passed different shapes, dtypes or ops (on every rank).
         TypeError: not a tensor/array, or a dtype that cannot be reduced.
     """
+    return _on_engine(group, "allreduce", lambda: _allreduce_here(tensor, op, group))
+
+
+def _allreduce_here(tensor: Any, op: Any, group: Any) -> Any:
     _check_array(tensor, "allreduce")
     source = _host(tensor)
     target = source.clone() if _is_tensor(source) else source.copy()
@@ -261,6 +265,10 @@ def allreduce(tensor: Any, op: ReduceOp = Average, group: Any = None) -> Any:
 
 def allreduce_(tensor: Any, op: ReduceOp = Average, group: Any = None) -> Any:
     """In-place :func:`allreduce`: ``tensor`` holds the result afterwards and is returned."""
+    return _on_engine(group, "allreduce_", lambda: _allreduce_in_place_here(tensor, op, group))
+
+
+def _allreduce_in_place_here(tensor: Any, op: Any, group: Any) -> Any:
     _check_array(tensor, "allreduce_")
     work = _host(tensor)
     _allreduce_into(work, work, _reduce_op(op, "allreduce_"), _communicator(group, "allreduce_"), "allreduce_")
@@ -268,7 +276,18 @@ def allreduce_(tensor: Any, op: ReduceOp = Average, group: Any = None) -> Any:
     return tensor
 
 
+def _on_engine(group: Any, function: str, work: Callable[[], Any]) -> Any:
+    """Runs a blocking collective on the engine's communication thread (see engine.call)."""
+    from . import engine  # imports this module
+
+    return engine.call(group, function, work)
+
+
 def _grouped(tensors: Sequence[Any], op: Any, group: Any, function: str, in_place: bool) -> list:
+    return _on_engine(group, function, lambda: _grouped_here(tensors, op, group, function, in_place))
+
+
+def _grouped_here(tensors: Sequence[Any], op: Any, group: Any, function: str, in_place: bool) -> list:
     tensors = list(tensors)
     for t in tensors:
         _check_array(t, function)
@@ -347,6 +366,10 @@ def broadcast_(tensor: Any, root_rank: int, group: Any = None) -> Any:
         MismatchError: ranks passed different shapes, dtypes or roots (on every rank).
         ValueError: root_rank is outside the group.
     """
+    return _on_engine(group, "broadcast_", lambda: _broadcast_here(tensor, root_rank, group))
+
+
+def _broadcast_here(tensor: Any, root_rank: int, group: Any) -> Any:
     _check_array(tensor, "broadcast_")
     comm = _communicator(group, "broadcast_")
     work = _host(tensor)
@@ -382,6 +405,10 @@ def allgather(tensor: Any, group: Any = None) -> Any:
         MismatchError: dtypes or trailing dimensions differ (on every rank).
         ValueError: a 0-dimensional input (allgather needs a dimension to concatenate along).
     """
+    return _on_engine(group, "allgather", lambda: _allgather_here(tensor, group))
+
+
+def _allgather_here(tensor: Any, group: Any) -> Any:
     _check_array(tensor, "allgather")
     comm = _communicator(group, "allgather")
     work = _host(tensor)
@@ -414,4 +441,4 @@ def allgather(tensor: Any, group: Any = None) -> Any:
 
 def barrier(group: Any = None) -> None:
     """Blocks until every rank of ``group`` has called barrier."""
-    _communicator(group, "barrier").Barrier()
+    _on_engine(group, "barrier", lambda: _communicator(group, "barrier").Barrier())

@@ -18,7 +18,9 @@ make its first async call with it).
 from __future__ import annotations
 
 import itertools
-from typing import Any
+import threading
+import zlib
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 
@@ -28,7 +30,7 @@ from ..errors import HybridPipeError, MismatchError
 from . import collectives
 from .collectives import Average, ReduceOp
 
-__all__ = ["Handle", "allreduce_async", "allreduce_async_", "synchronize", "poll", "engine_stats"]
+__all__ = ["Handle", "allreduce_async", "allreduce_async_", "synchronize", "poll", "engine_stats", "call"]
 
 _BUILTIN = ("world", "data", "pipe")
 _unnamed = itertools.count()
@@ -50,9 +52,10 @@ class _EngineState:
         options.record_events = bool(config.timeline)
         self.engine = core().Engine(options)
         self.groups: dict[Any, int] = {}
-        # every communicator first, then the threads: see Engine::add_group in csrc/engine.h
+        # the grid's groups are active from the first cycle of the one communication thread; world
+        # first: it holds every rank, and later groups join at a cycle it agrees on (csrc/engine.h)
         for label, comm in zip(_BUILTIN, (grid.world_comm, grid.data_comm, grid.pipe_comm)):
-            self.groups[label] = self.engine.add_group(comm.py2f(), label, start=False)
+            self.groups[label] = self.engine.add_group(comm.py2f(), label)
         self.engine.start()
         self.user_groups: dict[int, tuple[Any, int]] = {}
         self.in_flight: set[tuple[int, str]] = set()
@@ -103,6 +106,57 @@ def _stop() -> dict[str, list]:
     return state.shutdown()
 
 
+_on_engine_thread = threading.local()
+_Result = TypeVar("_Result")
+_CALL_NAME = "hybridpipe.collective"  # one at a time per group and process: the name can repeat
+
+
+def call(group: Any, function: str, work: Callable[[], _Result]) -> _Result:
+    """Runs ``work()`` (a blocking collective over ``group``) on the engine's communication thread, at
+    a point of its sequence that every rank of ``group`` agrees on, and returns its result (or raises
+    its exception) here.
+
+    Why: one thread per process makes hybridpipe's MPI calls. With Open MPI, MPI calls from a second
+    thread beside the engine's stalled cross-host jobs for minutes (docs/sharp_bits.md), and a
+    collective made outside the engine's agreed order could wait for a rank whose engine waits for
+    it. Without a running engine (before hp.init's engine starts, after shutdown), or when already on
+    the engine thread, ``work()`` simply runs here.
+
+    Raises:
+        MismatchError: ranks of the group called different collectives at this point (every rank).
+    """
+    state = _state
+    if state is None or getattr(_on_engine_thread, "inside", False):
+        return work()
+    group_id = state.group_id(group, function)
+    outcome: dict[str, Any] = {}
+
+    def job() -> None:
+        _on_engine_thread.inside = True
+        try:
+            outcome["value"] = work()
+        except BaseException as error:  # handed to the calling thread
+            outcome["error"] = error
+        finally:
+            _on_engine_thread.inside = False
+
+    kind = zlib.crc32(function.encode()) & 0x7FFFFFFF
+    try:
+        handle = state.engine.submit_call(group_id, _CALL_NAME, kind, job)
+    except (RuntimeError, ValueError) as error:
+        raise HybridPipeError(f"hp.{function}: {error}") from None
+    error, _, _, error_kind = state.engine.wait(handle)  # `job` stays referenced here until done
+    if error:
+        if error_kind == core().ErrorKind.Mismatch:
+            raise MismatchError(f"hp.{function}: ranks of the group called different collectives at this point "
+                                f"(each rank's kind is crc32 of the function name; hp.{function} is {kind}): "
+                                f"{error}")
+        raise HybridPipeError(f"hp.{function}: {error}")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
 def _require(function: str) -> _EngineState:
     runtime._require(function)
     if _state is None:
@@ -137,11 +191,11 @@ class Handle:
             HybridPipeError: the engine stopped or failed.
         """
         if not self._finished:
-            error, self.started_at, self.finished_at = self._state.engine.wait(self._handle)
+            error, self.started_at, self.finished_at, kind = self._state.engine.wait(self._handle)
             self._state.in_flight.discard(self._key)
             self._finished = True
             if error:
-                self._outcome = (MismatchError if "ranks disagree" in error else HybridPipeError)(error)
+                self._outcome = (MismatchError if kind == core().ErrorKind.Mismatch else HybridPipeError)(error)
             elif self._work is not self._result:
                 collectives._copy_into(self._result, self._work)
         if self._outcome is not None:

@@ -87,14 +87,14 @@ def rate_bits_per_second(rate: str) -> float:
     return float(match.group(1)) * _RATE_UNITS[match.group(2)]
 
 
-def _shaping(rate: str | None, delay: str | None) -> list[str]:
+def _shaping(device: str, rate: str | None, delay: str | None) -> list[str]:
     """The tc qdisc for a host's link: tbf for a rate alone; netem when a delay is asked for."""
     if delay:  # netem does both; it needs the sch_netem kernel module
-        return ["qdisc", "add", "dev", "eth0", "root", "netem", "delay", delay,
+        return ["qdisc", "add", "dev", device, "root", "netem", "delay", delay,
                 *(["rate", rate] if rate else []), "limit", "100000"]
     bits = rate_bits_per_second(rate or "")
     burst = max(int(bits / 8 / 100), 64 * 1024)  # 10 ms of traffic: enough for the kernel's timer granularity
-    return ["qdisc", "add", "dev", "eth0", "root", "tbf", "rate", rate or "", "burst", str(burst),
+    return ["qdisc", "add", "dev", device, "root", "tbf", "rate", rate or "", "burst", str(burst),
             "latency", "100ms"]
 
 
@@ -179,13 +179,15 @@ class EmulatedHosts:
             for ns, address, link in zip(self.namespaces, self.addresses, self.links):
                 _ip("netns", "add", ns)
                 self._undo.append(("netns", "del", ns))
-                _ip("link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", ns)
+                # the host's end has the bridge's name: one interface name that means "the emulated network"
+                # both in the launching namespace and on every host (MPICH's -iface takes one name)
+                _ip("link", "add", link, "type", "veth", "peer", "name", self.bridge, "netns", ns)
                 _ip("link", "set", link, "master", self.bridge, "up")
-                _ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
-                _ip("-n", ns, "link", "set", "eth0", "up")
+                _ip("-n", ns, "addr", "add", f"{address}/24", "dev", self.bridge)
+                _ip("-n", ns, "link", "set", self.bridge, "up")
                 _ip("-n", ns, "link", "set", "lo", "up")
                 if self.rate or self.delay:
-                    _tc(ns, *_shaping(self.rate, self.delay))
+                    _tc(ns, *_shaping(self.bridge, self.rate, self.delay))
             directory = Path(tempfile.mkdtemp(prefix=f"hybridpipe-hosts-{self.name}-"))
             self._undo.append(("rm", str(directory)))
             agent = directory / "agent"
@@ -239,9 +241,7 @@ class EmulatedHosts:
                          "--prtemca", "oob_tcp_if_include", self.subnet, "--mca", "oob_tcp_if_include",
                          self.subnet, "--mca", "btl_tcp_if_include", self.subnet]
         elif flavour == "mpich":
-            bridge_address = str(ipaddress.IPv4Network(self.subnet).network_address + 1)
-            placement = ["-hosts", hosts, "-launcher", "ssh", "-launcher-exec", self.agent,
-                         "-iface", "eth0", "-localhost", bridge_address]
+            placement = ["-hosts", hosts, "-launcher", "ssh", "-launcher-exec", self.agent, "-iface", self.bridge]
         else:
             raise EmulatedHostsError(f"{launcher} is neither Open MPI nor MPICH: cannot launch on emulated hosts")
         return mpirun_command(ranks_per_host * self.hosts, argv, mpirun=launcher,
