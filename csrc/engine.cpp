@@ -301,6 +301,7 @@ void Engine::run() {
   const WaitPolicy idle_wait{0.0, busy_wait.max_sleep_us};
   auto next_cycle = Clock::now();
   bool last_cycle_idle = true;
+  uint64_t cycle = 0;  // the same count on every rank: each group's visits fall on the same cycles everywhere
   try {
     while (true) {
       std::vector<int> order;
@@ -326,13 +327,17 @@ void Engine::run() {
         order = cycle_order_;
         if (order.empty() && stop_requested_) break;
       }
-      bool idle = true, quiet = true;
+      bool idle = true, quiet = true, visited = false;
       for (int id : order) {
         Group& group = *groups_[id];
         if (group.size == 1) {
           cycle_single(group);
           continue;
         }
+        // A quiet group (idle on every rank for a while) is visited on every kQuietPeriod-th cycle only,
+        // so that one busy group's ranks are not held in step with all ranks every cycle.
+        if (group.idle_cycles > kQuietAfterIdleCycles && cycle % kQuietPeriod != 0) continue;
+        visited = true;
         negotiate(group, busy_wait, idle_wait);
         idle = idle && group.idle_cycles > 0;
         quiet = quiet && group.idle_cycles > kQuietAfterIdleCycles;
@@ -348,6 +353,15 @@ void Engine::run() {
       // After a few agreed idle cycles of every group the thread goes quiet: its next cycle comes when
       // something is submitted here, on stop, or after the quiet cycle time. Every rank of a group sees
       // the same flags, so the ranks' idle timers stay in step (see quiet_cycle_ms).
+      ++cycle;
+      if (!visited) {  // a cycle with nothing to visit costs nothing: go on to the next at once
+        next_cycle = Clock::now();
+        continue;
+      }
+      for (int id : order) {
+        const Group& group = *groups_[id];
+        if (group.size > 1 && !group.finished) quiet = quiet && group.idle_cycles > kQuietAfterIdleCycles;
+      }
       last_cycle_idle = idle;
       next_cycle = Clock::now() + std::chrono::microseconds(static_cast<int64_t>(
                                       (quiet ? quiet_cycle_ms() : options_.cycle_time_ms) * 1000));

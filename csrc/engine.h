@@ -47,12 +47,13 @@
 namespace hybridpipe {
 
 constexpr int kQuietAfterIdleCycles = 20;
+constexpr uint64_t kQuietPeriod = 16;  // a quiet group is negotiated on every kQuietPeriod-th cycle
 
 struct EngineOptions {
   double cycle_time_ms = 0.5;
   // Time between negotiations once a group has been idle on every rank for kQuietAfterIdleCycles
   // cycles (capped at stall_check_seconds / 4); a submission or shutdown on this rank ends it early.
-  double idle_cycle_time_ms = 1000.0;
+  double idle_cycle_time_ms = 25.0;
   double stall_check_seconds = 60.0;
   double stall_shutdown_seconds = 0.0;  // 0: off; else a tensor waiting this long stops the group
   size_t fusion_threshold_bytes = 4 * 1024 * 1024;

@@ -90,7 +90,9 @@ def span(name: str, category: str, track: str = "compute", **args: Any) -> Itera
 def _start(path: str, grid: Any) -> None:
     """Called by hp.init when HYBRIDPIPE_TIMELINE is set (after a barrier: a common time zero)."""
     global _active
-    grid.world_comm.Barrier()
+    from .comm.engine import call  # the engine is running: its thread makes the MPI calls
+
+    call(None, "timeline", grid.world_comm.Barrier)
     _active = _Recorder(path, grid.rank)
 
 
@@ -102,6 +104,8 @@ def _stop(grid: Any, engine_events: dict[str, list]) -> None:
         return
     for group, events in engine_events.items():
         for event in events:
+            if event.start < recorder.t0:  # e.g. the timeline's own start-up barrier, run by the engine
+                continue
             args = {"bytes": event.bytes, "tensors": event.tensors} if event.bytes else None
             recorder.add(event.phase, "engine", f"engine {group}", event.start, event.end, args)
     recorder.close()

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from . import runtime
+from .comm.engine import call
 from .errors import HybridPipeError
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "consolidate", "latest_checkpoint"]
@@ -103,7 +104,7 @@ def save_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
             target.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             error = f"cannot create {target}: {exc}"
-    error = grid.world_comm.bcast(error, root=0)
+    error = call(None, "save_checkpoint", lambda: grid.world_comm.bcast(error, root=0))
     if error:
         raise CheckpointError(error)
     writer = grid.replica == 0 and (stages > 1 or grid.stage == 0)
@@ -121,7 +122,7 @@ def save_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
             _atomic_save(payload, target / f"stage-{stage}.pt")
         except Exception as exc:  # every rank must learn of it
             error = f"stage {stage} could not write its file: {type(exc).__name__}: {exc}"
-    errors = [e for e in grid.world_comm.allgather(error) if e]
+    errors = [e for e in call(None, "save_checkpoint", lambda: grid.world_comm.allgather(error)) if e]
     if errors:
         raise CheckpointError("; ".join(errors))
     if grid.rank == 0:
@@ -131,7 +132,7 @@ def save_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
                     "grid": {"pipeline_stages": grid.pipeline_stages, "data_replicas": grid.data_replicas}}
         _atomic_write_text(json.dumps(manifest, indent=1), target / "manifest.json")
         _atomic_write_text(name + "\n", root / "latest")
-    grid.world_comm.Barrier()
+    call(None, "save_checkpoint", grid.world_comm.Barrier)
     return target
 
 
@@ -239,7 +240,7 @@ def load_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
         result = {"step": int(manifest["step"]), "extra": payloads[0].get("extra", {})}
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
-    errors = sorted({e for e in grid.world_comm.allgather(error) if e})
+    errors = sorted({e for e in call(None, "load_checkpoint", lambda: grid.world_comm.allgather(error)) if e})
     if errors:
         raise CheckpointError("loading the checkpoint failed: " + " | ".join(errors))
     return result

@@ -267,12 +267,13 @@ def broadcast_object(obj: Any, root_rank: int = 0, group: Any = _DEFAULT_GROUP) 
     if not 0 <= root_rank < comm.size:
         raise ValueError(f"broadcast_object: root_rank {root_rank} is outside the {_group_name(group)} group "
                          f"of {comm.size} ranks")
-    return comm.bcast(obj, root=root_rank)
+    return engine.call(group, "broadcast_object", lambda: comm.bcast(obj, root=root_rank))
 
 
 def allgather_object(obj: Any, group: Any = _DEFAULT_GROUP) -> list:
     """Every rank's ``obj`` (pickled), as a list in rank order of ``group``."""
-    return collectives._communicator(group, "allgather_object").allgather(obj)
+    comm = collectives._communicator(group, "allgather_object")
+    return engine.call(group, "allgather_object", lambda: comm.allgather(obj))
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from hybridpipe import runtime
+from hybridpipe.comm.engine import call
 from hybridpipe.errors import HybridPipeError, MismatchError, PartitionError
 from hybridpipe.pipeline import microbatch
 from hybridpipe.pipeline.partition import (
@@ -217,7 +218,8 @@ class PipelineModel(nn.Module):
             device = first.device if first is not None else torch.device("cpu")
         self.device = torch.device(device)
         self.to(self.device)
-        self._comm = grid.pipe_comm.Dup()  # private: our tags never meet anyone else's messages
+        # private: our tags never meet anyone else's messages
+        self._comm = call("pipe", "PipelineModel", grid.pipe_comm.Dup)
         self._executor = StageExecutor(self._stage_module, self.stage, stages, self._comm, self.device)
         self.last_step: StepResult | None = None
 
@@ -257,7 +259,7 @@ class PipelineModel(nn.Module):
                 profiled = ([p.time_ms for p in profiles], PipelineModel._parameter_counts(layers, seed_layers))
             except Exception as error:  # every rank must raise, not only rank 0
                 profiled = f"{type(error).__name__}: {error}"
-        profiled = grid.world_comm.bcast(profiled, root=0)
+        profiled = call(None, "PipelineModel", lambda: grid.world_comm.bcast(profiled, root=0))
         if isinstance(profiled, str):
             raise PartitionError(f'balance="time": profiling the layers on world rank 0 failed ({profiled})')
         layer_ms, parameters = profiled
@@ -272,7 +274,7 @@ class PipelineModel(nn.Module):
                shared_across_stages: tuple[tuple[int, ...], ...]) -> None:
         mine = (count, tuple(balance), self.micro_batches, self.schedule_name, self.checkpoint,
                 shared_across_stages)
-        everyone = grid.world_comm.allgather(mine)
+        everyone = call(None, "PipelineModel", lambda: grid.world_comm.allgather(mine))
         if len(set(everyone)) > 1:
             names = ("layers", "balance", "micro_batches", "schedule", "checkpoint",
                      "layers_sharing_parameters_across_stages")

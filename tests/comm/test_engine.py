@@ -286,13 +286,13 @@ def test_waiting_thread_runs_the_buckets(help_):
 
 
 def test_idle_groups_go_quiet_and_wake_on_submit(grid):
-    """A group with nothing to do stops negotiating after a few idle cycles (instead of one
-    negotiation every cycle_time_ms), and a submission wakes it at once."""
+    """A group with nothing to do negotiates only once per quiet cycle (25 ms) after a few idle
+    cycles (instead of once every cycle_time_ms), and a submission wakes it at once."""
     time.sleep(0.6)
     first = {group: hp.engine_stats(group)["cycles"] for group in ("world", "data")}
     time.sleep(0.6)
     quiet = {group: hp.engine_stats(group)["cycles"] - first[group] for group in ("world", "data")}
-    assert all(cycles <= 3 for cycles in quiet.values()), quiet  # 0.5 ms cycles would be ~1000
+    assert all(cycles <= 40 for cycles in quiet.values()), quiet  # 0.6 s / 25 ms = 24; 0.5 ms cycles: ~1000
     result = hp.allreduce_async_(torch.ones(4), name="wake", op=hp.Sum, group="data").wait()
     assert torch.equal(result, torch.full((4,), float(SIZE)))
 

@@ -18,6 +18,7 @@ from mpi4py import MPI
 import hybridpipe as hp
 from hybridpipe._ext import core
 from hybridpipe.comm import collectives
+from hybridpipe.comm.engine import call
 
 
 def contribution(seed, count, rank):
@@ -27,7 +28,7 @@ def contribution(seed, count, rank):
 def main() -> int:
     grid = hp.init(pipeline_stages=2)
     world = MPI.COMM_WORLD
-    hosts = world.allgather(MPI.Get_processor_name())
+    hosts = call(None, 'hosts', lambda: world.allgather(MPI.Get_processor_name()))
     assert len(set(hosts)) == 2, f"expected two emulated hosts, got {hosts}"
     options = collectives._new_allreduce_options(hp.config())
     groups = {}
@@ -35,10 +36,10 @@ def main() -> int:
     # direct collectives of every group first, then the engine's (unless --interleaved)
     for label in ("world", "data", "pipe"):
         comm = collectives._communicator(label, "test")
-        members = comm.allgather(world.rank)
+        members = call(label, 'members', lambda: comm.allgather(world.rank))
         one_host = len({hosts[m] for m in members}) == 1
         groups[label] = (comm, one_host)
-        info = core().shared_memory_info(comm.py2f(), options)
+        info = call(label, 'info', lambda: core().shared_memory_info(comm.py2f(), options))
         assert info["available"] == one_host, (label, members, hosts, info)
         if not one_host:
             assert info["reason"] == f"its {comm.size} ranks are not all on one host", info
