@@ -10,7 +10,7 @@ DEMO_RANKS ?= 4
 DEMO_STAGES ?= 2
 MPIRUN_FLAGS := $(shell [ "$$(id -u)" = 0 ] && echo --allow-run-as-root) --oversubscribe
 
-.PHONY: setup build test demo demo-allreduce bench docs clean
+.PHONY: setup build test test-long test-mpich demo demo-allreduce bench docs clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,34 @@ build: $(STAMP)
 
 test: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests -q
+
+# Slow repeats CI does not run: the multi-host tests 20 times in a row (they must pass every time).
+MULTIHOST_REPEATS ?= 20
+test-long: $(STAMP)
+	for i in $$(seq 1 $(MULTIHOST_REPEATS)); do \
+	  echo "multi-host run $$i of $(MULTIHOST_REPEATS)"; \
+	  PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests/test_multihost.py -q -p no:cacheprovider || exit 1; \
+	done
+
+# The same multi-host tests under MPICH: a second venv (.venv-mpich) with the mpich wheel, mpi4py built
+# against it, and hybridpipe's extension compiled with MPICH's mpicxx.
+MPICH_VENV := .venv-mpich
+MPICH_PY := $(MPICH_VENV)/bin/python
+$(MPICH_VENV)/.installed: requirements-dev.txt $(SOURCES)
+	test -x $(MPICH_PY) || $(PYTHON) -m venv $(MPICH_VENV)
+	$(MPICH_PY) -m pip install --quiet --upgrade pip
+	$(MPICH_PY) -m pip install --quiet mpich cython setuptools wheel pybind11 numpy pytest torch==2.13.0
+	PATH="$(CURDIR)/$(MPICH_VENV)/bin:$$PATH" $(MPICH_PY) -m pip install --quiet --no-build-isolation --no-binary mpi4py mpi4py
+	rm -rf build
+	PATH="$(CURDIR)/$(MPICH_VENV)/bin:$$PATH" MPICXX="$(CURDIR)/$(MPICH_VENV)/bin/mpicxx" \
+	  $(MPICH_PY) -m pip install --quiet --no-build-isolation --no-deps .
+	rm -rf build
+	touch $@
+
+# run from tests/ so that `import hybridpipe` finds the MPICH build installed in .venv-mpich, not the tree
+test-mpich: $(MPICH_VENV)/.installed
+	cd tests && PATH="$(CURDIR)/$(MPICH_VENV)/bin:$$PATH" HYBRIDPIPE_MPIRUN="$(CURDIR)/$(MPICH_VENV)/bin/mpirun" \
+	  ../$(MPICH_PY) -m pytest test_multihost.py -q -p no:cacheprovider --rootdir=$(CURDIR) -c $(CURDIR)/pyproject.toml
 
 # The main example: a byte-level GPT trained on the Python standard library sources, 2 stages × 2 replicas.
 demo: $(STAMP)
