@@ -11,12 +11,15 @@
 //      rank's pending names (MPI_Allgatherv), check their metadata (a mismatch fails those handles
 //      on every rank, kind Mismatch, with every rank's values), assign new bits, and warn about
 //      names some ranks have waited on for longer than stall_check_seconds.
-//   3. reduces the ready buffers in fused buckets (ring, shared memory or the MPI library), in the
-//      order of their bits, before it moves on to the next group.
+//   3. reduces the ready buffers in fused buckets (ring, shared memory or the MPI library) and runs
+//      queued calls (direct collectives, submit_call), in the order of their bits, before it moves on
+//      to the next group.
+// A group idle on every rank for kQuietAfterIdleCycles visits becomes quiet: it is visited on every
+// kQuietPeriod-th cycle only (the cycle count is the same on every rank).
 // Why one thread: several threads each driving their own communicator stalled cross-host jobs for
-// minutes over Open MPI's TCP transport (a pure mpi4py reproducer shows it without hybridpipe:
-// docs/sharp_bits.md). Why it cannot deadlock: every rank of a group visits the group in every
-// cycle, so the k-th operation on a group is in the same cycle on all its ranks, and every rank runs
+// minutes over Open MPI (a pure mpi4py reproducer shows it without hybridpipe, and not with MPICH:
+// docs/sharp_bits.md). Why it cannot deadlock: every rank of a group visits the group in the same
+// cycles, so the k-th operation on a group is in the same cycle on all its ranks, and every rank runs
 // its blocking operations in the same (cycle, group order) sequence; the rank whose operation is the
 // earliest in that order among all ranks' waiting operations finds every peer at it or before it,
 // and those before it are not blocked (docs/concepts.md has the argument in full).
