@@ -1,10 +1,11 @@
 // The background engine; see engine.h.
 #include "engine.h"
 
+#include <unistd.h>  // gethostname
+
 #ifdef __linux__
 #include <sys/resource.h>
 #include <sys/syscall.h>
-#include <unistd.h>
 #endif
 #include <algorithm>
 #include <cstdio>
@@ -399,10 +400,43 @@ void Engine::cycle_single(Group& group) {  // an allreduce over one rank is the 
 void Engine::negotiate(Group& group, const WaitPolicy& busy_wait, const WaitPolicy& idle_wait) {
   const double negotiation_start = seconds_now();
   start_negotiation(group);
-  // polite: spin briefly, then sleep between tests (Python needs the cores)
-  HP_MPI(wait_all, group.comm, 1, &group.request, MPI_STATUSES_IGNORE, group.snapshot.empty() ? idle_wait : busy_wait);
+  // polite: spin briefly, then sleep between tests (Python needs the cores). A negotiation waits only
+  // for the other ranks' communication threads, which run whatever their training threads do: one
+  // that never comes means a rank stopped, died or was cut off, and only a local timer can tell.
+  const auto started = Clock::now();
+  bool warned = false;
+  auto test = [&](int* flag) {
+    const int rc = MPI_Test(&group.request, flag, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS || *flag) return rc;
+    const double waited = std::chrono::duration<double>(Clock::now() - started).count();
+    const bool expired = options_.stall_shutdown_seconds > 0 && waited > options_.stall_shutdown_seconds;
+    if ((waited > options_.stall_check_seconds && !warned) || expired) {
+      warned = true;
+      report_absent(group, waited, expired);
+    }
+    return rc;
+  };
+  HP_MPI(polite_wait, group.comm, test, group.snapshot.empty() ? idle_wait : busy_wait);
   if (!(group.vector[0] & kIdle)) record(group, "negotiate", negotiation_start, seconds_now(), 0, 0);
   finish_negotiation(group);
+}
+
+void Engine::report_absent(const Group& group, double waited, bool abort_job) {
+  int world_rank = -1;
+  MPI_Comm_rank(groups_[0]->comm, &world_rank);
+  char host[256] = "?";
+  gethostname(host, sizeof host - 1);
+  std::string ranks;
+  for (int member : group.members) ranks += (ranks.empty() ? "" : ", ") + std::to_string(member);
+  std::fprintf(stderr,
+               "hybridpipe %s: rank %d (host %s): the communication thread has waited %.1f s for the other ranks "
+               "of group '%s' (ranks [%s]) to negotiate; one of them is stopped, dead, cut off, or stuck outside "
+               "hybridpipe (stall_check_seconds=%g, stall_shutdown_seconds=%g)%s\n",
+               abort_job ? "ERROR" : "WARNING", world_rank, host, waited, group.label.c_str(),
+               ranks.empty() ? "all" : ranks.c_str(), options_.stall_check_seconds, options_.stall_shutdown_seconds,
+               abort_job ? ": aborting the job" : "");
+  std::fflush(stderr);
+  if (abort_job) MPI_Abort(groups_[0]->comm, 1);
 }
 
 void Engine::activate_registrations(Group& coordinator) {

@@ -200,6 +200,9 @@ class Engine {
   // gathers them, and the groups all of whose ranks asked become active.
   void activate_registrations(Group& coordinator);
   void fail_pending(Group& group, const std::string& error, ErrorKind kind);  // with mutex_ held
+  // A negotiation of `group` has waited `waited` s: warns on stderr naming this rank, its host and the
+  // group's ranks; with abort_job (past stall_shutdown_seconds) aborts the job with that message.
+  void report_absent(const Group& group, double waited, bool abort_job);
   void start_negotiation(Group& group);
   void finish_negotiation(Group& group);
   // Returns "" or, when a name waited past stall_shutdown_seconds, the message the group stops with.
