@@ -73,7 +73,7 @@ Engine::~Engine() {
   shutdown();
 }
 
-int Engine::add_group(MPI_Comm comm, const std::string& label, bool /*start*/) {
+int Engine::add_group(MPI_Comm comm, const std::string& label) {
   auto group = std::make_unique<Group>();
   HP_MPI(MPI_Comm_dup, comm, comm, &group->comm);
   MPI_Comm_set_errhandler(group->comm, MPI_ERRORS_RETURN);
@@ -341,7 +341,6 @@ void Engine::run() {
         visited = true;
         negotiate(group, busy_wait, idle_wait);
         idle = idle && group.idle_cycles > 0;
-        quiet = quiet && group.idle_cycles > kQuietAfterIdleCycles;
         if (id == 0 && !(group.vector[0] & kNoRegistration)) activate_registrations(group);
       }
       {

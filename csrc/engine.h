@@ -105,8 +105,8 @@ class Engine {
   // Registers a communicator (hybridpipe duplicates it first); returns its group id. Collective over
   // `comm`: every rank of it registers it, in the same order relative to its other groups. Groups
   // added before start() are active from the first cycle; later ones join at an agreed cycle (see
-  // above), and their ranks must all belong to group 0. `start` is ignored (kept for old callers).
-  int add_group(MPI_Comm comm, const std::string& label, bool start = false);
+  // above), and their ranks must all belong to group 0.
+  int add_group(MPI_Comm comm, const std::string& label);
   // Starts the communication thread.
   void start();
   // Queues an in-place allreduce of `buffer` over group `group`; returns a handle id.

@@ -275,11 +275,11 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<const EngineOptions&>(), py::arg("options"))
       .def(
           "add_group",
-          [](Engine& engine, long long comm, const std::string& label, bool start) {
+          [](Engine& engine, long long comm, const std::string& label) {
             py::gil_scoped_release no_gil;
-            return engine.add_group(to_comm(comm), label, start);
+            return engine.add_group(to_comm(comm), label);
           },
-          py::arg("comm"), py::arg("label"), py::arg("start") = false)
+          py::arg("comm"), py::arg("label"))
       .def(
           "start",
           [](Engine& engine) {

@@ -12,6 +12,7 @@ import hybridpipe as hp
 from hybridpipe.comm.p2p import RemoteError
 from hybridpipe.errors import HybridPipeError, MismatchError, PartitionError, ScheduleError
 from hybridpipe.pipeline.stage import PipelineBroken
+from training import train_pipeline
 
 pytestmark = pytest.mark.mpi(ranks=[1, 2, 4], timeout=300)
 
@@ -154,18 +155,6 @@ def train_reference(model: nn.Module, loss_fn, data, lr: float = 0.1) -> list[fl
         losses.append(loss.item())
     return losses
 
-
-def train_pipeline(model: hp.PipelineModel, data, lr: float = 0.1) -> list[float]:
-    parameters = list(model.parameters())  # a stage may hold only parameter-free layers (Tanh)
-    optimizer = torch.optim.SGD(parameters, lr=lr) if parameters else None
-    losses = []
-    for inputs, targets in data:
-        if optimizer:
-            optimizer.zero_grad()
-        losses.append(model.train_step(inputs, targets))
-        if optimizer:
-            optimizer.step()
-    return losses
 
 
 def assert_same_parameters(model: hp.PipelineModel, reference: nn.Module) -> None:

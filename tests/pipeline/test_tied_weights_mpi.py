@@ -11,6 +11,7 @@ from torch import nn
 
 import hybridpipe as hp
 from hybridpipe.errors import MismatchError, PartitionError
+from training import train_pipeline
 
 pytestmark = pytest.mark.mpi(ranks=2, timeout=180)
 
@@ -75,18 +76,6 @@ def train_reference(model: nn.Module, data, lr: float = 0.1) -> list[float]:
         losses.append(loss.item())
     return losses
 
-
-def train_pipeline(model: hp.PipelineModel, data, lr: float = 0.1) -> list[float]:
-    parameters = list(model.parameters())
-    optimizer = torch.optim.SGD(parameters, lr=lr) if parameters else None
-    losses = []
-    for inputs, targets in data:
-        if optimizer:
-            optimizer.zero_grad()
-        losses.append(model.train_step(inputs, targets))
-        if optimizer:
-            optimizer.step()
-    return losses
 
 
 def assert_same_parameters(model: hp.PipelineModel, reference: nn.Module) -> None:
