@@ -5,6 +5,8 @@
 
 namespace hybridpipe {
 
+thread_local ProgressHook progress_hook;
+
 size_t dtype_size(DType dtype) {
   switch (dtype) {
     case DType::Float32: return 4;

@@ -56,6 +56,14 @@ struct WaitPolicy {
   double max_sleep_us = 100.0;  // longest sleep between two tests in the polite wait
 };
 
+// Run between the tests of a polite wait on the thread that set it: the communication thread keeps
+// the pipeline's point-to-point transfers moving while it waits for a negotiation or a collective.
+struct ProgressHook {
+  void (*call)(void*) = nullptr;
+  void* arg = nullptr;
+};
+extern thread_local ProgressHook progress_hook;
+
 // Tests with `test(&flag)` until it sets flag or fails: spins for policy.spin_us, then sleeps with
 // an exponential backoff. While sleeping, the thread's timer slack is cut to 1 us (Linux's 50 us
 // default would turn every short sleep into 60 us) and restored afterwards.
@@ -74,6 +82,7 @@ int polite_wait(Test test, const WaitPolicy& policy) {
   while (true) {
     rc = test(&flag);
     if (rc != MPI_SUCCESS || flag) break;
+    if (progress_hook.call) progress_hook.call(progress_hook.arg);
     if (Clock::now() < spin_until) continue;
 #ifdef __linux__
     if (old_slack < 0) {

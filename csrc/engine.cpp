@@ -4,6 +4,7 @@
 #include <unistd.h>  // gethostname
 
 #ifdef __linux__
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #endif
@@ -121,6 +122,19 @@ int Engine::add_group(MPI_Comm comm, const std::string& label) {
   return static_cast<int>(groups_.size() - 1);
 }
 
+void Engine::drive_transfers() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (stop_requested_) throw std::runtime_error("engine is shutting down; it cannot drive transfers");
+  if (started_) throw std::logic_error("Engine::drive_transfers() must come before start()");
+  if (!transfers_) {
+    transfers_ = std::make_shared<TransferQueue>([this] {
+      std::lock_guard<std::mutex> wake_lock(mutex_);
+      wake_.notify_all();
+    });
+  }
+  install_transfer_queue(transfers_);
+}
+
 void Engine::start() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (started_) return;
@@ -132,6 +146,7 @@ void Engine::start() {
       const int base = getpriority(PRIO_PROCESS, 0);
       setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), std::min(base + options_.thread_nice, 19));
     }
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // short sleeps while transfers are in flight stay short
 #endif
     run();
   });
@@ -236,6 +251,7 @@ void Engine::shutdown() {
   }
   start();  // the stop is agreed by the thread: start it if it never ran
   if (thread_.joinable()) thread_.join();
+  if (transfers_ && installed_transfer_queue() == transfers_) install_transfer_queue(nullptr);
   for (auto& group : groups_) {
     if (group->comm != MPI_COMM_NULL) MPI_Comm_free(&group->comm);
   }
@@ -303,13 +319,25 @@ void Engine::run() {
   auto next_cycle = Clock::now();
   bool last_cycle_idle = true;
   uint64_t cycle = 0;  // the same count on every rank: each group's visits fall on the same cycles everywhere
+  TransferQueue* transfers = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    transfers = transfers_.get();
+  }
+  if (transfers) {
+    progress_hook = {[](void* queue) { static_cast<TransferQueue*>(queue)->progress(); }, transfers};
+  }
+  // between cycles, transfers in flight are tested with sleeps backing off to this
+  const double transfer_sleep_max_us = std::min(std::max(busy_wait.max_sleep_us, 1.0), 50.0);
+  std::string stopped_because = "it was shut down";
   try {
     while (true) {
       std::vector<int> order;
+      if (transfers) transfers->progress();
       {
         std::unique_lock<std::mutex> lock(mutex_);
         // sleep until the next cycle; after an idle cycle, a submission, registration or stop wakes it early
-        wake_.wait_until(lock, next_cycle, [&] {
+        auto due = [&] {
           if (Clock::now() >= next_cycle) return true;
           if (!last_cycle_idle) return false;
           if (stop_requested_ || registrations_pending_ > 0) return true;
@@ -317,7 +345,23 @@ void Engine::run() {
             if (!groups_[id]->pending.empty()) return true;
           }
           return false;
-        });
+        };
+        // with transfers in flight the wait is a polite poll of them (a completion is seen within
+        // transfer_sleep_max_us); a submitted transfer wakes it at once
+        double sleep_us = 2.0;
+        while (!due()) {
+          if (!(transfers && transfers->busy())) {
+            wake_.wait_until(lock, next_cycle, due);
+            break;
+          }
+          lock.unlock();
+          if (transfers->progress()) sleep_us = 2.0;
+          lock.lock();
+          if (due()) break;
+          wake_.wait_until(lock, std::min(next_cycle, Clock::now() + std::chrono::nanoseconds(
+                                                                          static_cast<int64_t>(sleep_us * 1000))));
+          sleep_us = std::min(sleep_us * 2, transfer_sleep_max_us);
+        }
         for (size_t id = 0; id < groups_.size(); ++id) {  // one-rank groups added since: no agreement needed
           const int gid = static_cast<int>(id);
           if (groups_[id]->active && groups_[id]->size == 1 &&
@@ -369,7 +413,12 @@ void Engine::run() {
   } catch (const std::exception& error) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (fatal_.empty()) fatal_ = error.what();
+    stopped_because = "it failed: " + fatal_;
     for (auto& group : groups_) fail_pending(*group, "the background engine failed: " + fatal_, ErrorKind::Failed);
+  }
+  if (transfers) {
+    progress_hook = {};
+    transfers->stop(stopped_because);
   }
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& group : groups_) {  // never became active (its other ranks never registered it), or left over

@@ -23,6 +23,10 @@
 // its blocking operations in the same (cycle, group order) sequence; the rank whose operation is the
 // earliest in that order among all ranks' waiting operations finds every peer at it or before it,
 // and those before it are not blocked (docs/concepts.md has the argument in full).
+// Point-to-point transfers (the pipeline's activations and gradients, p2p.h) go through the same
+// thread once drive_transfers() installed its queue: it posts them as they come and tests them between
+// cycles and inside every polite wait (negotiations, rings), so they never wait for a cycle to end.
+// They never block the thread, so the argument above is unchanged.
 // Groups added after start() (user communicators) join at a cycle all ranks agree on: group 0 (the
 // first added; its ranks include every other group's) gathers pending registrations when any rank
 // has one, and a group becomes active, in the same cycle on each of its ranks, once all its ranks
@@ -44,6 +48,7 @@
 #include <vector>
 
 #include "common.h"
+#include "p2p.h"
 #include "ring_allreduce.h"
 #include "shm_allreduce.h"
 
@@ -109,6 +114,10 @@ class Engine {
   int add_group(MPI_Comm comm, const std::string& label);
   // Starts the communication thread.
   void start();
+  // From now on the communication thread makes the MPI calls of every point-to-point transfer
+  // (isend / irecv in p2p.h) of this process: installs its queue (before start()). Uninstalled at
+  // shutdown.
+  void drive_transfers();
   // Queues an in-place allreduce of `buffer` over group `group`; returns a handle id.
   uint64_t submit(int group, const std::string& name, const Buffer& buffer, ReduceOp op);
   // Queues `job`, to be run by the communication thread once every rank of `group` has queued a call
@@ -231,6 +240,7 @@ class Engine {
   bool stop_requested_ = false;
   bool shut_down_ = false;
   std::string fatal_;
+  std::shared_ptr<TransferQueue> transfers_;  // point-to-point transfers this thread drives (or null)
 };
 
 }  // namespace hybridpipe

@@ -30,6 +30,26 @@ Core& core() {
 
 MPI_Comm to_comm(long long fortran_handle) { return MPI_Comm_f2c(static_cast<MPI_Fint>(fortran_handle)); }
 
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
+// Holds a Python object for C++ (a transfer's buffer owner). The last reference may go on the
+// communication thread: it takes the GIL to release it (and leaks it once Python is finalizing).
+std::shared_ptr<void> keep_alive(const py::object& object) {
+  if (object.is_none()) return nullptr;
+  return std::shared_ptr<void>(new py::object(object), [](void* held) {
+    auto* owned = static_cast<py::object*>(held);
+    if (!Py_IsInitialized() || interpreter_finalizing()) return;
+    py::gil_scoped_acquire gil;
+    delete owned;
+  });
+}
+
 Buffer to_buffer(uintptr_t address, size_t count, int dtype) {
   return Buffer{reinterpret_cast<void*>(address), count, static_cast<DType>(dtype)};
 }
@@ -205,35 +225,43 @@ PYBIND11_MODULE(_C, m) {
             request.wait(policy);
           },
           py::arg("policy") = WaitPolicy{}, "Blocks (without the GIL) until the transfer completed.")
-      .def("cancel", &P2PRequest::cancel, "Cancels a receive that has not matched a message yet.")
+      .def("cancel", &P2PRequest::cancel, py::call_guard<py::gil_scoped_release>(),
+           "Cancels a receive that has not matched a message yet.")
       .def_property_readonly("done", &P2PRequest::done)
       .def_property_readonly("received_bytes", &P2PRequest::received_bytes)
-      .def("__repr__", [](const P2PRequest& request) {
+      .def("__repr__", [](P2PRequest& request) {
         return "<P2PRequest " + request.what() + (request.done() ? " done>" : " in flight>");
       });
 
   m.def(
       "isend",
-      [](uintptr_t address, size_t bytes, int dest, int tag, long long comm) {
-        return isend(reinterpret_cast<const void*>(address), bytes, dest, tag, to_comm(comm));
+      [](uintptr_t address, size_t bytes, int dest, int tag, long long comm, py::object keep) {
+        return isend(reinterpret_cast<const void*>(address), bytes, dest, tag, to_comm(comm), keep_alive(keep));
       },
       py::arg("address"), py::arg("bytes"), py::arg("dest"), py::arg("tag"), py::arg("comm"),
-      py::return_value_policy::take_ownership, "Starts sending `bytes` bytes at `address` to rank `dest`.");
+      py::arg("keep") = py::none(), py::return_value_policy::take_ownership,
+      "Starts sending `bytes` bytes at `address` to rank `dest`; `keep` (the object owning the memory) is "
+      "held until MPI is done with it, even if the request is dropped.");
   m.def(
       "irecv",
-      [](uintptr_t address, size_t bytes, int source, int tag, long long comm) {
-        return irecv(reinterpret_cast<void*>(address), bytes, source, tag, to_comm(comm));
+      [](uintptr_t address, size_t bytes, int source, int tag, long long comm, py::object keep) {
+        return irecv(reinterpret_cast<void*>(address), bytes, source, tag, to_comm(comm), keep_alive(keep));
       },
       py::arg("address"), py::arg("bytes"), py::arg("source"), py::arg("tag"), py::arg("comm"),
-      py::return_value_policy::take_ownership,
-      "Starts receiving at most `bytes` bytes into `address` from rank `source`.");
+      py::arg("keep") = py::none(), py::return_value_policy::take_ownership,
+      "Starts receiving at most `bytes` bytes into `address` from rank `source`; `keep` is held as for isend.");
   m.def(
       "wait_any",
       [](const std::vector<P2PRequest*>& requests, const WaitPolicy& policy) {
         py::gil_scoped_release no_gil;
         return wait_any(requests, policy);
       },
-      py::arg("requests"), py::arg("policy") = WaitPolicy{}, "Blocks until one of the (single-part) requests completed; returns its index.");
+      py::arg("requests"), py::arg("policy") = WaitPolicy{}, "Blocks until one of the requests completed; returns its index.");
+  m.def("orphaned_transfers", &orphaned_transfers,
+        "Transfers dropped while in flight whose buffers MPI may still use (they are kept until it is done).");
+  m.def(
+      "transfers_driven", [] { return installed_transfer_queue() != nullptr; },
+      "Whether the communication thread makes the MPI calls of point-to-point transfers (after hp.init).");
 
   py::class_<EngineOptions>(m, "EngineOptions")
       .def(py::init<>())
@@ -312,6 +340,8 @@ PYBIND11_MODULE(_C, m) {
           py::arg("group"), py::arg("name"), py::arg("kind"), py::arg("function"),
           "Queues function() to run on the engine thread at a point every rank of the group agrees on; "
           "keep a reference to function until the handle is waited for.")
+      .def("drive_transfers", &Engine::drive_transfers,
+           "From now on the engine's thread makes every point-to-point transfer's MPI calls (before start()).")
       .def("poll", &Engine::poll, py::arg("handle"))
       .def(
           "wait",

@@ -5,8 +5,6 @@
 #include <climits>
 #include <stdexcept>
 
-#include "common.h"
-
 namespace hybridpipe {
 
 namespace {
@@ -19,7 +17,7 @@ std::string describe(const char* verb, size_t bytes, int peer, int tag) {
 void check_tag(int tag, MPI_Comm comm) {
   void* upper = nullptr;
   int found = 0;
-  HP_MPI(MPI_Comm_get_attr, comm, comm, MPI_TAG_UB, &upper, &found);
+  HP_MPI(MPI_Comm_get_attr, comm, comm, MPI_TAG_UB, &upper, &found);  // a local query, no progress
   const int tag_ub = found ? *static_cast<int*>(upper) : 32767;
   if (tag < 0 || tag > tag_ub) {
     throw std::invalid_argument("p2p tag " + std::to_string(tag) + " is outside 0.." + std::to_string(tag_ub) +
@@ -27,50 +25,81 @@ void check_tag(int tag, MPI_Comm comm) {
   }
 }
 
-}  // namespace
+std::mutex installed_mutex;
+std::shared_ptr<TransferQueue> installed;
 
-P2PRequest::~P2PRequest() {
-  // A request dropped while in flight: a receive is cancelled (its buffer is about to be freed);
-  // a send is released and completes on its own (the Python side keeps its buffer alive).
-  int finalized = 0;
-  MPI_Finalized(&finalized);
-  if (done_ || finalized) return;
-  for (MPI_Request& part : parts_) {
-    if (part == MPI_REQUEST_NULL) continue;
-    if (is_receive_) {
-      MPI_Cancel(&part);
-      MPI_Wait(&part, MPI_STATUS_IGNORE);
-    } else {
-      MPI_Request_free(&part);
-    }
+// Sends dropped in flight with no queue installed: tested (and released once done) by later calls.
+std::mutex orphans_mutex;
+std::vector<std::shared_ptr<Transfer>> direct_orphans;
+
+void reap_direct_orphans() {
+  std::vector<std::shared_ptr<Transfer>> finished;  // released after the lock
+  std::lock_guard<std::mutex> lock(orphans_mutex);
+  for (auto& orphan : direct_orphans) {
+    std::string error;
+    if (orphan->test_parts(&error) || !error.empty()) finished.push_back(std::move(orphan));
   }
+  direct_orphans.erase(std::remove(direct_orphans.begin(), direct_orphans.end(), nullptr), direct_orphans.end());
 }
 
-void P2PRequest::finish(const MPI_Status* statuses, size_t n) {
-  received_bytes_ = 0;
+std::string mpi_error_text(int code, const std::string& call, MPI_Comm comm) {
+  try {
+    raise_mpi_error(code, call.c_str(), comm);
+  } catch (const MPICallError& error) {
+    return error.what();
+  }
+  return call + " failed";
+}
+
+// Cancels the posted, unfinished parts of a receive (a send cannot be cancelled portably).
+void cancel_parts(Transfer& transfer) {
+  for (MPI_Request& part : transfer.parts) {
+    if (part != MPI_REQUEST_NULL) MPI_Cancel(&part);
+  }
+  transfer.cancel_sent = true;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ Transfer
+
+void Transfer::post() {
+  size_t left = bytes;
+  char* cursor = data;
+  do {
+    const size_t part = std::min(left, kMaxPartBytes);
+    parts.push_back(MPI_REQUEST_NULL);
+    const int rc = receive ? MPI_Irecv(cursor, static_cast<int>(part), MPI_BYTE, peer, tag, comm, &parts.back())
+                           : MPI_Isend(cursor, static_cast<int>(part), MPI_BYTE, peer, tag, comm, &parts.back());
+    if (rc != MPI_SUCCESS) {
+      parts.pop_back();
+      raise_mpi_error(rc, receive ? "MPI_Irecv" : "MPI_Isend", comm);
+    }
+    cursor += part;
+    left -= part;
+  } while (left > 0);
+  posted = true;
+}
+
+void Transfer::finish(const MPI_Status* statuses, size_t n) {
+  received_bytes = 0;
   for (size_t i = 0; i < n; ++i) {
     int count = 0;
+    int was_cancelled = 0;
+    if (receive && MPI_Test_cancelled(&statuses[i], &was_cancelled) == MPI_SUCCESS && was_cancelled) cancelled = true;
     if (statuses[i].MPI_SOURCE != MPI_PROC_NULL && statuses[i].MPI_SOURCE != MPI_ANY_SOURCE) {
       MPI_Get_count(&statuses[i], MPI_BYTE, &count);
     }
-    if (count != MPI_UNDEFINED) received_bytes_ += static_cast<size_t>(count);
+    if (count != MPI_UNDEFINED) received_bytes += static_cast<size_t>(count);
   }
-  done_ = true;
+  done = true;
 }
 
-bool P2PRequest::test() {
-  if (done_) return true;
+bool Transfer::test_parts(std::string* error_out) {
+  if (done) return true;
   int flag = 0;
-  std::vector<MPI_Status> statuses(parts_.size());
-  HP_MPI(MPI_Testall, comm_, static_cast<int>(parts_.size()), parts_.data(), &flag, statuses.data());
-  if (flag) finish(statuses.data(), statuses.size());
-  return done_;
-}
-
-void P2PRequest::wait(const WaitPolicy& policy) {
-  if (done_) return;
-  std::vector<MPI_Status> statuses(parts_.size());
-  int rc = wait_all(static_cast<int>(parts_.size()), parts_.data(), statuses.data(), policy);
+  std::vector<MPI_Status> statuses(parts.size());
+  const int rc = MPI_Testall(static_cast<int>(parts.size()), parts.data(), &flag, statuses.data());
   if (rc != MPI_SUCCESS) {
     int code = rc;
     if (rc == MPI_ERR_IN_STATUS) {
@@ -78,80 +107,335 @@ void P2PRequest::wait(const WaitPolicy& policy) {
         if (status.MPI_ERROR != MPI_SUCCESS && status.MPI_ERROR != MPI_ERR_PENDING) code = status.MPI_ERROR;
       }
     }
-    raise_mpi_error(code, ("MPI_Waitall (" + what_ + ")").c_str(), comm_);
+    *error_out = mpi_error_text(code, "MPI_Testall (" + what + ")", comm);
+    done = true;
+    return true;
   }
-  finish(statuses.data(), statuses.size());
+  if (flag) finish(statuses.data(), statuses.size());
+  return done;
+}
+
+// ------------------------------------------------------------------ TransferQueue
+
+void TransferQueue::submit(const std::shared_ptr<Transfer>& transfer) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopped_) {
+      throw std::runtime_error("cannot start the " + transfer->what + ": hybridpipe's communication thread has stopped" +
+                               (stopped_because_.empty() ? std::string() : " (" + stopped_because_ + ")"));
+    }
+    queued_.push_back(transfer);
+    count_.fetch_add(1, std::memory_order_release);
+  }
+  wake_();
+}
+
+bool TransferQueue::test(Transfer& transfer) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (transfer.done && !transfer.error.empty()) throw MPICallError(transfer.error);
+  return transfer.done;
+}
+
+size_t TransferQueue::wait(const std::vector<Transfer*>& transfers, bool any) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  size_t index = 0;
+  changed_.wait(lock, [&] {
+    bool all = true;
+    for (size_t i = 0; i < transfers.size(); ++i) {
+      if (transfers[i]->done) {
+        if (any || !transfers[i]->error.empty()) {
+          index = i;
+          return true;
+        }
+      } else {
+        all = false;
+      }
+    }
+    return all;
+  });
+  if (!transfers.empty() && !transfers[index]->error.empty()) throw MPICallError(transfers[index]->error);
+  return index;
+}
+
+void TransferQueue::cancel(Transfer& transfer) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (transfer.done) return;
+    transfer.cancel_requested = true;
+  }
+  wake_();
+  std::unique_lock<std::mutex> lock(mutex_);
+  changed_.wait(lock, [&] { return transfer.done; });
+}
+
+void TransferQueue::release(const std::shared_ptr<Transfer>& transfer) {
+  bool wake = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (transfer->done) return;
+    transfer->released = true;
+    // a receive no one waits for is withdrawn; a send still goes out (its buffer is kept)
+    if (transfer->receive) wake = transfer->cancel_requested = true;
+  }
+  if (wake) wake_();
+}
+
+size_t TransferQueue::released_in_flight() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  size_t count = 0;
+  for (const auto& list : {&queued_, &in_flight_}) {
+    for (const auto& transfer : *list) count += transfer->released && !transfer->done;
+  }
+  return count;
+}
+
+bool TransferQueue::progress() {
+  if (!busy()) return false;
+  std::vector<std::shared_ptr<Transfer>> finished;  // dropped after the lock: may release Python objects
+  bool moved = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& transfer : queued_) {
+      moved = true;
+      if (transfer->cancel_requested) {  // withdrawn before it was posted
+        transfer->done = transfer->cancelled = true;
+        finished.push_back(std::move(transfer));
+        continue;
+      }
+      try {
+        transfer->post();
+        in_flight_.push_back(std::move(transfer));
+      } catch (const std::exception& error) {
+        for (MPI_Request& part : transfer->parts) {  // parts posted before the failing one
+          if (transfer->receive) MPI_Cancel(&part);
+          MPI_Request_free(&part);
+        }
+        transfer->error = error.what();
+        transfer->done = true;
+        finished.push_back(std::move(transfer));
+      }
+    }
+    queued_.clear();
+    for (auto& transfer : in_flight_) {
+      if (transfer->cancel_requested && !transfer->cancel_sent) cancel_parts(*transfer);
+      std::string error;
+      if (transfer->test_parts(&error)) {
+        transfer->error = error;
+        moved = true;
+        finished.push_back(std::move(transfer));
+      }
+    }
+    in_flight_.erase(std::remove(in_flight_.begin(), in_flight_.end(), nullptr), in_flight_.end());
+    count_.store(static_cast<int>(in_flight_.size()), std::memory_order_release);
+  }
+  if (moved) changed_.notify_all();
+  return moved;
+}
+
+void TransferQueue::stop(const std::string& why) {
+  // MPI may still touch the buffers of what was in flight: they are never released.
+  static auto* abandoned = new std::vector<std::shared_ptr<Transfer>>();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopped_ = true;
+    stopped_because_ = why;
+    for (auto* list : {&queued_, &in_flight_}) {
+      for (auto& transfer : *list) {
+        for (MPI_Request& part : transfer->parts) {
+          if (part == MPI_REQUEST_NULL) continue;
+          if (transfer->receive) MPI_Cancel(&part);
+          MPI_Request_free(&part);  // MPI completes (or drops) it on its own
+        }
+        transfer->error = "hybridpipe's communication thread stopped before the " + transfer->what + " completed" +
+                          (why.empty() ? std::string() : ": " + why);
+        transfer->done = true;
+        abandoned->push_back(std::move(transfer));
+      }
+      list->clear();
+    }
+    count_.store(0, std::memory_order_release);
+  }
+  changed_.notify_all();
+}
+
+void install_transfer_queue(std::shared_ptr<TransferQueue> queue) {
+  std::lock_guard<std::mutex> lock(installed_mutex);
+  installed = std::move(queue);
+}
+
+std::shared_ptr<TransferQueue> installed_transfer_queue() {
+  std::lock_guard<std::mutex> lock(installed_mutex);
+  return installed;
+}
+
+// ------------------------------------------------------------------ P2PRequest
+
+P2PRequest::~P2PRequest() {
+  if (queue_) {
+    queue_->release(transfer_);
+    return;
+  }
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (transfer_->done || finalized) return;
+  if (transfer_->receive) {  // its buffer may be freed by the caller next: withdraw it now
+    for (MPI_Request& part : transfer_->parts) {
+      if (part == MPI_REQUEST_NULL) continue;
+      MPI_Cancel(&part);
+      MPI_Wait(&part, MPI_STATUS_IGNORE);
+    }
+    return;
+  }
+  std::lock_guard<std::mutex> lock(orphans_mutex);  // a send: kept (with its buffer) until sent
+  direct_orphans.push_back(transfer_);
+}
+
+bool P2PRequest::test() {
+  if (queue_) return queue_->test(*transfer_);
+  std::string error;
+  transfer_->test_parts(&error);
+  if (!error.empty()) throw MPICallError(error);
+  return transfer_->done;
+}
+
+void P2PRequest::wait(const WaitPolicy& policy) {
+  if (queue_) {
+    queue_->wait({transfer_.get()}, false);
+    return;
+  }
+  Transfer& t = *transfer_;
+  if (t.done) return;
+  std::vector<MPI_Status> statuses(t.parts.size());
+  int rc = wait_all(static_cast<int>(t.parts.size()), t.parts.data(), statuses.data(), policy);
+  if (rc != MPI_SUCCESS) {
+    int code = rc;
+    if (rc == MPI_ERR_IN_STATUS) {
+      for (const MPI_Status& status : statuses) {
+        if (status.MPI_ERROR != MPI_SUCCESS && status.MPI_ERROR != MPI_ERR_PENDING) code = status.MPI_ERROR;
+      }
+    }
+    raise_mpi_error(code, ("MPI_Waitall (" + t.what + ")").c_str(), t.comm);
+  }
+  t.finish(statuses.data(), statuses.size());
 }
 
 void P2PRequest::cancel() {
-  if (done_) return;
-  for (MPI_Request& part : parts_) {
-    if (part != MPI_REQUEST_NULL) HP_MPI(MPI_Cancel, comm_, &part);
+  if (queue_) {
+    queue_->cancel(*transfer_);
+    return;
   }
-  std::vector<MPI_Status> statuses(parts_.size());
-  HP_MPI(MPI_Waitall, comm_, static_cast<int>(parts_.size()), parts_.data(), statuses.data());
-  done_ = true;
+  Transfer& t = *transfer_;
+  if (t.done) return;
+  for (MPI_Request& part : t.parts) {
+    if (part != MPI_REQUEST_NULL) HP_MPI(MPI_Cancel, t.comm, &part);
+  }
+  std::vector<MPI_Status> statuses(t.parts.size());
+  HP_MPI(MPI_Waitall, t.comm, static_cast<int>(t.parts.size()), t.parts.data(), statuses.data());
+  t.done = true;
 }
+
+bool P2PRequest::done() {
+  if (queue_) {
+    try {
+      return queue_->test(*transfer_);
+    } catch (const MPICallError&) {
+      return true;
+    }
+  }
+  return transfer_->done;
+}
+
+size_t P2PRequest::received_bytes() {
+  if (queue_) queue_->test(*transfer_);  // synchronizes with the driving thread
+  return transfer_->received_bytes;
+}
+
+// ------------------------------------------------------------------ entry points
 
 namespace {
 
-// Posts `bytes` at `data` as messages of at most kMaxPartBytes (a zero-byte message is still one),
-// each with `post(cursor, part_bytes, &request)`; on failure frees the request and raises.
-template <typename Post>
-P2PRequest* post_parts(P2PRequest* request, char* data, size_t bytes, const char* call, Post post) {
-  size_t left = bytes;
-  char* cursor = data;
-  do {
-    const size_t part = std::min(left, P2PRequest::kMaxPartBytes);
-    request->parts().push_back(MPI_REQUEST_NULL);
-    const int rc = post(cursor, static_cast<int>(part), &request->parts().back());
-    if (rc != MPI_SUCCESS) {
-      MPI_Comm comm = request->comm();
-      delete request;
-      raise_mpi_error(rc, call, comm);
+P2PRequest* start(bool receive, void* data, size_t bytes, int peer, int tag, MPI_Comm comm,
+                  std::shared_ptr<void> keep) {
+  check_tag(tag, comm);
+  auto transfer = std::make_shared<Transfer>();
+  transfer->receive = receive;
+  transfer->data = static_cast<char*>(data);
+  transfer->bytes = bytes;
+  transfer->peer = peer;
+  transfer->tag = tag;
+  transfer->comm = comm;
+  transfer->what = describe(receive ? "receive" : "send", bytes, peer, tag);
+  transfer->keep = std::move(keep);
+  std::shared_ptr<TransferQueue> queue = installed_transfer_queue();
+  if (queue) {
+    queue->submit(transfer);
+  } else {
+    reap_direct_orphans();
+    try {
+      transfer->post();
+    } catch (...) {
+      for (MPI_Request& part : transfer->parts) {
+        if (receive) MPI_Cancel(&part);
+        MPI_Request_free(&part);
+      }
+      throw;
     }
-    cursor += part;
-    left -= part;
-  } while (left > 0);
-  return request;
+  }
+  return new P2PRequest(std::move(transfer), std::move(queue));
 }
 
 }  // namespace
 
-P2PRequest* isend(const void* data, size_t bytes, int dest, int tag, MPI_Comm comm) {
-  check_tag(tag, comm);
-  return post_parts(new P2PRequest(describe("send", bytes, dest, tag), comm),
-                    static_cast<char*>(const_cast<void*>(data)), bytes, "MPI_Isend",
-                    [&](char* cursor, int part, MPI_Request* out) {
-                      return MPI_Isend(cursor, part, MPI_BYTE, dest, tag, comm, out);
-                    });
+P2PRequest* isend(const void* data, size_t bytes, int dest, int tag, MPI_Comm comm, std::shared_ptr<void> keep) {
+  return start(false, const_cast<void*>(data), bytes, dest, tag, comm, std::move(keep));
 }
 
-P2PRequest* irecv(void* data, size_t bytes, int source, int tag, MPI_Comm comm) {
-  check_tag(tag, comm);
-  return post_parts(new P2PRequest(describe("receive", bytes, source, tag), comm, true), static_cast<char*>(data),
-                    bytes, "MPI_Irecv", [&](char* cursor, int part, MPI_Request* out) {
-                      return MPI_Irecv(cursor, part, MPI_BYTE, source, tag, comm, out);
-                    });
+P2PRequest* irecv(void* data, size_t bytes, int source, int tag, MPI_Comm comm, std::shared_ptr<void> keep) {
+  return start(true, data, bytes, source, tag, comm, std::move(keep));
 }
 
 size_t wait_any(const std::vector<P2PRequest*>& requests, const WaitPolicy& policy) {
   if (requests.empty()) throw std::invalid_argument("wait_any: no requests");
+  TransferQueue* queue = requests[0]->queue();
+  for (P2PRequest* request : requests) {
+    if (request->queue() != queue) {
+      throw std::invalid_argument("wait_any: " + request->what() +
+                                  " was started under another communication thread than " + requests[0]->what());
+    }
+  }
+  if (queue) {
+    std::vector<Transfer*> transfers;
+    for (P2PRequest* request : requests) transfers.push_back(&request->transfer());
+    return queue->wait(transfers, true);
+  }
   std::vector<MPI_Request> handles;
   for (size_t i = 0; i < requests.size(); ++i) {
-    if (requests[i]->done()) return i;
-    if (requests[i]->parts().size() != 1) {
-      throw std::invalid_argument("wait_any: " + requests[i]->what() + " has several parts (only messages up to 1 GiB)");
+    Transfer& t = requests[i]->transfer();
+    if (t.done) return i;
+    if (t.parts.size() != 1) {
+      throw std::invalid_argument("wait_any: " + t.what + " has several parts (only messages up to 1 GiB)");
     }
-    handles.push_back(requests[i]->parts()[0]);
+    handles.push_back(t.parts[0]);
   }
   int index = MPI_UNDEFINED;
   MPI_Status status;
   HP_MPI(wait_any, requests[0]->comm(), static_cast<int>(handles.size()), handles.data(), &index, &status, policy);
   if (index == MPI_UNDEFINED) throw std::logic_error("wait_any: every request was inactive");
-  requests[index]->parts()[0] = handles[index];  // MPI_REQUEST_NULL now
-  requests[index]->finish(&status, 1);
+  Transfer& t = requests[index]->transfer();
+  t.parts[0] = handles[index];  // MPI_REQUEST_NULL now
+  t.finish(&status, 1);
   return static_cast<size_t>(index);
+}
+
+size_t orphaned_transfers() {
+  reap_direct_orphans();
+  size_t count = 0;
+  {
+    std::lock_guard<std::mutex> lock(orphans_mutex);
+    count = direct_orphans.size();
+  }
+  if (auto queue = installed_transfer_queue()) count += queue->released_in_flight();
+  return count;
 }
 
 }  // namespace hybridpipe

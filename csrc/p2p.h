@@ -1,11 +1,25 @@
 // Non-blocking point-to-point transfers of raw byte buffers: the pipeline's activations and
 // gradients. A buffer address may be host memory or, with a CUDA-aware MPI, device memory; the
 // core only sees (address, bytes).
+//
+// Who makes the MPI calls: while a TransferQueue is installed (hp.init installs the engine's), a
+// transfer is posted, tested and cancelled by the communication thread, the one thread that makes
+// all of hybridpipe's MPI calls (engine.h says why). The requesting thread only queues it and waits
+// on a condition variable. With no queue installed (the transport used on its own, without hp.init),
+// the calling thread makes the calls itself.
+//
+// Buffers: a transfer holds `keep` (e.g. the Python object owning the memory) until MPI is done with
+// it, so a request dropped while in flight never lets MPI read or write freed memory.
 #pragma once
 
 #include <mpi.h>
 
+#include <atomic>
+#include <condition_variable>
 #include <cstddef>
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -15,41 +29,98 @@ namespace hybridpipe {
 
 // One logical send or receive. Messages above kMaxPartBytes travel as several MPI messages of the
 // same tag (MPI keeps their order), because MPI counts are int.
-class P2PRequest {
- public:
+struct Transfer {
   static constexpr size_t kMaxPartBytes = size_t(1) << 30;
 
-  P2PRequest(std::string what, MPI_Comm comm, bool is_receive = false)
-      : what_(std::move(what)), comm_(comm), is_receive_(is_receive) {}
+  bool receive = false;
+  char* data = nullptr;
+  size_t bytes = 0;
+  int peer = 0, tag = 0;
+  MPI_Comm comm = MPI_COMM_NULL;
+  std::string what;            // "send of N bytes to rank R (tag T)"
+  std::shared_ptr<void> keep;  // owns the buffer until the transfer is done
+  std::vector<MPI_Request> parts;  // the thread that posted them owns them
+  // outcome (guarded by the queue's mutex while queued)
+  bool posted = false, done = false, cancel_requested = false, cancel_sent = false, cancelled = false;
+  bool released = false;  // its P2PRequest is gone (no one will wait for it)
+  size_t received_bytes = 0;
+  std::string error;  // set with done when it failed
+
+  // The calling thread's MPI calls (no queue): post, test, record the outcome.
+  void post();  // throws MPICallError (parts posted before the failure are left to the caller)
+  bool test_parts(std::string* error_out);  // MPI_Testall; true when done (outcome recorded)
+  void finish(const MPI_Status* statuses, size_t n);
+};
+
+// Transfers handed to one driving thread (the engine's communication thread).
+class TransferQueue {
+ public:
+  // `wake` is called (without the queue's lock) after a submission or a cancel, to wake the driver.
+  explicit TransferQueue(std::function<void()> wake) : wake_(std::move(wake)) {}
+
+  // Requesting threads.
+  void submit(const std::shared_ptr<Transfer>& transfer);  // throws if the driver has stopped
+  bool test(Transfer& transfer);                           // done? (throws its error)
+  // Blocks until all (any=false) or one (any=true) of `transfers` is done; returns the index of a
+  // done one (any) or 0. Throws the error of a failed one.
+  size_t wait(const std::vector<Transfer*>& transfers, bool any);
+  void cancel(Transfer& transfer);                             // blocks until withdrawn or done
+  void release(const std::shared_ptr<Transfer>& transfer);     // its requester dropped it
+  size_t released_in_flight();                                 // dropped ones MPI still holds
+
+  // The driving thread.
+  // Posts queued transfers and tests the ones in flight; true if something was posted or finished.
+  bool progress();
+  bool busy() const { return count_.load(std::memory_order_acquire) > 0; }  // queued or in flight
+  // The driver stops: what is left fails with `why` (receives are cancelled, sends freed).
+  void stop(const std::string& why);
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::vector<std::shared_ptr<Transfer>> queued_, in_flight_;
+  std::atomic<int> count_{0};
+  bool stopped_ = false;
+  std::string stopped_because_;
+  std::function<void()> wake_;
+};
+
+// The queue new requests go to; nullptr (the default): the calling thread makes the MPI calls.
+void install_transfer_queue(std::shared_ptr<TransferQueue> queue);
+std::shared_ptr<TransferQueue> installed_transfer_queue();
+
+// A transfer as its requester sees it (what Python holds).
+class P2PRequest {
+ public:
+  P2PRequest(std::shared_ptr<Transfer> transfer, std::shared_ptr<TransferQueue> queue)
+      : transfer_(std::move(transfer)), queue_(std::move(queue)) {}
   P2PRequest(const P2PRequest&) = delete;
   P2PRequest& operator=(const P2PRequest&) = delete;
   ~P2PRequest();
 
-  std::vector<MPI_Request>& parts() { return parts_; }
-  bool test();                    // true once every part completed
+  bool test();                               // true once every part completed
   void wait(const WaitPolicy& policy = {});  // blocks until every part completed
-  void cancel();                  // cancels a receive that has not matched (no-op once done)
-  bool done() const { return done_; }
-  size_t received_bytes() const { return received_bytes_; }  // a receive, once done
-  const std::string& what() const { return what_; }
-  MPI_Comm comm() const { return comm_; }
-  void finish(const MPI_Status* statuses, size_t n);  // record the outcome of completed parts
+  void cancel();                             // cancels a receive that has not matched (no-op once done)
+  bool done();
+  size_t received_bytes();                   // a receive, once done
+  const std::string& what() const { return transfer_->what; }
+  MPI_Comm comm() const { return transfer_->comm; }
+  Transfer& transfer() { return *transfer_; }
+  TransferQueue* queue() const { return queue_.get(); }
 
  private:
-  std::string what_;
-  MPI_Comm comm_;
-  bool is_receive_;
-  std::vector<MPI_Request> parts_;
-  bool done_ = false;
-  size_t received_bytes_ = 0;
+  std::shared_ptr<Transfer> transfer_;
+  std::shared_ptr<TransferQueue> queue_;  // null: this thread makes the MPI calls
 };
 
-// Starts sending `bytes` bytes at `data` to rank `dest` of `comm` with `tag`.
-P2PRequest* isend(const void* data, size_t bytes, int dest, int tag, MPI_Comm comm);
+// Starts sending `bytes` bytes at `data` to rank `dest` of `comm` with `tag`; `keep` owns the buffer.
+P2PRequest* isend(const void* data, size_t bytes, int dest, int tag, MPI_Comm comm, std::shared_ptr<void> keep = {});
 // Starts receiving at most `bytes` bytes into `data` from rank `source` of `comm` with `tag`.
 // A message larger than 1 GiB must be received with the exact size it was sent with.
-P2PRequest* irecv(void* data, size_t bytes, int source, int tag, MPI_Comm comm);
-// Blocks until one of `requests` (single-part, not yet done) completes; returns its index.
+P2PRequest* irecv(void* data, size_t bytes, int source, int tag, MPI_Comm comm, std::shared_ptr<void> keep = {});
+// Blocks until one of `requests` (not yet done) completes; returns its index.
 size_t wait_any(const std::vector<P2PRequest*>& requests, const WaitPolicy& policy = {});
+// Dropped requests whose buffers MPI may still use (they are kept until it is done).
+size_t orphaned_transfers();
 
 }  // namespace hybridpipe

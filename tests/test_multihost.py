@@ -19,6 +19,7 @@ from hybridpipe.testing.emulated_hosts import EmulatedHosts, EmulatedHostsError
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "multihost" / "worker.py"
+PIPELINE_WORKER = ROOT / "tests" / "multihost" / "pipeline_worker.py"
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +33,9 @@ def emulated_hosts():
     hosts.down()
 
 
-def run_worker(hosts: EmulatedHosts, *args: str) -> str:
-    command = hosts.mpirun_command(2, [sys.executable, str(WORKER), *args], env={"OMP_NUM_THREADS": "1"})
+def run_worker(hosts: EmulatedHosts, *args: str, worker: Path = WORKER, round_robin: bool = False) -> str:
+    command = hosts.mpirun_command(2, [sys.executable, str(worker), *args], env={"OMP_NUM_THREADS": "1"},
+                                   round_robin=round_robin)
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=150)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
@@ -54,6 +56,14 @@ def test_direct_collectives_right_after_engine_traffic_of_another_group(emulated
     collectives ran on the calling thread (docs/sharp_bits.md): each group's direct collectives right
     after the previous group's engine traffic."""
     run_worker(emulated_hosts, "--interleaved")
+
+
+def test_pipelines_spanning_hosts_train_as_one_process(emulated_hosts):
+    """2 stages × 2 replicas placed round-robin: each pipeline's activations and gradients cross the
+    TCP link between the hosts (the communication thread makes those MPI calls too), each stage's data
+    group stays in one host; GPipe and 1F1B train the same parameters as one process."""
+    output = run_worker(emulated_hosts, worker=PIPELINE_WORKER, round_robin=True)
+    assert len({line.split(" on ")[-1] for line in output.splitlines() if " ok: " in line}) == 2
 
 
 def test_the_command_runs_a_job_across_hosts_and_returns_its_exit_code(tmp_path):

@@ -56,6 +56,8 @@ class _EngineState:
         # first: it holds every rank, and later groups join at a cycle it agrees on (csrc/engine.h)
         for label, comm in zip(_BUILTIN, (grid.world_comm, grid.data_comm, grid.pipe_comm)):
             self.groups[label] = self.engine.add_group(comm.py2f(), label)
+        # the pipeline's sends and receives (comm/p2p.py) go through the same thread
+        self.engine.drive_transfers()
         self.engine.start()
         self.user_groups: dict[int, tuple[Any, int]] = {}
         self.in_flight: set[tuple[int, str]] = set()

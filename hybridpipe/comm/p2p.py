@@ -12,7 +12,11 @@ This is how the pipeline moves activations forward and gradients backward. A mes
 
 So a sender and receiver each consume two consecutive tags per message; callers use even tags.
 Both directions go through the C++ core (``hybridpipe._C.isend/irecv``), which releases the GIL
-while waiting. Tensors on a GPU are staged through host memory for now.
+while waiting. After ``hp.init`` the engine's communication thread makes their MPI calls (the one
+thread that makes all of hybridpipe's MPI calls, see docs/concepts.md); the calling thread queues a
+transfer and waits for it. Each request holds its buffers until MPI is done with them, so dropping
+a :class:`Send` or :class:`Receive` in flight is safe. Tensors on a GPU are staged through host
+memory for now.
 
 A stage that fails sends an **error message** on :data:`ERROR_TAG` to its neighbours; a receive
 waiting with ``abort=`` on such an error raises :class:`RemoteError` instead of hanging.
@@ -125,50 +129,34 @@ def _check_tag(tag: int) -> None:
         raise ValueError(f"p2p tag {tag} is outside 0..{ERROR_TAG - 2} (tags below ERROR_TAG={ERROR_TAG})")
 
 
-# (requests, buffers) of Sends dropped while possibly in flight: MPI may still read the buffers, so
-# they live here until a later send() sees the requests done.
-_orphans: list[tuple[list[Any], list[Any]]] = []
-
-
-def _reap_orphans() -> None:
-    _orphans[:] = [(requests, keep) for requests, keep in _orphans if not all(r.test() for r in requests)]
-
-
 class Send:
-    """An in-flight send. Keeps its buffers alive until :meth:`wait` (or :meth:`test`) sees it done.
+    """An in-flight send.
 
-    Dropping it before then is safe: the buffers are kept until MPI is done with them.
+    Dropping it before it is done is safe: the C++ request holds the buffers until MPI is done with
+    them (``hybridpipe._C.orphaned_transfers()`` counts such sends).
     """
 
-    def __init__(self, requests: list[Any], keep: list[Any]) -> None:
-        self._requests, self._keep = requests, keep
-
-    def __del__(self) -> None:
-        if self._keep:  # not seen done: MPI may still read the buffers (no MPI calls here)
-            _orphans.append((self._requests, self._keep))
+    def __init__(self, requests: list[Any]) -> None:
+        self._requests = requests
 
     def test(self) -> bool:
         """True once every part was sent (the buffers may then be reused)."""
-        if all(request.test() for request in self._requests):
-            self._keep = []
-            return True
-        return False
+        return all(request.test() for request in self._requests)
 
     def wait(self) -> None:
         """Blocks until every part was sent."""
         policy = _wait_policy()
         for request in self._requests:
             request.wait(policy)
-        self._keep = []
 
 
-def _post_header(header: bytes, dest: int, tag: int, comm_f: int) -> tuple[Any, np.ndarray]:
+def _post_header(header: bytes, dest: int, tag: int, comm_f: int) -> Any:
     if len(header) > HEADER_CAPACITY:
         raise ValueError(f"the structure of the value to send pickles to {len(header)} bytes, more than "
                          f"HEADER_CAPACITY={HEADER_CAPACITY}: pass fewer tensors / smaller non-tensor "
                          "values between stages")
     buffer = np.frombuffer(header, dtype=np.uint8)
-    return core().isend(buffer.ctypes.data, buffer.nbytes, dest, tag, comm_f), buffer
+    return core().isend(buffer.ctypes.data, buffer.nbytes, dest, tag, comm_f, buffer)
 
 
 def _host_contiguous(tensor: torch.Tensor) -> torch.Tensor:
@@ -205,7 +193,6 @@ def send(value: Any, dest: int, tag: int, comm: Any) -> Send:
     Wait for the :class:`Send` before the job ends.
     """
     _check_tag(tag)
-    _reap_orphans()
     tensors: list[torch.Tensor] = []
     skeleton = _skeleton(value, tensors)
     comm_f = comm.py2f()
@@ -213,23 +200,19 @@ def send(value: Any, dest: int, tag: int, comm: Any) -> Send:
         payload = [_raw_bytes(tensor) for tensor in tensors]
         message = pickle.dumps((_INLINE_MARK, skeleton, payload), protocol=pickle.HIGHEST_PROTOCOL)
         if len(message) <= HEADER_CAPACITY:
-            request, header = _post_header(message, dest, tag, comm_f)
-            return Send([request], [header])
-    request, header = _post_header(pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL), dest, tag, comm_f)
-    requests, keep = [request], [header]
+            return Send([_post_header(message, dest, tag, comm_f)])
+    requests = [_post_header(pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL), dest, tag, comm_f)]
     for tensor in tensors:
         host = _host_contiguous(tensor)
-        keep.append(host)
         nbytes = host.numel() * host.element_size()
-        requests.append(core().isend(host.data_ptr(), nbytes, dest, tag + 1, comm_f))
-    return Send(requests, keep)
+        requests.append(core().isend(host.data_ptr(), nbytes, dest, tag + 1, comm_f, host))
+    return Send(requests)
 
 
 def send_error(text: str, rank: int, dest: int, comm: Any) -> Send:
     """Tells rank ``dest`` that rank ``rank`` failed with ``text`` (a small, eager message)."""
     header = pickle.dumps((_ERROR_MARK, rank, text[-4000:]), protocol=pickle.HIGHEST_PROTOCOL)
-    request, buffer = _post_header(header, dest, ERROR_TAG, comm.py2f())
-    return Send([request], [buffer])
+    return Send([_post_header(header, dest, ERROR_TAG, comm.py2f())])
 
 
 # Receives posted on one (communicator, source, tag) whose header is not opened yet, in posting
@@ -259,7 +242,8 @@ class Receive:
         self.source, self.tag, self._comm_f = source, tag, comm.py2f()
         self._device, self._requires_grad = device, requires_grad
         self._header = np.empty(HEADER_CAPACITY, dtype=np.uint8)
-        self._header_request = core().irecv(self._header.ctypes.data, HEADER_CAPACITY, source, tag, self._comm_f)
+        self._header_request = core().irecv(self._header.ctypes.data, HEADER_CAPACITY, source, tag, self._comm_f,
+                                            self._header)
         self._skeleton: Any = None
         self._tensors: list[torch.Tensor] = []
         self._payload_requests: list[Any] = []
@@ -309,7 +293,7 @@ class Receive:
             self._tensors.append(tensor)
             nbytes = tensor.numel() * tensor.element_size()
             self._payload_requests.append(
-                core().irecv(tensor.data_ptr(), nbytes, self.source, self.tag + 1, self._comm_f))
+                core().irecv(tensor.data_ptr(), nbytes, self.source, self.tag + 1, self._comm_f, tensor))
 
     @property
     def opened(self) -> bool:

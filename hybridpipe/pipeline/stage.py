@@ -42,7 +42,6 @@ __all__ = ["CHECKPOINT_MODES", "PipelineBroken", "StageExecutor", "StepResult"]
 CHECKPOINT_MODES = ("never", "except_last", "always")
 _TAG_PERIOD = 4096
 _RESULT_TAG = 4 * _TAG_PERIOD  # loss / predict output from the last stage to every stage
-_graveyard: list[p2p.Send] = []  # sends abandoned by a failed step: their buffers must outlive MPI
 _backward_phase: str | None = None
 """While a stage runs a backward: "partial" (more micro-batches' backwards follow in this step) or
 "final" (the step's last backward on this stage: gradients become final as it runs). None otherwise.
@@ -197,10 +196,10 @@ class StageExecutor:
             text = str(error)
         else:
             text = f"stage {self.stage} (rank {self.comm.rank} of the pipeline) raised {text}"
+        # the sends are dropped, not waited for: each keeps its buffers until MPI is done with them
         for peer in self._neighbours():
             if peer != came_from:
-                _graveyard.append(p2p.send_error(text, self.stage, peer, self.comm))
-        _graveyard.extend(self._sends)
+                p2p.send_error(text, self.stage, peer, self.comm)
         self._sends = []
 
     def _wait(self, receive: p2p.Receive, what: str = "value") -> Any:

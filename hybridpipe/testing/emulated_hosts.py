@@ -228,16 +228,20 @@ class EmulatedHosts:
         return subprocess.run(["ip", "netns", "exec", self.namespaces[host], *argv], **kwargs)
 
     def mpirun_command(self, ranks_per_host: int, argv: Sequence[str], env: Mapping[str, str] | None = None,
-                       mpirun: str | None = None, extra_args: Sequence[str] = ()) -> list[str]:
-        """The launch command for ``ranks_per_host`` ranks on every host (ranks packed by host: ranks
-        0..k-1 on the first). ``env`` is added to :func:`forwarded_environment`. Open MPI and MPICH."""
+                       mpirun: str | None = None, extra_args: Sequence[str] = (),
+                       round_robin: bool = False) -> list[str]:
+        """The launch command for ``ranks_per_host`` ranks on every host: packed by host (ranks 0..k-1
+        on the first), or with ``round_robin`` rank r on host r mod hosts. ``env`` is added to
+        :func:`forwarded_environment`. Open MPI and MPICH."""
         launcher = find_mpirun(mpirun)
         flavour = mpi_flavour(launcher)
-        hosts = ",".join(f"{address}:{ranks_per_host}" for address in self.addresses)
+        # MPICH's hydra fills each host's slots in turn and wraps around the list: one slot each is round-robin
+        slots = 1 if round_robin and flavour == "mpich" else ranks_per_host
+        hosts = ",".join(f"{address}:{slots}" for address in self.addresses)
         variables = forwarded_environment(env)
         if flavour == "openmpi":
             variables.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")  # ranks outnumber cores here
-            placement = ["--host", hosts, "--map-by", "slot", "--prtemca", "plm_ssh_agent", self.agent,
+            placement = ["--host", hosts, "--map-by", "node" if round_robin else "slot", "--prtemca", "plm_ssh_agent", self.agent,
                          "--prtemca", "oob_tcp_if_include", self.subnet, "--mca", "oob_tcp_if_include",
                          self.subnet, "--mca", "btl_tcp_if_include", self.subnet]
         elif flavour == "mpich":

@@ -29,12 +29,20 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 SHAPES = [(0,), (3, 0, 2), (), (1,), (7, 13), (2, 3, 4, 5)]
 
 
-@pytest.fixture(scope="module")
-def comm():
+@pytest.fixture(scope="module", params=["engine", "caller"])
+def comm(request):
+    """Every test runs twice: after hp.init, where the engine's communication thread makes the
+    transfers' MPI calls, and without it, where the calling thread makes them."""
+    if request.param == "engine":
+        hp.init()
+    assert _ext.core().transfers_driven() == (request.param == "engine")
     world = MPI.COMM_WORLD.Dup()
     yield world
     world.Barrier()
     world.Free()
+    if request.param == "engine":
+        hp.shutdown()
+        assert not _ext.core().transfers_driven()
 
 
 def ring(comm):
@@ -388,14 +396,14 @@ def test_dropped_send_keeps_its_buffers_until_sent(comm):
     assert_same(got, make(torch.float32, (3_000_000,), source) * 2)
     del junk
     comm.Barrier()
-    # the parked buffers are released by a later send() once MPI is done with them (every rank
-    # takes the same number of turns: the decision is an allreduce)
+    # the dropped send's buffers are released once MPI is done with them (every rank takes the same
+    # number of turns: the decision is an allreduce)
     for _ in range(1000):
-        if not comm.allreduce(len(p2p._orphans)):
+        if not comm.allreduce(_ext.core().orphaned_transfers()):
             break
         time.sleep(1e-3)
         exchange(comm, None, tag=122)
-    assert not p2p._orphans, "the dropped send's buffers were never released"
+    assert not _ext.core().orphaned_transfers(), "the dropped send's buffers were never released"
 
 
 # ------------------------------------------------------------------ errors
