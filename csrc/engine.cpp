@@ -29,6 +29,10 @@ constexpr uint64_t kIdle = 1ull << 3;        // AND: nobody has anything pending
 constexpr uint64_t kNotExpired = 1ull << 4;  // AND: nothing waited past stall_shutdown_seconds
 constexpr uint64_t kNoRegistration = 1ull << 5;  // AND (group 0 only): no rank has a group waiting to join
 
+constexpr int kProbeTag = 1;   // on health_: "is your communication thread alive?" (round, 0)
+constexpr int kAnswerTag = 2;  // on health_: "yes" (round, seconds my thread has been blocked)
+constexpr double kProbeGraceSeconds = 1.0;  // a live thread answers within milliseconds
+
 struct Announced {  // one pending name of one rank, as gathered in a slow round
   int rank;
   size_t count;
@@ -81,6 +85,22 @@ int Engine::add_group(MPI_Comm comm, const std::string& label) {
   MPI_Comm_rank(group->comm, &group->rank);
   MPI_Comm_size(group->comm, &group->size);
   group->label = label;
+  bool first = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    first = groups_.empty();
+  }
+  if (first) {  // group 0: every rank's host name, and a communicator for absent-rank probes
+    HP_MPI(MPI_Comm_dup, group->comm, group->comm, &health_);
+    MPI_Comm_set_errhandler(health_, MPI_ERRORS_RETURN);
+    char name[MPI_MAX_PROCESSOR_NAME + 1] = {0};
+    int length = 0;
+    MPI_Get_processor_name(name, &length);
+    std::vector<char> names(static_cast<size_t>(group->size) * (MPI_MAX_PROCESSOR_NAME + 1));
+    HP_MPI(MPI_Allgather, health_, name, MPI_MAX_PROCESSOR_NAME + 1, MPI_CHAR, names.data(), MPI_MAX_PROCESSOR_NAME + 1,
+           MPI_CHAR, health_);
+    for (int r = 0; r < group->size; ++r) hosts_.emplace_back(names.data() + static_cast<size_t>(r) * (MPI_MAX_PROCESSOR_NAME + 1));
+  }
   // A new group starts quiet, as if every rank had agreed on kQuietAfterIdleCycles idle cycles.
   group->idle_cycles = kQuietAfterIdleCycles + 1;
   group->shm = fused_shared_memory(group->comm, options_.allreduce);  // collective, like the dup
@@ -252,6 +272,7 @@ void Engine::shutdown() {
   start();  // the stop is agreed by the thread: start it if it never ran
   if (thread_.joinable()) thread_.join();
   if (transfers_ && installed_transfer_queue() == transfers_) install_transfer_queue(nullptr);
+  if (health_ != MPI_COMM_NULL) MPI_Comm_free(&health_);
   for (auto& group : groups_) {
     if (group->comm != MPI_COMM_NULL) MPI_Comm_free(&group->comm);
   }
@@ -324,8 +345,10 @@ void Engine::run() {
     std::lock_guard<std::mutex> lock(mutex_);
     transfers = transfers_.get();
   }
-  if (transfers) {
-    progress_hook = {[](void* queue) { static_cast<TransferQueue*>(queue)->progress(); }, transfers};
+  // inside every polite wait of this thread: transfers, probes from other ranks, its own timer
+  progress_hook = {[](void* engine) { static_cast<Engine*>(engine)->service(); }, this};
+  if (health_ != MPI_COMM_NULL) {
+    MPI_Irecv(answer_message_, 2, MPI_DOUBLE, MPI_ANY_SOURCE, kAnswerTag, health_, &answer_request_);
   }
   // between cycles, transfers in flight are tested with sleeps backing off to this
   const double transfer_sleep_max_us = std::min(std::max(busy_wait.max_sleep_us, 1.0), 50.0);
@@ -333,7 +356,7 @@ void Engine::run() {
   try {
     while (true) {
       std::vector<int> order;
-      if (transfers) transfers->progress();
+      service();
       {
         std::unique_lock<std::mutex> lock(mutex_);
         // sleep until the next cycle; after an idle cycle, a submission, registration or stop wakes it early
@@ -356,6 +379,7 @@ void Engine::run() {
           }
           lock.unlock();
           if (transfers->progress()) sleep_us = 2.0;
+          answer_probes();
           lock.lock();
           if (due()) break;
           wake_.wait_until(lock, std::min(next_cycle, Clock::now() + std::chrono::nanoseconds(
@@ -416,10 +440,16 @@ void Engine::run() {
     stopped_because = "it failed: " + fatal_;
     for (auto& group : groups_) fail_pending(*group, "the background engine failed: " + fatal_, ErrorKind::Failed);
   }
-  if (transfers) {
-    progress_hook = {};
-    transfers->stop(stopped_because);
+  progress_hook = {};
+  if (transfers) transfers->stop(stopped_because);
+  if (answer_request_ != MPI_REQUEST_NULL) {
+    MPI_Cancel(&answer_request_);
+    MPI_Request_free(&answer_request_);
   }
+  for (MPI_Request& request : sent_answer_requests_) {
+    if (request != MPI_REQUEST_NULL) MPI_Request_free(&request);  // the buffers are leaked with them below
+  }
+  for (auto& buffer : sent_answers_) buffer.release();
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& group : groups_) {  // never became active (its other ranks never registered it), or left over
     fail_pending(*group, "the background engine stopped before this tensor was reduced (group '" + group->label +
@@ -450,41 +480,199 @@ void Engine::negotiate(Group& group, const WaitPolicy& busy_wait, const WaitPoli
   start_negotiation(group);
   // polite: spin briefly, then sleep between tests (Python needs the cores). A negotiation waits only
   // for the other ranks' communication threads, which run whatever their training threads do: one
-  // that never comes means a rank stopped, died or was cut off, and only a local timer can tell.
-  const auto started = Clock::now();
-  bool warned = false;
-  auto test = [&](int* flag) {
-    const int rc = MPI_Test(&group.request, flag, MPI_STATUS_IGNORE);
-    if (rc != MPI_SUCCESS || *flag) return rc;
-    const double waited = std::chrono::duration<double>(Clock::now() - started).count();
-    const bool expired = options_.stall_shutdown_seconds > 0 && waited > options_.stall_shutdown_seconds;
-    if ((waited > options_.stall_check_seconds && !warned) || expired) {
-      warned = true;
-      report_absent(group, waited, expired);
-    }
-    return rc;
-  };
-  HP_MPI(polite_wait, group.comm, test, group.snapshot.empty() ? idle_wait : busy_wait);
+  // that never comes means a rank stopped, died or was cut off, and only a local timer can tell
+  // (block_on: the probes and the timeout run inside the wait, see check_blocked).
+  block_on(&group, "negotiate");
+  HP_MPI(polite_wait, group.comm, [&](int* flag) { return MPI_Test(&group.request, flag, MPI_STATUS_IGNORE); },
+         group.snapshot.empty() ? idle_wait : busy_wait);
+  block_on(nullptr);
   if (!(group.vector[0] & kIdle)) record(group, "negotiate", negotiation_start, seconds_now(), 0, 0);
   finish_negotiation(group);
 }
 
-void Engine::report_absent(const Group& group, double waited, bool abort_job) {
-  int world_rank = -1;
-  MPI_Comm_rank(groups_[0]->comm, &world_rank);
-  char host[256] = "?";
-  gethostname(host, sizeof host - 1);
+void Engine::block_on(const Group* group, const char* what) {
+  if (group == nullptr && blocked_.probing) {  // a round in flight: its answers are ignored
+    blocked_.probing = false;
+  }
+  blocked_.group = group;
+  blocked_.what = what;
+  blocked_.since = Clock::now();
+  blocked_.warned = blocked_.aborting = false;
+}
+
+void Engine::service() {
+  if (transfers_) transfers_->progress();
+  answer_probes();
+  check_blocked();
+}
+
+double Engine::abort_after_seconds() const {
+  double limit = options_.timeout_seconds > 0 ? options_.timeout_seconds : 0;
+  if (options_.stall_shutdown_seconds > 0 && (limit == 0 || options_.stall_shutdown_seconds < limit)) {
+    limit = options_.stall_shutdown_seconds;
+  }
+  return limit;
+}
+
+void Engine::answer_probes() {
+  if (health_ == MPI_COMM_NULL) return;
+  for (size_t i = 0; i < sent_answer_requests_.size();) {  // answers sent earlier: done?
+    int flag = 0;
+    if (MPI_Test(&sent_answer_requests_[i], &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS || flag) {
+      sent_answer_requests_.erase(sent_answer_requests_.begin() + static_cast<long>(i));
+      sent_answers_.erase(sent_answers_.begin() + static_cast<long>(i));
+    } else {
+      ++i;
+    }
+  }
+  while (true) {
+    int flag = 0;
+    MPI_Status status;
+    if (MPI_Iprobe(MPI_ANY_SOURCE, kProbeTag, health_, &flag, &status) != MPI_SUCCESS || !flag) break;
+    int64_t probe[2];
+    if (MPI_Recv(probe, 2, MPI_INT64_T, status.MPI_SOURCE, kProbeTag, health_, MPI_STATUS_IGNORE) != MPI_SUCCESS) break;
+    auto answer = std::make_unique<double[]>(2);
+    answer[0] = static_cast<double>(probe[0]);
+    answer[1] = blocked_.group ? std::chrono::duration<double>(Clock::now() - blocked_.since).count() : 0.0;
+    MPI_Request request = MPI_REQUEST_NULL;
+    if (MPI_Isend(answer.get(), 2, MPI_DOUBLE, status.MPI_SOURCE, kAnswerTag, health_, &request) == MPI_SUCCESS) {
+      sent_answers_.push_back(std::move(answer));
+      sent_answer_requests_.push_back(request);
+    }
+  }
+}
+
+void Engine::check_blocked() {
+  if (health_ != MPI_COMM_NULL && answer_request_ != MPI_REQUEST_NULL) {  // answers to my probes
+    while (true) {
+      int flag = 0;
+      MPI_Status status;
+      if (MPI_Test(&answer_request_, &flag, &status) != MPI_SUCCESS || !flag) break;
+      if (blocked_.probing && static_cast<int64_t>(answer_message_[0]) == probe_round_) {
+        for (size_t i = 0; i < blocked_.asked.size(); ++i) {
+          if (blocked_.asked[i] == status.MPI_SOURCE) blocked_.answer[i] = answer_message_[1];
+        }
+      }
+      MPI_Irecv(answer_message_, 2, MPI_DOUBLE, MPI_ANY_SOURCE, kAnswerTag, health_, &answer_request_);
+    }
+  }
+  if (blocked_.group == nullptr) return;
+  const auto now = Clock::now();
+  if (blocked_.probing) {
+    const bool all = std::all_of(blocked_.answer.begin(), blocked_.answer.end(), [](double a) { return a >= 0; });
+    if (all || std::chrono::duration<double>(now - blocked_.probe_sent).count() > kProbeGraceSeconds) {
+      finish_probe_round();
+    }
+    return;
+  }
+  const double waited = std::chrono::duration<double>(now - blocked_.since).count();
+  const double limit = abort_after_seconds();
+  const bool expired = limit > 0 && waited > limit;
+  if (!expired && (blocked_.warned || waited <= options_.stall_check_seconds)) return;
+  // ask the group's other ranks whether their communication threads are alive
+  int me = -1;
+  MPI_Comm_rank(groups_[0]->comm, &me);
+  blocked_.asked.clear();
+  if (blocked_.group->members.empty()) {
+    for (int r = 0; r < static_cast<int>(hosts_.size()); ++r) blocked_.asked.push_back(r);
+  } else {
+    blocked_.asked = blocked_.group->members;
+  }
+  blocked_.asked.erase(std::remove(blocked_.asked.begin(), blocked_.asked.end(), me), blocked_.asked.end());
+  blocked_.answer.assign(blocked_.asked.size(), -1.0);
+  blocked_.probing = true;
+  blocked_.aborting = expired;
+  blocked_.probe_sent = now;
+  probe_message_[0] = ++probe_round_;
+  for (int rank : blocked_.asked) {
+    MPI_Request request = MPI_REQUEST_NULL;
+    if (health_ != MPI_COMM_NULL &&
+        MPI_Isend(probe_message_, 2, MPI_INT64_T, rank, kProbeTag, health_, &request) == MPI_SUCCESS) {
+      MPI_Request_free(&request);  // a small message; a peer that never takes it costs nothing
+    }
+  }
+  if (blocked_.asked.empty()) finish_probe_round();
+}
+
+std::string Engine::describe_ranks(const std::vector<int>& ranks, const std::vector<double>* waits) const {
+  std::string text;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const int rank = ranks[i];
+    text += (text.empty() ? "" : ", ") + std::to_string(rank) + " (host " +
+            (rank >= 0 && rank < static_cast<int>(hosts_.size()) ? hosts_[rank] : std::string("?"));
+    if (waits) {
+      char waited[64];
+      std::snprintf(waited, sizeof waited, ", blocked %.1f s", (*waits)[i]);
+      text += waited;
+    }
+    text += ")";
+  }
+  return text;
+}
+
+void Engine::finish_probe_round() {
+  blocked_.probing = false;
+  const Group& group = *blocked_.group;
+  const double waited = std::chrono::duration<double>(Clock::now() - blocked_.since).count();
+  std::vector<int> missing, present;
+  std::vector<double> present_waits;
+  for (size_t i = 0; i < blocked_.asked.size(); ++i) {
+    if (blocked_.answer[i] < 0) {
+      missing.push_back(blocked_.asked[i]);
+    } else {
+      present.push_back(blocked_.asked[i]);
+      present_waits.push_back(blocked_.answer[i]);
+    }
+  }
+  int me = -1;
+  MPI_Comm_rank(groups_[0]->comm, &me);
   std::string ranks;
   for (int member : group.members) ranks += (ranks.empty() ? "" : ", ") + std::to_string(member);
-  std::fprintf(stderr,
-               "hybridpipe %s: rank %d (host %s): the communication thread has waited %.1f s for the other ranks "
-               "of group '%s' (ranks [%s]) to negotiate; one of them is stopped, dead, cut off, or stuck outside "
-               "hybridpipe (stall_check_seconds=%g, stall_shutdown_seconds=%g)%s\n",
-               abort_job ? "ERROR" : "WARNING", world_rank, host, waited, group.label.c_str(),
-               ranks.empty() ? "all" : ranks.c_str(), options_.stall_check_seconds, options_.stall_shutdown_seconds,
-               abort_job ? ": aborting the job" : "");
+  char head[512];
+  std::snprintf(head, sizeof head,
+                "hybridpipe %s: rank %d (host %s): the communication thread has waited %.1f s for the other ranks of "
+                "group '%s' (ranks [%s]) to %s; ",
+                blocked_.aborting ? "ERROR" : "WARNING", me,
+                me >= 0 && me < static_cast<int>(hosts_.size()) ? hosts_[me].c_str() : "?", waited,
+                group.label.c_str(), ranks.empty() ? "all" : ranks.c_str(), blocked_.what);
+  std::string message = head;
+  if (!missing.empty()) {
+    char grace[32];
+    std::snprintf(grace, sizeof grace, "%g", kProbeGraceSeconds);
+    message += std::string(missing.size() == 1 ? "rank " : "ranks ") + describe_ranks(missing, nullptr) +
+               " did not answer within " + grace + " s: " + (missing.size() == 1 ? "it is" : "they are") +
+               " stopped, dead, cut off, or stuck outside hybridpipe";
+  } else {
+    message += "every rank of the group answered, so none is dead or cut off: one of them is stuck outside "
+               "hybridpipe (a blocking call of its own?) or the ranks run different code";
+  }
+  if (!present.empty()) {
+    message += std::string("; ") + (present.size() == 1 ? "rank " : "ranks ") + describe_ranks(present, &present_waits) +
+               (present.size() == 1 ? " answered" : " answered");
+  }
+  char settings[160];
+  std::snprintf(settings, sizeof settings, " (stall_check_seconds=%g, stall_shutdown_seconds=%g, timeout_seconds=%g)",
+                options_.stall_check_seconds, options_.stall_shutdown_seconds, options_.timeout_seconds);
+  message += settings;
+  if (blocked_.aborting) abort_job(message + ": aborting the job");
+  blocked_.warned = true;
+  std::fprintf(stderr, "%s\n", message.c_str());
   std::fflush(stderr);
-  if (abort_job) MPI_Abort(groups_[0]->comm, 1);
+}
+
+void Engine::abort_job(const std::string& message) {
+  std::fprintf(stderr, "%s\n", message.c_str());
+  std::fflush(stderr);
+  // MPI_Abort asks the launcher to end every rank; a rank cut off from it may wait there forever, so
+  // this process ends itself shortly after in any case.
+  std::thread([] {
+    std::this_thread::sleep_for(std::chrono::seconds(5));
+    std::fprintf(stderr, "hybridpipe: MPI_Abort did not end this process within 5 s; exiting\n");
+    std::fflush(stderr);
+    _exit(1);
+  }).detach();
+  MPI_Abort(groups_[0]->comm, 1);
+  _exit(1);
 }
 
 void Engine::activate_registrations(Group& coordinator) {
@@ -746,7 +934,11 @@ std::string Engine::slow_round(Group& group, std::vector<Entry>& ready,
 }
 
 void Engine::reduce_bucket(Group& group, const std::function<void(const AllreduceOptions&)>& run) {
-  auto run_here = [&] { run(options_.allreduce); };
+  auto run_here = [&] {
+    block_on(&group, "finish an allreduce");
+    run(options_.allreduce);
+    block_on(nullptr);
+  };
   if (!group.waiters_help) return run_here();
   // A thread leaving wait() usually comes back for its next handle within microseconds.
   const auto grace = std::chrono::microseconds(200);
@@ -763,6 +955,7 @@ void Engine::reduce_bucket(Group& group, const std::function<void(const Allreduc
     helped.wait = spinning(helped.wait);
     job.work = [&run, helped] { run(helped); };
     group.offered = &job;
+    const auto job_started = Clock::now();
     changed_.notify_all();
     while (!job.done) {
       if (!job.taken && group.idle_waiters == 0 && Clock::now() - group.last_wait_return > grace) {  // nobody came
@@ -770,8 +963,19 @@ void Engine::reduce_bucket(Group& group, const std::function<void(const Allreduc
         lock.unlock();
         return run_here();
       }
-      if (job.taken) {
-        changed_.wait(lock);
+      if (job.taken) {  // a waiter runs it: no MPI calls here, only the timeout
+        changed_.wait_for(lock, std::chrono::milliseconds(100));
+        const double waited = std::chrono::duration<double>(Clock::now() - job_started).count();
+        const double limit = abort_after_seconds();
+        if (!job.done && limit > 0 && waited > limit) {
+          char message[512];
+          std::snprintf(message, sizeof message,
+                        "hybridpipe ERROR: an allreduce of group '%s' (its ranks share this host) has waited %.1f s "
+                        "for the other ranks (timeout_seconds=%g, stall_shutdown_seconds=%g): aborting the job",
+                        group.label.c_str(), waited, options_.timeout_seconds, options_.stall_shutdown_seconds);
+          lock.unlock();
+          abort_job(message);
+        }
       } else {
         changed_.wait_for(lock, grace);
       }

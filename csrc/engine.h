@@ -64,6 +64,10 @@ struct EngineOptions {
   double idle_cycle_time_ms = 25.0;
   double stall_check_seconds = 60.0;
   double stall_shutdown_seconds = 0.0;  // 0: off; else a tensor waiting this long stops the group
+  // 0: never; else the communication thread aborts the job once one of its waits for other ranks (a
+  // negotiation, a bucket's allreduce) has lasted this long (stall_shutdown_seconds, when set and
+  // shorter, bounds them too): a dead, stopped or cut-off rank ends the job instead of hanging it.
+  double timeout_seconds = 300.0;
   size_t fusion_threshold_bytes = 4 * 1024 * 1024;
   AllreduceOptions allreduce;
   // A thread blocked in wait() runs its group's bucket allreduces itself (at its own priority, testing
@@ -209,9 +213,29 @@ class Engine {
   // gathers them, and the groups all of whose ranks asked become active.
   void activate_registrations(Group& coordinator);
   void fail_pending(Group& group, const std::string& error, ErrorKind kind);  // with mutex_ held
-  // A negotiation of `group` has waited `waited` s: warns on stderr naming this rank, its host and the
-  // group's ranks; with abort_job (past stall_shutdown_seconds) aborts the job with that message.
-  void report_absent(const Group& group, double waited, bool abort_job);
+  // What the thread is blocked on (engine thread only), for the absent-rank reports: past
+  // stall_check_seconds it asks the group's other ranks (a probe on health_) whether their threads
+  // are alive, and names those that did not answer; past the timeout it aborts with that list.
+  struct Blocked {
+    const Group* group = nullptr;
+    const char* what = "";  // "negotiate", "finish an allreduce"
+    std::chrono::steady_clock::time_point since;
+    bool warned = false;
+    bool probing = false;
+    bool aborting = false;  // the round in flight ends in an abort
+    std::chrono::steady_clock::time_point probe_sent;
+    std::vector<int> asked;      // ranks of group 0
+    std::vector<double> answer;  // per asked rank: seconds its thread had been waiting, or -1 (no answer)
+  };
+  void block_on(const Group* group, const char* what = "");  // nullptr: not blocked any more
+  // The thread's chores inside any wait: post/test transfers, answer probes, check what it waits for.
+  void service();
+  void answer_probes();
+  void check_blocked();
+  void finish_probe_round();
+  double abort_after_seconds() const;  // 0: never
+  std::string describe_ranks(const std::vector<int>& ranks, const std::vector<double>* waits) const;
+  [[noreturn]] void abort_job(const std::string& message);  // prints it, then MPI_Abort (or _exit)
   void start_negotiation(Group& group);
   void finish_negotiation(Group& group);
   // Returns "" or, when a name waited past stall_shutdown_seconds, the message the group stops with.
@@ -241,6 +265,16 @@ class Engine {
   bool shut_down_ = false;
   std::string fatal_;
   std::shared_ptr<TransferQueue> transfers_;  // point-to-point transfers this thread drives (or null)
+  // Absent ranks: a private duplicate of group 0 for probes and answers, and every rank's host name.
+  MPI_Comm health_ = MPI_COMM_NULL;
+  std::vector<std::string> hosts_;
+  Blocked blocked_;
+  int64_t probe_round_ = 0;
+  int64_t probe_message_[2] = {0, 0};                        // (round, 0): what a probe carries
+  MPI_Request answer_request_ = MPI_REQUEST_NULL;            // the receive of the next answer
+  double answer_message_[2] = {0, 0};                        // (round, seconds the answerer waited)
+  std::vector<std::unique_ptr<double[]>> sent_answers_;      // buffers of answers in flight
+  std::vector<MPI_Request> sent_answer_requests_;
 };
 
 }  // namespace hybridpipe

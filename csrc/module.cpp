@@ -269,6 +269,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("idle_cycle_time_ms", &EngineOptions::idle_cycle_time_ms)
       .def_readwrite("stall_check_seconds", &EngineOptions::stall_check_seconds)
       .def_readwrite("stall_shutdown_seconds", &EngineOptions::stall_shutdown_seconds)
+      .def_readwrite("timeout_seconds", &EngineOptions::timeout_seconds)
       .def_readwrite("fusion_threshold_bytes", &EngineOptions::fusion_threshold_bytes)
       .def_readwrite("allreduce", &EngineOptions::allreduce)
       .def_readwrite("record_events", &EngineOptions::record_events)

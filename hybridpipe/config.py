@@ -106,6 +106,10 @@ class Config:
         stall_shutdown_seconds: 0 (off), or stop the engine of a group, failing its pending
             handles on every rank, when a tensor has waited this long for some rank
             (HYBRIDPIPE_STALL_SHUTDOWN_SECONDS).
+        timeout_seconds: 0 (never), or abort the job when the communication thread has waited this
+            long for other ranks (a negotiation or an allreduce that does not complete: a rank died,
+            stopped or was cut off); the message names the ranks that did not answer a probe and
+            their hosts (HYBRIDPIPE_TIMEOUT_SECONDS, default 300).
         wait_spin_us: how pipeline receives/sends and the background engine's ring wait for MPI:
             test for this many microseconds, then sleep between tests so that the waiting thread
             leaves the core to compute threads (HYBRIDPIPE_WAIT_SPIN_US). A negative value uses
@@ -133,6 +137,7 @@ class Config:
     cycle_time_ms: float = 0.5
     stall_check_seconds: float = 60.0
     stall_shutdown_seconds: float = 0.0
+    timeout_seconds: float = 300.0
     wait_spin_us: float = 200.0
     wait_sleep_us: float = 200.0
     engine_nice: int = 19
@@ -159,6 +164,7 @@ class Config:
             ("HYBRIDPIPE_CYCLE_TIME_MS", "cycle_time_ms", _positive_float),
             ("HYBRIDPIPE_STALL_CHECK_SECONDS", "stall_check_seconds", _positive_float),
             ("HYBRIDPIPE_STALL_SHUTDOWN_SECONDS", "stall_shutdown_seconds", _non_negative_float),
+            ("HYBRIDPIPE_TIMEOUT_SECONDS", "timeout_seconds", _non_negative_float),
             ("HYBRIDPIPE_WAIT_SPIN_US", "wait_spin_us", _wait_spin),
             ("HYBRIDPIPE_WAIT_SLEEP_US", "wait_sleep_us", _positive_float),
             ("HYBRIDPIPE_ENGINE_NICE", "engine_nice", _nice),
@@ -181,6 +187,8 @@ class Config:
                                   "(e.g. 128KiB)")
         if self.stall_shutdown_seconds < 0:
             raise HybridPipeError(f"stall_shutdown_seconds={self.stall_shutdown_seconds} must be >= 0 (0: off)")
+        if self.timeout_seconds < 0:
+            raise HybridPipeError(f"timeout_seconds={self.timeout_seconds} must be >= 0 (0: never; default 300)")
         if self.wait_sleep_us <= 0:
             raise HybridPipeError(f"wait_sleep_us={self.wait_sleep_us} must be > 0 (e.g. 200)")
         if not 0 <= self.engine_nice <= 19:

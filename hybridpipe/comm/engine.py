@@ -44,6 +44,7 @@ class _EngineState:
         options.cycle_time_ms = config.cycle_time_ms
         options.stall_check_seconds = config.stall_check_seconds
         options.stall_shutdown_seconds = config.stall_shutdown_seconds
+        options.timeout_seconds = config.timeout_seconds
         options.fusion_threshold_bytes = config.fusion_threshold_bytes
         # polite waits: leave the cores to the backward pass
         options.allreduce = collectives._new_allreduce_options(config, collectives.wait_policy())

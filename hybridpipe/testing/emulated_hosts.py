@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -201,7 +202,22 @@ class EmulatedHosts:
         return self
 
     def down(self) -> None:
-        """Removes everything ``up`` made (deleting a namespace deletes both ends of its veth)."""
+        """Removes everything ``up`` made (deleting a namespace deletes both ends of its veth) and
+        kills the processes still running in its namespaces (deleting one would not end them)."""
+        killed = []
+        for namespace in self.namespaces:
+            pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                    killed.append(int(pid))
+                except (ProcessLookupError, ValueError):
+                    pass
+        # a namespace (and its links) outlives `ip netns del` while a process is inside it
+        deadline = time.monotonic() + 10
+        while killed and time.monotonic() < deadline:
+            killed = [pid for pid in killed if _running(pid)]
+            time.sleep(0.05)
         for undo in reversed(self._undo):
             if undo[0] == "rm":
                 shutil.rmtree(undo[1], ignore_errors=True)
@@ -270,6 +286,15 @@ class EmulatedHosts:
         hosts = cls(**data)
         hosts._undo = undo
         return hosts
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (a zombie holds no namespace)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 # ---------------------------------------------------------------------- command line
