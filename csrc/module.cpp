@@ -6,6 +6,7 @@
 
 #include "common.h"
 #include "engine.h"
+#include "hierarchical.h"
 #include "fusion.h"
 #include "p2p.h"
 #include "ring_allreduce.h"
@@ -110,7 +111,8 @@ PYBIND11_MODULE(_C, m) {
       .value("Auto", AllreduceAlgorithm::Auto)
       .value("Ring", AllreduceAlgorithm::Ring)
       .value("Library", AllreduceAlgorithm::Library)
-      .value("SharedMemory", AllreduceAlgorithm::SharedMemory);
+      .value("SharedMemory", AllreduceAlgorithm::SharedMemory)
+      .value("Hierarchical", AllreduceAlgorithm::Hierarchical);
 
   py::class_<WaitPolicy>(m, "WaitPolicy",
                          "How a thread waits for MPI requests: spin_us < 0 is MPI's own (spinning) wait; "
@@ -132,7 +134,28 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("receive_window", &AllreduceOptions::receive_window)
       .def_readwrite("small_message_bytes", &AllreduceOptions::small_message_bytes)
       .def_readwrite("shared_memory", &AllreduceOptions::shared_memory)
-      .def_readwrite("shared_memory_chunk_bytes", &AllreduceOptions::shared_memory_chunk_bytes);
+      .def_readwrite("shared_memory_chunk_bytes", &AllreduceOptions::shared_memory_chunk_bytes)
+      .def_readwrite("hierarchical", &AllreduceOptions::hierarchical);
+
+  m.def(
+      "hierarchy_info",
+      [](long long comm_handle) {
+        Hierarchy* hierarchy = nullptr;
+        {
+          py::gil_scoped_release no_gil;
+          hierarchy = hierarchy_for(to_comm(comm_handle));
+        }
+        py::dict info;
+        info["hosts"] = hierarchy->hosts();
+        info["ranks_per_host"] = hierarchy->ranks_per_host();
+        info["pieces"] = hierarchy->pieces();
+        info["useful"] = hierarchy->useful();
+        info["calls"] = hierarchy->calls();
+        return info;
+      },
+      py::arg("comm"),
+      "How hierarchical allreduces over `comm` are laid out: hosts, ranks per host (in order of each host's "
+      "lowest rank), pieces, whether auto uses it, and how many allreduces used it. Collective the first time it is asked for `comm`.");
 
   m.def(
       "shared_memory_info",

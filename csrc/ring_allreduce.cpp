@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "hierarchical.h"
 #include "reduce.h"
 #include "shm_allreduce.h"
 
@@ -231,6 +232,21 @@ void allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_Comm 
     if (algorithm == AllreduceAlgorithm::SharedMemory) {
       throw std::invalid_argument("allreduce: shared memory cannot serve this communicator: " +
                                   shared_memory_unavailable_reason(comm) + " (use the ring: algorithm Ring or Auto)");
+    }
+  }
+  if (algorithm == AllreduceAlgorithm::Hierarchical ||
+      (algorithm == AllreduceAlgorithm::Auto && large && options.hierarchical != 0)) {
+    Hierarchy* hierarchy = hierarchy_for(comm);
+    const bool applies = algorithm == AllreduceAlgorithm::Hierarchical || options.hierarchical == 1
+                             ? hierarchy->spans_hosts()
+                             : hierarchy->useful();
+    if (applies) {
+      hierarchy->allreduce(input, output, op, options, workspace);
+      return;
+    }
+    if (algorithm == AllreduceAlgorithm::Hierarchical) {
+      throw std::invalid_argument("allreduce: hierarchical needs a communicator spanning hosts; all " +
+                                  std::to_string(size) + " ranks of this one are on one host (use Auto)");
     }
   }
   bool use_ring = algorithm == AllreduceAlgorithm::Ring;

@@ -30,6 +30,10 @@ struct AllreduceOptions {
   bool shared_memory = true;
   size_t shared_memory_chunk_bytes = 128 * 1024;
   WaitPolicy wait;                            // how the ring waits for its segments (default: MPI's spin)
+  // Communicators spanning hosts reduce buffers above small_message_bytes hierarchically
+  // (hierarchical.h): -1 (auto) when some host has more than one of their ranks, 1 whenever they span
+  // hosts, 0 never (the flat ring).
+  int hierarchical = -1;
 };
 
 class SharedMemoryAllreduce;
@@ -49,7 +53,7 @@ inline bool reduced_alone(size_t bytes, size_t fusion_threshold_bytes, const All
 // time it is asked for `comm` (see shared_memory_for).
 SharedMemoryAllreduce* fused_shared_memory(MPI_Comm comm, const AllreduceOptions& options);
 
-enum class AllreduceAlgorithm : int { Auto = 0, Ring = 1, Library = 2, SharedMemory = 3 };
+enum class AllreduceAlgorithm : int { Auto = 0, Ring = 1, Library = 2, SharedMemory = 3, Hierarchical = 4 };
 
 // Scratch memory reused across calls (receive slots, float32 copies of half buffers).
 class Workspace {
@@ -63,7 +67,9 @@ class Workspace {
 // Reduces `input` over `comm` into `output` (same count and dtype; may alias for in place).
 // Every rank must call with the same count, dtype and op (the Python layer checks this first).
 // Auto: the MPI library at or below small_message_bytes; above it shared memory when every rank of
-// `comm` is on one host (and options.shared_memory), else the ring.
+// `comm` is on one host (and options.shared_memory), else hierarchical when `comm` spans hosts with
+// more than one rank on some host (options.hierarchical; the first such call is collective: it
+// learns the layout), else the ring.
 void allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_Comm comm,
                const AllreduceOptions& options, Workspace& workspace,
                AllreduceAlgorithm algorithm = AllreduceAlgorithm::Auto);

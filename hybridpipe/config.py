@@ -68,6 +68,15 @@ def _switch(text: str, name: str) -> bool:
     return value in ("1", "true", "yes", "on")
 
 
+def _auto_switch(text: str, name: str) -> str:
+    value = text.strip().lower()
+    if value == "auto":
+        return "auto"
+    if value not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+        raise HybridPipeError(f"{name}={text!r} is not auto, 1 or 0")
+    return "1" if value in ("1", "true", "yes", "on") else "0"
+
+
 def _non_negative_float(text: str, name: str) -> float:
     try:
         value = float(text)
@@ -99,6 +108,11 @@ class Config:
             uses the ring everywhere (HYBRIDPIPE_SHARED_MEMORY, 1 or 0).
         shared_memory_chunk_bytes: the unit in which buffers stream through that segment; the
             segment holds 4 x (ranks + 1) chunks (HYBRIDPIPE_SHARED_MEMORY_CHUNK, e.g. ``128KiB``).
+        hierarchical: "auto", "1" or "0": groups spanning hosts reduce buffers above the small-message
+            cutoff inside each host (shared memory), then between hosts with every rank of a host
+            carrying its share on its own ring, then broadcast inside each host. auto: when some
+            host has more than one of the group's ranks; 1: whenever the group spans hosts; 0: the
+            flat ring (HYBRIDPIPE_HIERARCHICAL).
         cycle_time_ms: how often the background engine fuses and runs ready tensors
             (HYBRIDPIPE_CYCLE_TIME_MS).
         stall_check_seconds: warn when a collective waits this long for some rank
@@ -134,6 +148,7 @@ class Config:
     small_message_bytes: int = 64 * 1024
     shared_memory: bool = True
     shared_memory_chunk_bytes: int = 128 * 1024
+    hierarchical: str = "auto"
     cycle_time_ms: float = 0.5
     stall_check_seconds: float = 60.0
     stall_shutdown_seconds: float = 0.0
@@ -161,6 +176,7 @@ class Config:
             ("HYBRIDPIPE_SMALL_MESSAGE_BYTES", "small_message_bytes", parse_bytes),
             ("HYBRIDPIPE_SHARED_MEMORY", "shared_memory", _switch),
             ("HYBRIDPIPE_SHARED_MEMORY_CHUNK", "shared_memory_chunk_bytes", parse_bytes),
+            ("HYBRIDPIPE_HIERARCHICAL", "hierarchical", _auto_switch),
             ("HYBRIDPIPE_CYCLE_TIME_MS", "cycle_time_ms", _positive_float),
             ("HYBRIDPIPE_STALL_CHECK_SECONDS", "stall_check_seconds", _positive_float),
             ("HYBRIDPIPE_STALL_SHUTDOWN_SECONDS", "stall_shutdown_seconds", _non_negative_float),
@@ -187,6 +203,8 @@ class Config:
                                   "(e.g. 128KiB)")
         if self.stall_shutdown_seconds < 0:
             raise HybridPipeError(f"stall_shutdown_seconds={self.stall_shutdown_seconds} must be >= 0 (0: off)")
+        if self.hierarchical not in ("auto", "1", "0"):
+            raise HybridPipeError(f"hierarchical={self.hierarchical!r} must be 'auto', '1' or '0'")
         if self.timeout_seconds < 0:
             raise HybridPipeError(f"timeout_seconds={self.timeout_seconds} must be >= 0 (0: never; default 300)")
         if self.wait_sleep_us <= 0:

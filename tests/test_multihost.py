@@ -20,6 +20,7 @@ from hybridpipe.testing.emulated_hosts import EmulatedHosts, EmulatedHostsError
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "multihost" / "worker.py"
 PIPELINE_WORKER = ROOT / "tests" / "multihost" / "pipeline_worker.py"
+HIERARCHICAL_WORKER = ROOT / "tests" / "multihost" / "hierarchical_worker.py"
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +34,10 @@ def emulated_hosts():
     hosts.down()
 
 
-def run_worker(hosts: EmulatedHosts, *args: str, worker: Path = WORKER, round_robin: bool = False) -> str:
-    command = hosts.mpirun_command(2, [sys.executable, str(worker), *args], env={"OMP_NUM_THREADS": "1"},
-                                   round_robin=round_robin)
+def run_worker(hosts: EmulatedHosts, *args: str, worker: Path = WORKER, round_robin: bool = False,
+               ranks_per_host=2, env: dict[str, str] | None = None) -> str:
+    command = hosts.mpirun_command(ranks_per_host, [sys.executable, str(worker), *args],
+                                   env={"OMP_NUM_THREADS": "1", **(env or {})}, round_robin=round_robin)
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=150)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
@@ -64,6 +66,19 @@ def test_pipelines_spanning_hosts_train_as_one_process(emulated_hosts):
     group stays in one host; GPipe and 1F1B train the same parameters as one process."""
     output = run_worker(emulated_hosts, worker=PIPELINE_WORKER, round_robin=True)
     assert len({line.split(" on ")[-1] for line in output.splitlines() if " ok: " in line}) == 2
+
+
+@pytest.mark.parametrize("layout", [[2, 2], [3, 1]], ids=["2+2", "3+1"])
+def test_hierarchical_allreduce_every_dtype_and_op_equals_numpy(emulated_hosts, layout):
+    """World spans two hosts with 2 + 2 and 3 + 1 ranks: hp.allreduce of every dtype and op, grouped
+    allreduces and the engine's buckets go hierarchical (reduce in each host, the pieces between hosts,
+    broadcast in each host) and equal numpy (exactly for integers, Min and Max)."""
+    run_worker(emulated_hosts, "+".join(map(str, layout)), worker=HIERARCHICAL_WORKER, ranks_per_host=layout)
+
+
+def test_hierarchical_off_takes_the_flat_ring(emulated_hosts):
+    """HYBRIDPIPE_HIERARCHICAL=0: the same values, and the hierarchy is never used."""
+    run_worker(emulated_hosts, "2+2", worker=HIERARCHICAL_WORKER, env={"HYBRIDPIPE_HIERARCHICAL": "0"})
 
 
 def test_the_command_runs_a_job_across_hosts_and_returns_its_exit_code(tmp_path):

@@ -157,6 +157,7 @@ def _new_allreduce_options(config: Any, wait: Any = None) -> Any:
     options.unfused_bytes = config.unfused_bytes
     options.shared_memory = config.shared_memory
     options.shared_memory_chunk_bytes = config.shared_memory_chunk_bytes
+    options.hierarchical = {"auto": -1, "1": 1, "0": 0}[config.hierarchical]
     if wait is not None:
         options.wait = wait
     return options

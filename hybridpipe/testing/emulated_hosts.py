@@ -243,17 +243,24 @@ class EmulatedHosts:
         """Runs ``argv`` inside host ``host``'s namespace (``subprocess.run`` keywords pass through)."""
         return subprocess.run(["ip", "netns", "exec", self.namespaces[host], *argv], **kwargs)
 
-    def mpirun_command(self, ranks_per_host: int, argv: Sequence[str], env: Mapping[str, str] | None = None,
-                       mpirun: str | None = None, extra_args: Sequence[str] = (),
-                       round_robin: bool = False) -> list[str]:
-        """The launch command for ``ranks_per_host`` ranks on every host: packed by host (ranks 0..k-1
-        on the first), or with ``round_robin`` rank r on host r mod hosts. ``env`` is added to
-        :func:`forwarded_environment`. Open MPI and MPICH."""
+    def mpirun_command(self, ranks_per_host: int | Sequence[int], argv: Sequence[str],
+                       env: Mapping[str, str] | None = None, mpirun: str | None = None,
+                       extra_args: Sequence[str] = (), round_robin: bool = False) -> list[str]:
+        """The launch command for ``ranks_per_host`` ranks on every host (or a list: that many on each
+        host, e.g. ``[3, 1]``): packed by host (ranks 0..k-1 on the first), or with ``round_robin``
+        rank r on host r mod hosts. ``env`` is added to :func:`forwarded_environment`. Open MPI and
+        MPICH."""
         launcher = find_mpirun(mpirun)
         flavour = mpi_flavour(launcher)
+        counts = [ranks_per_host] * self.hosts if isinstance(ranks_per_host, int) else list(ranks_per_host)
+        if len(counts) != self.hosts or min(counts) < 1:
+            raise EmulatedHostsError(f"ranks_per_host={ranks_per_host!r}: give one count >= 1, or one per host "
+                                     f"({self.hosts} hosts)")
+        if round_robin and len(set(counts)) > 1:
+            raise EmulatedHostsError(f"round_robin needs the same number of ranks on every host, not {counts}")
         # MPICH's hydra fills each host's slots in turn and wraps around the list: one slot each is round-robin
-        slots = 1 if round_robin and flavour == "mpich" else ranks_per_host
-        hosts = ",".join(f"{address}:{slots}" for address in self.addresses)
+        slots = [1] * self.hosts if round_robin and flavour == "mpich" else counts
+        hosts = ",".join(f"{address}:{n}" for address, n in zip(self.addresses, slots))
         variables = forwarded_environment(env)
         if flavour == "openmpi":
             variables.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")  # ranks outnumber cores here
@@ -264,7 +271,7 @@ class EmulatedHosts:
             placement = ["-hosts", hosts, "-launcher", "ssh", "-launcher-exec", self.agent, "-iface", self.bridge]
         else:
             raise EmulatedHostsError(f"{launcher} is neither Open MPI nor MPICH: cannot launch on emulated hosts")
-        return mpirun_command(ranks_per_host * self.hosts, argv, mpirun=launcher,
+        return mpirun_command(sum(counts), argv, mpirun=launcher,
                               extra_args=[*placement, *extra_args], env=variables, oversubscribe=False)
 
     def save(self) -> Path:
