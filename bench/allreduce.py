@@ -163,10 +163,10 @@ class Worker:
     def _ring_options(self) -> Any:
         """The options of a direct collective (spinning waits), with the shared-memory path switched off."""
         from hybridpipe._ext import core
-        from hybridpipe.comm import collectives
+        from hybridpipe.comm import context
 
         config = self.hp.config()  # a fresh object: the cached one serves hp.allreduce_ beside it
-        options = collectives._new_allreduce_options(config, core().spinning_wait(collectives.wait_policy(config)))
+        options = context.allreduce_options_for(config, core().spinning_wait(context.wait_policy(config)))
         options.shared_memory = False
         return options
 
@@ -175,10 +175,10 @@ class Worker:
         allreduce above the small-message cutoff took before the shared-memory allreduce, and the one
         ranks on several hosts take."""
         from hybridpipe._ext import core
-        from hybridpipe.comm import collectives
+        from hybridpipe.comm import context
 
         tensor = self.torch.zeros(count, dtype=self.torch.float32)
-        comm = collectives._communicator(None, "bench").py2f()
+        comm = context.communicator(None, "bench").py2f()
         options, address, sum_code = self._ring_options(), tensor.data_ptr(), int(self.hp.Sum)
         header = [1, count, 0, sum_code, 0]
         auto = core().AllreduceAlgorithm.Auto  # with shared memory off: MPI_Allreduce when small, else the ring
@@ -224,11 +224,11 @@ class Worker:
 
         def grouped_ring():
             from hybridpipe._ext import core
-            from hybridpipe.comm import collectives
+            from hybridpipe.comm import context
 
             tensors = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
             addresses, dtypes = [t.data_ptr() for t in tensors], [0] * len(tensors)
-            comm = collectives._communicator(None, "bench").py2f()
+            comm = context.communicator(None, "bench").py2f()
             options, threshold = self._ring_options(), hp.config().fusion_threshold_bytes
 
             def call(keep=tensors):  # keeps the tensors behind the addresses alive

@@ -81,17 +81,17 @@ class Worker:
     def big(self) -> dict[str, Any]:
         """64 MiB: hierarchical, flat ring and the MPI library, interleaved."""
         from hybridpipe._ext import core
-        from hybridpipe.comm import collectives
+        from hybridpipe.comm import context
         from hybridpipe.comm.engine import call
 
         hp, MPI = self.hp, self.MPI
         hp.init()
-        comm = collectives._communicator(None, "bench")
+        comm = context.communicator(None, "bench")
         library = call(None, "dup", comm.Dup)
         count = BIG // 4
         array = np.zeros(count, dtype=np.float32)
         address, comm_f = array.ctypes.data, comm.py2f()
-        options = collectives._new_allreduce_options(hp.config(), collectives.wait_policy())
+        options = context.allreduce_options_for(hp.config(), context.wait_policy(hp.config()))
         algorithms = core().AllreduceAlgorithm
 
         def ours(algorithm):
@@ -122,7 +122,7 @@ class Worker:
 
     def resnet(self) -> dict[str, Any]:
         """ResNet-50's 161 gradients through the engine, hierarchical on and off, and 161 library calls."""
-        from hybridpipe.comm import collectives
+        from hybridpipe.comm import context
         from hybridpipe.comm.engine import call
 
         torch, hp, MPI = self.torch, self.hp, self.MPI
@@ -137,7 +137,7 @@ class Worker:
         for block in range(blocks):
             for setting, name in (("1", "hierarchical"), ("0", "flat ring")):
                 hp.init(config=hp.Config(hierarchical=setting))
-                comm = collectives._communicator(None, "bench")
+                comm = context.communicator(None, "bench")
                 library = call(None, "dup", comm.Dup)
                 def engine():
                     handles = [hp.allreduce_async_(t, name=f"g{i}", op=hp.Sum) for i, t in enumerate(tensors)]

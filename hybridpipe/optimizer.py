@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from . import _trace as timeline
-from .comm import collectives, engine
+from .comm import collectives, context, engine
 from .pipeline import stage
 from .comm.collectives import Average, ReduceOp, Sum
 from .errors import HybridPipeError
@@ -106,7 +106,7 @@ class _DistributedOptimizerMixin:
         global _optimizers_created
         _optimizers_created += 1  # every rank creates its optimizers in the same order
         self._hp_flags_name = f"hybridpipe.DistributedOptimizer{_optimizers_created}.has_grad"
-        collectives._communicator(group, "DistributedOptimizer")  # validates the group now
+        context.communicator(group, "DistributedOptimizer")  # validates the group now
         self._hp_hooks = [parameter.register_post_accumulate_grad_hook(self._hp_hook(name))
                           for name, parameter in self._hp_parameters if parameter.requires_grad]
 
@@ -263,7 +263,7 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
 
 def broadcast_object(obj: Any, root_rank: int = 0, group: Any = _DEFAULT_GROUP) -> Any:
     """Returns ``root_rank``'s ``obj`` (pickled) on every rank of ``group``."""
-    comm = collectives._communicator(group, "broadcast_object")
+    comm = context.communicator(group, "broadcast_object")
     if not 0 <= root_rank < comm.size:
         raise ValueError(f"broadcast_object: root_rank {root_rank} is outside the {_group_name(group)} group "
                          f"of {comm.size} ranks")
@@ -272,7 +272,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, group: Any = _DEFAULT_GROUP) 
 
 def allgather_object(obj: Any, group: Any = _DEFAULT_GROUP) -> list:
     """Every rank's ``obj`` (pickled), as a list in rank order of ``group``."""
-    comm = collectives._communicator(group, "allgather_object")
+    comm = context.communicator(group, "allgather_object")
     return engine.call(group, "allgather_object", lambda: comm.allgather(obj))
 
 
@@ -283,7 +283,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     The state dict is broadcast as one pickled object, then loaded; tensors keep their dtype and
     move to each parameter's device.
     """
-    state = broadcast_object(optimizer.state_dict() if collectives._communicator(
+    state = broadcast_object(optimizer.state_dict() if context.communicator(
         group, "broadcast_optimizer_state").rank == root_rank else None, root_rank, group)
     optimizer.load_state_dict(state)
 

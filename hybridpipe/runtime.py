@@ -175,10 +175,10 @@ def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | 
     _runtime = _Runtime(grid=the_grid, base_comm=base, local_comm=local_comm,
                         config=(config or Config.from_env()).validated())
     from . import _trace as timeline
-    from .comm import engine
+    from . import comm
 
     try:
-        engine._start(_runtime.config, the_grid)
+        comm.start(_runtime.config, the_grid)
         if _runtime.config.timeline:
             timeline._start(_runtime.config.timeline, the_grid)
     except BaseException:
@@ -197,11 +197,10 @@ def shutdown() -> None:
     if _runtime is None:
         return
     from . import _trace as timeline
-    from .comm import collectives, engine
+    from . import comm
 
-    events = engine._stop()  # collective: every rank's engine agrees to stop
+    events = comm.stop()  # collective: every rank's engine agrees to stop; frees user duplicates
     timeline._stop(_runtime.grid, events)
-    collectives._forget_groups()
     g = _runtime.grid
     for c in (g.data_comm, g.pipe_comm, _runtime.local_comm, g.world_comm):
         c.Free()

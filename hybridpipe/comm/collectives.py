@@ -11,16 +11,15 @@ Tensors on a GPU are staged through host memory for now.
 from __future__ import annotations
 
 import enum
-import functools
-import sys
 import zlib
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .. import runtime
 from .._ext import core
 from ..errors import MismatchError
+from . import buffers, context
+from .buffers import check_array, copy_into, describe, host, is_tensor
 
 __all__ = ["ReduceOp", "Sum", "Average", "Min", "Max", "allreduce", "allreduce_", "grouped_allreduce",
            "grouped_allreduce_", "broadcast", "broadcast_", "allgather", "barrier"]
@@ -37,158 +36,18 @@ class ReduceOp(enum.IntEnum):
 
 Sum, Average, Min, Max = ReduceOp.Sum, ReduceOp.Average, ReduceOp.Min, ReduceOp.Max
 
-_NUMPY_CODES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.float16): 2,
-                np.dtype(np.int32): 4, np.dtype(np.int64): 5}
-_REDUCIBLE = "float32, float64, float16, bfloat16, int32, int64"
-_UNSUPPORTED = -1
 _SAME_TENSOR = "every rank must pass the same shape, dtype and op"
-_user_groups: dict[int, tuple[Any, Any]] = {}
-_options: Any = None
-_polite_options: Any = None
-
-
-def _torch() -> Any:
-    import torch
-
-    return torch
-
-
-@functools.lru_cache(maxsize=None)
-def _torch_codes() -> dict:
-    torch = _torch()
-    return {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3, torch.int32: 4,
-            torch.int64: 5}
-
-
-def _is_tensor(x: Any) -> bool:
-    torch = sys.modules.get("torch")  # torch is imported by whoever made a tensor; never import it here
-    return torch is not None and isinstance(x, torch.Tensor)
-
-
-def _check_array(x: Any, function: str) -> None:
-    if not (_is_tensor(x) or isinstance(x, np.ndarray)):
-        raise TypeError(f"hp.{function} takes a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
-
-
-def _host(x: Any) -> Any:
-    """A contiguous host-memory view of x, or a copy when x is on a GPU or not contiguous."""
-    if isinstance(x, np.ndarray):
-        return np.ascontiguousarray(x)
-    x = x.detach()
-    return x.cpu().contiguous() if x.device.type != "cpu" else x.contiguous()
-
-
-def _address(x: Any) -> int:
-    return x.data_ptr() if _is_tensor(x) else x.ctypes.data
-
-
-def _dtype_code(x: Any) -> int:
-    codes = _torch_codes() if _is_tensor(x) else _NUMPY_CODES
-    return codes.get(x.dtype, _UNSUPPORTED)
-
-
-def _byte_view(x: Any) -> np.ndarray:
-    """The raw bytes of a contiguous host tensor/array as a uint8 numpy array (no copy)."""
-    if _is_tensor(x):
-        return x.reshape(-1).view(_torch().uint8).numpy()
-    return x.reshape(-1).view(np.uint8)
-
-
-def _copy_into(destination: Any, source: Any) -> None:
-    if destination is source:
-        return
-    if _is_tensor(destination):
-        if destination.device == source.device and destination.data_ptr() == source.data_ptr() \
-                and destination.is_contiguous():
-            return  # the in-place work was the tensor itself (a detached view of the same memory)
-        destination.copy_(source)
-    else:
-        destination[...] = source
-
-
-def _describe(x: Any) -> str:
-    return f"shape={tuple(x.shape)} dtype={str(x.dtype).replace('torch.', '')}"
-
-
-def _digest(text: str) -> int:
-    return zlib.crc32(text.encode())
-
-
-def _communicator(group: Any, function: str) -> Any:
-    """The hybridpipe-private communicator for ``group``: None/"world", "data", "pipe" or an mpi4py comm."""
-    state = runtime._require(function)
-    if group is None or (isinstance(group, str) and group == "world"):
-        return state.grid.world_comm
-    if isinstance(group, str):
-        if group == "data":
-            return state.grid.data_comm
-        if group == "pipe":
-            return state.grid.pipe_comm
-        raise ValueError(f"hp.{function}: unknown group {group!r} (use None/'world', 'data', 'pipe' or an "
-                         f"mpi4py communicator)")
-    from mpi4py import MPI
-
-    if not isinstance(group, MPI.Intracomm):
-        raise TypeError(f"hp.{function}: group must be None, 'world', 'data', 'pipe' or an mpi4py "
-                        f"intracommunicator, got {type(group).__name__}")
-    key = id(group)
-    if key not in _user_groups or _user_groups[key][0] is not group:
-        private = group.Dup()  # collective on `group`; our tags never meet the user's messages
-        private.Set_errhandler(MPI.ERRORS_RETURN)
-        _user_groups[key] = (group, private)
-    return _user_groups[key][1]
-
-
-def _forget_groups() -> None:
-    """Called by hp.shutdown(): frees duplicates of user communicators."""
-    global _options, _polite_options
-    for _, private in _user_groups.values():
-        private.Free()
-    _user_groups.clear()
-    _options = _polite_options = None
-
-
-def _new_allreduce_options(config: Any, wait: Any = None) -> Any:
-    """The C++ AllreduceOptions for ``config``; ``wait``: a WaitPolicy (default: MPI's own wait)."""
-    options = core().AllreduceOptions()
-    options.segment_bytes = config.segment_bytes
-    options.receive_window = config.receive_window
-    options.small_message_bytes = config.small_message_bytes
-    options.unfused_bytes = config.unfused_bytes
-    options.shared_memory = config.shared_memory
-    options.shared_memory_chunk_bytes = config.shared_memory_chunk_bytes
-    options.hierarchical = {"auto": -1, "1": 1, "0": 0}[config.hierarchical]
-    if wait is not None:
-        options.wait = wait
-    return options
-
-
-def _allreduce_options() -> Any:
-    """Options of direct collectives: spinning waits, or polite ones while this process has
-    tensors in flight on the background engine, so that a blocking call made beside the (niced)
-    engine threads does not spin them off the cores (docs/sharp_bits.md).
-
-    Both make the same MPI calls (nonblocking ones, tested), because whether a rank has tensors in
-    flight is its own state: a blocking MPI_Allreduce on one rank does not match an MPI_Iallreduce
-    on another. Only with HYBRIDPIPE_WAIT_SPIN_US=-1 (MPI's own waits everywhere) are they blocking.
-    """
-    global _options, _polite_options
-    if _options is None:
-        config = runtime.config()
-        polite = wait_policy(config)
-        _options = _new_allreduce_options(config, core().spinning_wait(polite))
-        _polite_options = _new_allreduce_options(config, polite)
-    from . import engine  # imports this module
-
-    return _polite_options if engine._busy() else _options
 
 
 def wait_policy(config: Any = None) -> Any:
     """The polite wait of ``config`` (default: the one in force; ``HYBRIDPIPE_WAIT_SPIN_US`` /
-    ``HYBRIDPIPE_WAIT_SLEEP_US``) for pipeline transfers, the background engine, and direct
-    collectives while tensors are in flight on the engine."""
-    config = runtime.config() if config is None else config
-    return core().WaitPolicy(config.wait_spin_us, config.wait_sleep_us)
+    ``HYBRIDPIPE_WAIT_SLEEP_US``) for the background engine and direct collectives while tensors are
+    in flight on the engine."""
+    return context.wait_policy(context.current("wait_policy").config if config is None else config)
+
+
+def _digest(text: str) -> int:
+    return zlib.crc32(text.encode())
 
 
 def _list_ranks(descriptions: list) -> str:
@@ -202,7 +61,7 @@ def _agree(comm: Any, function: str, fields: Sequence[int], description: Callabl
     The common case costs one MPI_Allreduce of 2·len(fields) integers (in C++); only on a mismatch
     are the ranks' ``description()`` values gathered and turned into a message by ``explain``.
     """
-    if not core().headers_agree(comm.py2f(), list(fields), _allreduce_options().wait):
+    if not core().headers_agree(comm.py2f(), list(fields), context.current(function).allreduce_options().wait):
         _mismatch(comm, function, description, fix, explain)
 
 
@@ -211,29 +70,24 @@ def _mismatch(comm: Any, function: str, description: Callable[[], Any], fix: str
     raise MismatchError(f"hp.{function}: ranks disagree ({explain(comm.allgather(description()))}); {fix}")
 
 
-def _reduce_op(op: Any, function: str) -> ReduceOp:
+def reduce_op(op: Any, function: str) -> ReduceOp:
+    """``op`` as a ReduceOp; TypeError naming it otherwise."""
     try:
         return ReduceOp(op)
     except ValueError:
         raise TypeError(f"hp.{function}: op must be hp.Sum, hp.Average, hp.Min or hp.Max, got {op!r}") from None
 
 
-def _check_reducible(codes: Sequence[int], arrays: Sequence[Any], function: str) -> None:
-    for code, x in zip(codes, arrays):
-        if code == _UNSUPPORTED:
-            raise TypeError(f"hp.{function}: dtype {x.dtype} cannot be reduced (use one of {_REDUCIBLE})")
-
-
 def _allreduce_into(source: Any, target: Any, op: ReduceOp, comm: Any, function: str) -> None:
-    code = _dtype_code(source)
-    count = source.size if isinstance(source, np.ndarray) else source.numel()
+    code = buffers.dtype_code(source)
+    count = buffers.count(source)
     header = [1, count, code, int(op), _digest(str(tuple(source.shape)))]
-    if code == _UNSUPPORTED:  # still agree first: a bad dtype on one rank must not hang the others
-        _agree(comm, function, header, lambda: f"{_describe(source)} op={op.name}", _SAME_TENSOR)
-        _check_reducible([code], [source], function)
-    if not core().allreduce(_address(source), _address(target), count, code, int(op), comm.py2f(),
-                            _allreduce_options(), header):
-        _mismatch(comm, function, lambda: f"{_describe(source)} op={op.name}", _SAME_TENSOR)
+    if code == buffers.UNSUPPORTED:  # still agree first: a bad dtype on one rank must not hang the others
+        _agree(comm, function, header, lambda: f"{describe(source)} op={op.name}", _SAME_TENSOR)
+        buffers.check_reducible([code], [source], function)
+    if not core().allreduce(buffers.address(source), buffers.address(target), count, code, int(op), comm.py2f(),
+                            context.current(function).allreduce_options(), header):
+        _mismatch(comm, function, lambda: f"{describe(source)} op={op.name}", _SAME_TENSOR)
 
 
 def allreduce(tensor: Any, op: ReduceOp = Average, group: Any = None) -> Any:
@@ -257,11 +111,11 @@ def allreduce(tensor: Any, op: ReduceOp = Average, group: Any = None) -> Any:
 
 
 def _allreduce_here(tensor: Any, op: Any, group: Any) -> Any:
-    _check_array(tensor, "allreduce")
-    source = _host(tensor)
-    target = source.clone() if _is_tensor(source) else source.copy()
-    _allreduce_into(source, target, _reduce_op(op, "allreduce"), _communicator(group, "allreduce"), "allreduce")
-    return target.to(tensor.device) if _is_tensor(tensor) and tensor.device.type != "cpu" else target
+    check_array(tensor, "allreduce")
+    source = host(tensor)
+    target = buffers.clone(source)
+    _allreduce_into(source, target, reduce_op(op, "allreduce"), context.communicator(group, "allreduce"), "allreduce")
+    return target.to(tensor.device) if is_tensor(tensor) and tensor.device.type != "cpu" else target
 
 
 def allreduce_(tensor: Any, op: ReduceOp = Average, group: Any = None) -> Any:
@@ -270,18 +124,16 @@ def allreduce_(tensor: Any, op: ReduceOp = Average, group: Any = None) -> Any:
 
 
 def _allreduce_in_place_here(tensor: Any, op: Any, group: Any) -> Any:
-    _check_array(tensor, "allreduce_")
-    work = _host(tensor)
-    _allreduce_into(work, work, _reduce_op(op, "allreduce_"), _communicator(group, "allreduce_"), "allreduce_")
-    _copy_into(tensor, work)
+    check_array(tensor, "allreduce_")
+    work = host(tensor)
+    _allreduce_into(work, work, reduce_op(op, "allreduce_"), context.communicator(group, "allreduce_"), "allreduce_")
+    copy_into(tensor, work)
     return tensor
 
 
 def _on_engine(group: Any, function: str, work: Callable[[], Any]) -> Any:
-    """Runs a blocking collective on the engine's communication thread (see engine.call)."""
-    from . import engine  # imports this module
-
-    return engine.call(group, function, work)
+    """Runs a blocking collective on the engine's communication thread (see context.call)."""
+    return context.call(group, function, work)
 
 
 def _grouped(tensors: Sequence[Any], op: Any, group: Any, function: str, in_place: bool) -> list:
@@ -291,28 +143,29 @@ def _grouped(tensors: Sequence[Any], op: Any, group: Any, function: str, in_plac
 def _grouped_here(tensors: Sequence[Any], op: Any, group: Any, function: str, in_place: bool) -> list:
     tensors = list(tensors)
     for t in tensors:
-        _check_array(t, function)
-    op = _reduce_op(op, function)
-    comm = _communicator(group, function)
-    works = [_host(t) for t in tensors]
-    targets = works if in_place else [w.clone() if _is_tensor(w) else w.copy() for w in works]
-    codes = [_dtype_code(w) for w in works]
-    entries = [_describe(w) for w in works]
+        check_array(t, function)
+    op = reduce_op(op, function)
+    ctx = context.current(function)
+    comm = ctx.communicator(group, function)
+    works = [host(t) for t in tensors]
+    targets = works if in_place else [buffers.clone(w) for w in works]
+    codes = [buffers.dtype_code(w) for w in works]
+    entries = [describe(w) for w in works]
     _agree(comm, function, [2, len(tensors), _digest("|".join(entries)), int(op)], lambda: (op.name, entries),
            "every rank must pass the same list of tensors (same order, shapes and dtypes) and the same op",
            _explain_lists)
-    _check_reducible(codes, works, function)
+    buffers.check_reducible(codes, works, function)
     order = sorted(range(len(works)), key=lambda i: codes[i])  # stable: one dtype's buckets in list order
-    counts = [works[i].size if isinstance(works[i], np.ndarray) else works[i].numel() for i in order]
-    core().grouped_allreduce([_address(works[i]) for i in order], [_address(targets[i]) for i in order],
+    counts = [buffers.count(works[i]) for i in order]
+    core().grouped_allreduce([buffers.address(works[i]) for i in order], [buffers.address(targets[i]) for i in order],
                              counts, [codes[i] for i in order], int(op), comm.py2f(),
-                             runtime.config().fusion_threshold_bytes, _allreduce_options())
+                             ctx.config.fusion_threshold_bytes, ctx.allreduce_options())
     results = []
     for original, target in zip(tensors, targets):
         if in_place:
-            _copy_into(original, target)
+            copy_into(original, target)
             results.append(original)
-        elif _is_tensor(original) and original.device.type != "cpu":
+        elif is_tensor(original) and original.device.type != "cpu":
             results.append(target.to(original.device))
         else:
             results.append(target)
@@ -371,26 +224,26 @@ def broadcast_(tensor: Any, root_rank: int, group: Any = None) -> Any:
 
 
 def _broadcast_here(tensor: Any, root_rank: int, group: Any) -> Any:
-    _check_array(tensor, "broadcast_")
-    comm = _communicator(group, "broadcast_")
-    work = _host(tensor)
-    _agree(comm, "broadcast_", [3, int(root_rank), _digest(_describe(work))],
-           lambda: f"root_rank={root_rank} {_describe(work)}",
+    check_array(tensor, "broadcast_")
+    comm = context.communicator(group, "broadcast_")
+    work = host(tensor)
+    _agree(comm, "broadcast_", [3, int(root_rank), _digest(describe(work))],
+           lambda: f"root_rank={root_rank} {describe(work)}",
            "every rank must pass the same root_rank, shape and dtype")
     if not 0 <= root_rank < comm.Get_size():
         raise ValueError(f"hp.broadcast: root_rank {root_rank} is not a rank of a group of {comm.Get_size()} "
                          f"(use 0..{comm.Get_size() - 1})")
     from mpi4py import MPI
 
-    comm.Bcast([_byte_view(work), MPI.BYTE], root=int(root_rank))
-    _copy_into(tensor, work)
+    comm.Bcast([buffers.byte_view(work), MPI.BYTE], root=int(root_rank))
+    copy_into(tensor, work)
     return tensor
 
 
 def broadcast(tensor: Any, root_rank: int, group: Any = None) -> Any:
     """Returns a new tensor/array holding root_rank's ``tensor`` (see :func:`broadcast_`)."""
-    _check_array(tensor, "broadcast")
-    copy = tensor.detach().clone() if _is_tensor(tensor) else np.array(tensor, copy=True)
+    check_array(tensor, "broadcast")
+    copy = buffers.clone(tensor)
     return broadcast_(copy, root_rank, group)
 
 
@@ -410,9 +263,9 @@ def allgather(tensor: Any, group: Any = None) -> Any:
 
 
 def _allgather_here(tensor: Any, group: Any) -> Any:
-    _check_array(tensor, "allgather")
-    comm = _communicator(group, "allgather")
-    work = _host(tensor)
+    check_array(tensor, "allgather")
+    comm = context.communicator(group, "allgather")
+    work = host(tensor)
     ndim = len(work.shape)
     rows = int(work.shape[0]) if ndim else 0
     trailing = f"{tuple(work.shape[1:])} {str(work.dtype).replace('torch.', '')} ndim={ndim}"
@@ -430,16 +283,16 @@ def _allgather_here(tensor: Any, group: Any) -> Any:
     counts = (headers[:, 1] * row_bytes).tolist()
     total_rows = int(headers[:, 1].sum())
     shape = (total_rows, *work.shape[1:])
-    if _is_tensor(work):
-        result = _torch().empty(shape, dtype=work.dtype)
+    if is_tensor(work):
+        result = buffers.torch_module().empty(shape, dtype=work.dtype)
     else:
         result = np.empty(shape, dtype=work.dtype)
     from mpi4py import MPI
 
-    comm.Allgatherv([_byte_view(work), MPI.BYTE], [_byte_view(result), counts, MPI.BYTE])
-    return result.to(tensor.device) if _is_tensor(tensor) and tensor.device.type != "cpu" else result
+    comm.Allgatherv([buffers.byte_view(work), MPI.BYTE], [buffers.byte_view(result), counts, MPI.BYTE])
+    return result.to(tensor.device) if is_tensor(tensor) and tensor.device.type != "cpu" else result
 
 
 def barrier(group: Any = None) -> None:
     """Blocks until every rank of ``group`` has called barrier."""
-    _on_engine(group, "barrier", lambda: _communicator(group, "barrier").Barrier())
+    _on_engine(group, "barrier", lambda: context.communicator(group, "barrier").Barrier())

@@ -18,159 +18,27 @@ make its first async call with it).
 from __future__ import annotations
 
 import itertools
-import threading
-import zlib
-from typing import Any, Callable, TypeVar
+from typing import Any
 
-import numpy as np
-
-from .. import runtime
 from .._ext import core
 from ..errors import HybridPipeError, MismatchError
-from . import collectives
-from .collectives import Average, ReduceOp
+from . import buffers, context
+from .collectives import Average, ReduceOp, reduce_op
+from .context import call
 
 __all__ = ["Handle", "allreduce_async", "allreduce_async_", "synchronize", "poll", "engine_stats", "call"]
 
-_BUILTIN = ("world", "data", "pipe")
 _unnamed = itertools.count()
 
 
-class _EngineState:
-    """The engine of the current hp.init and its group ids."""
-
-    def __init__(self, config: Any, grid: Any) -> None:
-        options = core().EngineOptions()
-        options.cycle_time_ms = config.cycle_time_ms
-        options.stall_check_seconds = config.stall_check_seconds
-        options.stall_shutdown_seconds = config.stall_shutdown_seconds
-        options.timeout_seconds = config.timeout_seconds
-        options.fusion_threshold_bytes = config.fusion_threshold_bytes
-        # polite waits: leave the cores to the backward pass
-        options.allreduce = collectives._new_allreduce_options(config, collectives.wait_policy())
-        options.thread_nice = config.engine_nice
-        options.waiters_help = config.waiters_help
-        options.record_events = bool(config.timeline)
-        self.engine = core().Engine(options)
-        self.groups: dict[Any, int] = {}
-        # the grid's groups are active from the first cycle of the one communication thread; world
-        # first: it holds every rank, and later groups join at a cycle it agrees on (csrc/engine.h)
-        for label, comm in zip(_BUILTIN, (grid.world_comm, grid.data_comm, grid.pipe_comm)):
-            self.groups[label] = self.engine.add_group(comm.py2f(), label)
-        # the pipeline's sends and receives (comm/p2p.py) go through the same thread
-        self.engine.drive_transfers()
-        self.engine.start()
-        self.user_groups: dict[int, tuple[Any, int]] = {}
-        self.in_flight: set[tuple[int, str]] = set()
-
-    def group_id(self, group: Any, function: str) -> int:
-        if group is None:
-            return self.groups["world"]
-        if isinstance(group, str):
-            if group not in self.groups:
-                raise ValueError(f"hp.{function}: unknown group {group!r} (use None/'world', 'data', 'pipe' or "
-                                 "an mpi4py communicator)")
-            return self.groups[group]
-        comm = collectives._communicator(group, function)  # validates the type; a private duplicate
-        key = id(group)
-        if key not in self.user_groups or self.user_groups[key][0] is not group:
-            self.user_groups[key] = (group, self.engine.add_group(comm.py2f(), f"user communicator {key:#x}"))
-        return self.user_groups[key][1]
-
-    def shutdown(self) -> dict[str, list]:
-        """Stops the engine; returns its recorded events by group label (timeline)."""
-        self.engine.shutdown()
-        labels = {**{gid: label for label, gid in self.groups.items()},
-                  **{gid: f"user {i}" for i, (_, gid) in enumerate(self.user_groups.values())}}
-        return {labels[gid]: self.engine.take_events(gid) for gid in sorted(labels)}
-
-
-_state: _EngineState | None = None
-
-
-def _busy() -> bool:
-    """Whether this process has tensors queued or running on the background engine."""
-    return _state is not None and bool(_state.in_flight)
-
-
-def _start(config: Any, grid: Any) -> None:
-    """Called by hp.init."""
-    global _state
-    _state = _EngineState(config, grid)
-
-
-def _stop() -> dict[str, list]:
-    """Called by hp.shutdown (collective: the engines agree to stop together); returns the
-    engine's recorded events by group (empty lists unless the timeline is on)."""
-    global _state
-    if _state is None:
-        return {}
-    state, _state = _state, None
-    return state.shutdown()
-
-
-_on_engine_thread = threading.local()
-_Result = TypeVar("_Result")
-_CALL_NAME = "hybridpipe.collective"  # one at a time per group and process: the name can repeat
-
-
-def call(group: Any, function: str, work: Callable[[], _Result]) -> _Result:
-    """Runs ``work()`` (a blocking collective over ``group``) on the engine's communication thread, at
-    a point of its sequence that every rank of ``group`` agrees on, and returns its result (or raises
-    its exception) here.
-
-    Why: one thread per process makes hybridpipe's MPI calls. With Open MPI, MPI calls from a second
-    thread beside the engine's stalled cross-host jobs for minutes (docs/sharp_bits.md), and a
-    collective made outside the engine's agreed order could wait for a rank whose engine waits for
-    it. Without a running engine (before hp.init's engine starts, after shutdown), or when already on
-    the engine thread, ``work()`` simply runs here.
-
-    Raises:
-        MismatchError: ranks of the group called different collectives at this point (every rank).
-    """
-    state = _state
-    if state is None or getattr(_on_engine_thread, "inside", False):
-        return work()
-    group_id = state.group_id(group, function)
-    outcome: dict[str, Any] = {}
-
-    def job() -> None:
-        _on_engine_thread.inside = True
-        try:
-            outcome["value"] = work()
-        except BaseException as error:  # handed to the calling thread
-            outcome["error"] = error
-        finally:
-            _on_engine_thread.inside = False
-
-    kind = zlib.crc32(function.encode()) & 0x7FFFFFFF
-    try:
-        handle = state.engine.submit_call(group_id, _CALL_NAME, kind, job)
-    except (RuntimeError, ValueError) as error:
-        raise HybridPipeError(f"hp.{function}: {error}") from None
-    error, _, _, error_kind = state.engine.wait(handle)  # `job` stays referenced here until done
-    if error:
-        if error_kind == core().ErrorKind.Mismatch:
-            raise MismatchError(f"hp.{function}: ranks of the group called different collectives at this point "
-                                f"(each rank's kind is crc32 of the function name; hp.{function} is {kind}): "
-                                f"{error}")
-        raise HybridPipeError(f"hp.{function}: {error}")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
-
-
-def _require(function: str) -> _EngineState:
-    runtime._require(function)
-    if _state is None:
-        raise HybridPipeError(f"hp.{function}: the background engine is not running (call hp.init first)")
-    return _state
+def _require(function: str) -> context.CommContext:
+    return context.current(function)
 
 
 class Handle:
     """A queued allreduce; :meth:`wait` returns its result."""
 
-    def __init__(self, state: _EngineState, handle: int, key: tuple[int, str], result: Any, work: Any) -> None:
+    def __init__(self, state: context.CommContext, handle: int, key: tuple[int, str], result: Any, work: Any) -> None:
         self._state, self._handle, self._key = state, handle, key
         self._result, self._work = result, work
         self._outcome: Any = None
@@ -200,7 +68,7 @@ class Handle:
             if error:
                 self._outcome = (MismatchError if kind == core().ErrorKind.Mismatch else HybridPipeError)(error)
             elif self._work is not self._result:
-                collectives._copy_into(self._result, self._work)
+                buffers.copy_into(self._result, self._work)
         if self._outcome is not None:
             raise self._outcome
         return self._result
@@ -210,10 +78,10 @@ class Handle:
 
 
 def _submit(tensor: Any, name: str | None, op: Any, group: Any, function: str, in_place: bool) -> Handle:
-    collectives._check_array(tensor, function)
+    buffers.check_array(tensor, function)
     state = _require(function)
-    op = collectives._reduce_op(op, function)
-    group_id = state.group_id(group, function)
+    op = reduce_op(op, function)
+    group_id = state.engine_group(group, function)
     if name is None:
         name = f"{function}.noname.{next(_unnamed)}"
     elif not isinstance(name, str) or not name:
@@ -222,17 +90,12 @@ def _submit(tensor: Any, name: str | None, op: Any, group: Any, function: str, i
     if key in state.in_flight:
         raise HybridPipeError(f"hp.{function}: a tensor named {name!r} is already in flight on this group; "
                               "wait for its handle first or use another name")
-    if in_place:
-        result = tensor
-        work = collectives._host(tensor)
-    else:
-        result = tensor.detach().clone() if collectives._is_tensor(tensor) else np.array(tensor, copy=True)
-        work = collectives._host(result)
-    code = collectives._dtype_code(work)
-    collectives._check_reducible([code], [work], function)
-    count = work.size if isinstance(work, np.ndarray) else work.numel()
+    result = tensor if in_place else buffers.clone(tensor)
+    work = buffers.host(result)
+    code = buffers.dtype_code(work)
+    buffers.check_reducible([code], [work], function)
     try:
-        handle = state.engine.submit(group_id, name, collectives._address(work), count, code, int(op))
+        handle = state.engine.submit(group_id, name, buffers.address(work), buffers.count(work), code, int(op))
     except RuntimeError as error:  # the engine stopped (stall shutdown, MPI failure, shutting down)
         raise HybridPipeError(f"hp.{function}: {error}") from None
     state.in_flight.add(key)
@@ -275,6 +138,6 @@ def engine_stats(group: Any = "data") -> dict[str, int]:
     shared-memory segment, when its ranks share a host), helped (buckets run by a thread blocked in
     wait(), not the engine thread), bytes, stall_warnings."""
     state = _require("engine_stats")
-    stats = state.engine.stats(state.group_id(group, "engine_stats"))
+    stats = state.engine.stats(state.engine_group(group, "engine_stats"))
     return {name: getattr(stats, name) for name in
             ("cycles", "slow_rounds", "tensors", "buckets", "shared_memory", "helped", "bytes", "stall_warnings")}

@@ -33,11 +33,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import runtime
 from ..config import Config
 from ..errors import HybridPipeError
 from .._ext import core
-from . import collectives
+from . import context
+from .buffers import host_contiguous, raw_bytes
 
 __all__ = ["HEADER_CAPACITY", "ERROR_TAG", "RemoteError", "Send", "Receive", "send", "send_error",
            "receive_error"]
@@ -115,12 +115,14 @@ _policy: tuple[Config, Any] | None = None
 
 
 def _wait_policy() -> Any:
-    """How waits here block: the configured polite wait (spin briefly, then sleep between tests), so
-    that a stage waiting for its neighbour leaves the core to compute (HYBRIDPIPE_WAIT_SPIN_US)."""
+    """How waits here block without hp.init (with it, the communication thread makes the MPI calls and
+    the caller sleeps until it is done): the configured polite wait (spin briefly, then sleep between
+    tests), so that a stage waiting for its neighbour leaves the core to compute (HYBRIDPIPE_WAIT_SPIN_US)."""
     global _policy
-    config = runtime.config() if runtime.is_initialized() else Config.from_env()
+    running = context.current_or_none()
+    config = running.config if running is not None else Config.from_env()
     if _policy is None or _policy[0] is not config:
-        _policy = (config, collectives.wait_policy(config))
+        _policy = (config, context.wait_policy(config))
     return _policy[1]
 
 
@@ -159,25 +161,6 @@ def _post_header(header: bytes, dest: int, tag: int, comm_f: int) -> Any:
     return core().isend(buffer.ctypes.data, buffer.nbytes, dest, tag, comm_f, buffer)
 
 
-def _host_contiguous(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's raw values in contiguous host memory (lazy conj/neg views materialized);
-    contiguous CPU tensors are not copied."""
-    host = tensor.detach().resolve_conj().resolve_neg()
-    return host.cpu().contiguous() if host.device.type != "cpu" else host.contiguous()
-
-
-# dtypes whose CPU tensors numpy can view directly (the common case takes two torch calls, not six:
-# a stage's send runs right after its compute, when this code is cold)
-_NUMPY_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16,
-                           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128})
-
-
-def _raw_bytes(tensor: torch.Tensor) -> bytes:
-    if tensor.dtype in _NUMPY_DTYPES and tensor.device.type == "cpu" and not tensor.is_conj() and not tensor.is_neg():
-        return tensor.detach().numpy().tobytes()  # C order, also for non-contiguous tensors
-    return _host_contiguous(tensor).reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
 def _from_raw(data: bytes, leaf: _Leaf) -> torch.Tensor:
     if not data:
         return torch.empty(leaf.shape, dtype=leaf.dtype)
@@ -197,13 +180,13 @@ def send(value: Any, dest: int, tag: int, comm: Any) -> Send:
     skeleton = _skeleton(value, tensors)
     comm_f = comm.py2f()
     if sum(t.numel() * t.element_size() for t in tensors) <= INLINE_BYTES:
-        payload = [_raw_bytes(tensor) for tensor in tensors]
+        payload = [raw_bytes(tensor) for tensor in tensors]
         message = pickle.dumps((_INLINE_MARK, skeleton, payload), protocol=pickle.HIGHEST_PROTOCOL)
         if len(message) <= HEADER_CAPACITY:
             return Send([_post_header(message, dest, tag, comm_f)])
     requests = [_post_header(pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL), dest, tag, comm_f)]
     for tensor in tensors:
-        host = _host_contiguous(tensor)
+        host = host_contiguous(tensor)
         nbytes = host.numel() * host.element_size()
         requests.append(core().isend(host.data_ptr(), nbytes, dest, tag + 1, comm_f, host))
     return Send(requests)

@@ -232,9 +232,9 @@ def test_direct_collectives_beside_tensors_in_flight(grid):
     and the polite wait instead of a spinning MPI_Allreduce): same results, mismatches still raise."""
     big = torch.full((1 << 20,), float(RANK + 1))  # 4 MiB on the engine, reduced meanwhile
     handle = hp.allreduce_async_(big, name="in.flight", op=hp.Sum)
-    from hybridpipe.comm import engine as engine_module
+    from hybridpipe.comm import context
 
-    assert engine_module._busy()
+    assert bool(context.current("test").in_flight)
     total = SIZE * (SIZE + 1) / 2
     small = hp.allreduce(torch.full((10,), float(RANK + 1)), op=hp.Sum)  # the library's allreduce
     ring = hp.allreduce(torch.full((100_000,), float(RANK + 1)), op=hp.Sum)  # the ring
@@ -245,19 +245,19 @@ def test_direct_collectives_beside_tensors_in_flight(grid):
     with pytest.raises(MismatchError):
         hp.allreduce(torch.ones(4 if RANK == 0 else 5), op=hp.Sum)
     assert torch.equal(handle.wait(), torch.full((1 << 20,), total))
-    assert not engine_module._busy()
+    assert not bool(context.current("test").in_flight)
 
 
 def test_direct_collectives_when_only_some_ranks_have_tensors_in_flight(grid):
     """Whether tensors are in flight is each rank's own state; the direct collectives must make
     matching MPI calls either way (a blocking MPI_Allreduce does not match an MPI_Iallreduce: this
     hung before they were made the same)."""
-    from hybridpipe.comm import engine as engine_module
+    from hybridpipe.comm import context
 
     handle = hp.allreduce_async_(torch.full((8,), float(RANK)), name="some.in.flight", op=hp.Sum)
     if RANK == 0:
         handle.wait()
-    assert engine_module._busy() == (RANK != 0)
+    assert bool(context.current("test").in_flight) == (RANK != 0)
     small = hp.allreduce(torch.full((10,), float(RANK + 1)), op=hp.Sum)
     hp.barrier()
     assert torch.equal(small, torch.full((10,), SIZE * (SIZE + 1) / 2))

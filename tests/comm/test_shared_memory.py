@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 import hybridpipe as hp
 from hybridpipe._ext import core
-from hybridpipe.comm import collectives
+from hybridpipe.comm import context
 from hybridpipe.config import Config
 
 pytestmark = pytest.mark.mpi(ranks=[3, 4], timeout=300)
@@ -151,8 +151,8 @@ def test_grouped_allreduce_streams_mixed_buffers_through_small_chunks():
         hp.grouped_allreduce_(mine, op=getattr(hp, op.capitalize()))
         for got, want in zip(mine, results):
             assert torch.equal(got, want)
-    comm = collectives._communicator(None, "test")
-    assert core().shared_memory_info(comm.py2f(), collectives._new_allreduce_options(Config()), False)["available"]
+    comm = context.communicator(None, "test")
+    assert core().shared_memory_info(comm.py2f(), context.allreduce_options_for(Config()), False)["available"]
 
 
 def engine_run(seed):
@@ -188,8 +188,8 @@ def test_switched_off_the_ring_runs_and_no_segment_is_made():
     check(got, reference(tensors, "sum", "float32"), "float32", "sum")
     grouped = hp.grouped_allreduce([t[rank] for t in [[c[:1000] for c in tensors]] * 3], op=hp.Sum)
     check(grouped[0], reference([c[:1000] for c in tensors], "sum", "float32"), "float32", "sum")
-    comm = collectives._communicator(None, "test")
-    info = core().shared_memory_info(comm.py2f(), collectives._new_allreduce_options(Config()), False)
+    comm = context.communicator(None, "test")
+    info = core().shared_memory_info(comm.py2f(), context.allreduce_options_for(Config()), False)
     assert info == {"available": False, "reason": "not created", "chunk_bytes": 0, "sets": 0, "mapped_bytes": 0}
 
 

@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 import hybridpipe as hp
 from hybridpipe._ext import core
-from hybridpipe.comm import collectives
+from hybridpipe.comm import context
 from hybridpipe.comm.engine import call
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
@@ -55,7 +55,7 @@ def main() -> int:
     size = world.size
     layout = [int(n) for n in sys.argv[1].split("+")]
     flat = os.environ.get("HYBRIDPIPE_HIERARCHICAL") == "0"
-    comm = collectives._communicator(None, "test")
+    comm = context.communicator(None, "test")
     info = call(None, "hierarchy", lambda: core().hierarchy_info(comm.py2f()))
     assert info["ranks_per_host"] == layout and info["hosts"] == 2 and info["pieces"] == max(layout), info
     assert info["useful"], info

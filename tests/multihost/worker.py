@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 import hybridpipe as hp
 from hybridpipe._ext import core
-from hybridpipe.comm import collectives
+from hybridpipe.comm import context
 from hybridpipe.comm.engine import call
 
 
@@ -30,12 +30,12 @@ def main() -> int:
     world = MPI.COMM_WORLD
     hosts = call(None, 'hosts', lambda: world.allgather(MPI.Get_processor_name()))
     assert len(set(hosts)) == 2, f"expected two emulated hosts, got {hosts}"
-    options = collectives._new_allreduce_options(hp.config())
+    options = context.allreduce_options_for(hp.config())
     groups = {}
     interleaved = "--interleaved" in sys.argv
     # direct collectives of every group first, then the engine's (unless --interleaved)
     for label in ("world", "data", "pipe"):
-        comm = collectives._communicator(label, "test")
+        comm = context.communicator(label, "test")
         members = call(label, 'members', lambda: comm.allgather(world.rank))
         one_host = len({hosts[m] for m in members}) == 1
         groups[label] = (comm, one_host)

@@ -1,0 +1,120 @@
+"""Tensors and arrays as the C++ core sees them: dtype codes, host staging, addresses, raw bytes.
+
+One module that collectives, the engine and the point-to-point transport share. It never imports
+torch itself: a tensor's presence means whoever made it imported torch already.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Sequence
+
+import numpy as np
+
+#: dtype codes of the C++ core (common.h DType)
+NUMPY_CODES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.float16): 2,
+               np.dtype(np.int32): 4, np.dtype(np.int64): 5}
+REDUCIBLE = "float32, float64, float16, bfloat16, int32, int64"
+UNSUPPORTED = -1
+
+
+def torch_module() -> Any:
+    import torch
+
+    return torch
+
+
+@functools.lru_cache(maxsize=None)
+def torch_codes() -> dict:
+    torch = torch_module()
+    return {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3, torch.int32: 4,
+            torch.int64: 5}
+
+
+def is_tensor(x: Any) -> bool:
+    torch = sys.modules.get("torch")  # torch is imported by whoever made a tensor; never import it here
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def check_array(x: Any, function: str) -> None:
+    if not (is_tensor(x) or isinstance(x, np.ndarray)):
+        raise TypeError(f"hp.{function} takes a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
+
+
+def host(x: Any) -> Any:
+    """A contiguous host-memory view of x, or a copy when x is on a GPU or not contiguous."""
+    if isinstance(x, np.ndarray):
+        return np.ascontiguousarray(x)
+    x = x.detach()
+    return x.cpu().contiguous() if x.device.type != "cpu" else x.contiguous()
+
+
+def address(x: Any) -> int:
+    return x.data_ptr() if is_tensor(x) else x.ctypes.data
+
+
+def count(x: Any) -> int:
+    return x.size if isinstance(x, np.ndarray) else x.numel()
+
+
+def dtype_code(x: Any) -> int:
+    codes = torch_codes() if is_tensor(x) else NUMPY_CODES
+    return codes.get(x.dtype, UNSUPPORTED)
+
+
+def check_reducible(codes: Sequence[int], arrays: Sequence[Any], function: str) -> None:
+    for code, x in zip(codes, arrays):
+        if code == UNSUPPORTED:
+            raise TypeError(f"hp.{function}: dtype {x.dtype} cannot be reduced (use one of {REDUCIBLE})")
+
+
+def byte_view(x: Any) -> np.ndarray:
+    """The raw bytes of a contiguous host tensor/array as a uint8 numpy array (no copy)."""
+    if is_tensor(x):
+        return x.reshape(-1).view(torch_module().uint8).numpy()
+    return x.reshape(-1).view(np.uint8)
+
+
+def copy_into(destination: Any, source: Any) -> None:
+    """Writes a staged result back into the caller's tensor/array (nothing when they are one)."""
+    if destination is source:
+        return
+    if is_tensor(destination):
+        if destination.device == source.device and destination.data_ptr() == source.data_ptr() \
+                and destination.is_contiguous():
+            return  # the in-place work was the tensor itself (a detached view of the same memory)
+        destination.copy_(source)
+    else:
+        destination[...] = source
+
+
+def clone(x: Any) -> Any:
+    """A detached copy of a tensor/array (same device)."""
+    return x.detach().clone() if is_tensor(x) else np.array(x, copy=True)
+
+
+def describe(x: Any) -> str:
+    return f"shape={tuple(x.shape)} dtype={str(x.dtype).replace('torch.', '')}"
+
+
+def host_contiguous(tensor: Any) -> Any:
+    """The tensor's raw values in contiguous host memory (lazy conj/neg views materialized);
+    contiguous CPU tensors are not copied."""
+    staged = tensor.detach().resolve_conj().resolve_neg()
+    return staged.cpu().contiguous() if staged.device.type != "cpu" else staged.contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def _numpy_viewable() -> frozenset:
+    torch = torch_module()
+    return frozenset({torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16,
+                      torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128})
+
+
+def raw_bytes(tensor: Any) -> bytes:
+    """A tensor's values as bytes, C order (non-contiguous and GPU tensors included)."""
+    if tensor.dtype in _numpy_viewable() and tensor.device.type == "cpu" and not tensor.is_conj() \
+            and not tensor.is_neg():
+        return tensor.detach().numpy().tobytes()  # the common case: two torch calls
+    return host_contiguous(tensor).reshape(-1).view(torch_module().uint8).numpy().tobytes()
