@@ -1,6 +1,8 @@
 // The background engine; see engine.h.
 #include "engine.h"
 
+#include "fusion.h"
+
 #include <unistd.h>  // gethostname
 
 #ifdef __linux__
@@ -989,8 +991,6 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
   const size_t threshold = std::max<size_t>(options_.fusion_threshold_bytes, 1);
   std::vector<unsigned char>& fusion_ = group.fusion;
   if (fusion_.size() < threshold) fusion_.resize(threshold);
-  std::vector<Entry> bucket;
-  size_t bucket_bytes = 0;
   // Reduces `entries` (one alone, in place; several packed into the fusion buffer) and completes them.
   auto reduce = [&](std::vector<Entry>& entries, size_t total_bytes) {
     const double started = seconds_now();
@@ -1038,35 +1038,27 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
     group.stats.tensors += entries.size();
     complete(entries, "", started);
   };
-  auto flush = [&]() {
-    if (bucket.empty()) return;
-    reduce(bucket, bucket_bytes);
-    bucket.clear();
-    bucket_bytes = 0;
+  BucketCutter cutter(threshold, options_.allreduce, group.shm != nullptr);
+  auto reduce_all = [&](const std::vector<Bucket>& buckets) {
+    for (const Bucket& cut : buckets) {
+      std::vector<Entry> entries;
+      for (size_t i : cut.items) entries.push_back(ready[i]);
+      reduce(entries, cut.bytes);
+    }
   };
-  for (Entry& entry : ready) {
+  for (size_t i = 0; i < ready.size(); ++i) {
+    Entry& entry = ready[i];
     if (entry.job) {  // a call: everything before it in the sequence first
-      flush();
+      reduce_all(cutter.flush());
       const double started = seconds_now();
       entry.job();
       record(group, "call", started, seconds_now(), 0, 1);
       complete({entry}, "", started);
       continue;
     }
-    const size_t bytes = entry.buffer.bytes();
-    if (reduced_alone(bytes, threshold, options_.allreduce, group.shm != nullptr)) {  // in place, alone; the bucket stays open
-      std::vector<Entry> alone{entry};
-      reduce(alone, bytes);
-      continue;
-    }
-    if (!bucket.empty() && (entry.buffer.dtype != bucket[0].buffer.dtype || entry.op != bucket[0].op ||
-                            bucket_bytes + bytes > threshold)) {
-      flush();
-    }
-    bucket.push_back(entry);
-    bucket_bytes += bytes;
+    reduce_all(cutter.add(i, entry.buffer.bytes(), entry.buffer.dtype, entry.op));
   }
-  flush();
+  reduce_all(cutter.flush());
 }
 
 }  // namespace hybridpipe

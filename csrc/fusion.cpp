@@ -17,57 +17,72 @@ void grouped_allreduce(const std::vector<Buffer>& inputs, const std::vector<Buff
   if (fusion_buffer.size() < fusion_threshold_bytes) fusion_buffer.resize(fusion_threshold_bytes);
   SharedMemoryAllreduce* shm = fused_shared_memory(comm, options);
 
-  // Each dtype gets its own buckets, filled in list order; `pending` holds one dtype's bucket.
-  std::vector<size_t> pending;
-  DType pending_dtype = DType::Float32;
-  size_t pending_bytes = 0;
-  auto flush = [&]() {
-    if (pending.empty()) return;
-    if (shm && pending_bytes > options.small_message_bytes) {  // straight into the segment and back
+  // Each dtype gets its own buckets, filled in list order.
+  auto reduce = [&](const Bucket& bucket) {
+    if (bucket.alone) {
+      const size_t i = bucket.items[0];
+      allreduce(inputs[i], outputs[i], op, comm, options, workspace);
+      return;
+    }
+    if (shm && bucket.bytes > options.small_message_bytes) {  // straight into the segment and back
       std::vector<Buffer> ins, outs;
-      for (size_t i : pending) {
+      for (size_t i : bucket.items) {
         ins.push_back(inputs[i]);
         outs.push_back(outputs[i]);
       }
       shm->allreduce(ins, outs, op, options.wait);
-      pending.clear();
-      pending_bytes = 0;
       return;
     }
     unsigned char* cursor = fusion_buffer.data();
-    for (size_t i : pending) {
+    for (size_t i : bucket.items) {
       std::memcpy(cursor, inputs[i].data, inputs[i].bytes());
       cursor += inputs[i].bytes();
     }
-    const Buffer fused{fusion_buffer.data(), pending_bytes / dtype_size(pending_dtype), pending_dtype};
+    const DType dtype = inputs[bucket.items[0]].dtype;
+    const Buffer fused{fusion_buffer.data(), bucket.bytes / dtype_size(dtype), dtype};
     allreduce(fused, fused, op, comm, options, workspace);
     cursor = fusion_buffer.data();
-    for (size_t i : pending) {
+    for (size_t i : bucket.items) {
       std::memcpy(outputs[i].data, cursor, outputs[i].bytes());
       cursor += outputs[i].bytes();
     }
-    pending.clear();
-    pending_bytes = 0;
   };
-
+  BucketCutter cutter(fusion_threshold_bytes, options, shm != nullptr);
   for (size_t i = 0; i < inputs.size(); ++i) {
     const Buffer& in = inputs[i];
     if (in.count != outputs[i].count || in.dtype != outputs[i].dtype) {
       throw std::invalid_argument("grouped_allreduce: input and output " + std::to_string(i) +
                                   " differ in count or dtype");
     }
-    if (reduced_alone(in.bytes(), fusion_threshold_bytes, options, shm != nullptr)) {
-      allreduce(in, outputs[i], op, comm, options, workspace);
-      continue;
-    }
-    if (!pending.empty() && (in.dtype != pending_dtype || pending_bytes + in.bytes() > fusion_threshold_bytes)) {
-      flush();
-    }
-    pending_dtype = in.dtype;
-    pending.push_back(i);
-    pending_bytes += in.bytes();
+    for (const Bucket& bucket : cutter.add(i, in.bytes(), in.dtype, op)) reduce(bucket);
   }
-  flush();
+  for (const Bucket& bucket : cutter.flush()) reduce(bucket);
+}
+
+std::vector<Bucket> BucketCutter::add(size_t index, size_t bytes, DType dtype, ReduceOp op) {
+  std::vector<Bucket> done;
+  if (reduced_alone(bytes, threshold_, options_, streamed_)) {  // in place, alone; the bucket stays open
+    done.push_back(Bucket{{index}, bytes, true});
+    return done;
+  }
+  if (!open_.items.empty() && (dtype != dtype_ || op != op_ || open_.bytes + bytes > threshold_)) {
+    done.push_back(std::move(open_));
+    open_ = Bucket{};
+  }
+  dtype_ = dtype;
+  op_ = op;
+  open_.items.push_back(index);
+  open_.bytes += bytes;
+  return done;
+}
+
+std::vector<Bucket> BucketCutter::flush() {
+  std::vector<Bucket> done;
+  if (!open_.items.empty()) {
+    done.push_back(std::move(open_));
+    open_ = Bucket{};
+  }
+  return done;
 }
 
 }  // namespace hybridpipe
