@@ -1,8 +1,10 @@
-"""Train a small GPT-style byte-level language model with pipeline × data parallelism.
+r"""Train a small GPT-style byte-level language model with pipeline × data parallelism.
 
     mpirun -n 4 python examples/train_lm.py --stages 2        # 2 stages × 2 replicas
     mpirun -n 1 python examples/train_lm.py                   # one process, same script
     make demo                                                 # the 2 × 2 run above, set up for you
+    hybridpipe-run -np 4 --stages 2 --restarts 2 --checkpoint-dir ckpt python examples/train_lm.py \
+        --save-every 50                                       # relaunched after a failure, resumed
 
 The corpus is real text available offline: by default the Python standard library's own source
 files on this machine (or ``--data FILE``), read as bytes (vocabulary 256). The first 90 % is for
@@ -11,6 +13,13 @@ training, the last 10 % for validation.
 Each step, every data replica draws its own random windows (seeded by step and replica), and the
 stages of one pipeline draw the same ones — so every stage sees the same batch and the replicas
 see different shards, without a sampler. The global batch is replicas × --batch-size sequences.
+Because a batch depends only on the step (and the grid), a resumed run sees the batches the
+interrupted one would have seen; with the random generators restored from the checkpoint, dropout
+continues too, and a restart on the same grid ends with the weights of an uninterrupted run.
+
+Test hook: ``HYBRIDPIPE_TEST_KILL_AT_STEP=K`` makes the last rank kill itself (SIGKILL) at the start
+of step K, on the first attempt only (``HYBRIDPIPE_RESTART`` unset or 0): the failure the restart
+tests recover from.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 import sysconfig
 import time
@@ -27,6 +37,9 @@ import torch
 from torch import nn
 
 import hybridpipe as hp
+from hybridpipe.checkpoint import CHECKPOINT_DIR_ENV, RESTART_ENV, saved_balance
+
+KILL_AT_STEP_ENV = "HYBRIDPIPE_TEST_KILL_AT_STEP"  # test hook: see the module docstring
 
 
 # ------------------------------------------------------------------ data
@@ -80,20 +93,21 @@ class Embedding(nn.Module):
 class Block(nn.Module):
     """Pre-norm causal self-attention + MLP."""
 
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.heads = heads
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, dim = x.shape
         q, k, v = self.qkv(self.norm1(x)).split(dim, dim=-1)
         q, k, v = (t.view(batch, length, self.heads, dim // self.heads).transpose(1, 2) for t in (q, k, v))
         attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, dim))
-        return x + self.mlp(self.norm2(x))
+        x = x + self.dropout(self.proj(attended.transpose(1, 2).reshape(batch, length, dim)))
+        return x + self.dropout(self.mlp(self.norm2(x)))
 
 
 class Head(nn.Module):
@@ -108,7 +122,7 @@ class Head(nn.Module):
 def build_layers(args: argparse.Namespace) -> list[hp.LayerSpec]:
     """The model as LayerSpecs: each rank builds only its own stage's layers."""
     return ([hp.LayerSpec(Embedding, 256, args.dim, args.seq_len)]
-            + [hp.LayerSpec(Block, args.dim, args.heads) for _ in range(args.layers)]
+            + [hp.LayerSpec(Block, args.dim, args.heads, args.dropout) for _ in range(args.layers)]
             + [hp.LayerSpec(Head, args.dim, 256)])
 
 
@@ -132,6 +146,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dim", type=int, default=96)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout after attention and MLP")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--data", help="a text file (default: the Python standard library sources)")
@@ -142,9 +157,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-progress", action="store_true", help="print lines instead of a progress bar")
     parser.add_argument("--save-every", type=int, default=0, metavar="N",
                         help="write a sharded checkpoint to --checkpoint-dir every N steps (and at the end)")
-    parser.add_argument("--checkpoint-dir", default="checkpoints")
-    parser.add_argument("--resume", metavar="DIR", help="continue from the latest checkpoint in DIR (any grid)")
-    return parser.parse_args(argv)
+    parser.add_argument("--checkpoint-dir", default=os.environ.get(CHECKPOINT_DIR_ENV) or "checkpoints",
+                        help=f"default: ${CHECKPOINT_DIR_ENV} (set by hybridpipe-run --checkpoint-dir), "
+                             "else ./checkpoints")
+    parser.add_argument("--resume", nargs="?", const="auto", metavar="DIR",
+                        help="continue from the latest checkpoint in DIR (any grid); with no DIR or `auto`, "
+                             "from --checkpoint-dir if it holds one, else from scratch (the default when "
+                             f"${CHECKPOINT_DIR_ENV} is set)")
+    args = parser.parse_args(argv)
+    if args.resume is None and os.environ.get(CHECKPOINT_DIR_ENV):
+        args.resume = "auto"
+    return args
 
 
 def validation_loss(model: hp.PipelineModel, data: torch.Tensor, args: argparse.Namespace, grid: hp.Grid) -> float:
@@ -175,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     grid = hp.init(pipeline_stages=args.stages)
     leader = grid.rank == 0
+    restart = int(os.environ.get(RESTART_ENV) or 0)
+    torch.manual_seed(args.seed * 1_000_003 + grid.rank)  # dropout: a stream of its own per rank
+    resume_from = args.checkpoint_dir if args.resume == "auto" else args.resume
+    # the saved partition, when the stage count is the same: each rank then gets its own generator
+    # states back (a profiled balance="time" could come out different after a restart)
+    balance = saved_balance(resume_from, grid.pipeline_stages) if resume_from else None
     corpus = load_corpus(args.data, args.max_bytes)
     split = int(0.9 * len(corpus))
     train_data, val_data = corpus[:split], corpus[split:]
@@ -182,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     sample, _ = sample_batch(train_data, micro, args.seq_len, seed=args.seed)
     model = hp.PipelineModel(build_layers(args), loss_fn=lm_loss, micro_batches=args.micro_batches,
                              schedule=args.schedule, checkpoint=args.checkpoint, sample_input=sample,
-                             seed_layers=args.seed)
+                             seed_layers=args.seed, balance=balance)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01) \
         if any(True for _ in model.parameters()) else None
     if optimizer is not None:
@@ -200,12 +229,22 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
     first_step = 0
     if args.resume:
-        info = hp.load_checkpoint(args.resume, model, optimizer)
-        first_step = info["step"]
-        if optimizer is not None and "scheduler" in info["extra"]:
-            scheduler.load_state_dict(info["extra"]["scheduler"])
-        if leader:
-            print(f"resumed from {args.resume} at step {first_step}")
+        if args.resume == "auto":  # an empty or missing directory: start from scratch
+            state = hp.resume(args.checkpoint_dir, model, optimizer)
+            checkpoint_path, first_step, extra = state.checkpoint, state.step, state.extra
+        else:  # a directory named by hand must hold a checkpoint
+            info = hp.load_checkpoint(args.resume, model, optimizer)
+            checkpoint_path, first_step, extra = args.resume, info["step"], info["extra"]
+        if optimizer is not None and "scheduler" in extra:
+            scheduler.load_state_dict(extra["scheduler"])
+        if leader and checkpoint_path:
+            print(f"resumed from {checkpoint_path} at step {first_step} (restart {restart})")
+        elif leader:
+            print(f"no checkpoint in {args.checkpoint_dir}: starting at step 0 (restart {restart})")
+    if leader and os.environ.get(CHECKPOINT_DIR_ENV) and not args.save_every:
+        print(f"warning: ${CHECKPOINT_DIR_ENV} is set but --save-every is 0: a restart would start over",
+              flush=True)
+    kill_at = int(os.environ.get(KILL_AT_STEP_ENV) or -1) if restart == 0 else -1
     initial = validation_loss(model, val_data, args, grid)
     if leader:
         print(f"validation loss at step {first_step}: {initial:.3f} (uniform guess: {math.log(256):.3f})")
@@ -224,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     tokens_per_step = args.batch_size * grid.data_replicas * args.seq_len
     start = time.perf_counter()
     for step in range(first_step, args.steps):
+        if step == kill_at and grid.rank == grid.size - 1:
+            print(f"test hook {KILL_AT_STEP_ENV}: rank {grid.rank} kills itself at step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         inputs, targets = sample_batch(train_data, args.batch_size, args.seq_len,
                                        seed=args.seed * 1_000_003 + step * grid.data_replicas + grid.replica)
         if optimizer is not None:

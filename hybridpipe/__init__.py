@@ -21,7 +21,7 @@ from .comm.collectives import (
     grouped_allreduce,
     grouped_allreduce_,
 )
-from .checkpoint import CheckpointError, consolidate, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, consolidate, load_checkpoint, resume, save_checkpoint
 from .comm.engine import Handle, allreduce_async, allreduce_async_, engine_stats, poll, synchronize
 from .config import Config
 from .errors import (
@@ -60,7 +60,7 @@ __all__ = [
     "DistributedOptimizer", "Compression", "broadcast_parameters", "broadcast_optimizer_state",
     "broadcast_object", "allgather_object", "clip_grad_norm_",
     # checkpoints
-    "save_checkpoint", "load_checkpoint", "consolidate", "CheckpointError",
+    "save_checkpoint", "load_checkpoint", "resume", "consolidate", "CheckpointError",
     # errors
     "HybridPipeError", "NotInitializedError", "GridError", "MismatchError", "MPIError", "BuildError",
 ]

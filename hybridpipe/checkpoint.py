@@ -1,17 +1,24 @@
-"""Sharded checkpoints that reshard: save on one grid, load on any other.
+"""Sharded checkpoints that reshard: save on one grid, load on any other; resume after a restart.
 
 Layout of ``DIR`` (every write atomic: a temporary file, then ``os.replace``)::
 
-    DIR/step-00000100/stage-0.pt      # stage 0's layers: parameters, buffers, optimizer state
-    DIR/step-00000100/stage-1.pt
+    DIR/step-00000100/stage-0.pt      # stage 0's layers: parameters, buffers, optimizer state,
+    DIR/step-00000100/stage-1.pt      #   and the RNG states of that stage's ranks
     DIR/step-00000100/manifest.json   # written after every stage file is complete
     DIR/latest                        # "step-00000100", replaced last
 
 Everything is keyed by the ORIGINAL layer index and parameter name (``layers.7.weight``), never by
 stage, so a checkpoint saved with 2 stages × 2 replicas loads into 4 × 1, 1 × 1 or another balance:
-each rank reads the files that hold its layers and keeps its own. Optimizer state (e.g. AdamW's
-moments and step) follows its parameter. One replica per stage (replica 0) writes. A process
-killed during a save leaves ``latest`` pointing to the previous, complete checkpoint.
+each rank reads the manifest and only the files of the saved stages that hold some of its layers,
+and keeps its own. Optimizer state (e.g. AdamW's moments and step) follows its parameter. One
+replica per stage (replica 0) writes. A process killed during a save leaves ``latest`` pointing to
+the previous, complete checkpoint.
+
+Random generators (torch CPU and CUDA, ``random``, numpy; see :mod:`hybridpipe.rng_state`) are saved
+per rank, keyed by (stage, replica). On load, a rank whose partition is the saved one (same stage
+count and balance) gets the state of the same (stage, replica) back, so dropout continues exactly;
+any other rank (the layers moved, or a replica that did not exist) is re-seeded from a seed derived
+from the saved states it read and its new grid position: deterministic, and distinct per rank.
 
 Files are read with ``torch.load(weights_only=True)``. ``python -m hybridpipe.checkpoint
 consolidate DIR OUT.pt`` writes one ordinary ``state_dict`` for single-process inference.
@@ -20,21 +27,29 @@ consolidate DIR OUT.pt`` writes one ordinary ``state_dict`` for single-process i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import runtime
+from . import rng_state, runtime
 from .comm.engine import call
 from .errors import HybridPipeError
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "consolidate", "latest_checkpoint"]
+__all__ = ["CheckpointError", "ResumeInfo", "save_checkpoint", "load_checkpoint", "resume", "consolidate",
+           "latest_checkpoint", "saved_balance", "CHECKPOINT_DIR_ENV", "RESTART_ENV"]
 
-FORMAT = 1
+FORMAT = 1  # files without RNG states (written before they were saved) are format 1 too, and load
+
+#: Set by ``hybridpipe-run --checkpoint-dir DIR`` on every rank: where the job saves and resumes.
+CHECKPOINT_DIR_ENV = "HYBRIDPIPE_CHECKPOINT_DIR"
+#: Set by ``hybridpipe-run --restarts N`` on every rank: 0 on the first attempt, then 1, 2, ...
+RESTART_ENV = "HYBRIDPIPE_RESTART"
 
 
 class CheckpointError(HybridPipeError):
@@ -78,9 +93,26 @@ def _optimizer_state_by_name(model: Any, optimizer: torch.optim.Optimizer | None
     return {"state": by_name, "param_groups": groups}
 
 
+def _is_pipeline(model: Any) -> bool:
+    return hasattr(model, "layers_of_stage")
+
+
+def _gather_rng_states(model: Any, grid: runtime.Grid) -> list[dict] | None:
+    """Every rank's generator states, on the rank that writes the file they go into (else None).
+
+    A pipeline stage's file holds the states of that stage's replicas (gathered over ``data``); a
+    plain module's single file, written by rank 0, holds every rank's (gathered over the world).
+    """
+    mine = {"stage": grid.stage, "replica": grid.replica, **rng_state.capture()}
+    if _is_pipeline(model):
+        return call("data", "save_checkpoint", lambda: grid.data_comm.gather(mine, root=0))
+    return call(None, "save_checkpoint", lambda: grid.world_comm.gather(mine, root=0))
+
+
 def save_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.optim.Optimizer | None = None,
                     step: int = 0, extra: dict | None = None) -> Path:
-    """Saves this grid's model (a PipelineModel or nn.Module) and optimizer; collective over the world.
+    """Saves this grid's model (a PipelineModel or nn.Module), optimizer and every rank's random
+    generator states; collective over the world.
 
     Args:
         directory: the checkpoint directory (created).
@@ -107,17 +139,19 @@ def save_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
     error = call(None, "save_checkpoint", lambda: grid.world_comm.bcast(error, root=0))
     if error:
         raise CheckpointError(error)
+    rng_states = _gather_rng_states(model, grid)  # captured before anything below could draw
     writer = grid.replica == 0 and (stages > 1 or grid.stage == 0)
     if writer:
         try:
             payload = {
                 "format": FORMAT,
                 "stage": stage,
-                "layers": list(model.layers_of_stage(stage)) if hasattr(model, "layers_of_stage") else None,
+                "layers": list(model.layers_of_stage(stage)) if _is_pipeline(model) else None,
                 "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
                 "optimizer": _optimizer_state_by_name(model, optimizer),
                 "step": int(step),
                 "extra": extra or {},
+                "rng": rng_states,
             }
             _atomic_save(payload, target / f"stage-{stage}.pt")
         except Exception as exc:  # every rank must learn of it
@@ -186,64 +220,275 @@ def _load_all(checkpoint: Path) -> tuple[dict, list[dict]]:
     return manifest, [_read_file(checkpoint / name) for name in manifest["files"]]
 
 
-def load_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.optim.Optimizer | None = None
-                    ) -> dict:
-    """Restores ``model`` (and ``optimizer``) from a checkpoint saved on any grid.
+def _files_needed(manifest: dict, model: Any) -> list[str]:
+    """The saved stage files that hold some layer of this rank's stage, in stage order.
+
+    A plain module, or a checkpoint whose manifest has no per-stage balance (a plain module's),
+    needs every file."""
+    files, balance = list(manifest["files"]), list(manifest.get("balance") or [])
+    if not _is_pipeline(model) or len(balance) != len(files):
+        return files
+    own = model.layers_of_stage(model.stage)
+    needed, start = [], 0
+    for name, count in zip(files, balance):
+        if start < own.stop and own.start < start + count:
+            needed.append(name)
+        start += count
+    return needed
+
+
+def _restore_rng(manifest: dict, payloads: list[dict], model: Any, grid: runtime.Grid) -> str:
+    """Sets this rank's generators from the checkpoint (rule in the module docstring); returns
+    "restored", "reseeded" or "not saved"."""
+    entries = [entry for payload in payloads for entry in (payload.get("rng") or [])]
+    if not entries:
+        return "not saved"
+    saved_stages = manifest.get("grid", {}).get("pipeline_stages")
+    same_partition = (saved_stages == grid.pipeline_stages
+                      and list(manifest.get("balance") or []) == list(getattr(model, "balance", [])))
+    if same_partition:
+        for entry in entries:
+            if (entry["stage"], entry["replica"]) == (grid.stage, grid.replica):
+                rng_state.restore(entry)
+                return "restored"
+    first = sorted(payloads[0].get("rng") or entries, key=lambda e: (e["stage"], e["replica"]))
+    reference = first[grid.replica % len(first)]
+    rng_state.reseed(rng_state.derive_seed(reference, grid.pipeline_stages, grid.data_replicas, grid.stage,
+                                           grid.replica, int(manifest["step"])))
+    return "reseeded"
+
+
+def _prepare(checkpoint: Path, manifest: dict, payloads: list[dict], model: Any,
+             optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
+    """Checks the files against the model; returns (model state to load, optimizer state or None)."""
+    tensors: dict[str, torch.Tensor] = {}
+    optimizer_state: dict[str, Any] = {}
+    groups: list[dict] = []
+    for payload in payloads:
+        tensors.update(payload["model"])
+        optimizer_state.update(payload["optimizer"]["state"])
+        groups = groups or payload["optimizer"]["param_groups"]
+    own = model.state_dict()
+    missing = [key for key in own if key not in tensors]
+    if missing:
+        raise CheckpointError(f"{checkpoint} lacks {len(missing)} entries this model needs "
+                              f"(e.g. {missing[:3]}); was it saved from the same model?")
+    wrong = [f"{key}: {tuple(tensors[key].shape)} saved, {tuple(own[key].shape)} here" for key in own
+             if tuple(tensors[key].shape) != tuple(own[key].shape)]
+    if wrong:
+        raise CheckpointError(f"{checkpoint}: shapes differ ({'; '.join(wrong[:3])})")
+    if optimizer is None:
+        return {key: tensors[key] for key in own}, None
+    names = {id(p): name for name, p in model.named_parameters()}
+    current = optimizer.state_dict()
+    position, state = 0, {}
+    for index, group in enumerate(optimizer.param_groups):
+        for parameter in group["params"]:
+            name = names.get(id(parameter))
+            if name in optimizer_state:
+                state[position] = optimizer_state[name]
+            position += 1
+        if index < len(groups):  # hyper-parameters (lr after a scheduler, betas, ...)
+            current["param_groups"][index].update(
+                {k: v for k, v in groups[index].items() if k not in ("param_names", "params")})
+    current["state"] = state
+    return {key: tensors[key] for key in own}, current
+
+
+def _raise_on_any(grid: runtime.Grid, error: str, what: str) -> None:
+    errors = sorted({e for e in call(None, "load_checkpoint", lambda: grid.world_comm.allgather(error)) if e})
+    if errors:
+        raise CheckpointError(f"{what} failed: " + " | ".join(errors))
+
+
+def load_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.optim.Optimizer | None = None,
+                    restore_rng: bool = True) -> dict:
+    """Restores ``model`` (and ``optimizer``, and the random generators) from a checkpoint saved on
+    any grid; collective over the world.
+
+    Each rank reads the manifest and the files of the saved stages that hold its layers (all files
+    for a plain module). Nothing is changed on any rank unless every rank's files check out.
 
     Args:
         directory: a checkpoint directory's parent (its ``latest`` is used) or one checkpoint.
+        model: a ``hp.PipelineModel`` or plain module, as given to :func:`save_checkpoint`.
+        optimizer: the optimizer over ``model.parameters()``, or None.
+        restore_rng: set the random generators from the checkpoint (see the module docstring for
+            the rule when the grid differs); False leaves them alone.
 
     Returns:
-        ``{"step": int, "extra": dict}`` of the checkpoint.
+        ``{"step": int, "extra": dict, "rng": str}``: the checkpoint's step, the ``extra`` that
+        stage 0 saved, and what happened to the random generators: ``"restored"`` (this rank's
+        saved states), ``"reseeded"`` (other grid or partition: a seed derived from the saved
+        states), ``"not saved"`` (a checkpoint from before RNG states were saved: generators left
+        alone, with a warning on rank 0) or ``"skipped"`` (``restore_rng=False``).
 
     Raises:
         CheckpointError: missing, incomplete, truncated or foreign files; parameters missing or of
             another shape (names and shapes given).
     """
     grid = runtime._require("load_checkpoint").grid
-    error, result = "", None
+    error, checkpoint, manifest, payloads, prepared = "", None, None, [], None
     try:
         checkpoint = _resolve(directory)
-        manifest, payloads = _load_all(checkpoint)
-        tensors: dict[str, torch.Tensor] = {}
-        optimizer_state: dict[str, Any] = {}
-        groups: list[dict] = []
-        for payload in payloads:
-            tensors.update(payload["model"])
-            optimizer_state.update(payload["optimizer"]["state"])
-            groups = groups or payload["optimizer"]["param_groups"]
-        own = model.state_dict()
-        missing = [key for key in own if key not in tensors]
-        if missing:
-            raise CheckpointError(f"{checkpoint} lacks {len(missing)} entries this model needs "
-                                  f"(e.g. {missing[:3]}); was it saved from the same model?")
-        wrong = [f"{key}: {tuple(tensors[key].shape)} saved, {tuple(own[key].shape)} here" for key in own
-                 if tuple(tensors[key].shape) != tuple(own[key].shape)]
-        if wrong:
-            raise CheckpointError(f"{checkpoint}: shapes differ ({'; '.join(wrong[:3])})")
-        model.load_state_dict({key: tensors[key] for key in own}, strict=True)
-        if optimizer is not None:
-            names = {id(p): name for name, p in model.named_parameters()}
-            current = optimizer.state_dict()
-            position, state = 0, {}
-            for index, group in enumerate(optimizer.param_groups):
-                for parameter in group["params"]:
-                    name = names.get(id(parameter))
-                    if name in optimizer_state:
-                        state[position] = optimizer_state[name]
-                    position += 1
-                if index < len(groups):  # hyper-parameters (lr after a scheduler, betas, ...)
-                    current["param_groups"][index].update(
-                        {k: v for k, v in groups[index].items() if k not in ("param_names", "params")})
-            current["state"] = state
-            optimizer.load_state_dict(current)
-        result = {"step": int(manifest["step"]), "extra": payloads[0].get("extra", {})}
+        manifest = _read_manifest(checkpoint)
+        payloads = [_read_file(checkpoint / name) for name in _files_needed(manifest, model)]
+        prepared = _prepare(checkpoint, manifest, payloads, model, optimizer)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
-    errors = sorted({e for e in call(None, "load_checkpoint", lambda: grid.world_comm.allgather(error)) if e})
+    # rank 0 (stage 0, replica 0) always reads stage-0.pt: its ``extra`` travels with the error check
+    shared = call(None, "load_checkpoint", lambda: grid.world_comm.allgather(
+        (error, payloads[0].get("extra", {}) if grid.rank == 0 and payloads and not error else None)))
+    errors = sorted({e for e, _ in shared if e})
     if errors:
         raise CheckpointError("loading the checkpoint failed: " + " | ".join(errors))
-    return result
+    assert checkpoint is not None and manifest is not None and prepared is not None
+    rng = "skipped"
+    try:
+        model_state, optimizer_state = prepared
+        model.load_state_dict(model_state, strict=True)
+        if optimizer is not None:
+            optimizer.load_state_dict(optimizer_state)
+        if restore_rng:
+            rng = _restore_rng(manifest, payloads, model, grid)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    _raise_on_any(grid, error, "restoring the checkpoint")
+    if rng == "not saved" and grid.rank == 0:
+        warnings.warn(f"{checkpoint} holds no random generator states (saved by an older hybridpipe): they "
+                      "are not restored, so dropout and other random draws do not continue as in the saved "
+                      "run", stacklevel=2)
+    return {"step": int(manifest["step"]), "extra": shared[0][1] or {}, "rng": rng}
+
+
+# ---------------------------------------------------------------------- resuming
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeInfo:
+    """What :func:`resume` found.
+
+    Attributes:
+        step: the step to continue from: the checkpoint's step, or 0 when nothing was loaded.
+        extra: the ``extra`` saved with the checkpoint (empty when nothing was loaded).
+        checkpoint: the checkpoint loaded (``DIR/step-XXXXXXXX``), or None: start from scratch.
+        rng: what happened to the random generators (see :func:`load_checkpoint`); "" when nothing
+            was loaded.
+
+    Example:
+        >>> state = hp.resume("ckpt", model, optimizer)
+        >>> for step in range(state.step, steps): ...
+    """
+
+    step: int = 0
+    extra: dict = dataclasses.field(default_factory=dict)
+    checkpoint: Path | None = None
+    rng: str = ""
+
+    @property
+    def resumed(self) -> bool:
+        """True when a checkpoint was loaded."""
+        return self.checkpoint is not None
+
+
+def _spans(ranks: list[int]) -> str:
+    parts, start = [], ranks[0]
+    for previous, current in zip(ranks, ranks[1:] + [None]):
+        if current != previous + 1:
+            parts.append(f"{start}" if start == previous else f"{start}-{previous}")
+            start = current
+    return ",".join(parts)
+
+
+def _agreed_latest(directory: str | os.PathLike | None, function: str) -> tuple[Path | None, dict | None]:
+    """The checkpoint every rank finds in ``directory`` (None: there is none) and its manifest;
+    collective over the world. Ranks that find different ones raise CheckpointError on every rank."""
+    grid = runtime._require(function).grid
+    error, found, manifest = "", None, None
+    try:
+        if directory is None:
+            directory = os.environ.get(CHECKPOINT_DIR_ENV, "")
+            if not directory:
+                raise CheckpointError(f"no directory given and ${CHECKPOINT_DIR_ENV} is not set: pass the "
+                                      "checkpoint directory, or launch with `hybridpipe-run --checkpoint-dir "
+                                      "DIR`")
+        path = Path(directory)
+        if path.exists() and not path.is_dir():
+            raise CheckpointError(f"{path} is a file, not a checkpoint directory")
+        found = path if (path / "manifest.json").exists() else latest_checkpoint(path)
+        if found is not None:
+            manifest = _read_manifest(found)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    seen = call(None, function, lambda: grid.world_comm.allgather((error, found.name if found else None)))
+    errors = sorted({e for e, _ in seen if e})
+    if errors:
+        raise CheckpointError(f"hp.{function}: " + " | ".join(errors))
+    names = {name for _, name in seen}
+    if len(names) > 1:
+        ranks_by_name = {name: [rank for rank, (_, seen_name) in enumerate(seen) if seen_name == name]
+                         for name in sorted(names, key=str)}
+        listing = "; ".join(f"{name or 'no checkpoint'} on rank(s) {_spans(ranks)}"
+                            for name, ranks in ranks_by_name.items())
+        raise CheckpointError(f"hp.{function}: ranks see different checkpoints in {directory} ({listing}): "
+                              "every rank must see the same directory (on several hosts, a shared file "
+                              "system)")
+    return found, manifest
+
+
+def resume(directory: str | os.PathLike | None, model: Any, optimizer: torch.optim.Optimizer | None = None,
+           restore_rng: bool = True) -> ResumeInfo:
+    """Continues from the latest complete checkpoint in ``directory``, if there is one; collective.
+
+    Loads it with :func:`load_checkpoint` (any grid: the checkpoint reshards) when there is one;
+    an empty or missing directory means "start from scratch". Every rank must find the same
+    checkpoint: ranks that see different ones (e.g. node-local directories) raise on every rank.
+
+    Args:
+        directory: where the job saves its checkpoints; None: ``$HYBRIDPIPE_CHECKPOINT_DIR`` (set
+            by ``hybridpipe-run --checkpoint-dir``).
+        model: a ``hp.PipelineModel`` or plain module.
+        optimizer: the optimizer over ``model.parameters()``, or None.
+        restore_rng: restore (or re-seed) the random generators, see :func:`load_checkpoint`.
+
+    Returns:
+        A :class:`ResumeInfo`: ``step`` to continue from (0 and ``checkpoint=None`` when starting
+        from scratch), the checkpoint's ``extra``, and what happened to the generators.
+
+    Raises:
+        CheckpointError: ranks see different checkpoints, or the latest one is damaged (on every
+            rank).
+
+    Example:
+        >>> state = hp.resume("ckpt", model, optimizer)
+        >>> if state.resumed:
+        ...     scheduler.load_state_dict(state.extra["scheduler"])
+        >>> for step in range(state.step, total_steps): ...
+    """
+    checkpoint, _ = _agreed_latest(directory, "resume")
+    if checkpoint is None:
+        return ResumeInfo()
+    info = load_checkpoint(checkpoint, model, optimizer, restore_rng=restore_rng)
+    return ResumeInfo(step=info["step"], extra=info["extra"], checkpoint=checkpoint, rng=info["rng"])
+
+
+def saved_balance(directory: str | os.PathLike | None,
+                  pipeline_stages: int | None = None) -> list[int] | None:
+    """The balance (layers per stage) of the latest checkpoint in ``directory`` when it was saved
+    with ``pipeline_stages`` stages (default: this grid's), else None; collective over the world.
+
+    Pass it to ``hp.PipelineModel(..., balance=...)`` before resuming: the same partition as the
+    saved run restores each rank's own random generator states (dropout continues exactly), where
+    a profiled ``balance="time"`` may come out different after a restart.
+
+    Raises:
+        CheckpointError: ranks see different checkpoints, or its manifest is damaged (every rank).
+    """
+    stages = pipeline_stages or runtime._require("saved_balance").grid.pipeline_stages
+    _, manifest = _agreed_latest(directory, "saved_balance")
+    if manifest is None or manifest.get("stages") != stages or len(manifest.get("balance") or []) != stages:
+        return None
+    return list(manifest["balance"])
 
 
 def consolidate(directory: str | os.PathLike, output: str | os.PathLike) -> Path:

@@ -3,8 +3,9 @@
 Why a module of its own: the launcher, the MPI test plugin (tests/conftest.py) and the
 examples all need the same command, and each MPI flavour spells it differently (Open MPI
 refuses root and oversubscription unless told, and passes variables with ``-x``; MPICH's
-hydra uses ``-genv``). It imports only the standard library and ``hybridpipe.errors`` so
-that it works before the compiled extension is built and without initialising MPI.
+hydra uses ``-genv``). It imports only the standard library and ``hybridpipe.errors`` (and, to
+name the checkpoint a restart resumes from, ``hybridpipe.checkpoint``) so that it works before the
+compiled extension is built and without initialising MPI.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from pathlib import Path
 
 from hybridpipe.errors import HybridPipeError
 
-__all__ = ["available_cores", "find_mpirun", "mpi_flavour", "mpirun_command", "build_command", "main"]
+__all__ = ["available_cores", "find_mpirun", "mpi_flavour", "mpirun_command", "count_slots", "build_command",
+           "main"]
 
 #: Environment variable naming the MPI launcher to use (a path or a name on PATH).
 MPIRUN_ENV = "HYBRIDPIPE_MPIRUN"
@@ -183,22 +185,25 @@ def mpirun_command(
 
 # ---------------------------------------------------------------------- hybridpipe-run
 
-USAGE = """hybridpipe-run -np N [--stages P] [-H host1:4,host2:4 | --hostfile FILE] [options] PROGRAM [ARGS...]
+USAGE = """hybridpipe-run [-np N] [--stages P] [-H host1:4,host2:4 | --hostfile FILE] [options] PROGRAM [ARGS]
 
 Starts PROGRAM on N ranks forming a P-stage × (N/P)-replica grid: builds the mpirun (or, inside a
 Slurm allocation, srun) command, passes the settings as HYBRIDPIPE_* environment variables, packs
-consecutive ranks (one pipeline) onto a node, runs it, and exits with its exit code.
+consecutive ranks (one pipeline) onto a node, runs it, and exits with its exit code. Without -np,
+N is the hosts' slot count (rounded down to a multiple of P), counted again before every restart.
 
 examples:
   hybridpipe-run -np 4 --stages 2 python train.py --epochs 3
   hybridpipe-run -np 16 --stages 4 -H node1:8,node2:8 --timeline trace.json python train.py
   hybridpipe-run -np 8 --stages 2 --dry-run python train.py      # print the command only
+  hybridpipe-run --stages 2 --hostfile hosts --restarts 3 --checkpoint-dir ckpt python train.py
 """
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="hybridpipe-run", usage=USAGE, add_help=True)
-    parser.add_argument("-np", "-n", "--np", dest="np", type=int, required=True, help="number of ranks")
+    parser.add_argument("-np", "-n", "--np", dest="np", type=int,
+                        help="number of ranks (default: the slots of -H/--hostfile, a multiple of --stages)")
     parser.add_argument("--stages", type=int, default=1, help="pipeline stages P (N must be a multiple); "
                         "sets HYBRIDPIPE_PIPELINE_STAGES, the default of hp.init()")
     hosts = parser.add_mutually_exclusive_group()
@@ -216,21 +221,91 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--mpi-args", default="", help="extra launcher arguments, one string, split like a shell")
     parser.add_argument("-x", "--env", action="append", default=[], metavar="NAME=VALUE",
                         help="set an environment variable on every rank (repeatable)")
+    parser.add_argument("--restarts", type=int, default=0, metavar="N",
+                        help="after the job fails (exits non-zero, not stopped by Ctrl-C / SIGTERM), run it "
+                             "again, up to N times; every rank gets HYBRIDPIPE_RESTART=attempt (0 at first)")
+    parser.add_argument("--checkpoint-dir", metavar="DIR",
+                        help="where the job saves and resumes its checkpoints: HYBRIDPIPE_CHECKPOINT_DIR on "
+                             "every rank (absolute), read by hp.resume(None, ...) and examples/train_lm.py")
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
     parser.add_argument("program", nargs=argparse.REMAINDER, help="the program and its arguments")
     args = parser.parse_args(argv)
     if not args.program:
         parser.error("give the program to run, e.g. `python train.py`")
-    if args.np < 1:
+    if args.stages < 1:
+        parser.error(f"--stages must be >= 1 (got {args.stages})")
+    if args.restarts < 0:
+        parser.error(f"--restarts must be >= 0 (got {args.restarts})")
+    if args.np is None and not (args.hosts or args.hostfile):
+        parser.error("give -np N, or hosts with slot counts (-H node1:4,node2:4 or --hostfile) to count the "
+                     "ranks from")
+    if args.np is not None and args.np < 1:
         parser.error(f"-np must be >= 1 (got {args.np})")
-    if args.stages < 1 or args.np % args.stages:
+    if args.np is not None and args.np % args.stages:
         parser.error(f"-np {args.np} is not a multiple of --stages {args.stages} "
                      f"(the grid is stages × replicas; e.g. -np {args.stages * max(1, args.np // args.stages)})")
     return args
 
 
-def _settings(args: argparse.Namespace) -> dict[str, str]:
+def count_slots(hosts: str | None = None, hostfile: str | None = None) -> int:
+    """The slots that ``-H`` / ``--hostfile`` give (what ``hybridpipe-run`` without ``-np`` launches).
+
+    ``-H`` entries are ``name`` (one slot, as mpirun counts it) or ``name:N``; hostfile lines are
+    Open MPI's ``name slots=N`` or hydra's ``name:N`` (``#`` comments, blank lines ignored).
+
+    Raises:
+        HybridPipeError: the hostfile cannot be read, or a line gives no slot count (Open MPI then
+            uses that node's core count, which this machine cannot see).
+    """
+    if hosts:
+        total = 0
+        for entry in hosts.split(","):
+            name, _, slots = entry.strip().partition(":")
+            if slots and not slots.isdigit():
+                raise HybridPipeError(f"-H entry {entry!r} is not host or host:slots (e.g. node1:4)")
+            total += int(slots) if slots else 1
+        return total
+    try:
+        lines = Path(hostfile or "").read_text().splitlines()
+    except OSError as error:
+        raise HybridPipeError(f"cannot read the hostfile {hostfile!r} ({error.strerror}): give an existing "
+                              "file, or -np") from None
+    total = 0
+    for number, raw in enumerate(lines, 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, *options = line.split()
+        counts = [o.partition("=")[2] for o in options if o.startswith("slots=")]
+        if ":" in name:
+            counts.append(name.partition(":")[2])
+        if not counts or not counts[0].isdigit():
+            raise HybridPipeError(f"{hostfile} line {number} ({raw.strip()!r}) gives no slot count: write "
+                                  f"'{name.partition(':')[0]} slots=N' (or 'name:N' for MPICH), or pass -np")
+        total += int(counts[0])
+    return total
+
+
+def _rank_count(args: argparse.Namespace) -> tuple[int, list[str]]:
+    """-np, or the hosts' slots rounded down to a multiple of --stages; and a warning if rounded."""
+    if args.np is not None:
+        return args.np, []
+    slots = count_slots(args.hosts, args.hostfile)
+    np = slots - slots % args.stages
+    if np < 1:
+        raise HybridPipeError(f"the hosts give {slots} slot(s), fewer than --stages {args.stages}: add "
+                              "hosts, or lower --stages")
+    warnings = [] if np == slots else [f"the hosts give {slots} slots; running -np {np}, the largest "
+                                       f"multiple of --stages {args.stages}"]
+    return np, warnings
+
+
+def _settings(args: argparse.Namespace, attempt: int) -> dict[str, str]:
     env = {"HYBRIDPIPE_PIPELINE_STAGES": str(args.stages)}
+    if args.checkpoint_dir:
+        env["HYBRIDPIPE_CHECKPOINT_DIR"] = os.path.abspath(args.checkpoint_dir)
+    if args.restarts or attempt:
+        env["HYBRIDPIPE_RESTART"] = str(attempt)
     if args.timeline:
         env["HYBRIDPIPE_TIMELINE"] = args.timeline
     if args.fusion_threshold_mb is not None:
@@ -258,17 +333,22 @@ def _check_packing(hosts: str, stages: int) -> list[str]:
     return warnings
 
 
-def build_command(argv: Sequence[str] | None = None) -> tuple[list[str], list[str]]:
+def build_command(argv: Sequence[str] | None = None, attempt: int = 0) -> tuple[list[str], list[str]]:
     """The launch command for ``hybridpipe-run`` arguments, and warnings to print.
+
+    Args:
+        argv: the arguments of ``hybridpipe-run``.
+        attempt: 0 for the first run, then 1, 2, ... for restarts (``HYBRIDPIPE_RESTART``).
 
     Returns:
         (command as an argument list, warnings).
     """
     args = _parse(argv)
-    env = _settings(args)
+    env = _settings(args, attempt)
     program = list(args.program)
     extra = shlex.split(args.mpi_args)
-    warnings = _check_packing(args.hosts, args.stages) if args.hosts else []
+    np, warnings = _rank_count(args)
+    warnings += _check_packing(args.hosts, args.stages) if args.hosts else []
     use_srun = args.launcher == "srun" or (
         args.launcher == "auto" and os.environ.get("SLURM_JOB_ID") and not (args.hosts or args.hostfile)
         and shutil.which("srun"))
@@ -281,7 +361,7 @@ def build_command(argv: Sequence[str] | None = None) -> tuple[list[str], list[st
                                   "--launcher mpirun")
         exports = ",".join(["ALL", *(f"{name}={value}" for name, value in env.items())])
         # block distribution: consecutive ranks (one pipeline) on one node
-        command = [srun, "-n", str(args.np), "--distribution=block", "--kill-on-bad-exit=1",
+        command = [srun, "-n", str(np), "--distribution=block", "--kill-on-bad-exit=1",
                    f"--export={exports}", *extra, *program]
         return command, warnings
     launcher = find_mpirun(args.mpirun)
@@ -300,43 +380,90 @@ def build_command(argv: Sequence[str] | None = None) -> tuple[list[str], list[st
             placement += ["-f", args.hostfile]
     elif args.hosts or args.hostfile:
         raise HybridPipeError(f"cannot pass hosts to {launcher}: its MPI flavour is unknown; use --mpi-args")
-    command = mpirun_command(args.np, program, mpirun=launcher, extra_args=[*placement, *extra], env=env,
+    command = mpirun_command(np, program, mpirun=launcher, extra_args=[*placement, *extra], env=env,
                              oversubscribe=False if (args.hosts or args.hostfile) else None)
     return command, warnings
 
 
+def _restart_note(args: argparse.Namespace, attempt: int, code: int) -> str:
+    """One line for stderr: which restart, why, and where the job will continue from."""
+    where = "the job starts from its beginning (no --checkpoint-dir)"
+    if args.checkpoint_dir:
+        from hybridpipe.checkpoint import latest_checkpoint  # torch: only once a restart is due
+
+        directory = os.path.abspath(args.checkpoint_dir)
+        latest = latest_checkpoint(directory)
+        where = (f"resuming from {latest}" if latest is not None else
+                 f"no complete checkpoint in {directory} yet: the job starts from its beginning")
+    return (f"hybridpipe-run: the job exited with code {code}; restart {attempt} of {args.restarts} "
+            f"(HYBRIDPIPE_RESTART={attempt}), {where}")
+
+
+def _run_once(command: list[str], job: dict[str, Any]) -> int:
+    """Runs the launcher in its own process group (``job["process"]``: where Ctrl-C is forwarded)."""
+    job["process"] = process = subprocess.Popen(command, start_new_session=True)
+    while True:
+        try:
+            code = process.wait(timeout=1.0)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    return 128 - code if code < 0 else code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``hybridpipe-run``: run the job; its exit code is ours. Ctrl-C / SIGTERM stop every rank."""
+    """``hybridpipe-run``: run the job, again after a failure with ``--restarts``; its exit code is
+    ours. Ctrl-C / SIGTERM stop every rank and are never followed by a restart."""
     try:
+        args = _parse(argv)
         command, warnings = build_command(argv)
     except HybridPipeError as error:
         print(f"hybridpipe-run: error: {error}", file=sys.stderr)
         return 2
     for warning in warnings:
         print(f"hybridpipe-run: warning: {warning}", file=sys.stderr)
-    if _parse(argv).dry_run:
+    if args.dry_run:
         print(shlex.join(command))
         return 0
-    process = subprocess.Popen(command, start_new_session=True)
+    if args.restarts and not args.checkpoint_dir:
+        print("hybridpipe-run: warning: --restarts without --checkpoint-dir: a restarted job starts from its "
+              "beginning unless it finds its checkpoints itself", file=sys.stderr)
+    job: dict[str, Any] = {"process": None, "signal": 0}
 
     def forward(signum: int, _frame: Any) -> None:
-        try:
-            os.killpg(process.pid, signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT)
-        except ProcessLookupError:
-            pass
+        job["signal"] = signum  # the user stops the job: no restart follows
+        if job["process"] is not None:
+            try:
+                os.killpg(job["process"].pid, signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT)
+            except ProcessLookupError:
+                pass
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    attempt, code = 0, 0
     try:
-        while True:
-            try:
-                code = process.wait(timeout=1.0)
+        while not job["signal"]:
+            code = _run_once(command, job)
+            if code == 0 or job["signal"] or attempt >= args.restarts:
                 break
-            except subprocess.TimeoutExpired:
-                continue
+            attempt += 1
+            try:
+                # hosts are counted again: a hostfile with a dead node removed gives a smaller -np
+                command, warnings = build_command(argv, attempt)
+            except HybridPipeError as error:
+                print(f"hybridpipe-run: error: cannot restart: {error}", file=sys.stderr)
+                break
+            print(_restart_note(args, attempt, code), file=sys.stderr, flush=True)
+            for warning in warnings:
+                print(f"hybridpipe-run: warning: {warning}", file=sys.stderr)
+        else:
+            code = 128 + job["signal"]  # stopped between two attempts
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 128 - code if code < 0 else code
+    if code != 0 and args.restarts and not job["signal"] and attempt >= args.restarts:
+        print(f"hybridpipe-run: the job failed (exit code {code}) and all {args.restarts} restart(s) are "
+              "used: giving up", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -1,21 +1,28 @@
 """Sharded checkpoints under a real mpirun: save on 2 × 2, load on 4 × 1 and 1 × 1, continue, and end
 where uninterrupted training ends; incomplete or damaged checkpoints are refused, the previous
-one stays loadable."""
+one stays loadable. Each rank reads only the stage files that hold its layers; random generator
+states come back (dropout continues bit for bit) or are re-seeded by the documented rule;
+hp.resume starts from scratch on an empty directory and refuses directories ranks see differently."""
 
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from mpi4py import MPI
 from torch import nn
 
 import hybridpipe as hp
-from hybridpipe.checkpoint import CheckpointError, latest_checkpoint
+from hybridpipe import checkpoint as checkpoint_module
+from hybridpipe import rng_state
+from hybridpipe.checkpoint import CheckpointError, latest_checkpoint, saved_balance
 
 pytestmark = pytest.mark.mpi(ranks=[4], timeout=300)
 
@@ -63,11 +70,17 @@ def train(model, optimizer, grid, steps):
     return losses
 
 
-def build(stages: int, comm=None):
+def build(stages: int, comm=None, layers=None, balance="uniform"):
+    """A fresh grid, model and optimizer. A grid of some ranks only gets a plain optimizer: a
+    DistributedOptimizer is named after how many were created in the process, so one made on some
+    ranks only would mismatch every later one across ranks."""
     hp.shutdown()
     grid = hp.init(pipeline_stages=stages, comm=comm)
-    model = hp.PipelineModel(mlp(), loss_fn=nn.CrossEntropyLoss(), micro_batches=2, balance="uniform")
-    optimizer = hp.DistributedOptimizer(make_optimizer(model.parameters()), named_parameters=model.named_parameters())
+    model = hp.PipelineModel(layers if layers is not None else mlp(), loss_fn=nn.CrossEntropyLoss(),
+                             micro_batches=2, balance=balance)
+    optimizer = make_optimizer(model.parameters())
+    if comm is None:
+        optimizer = hp.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     return grid, model, optimizer
 
 
@@ -103,7 +116,7 @@ def test_resume_on_another_grid_continues_exactly(directory, saved, stages):
     expected_losses, expected_state = reference()
     grid, model, optimizer = build(stages)
     info = hp.load_checkpoint(directory, model, optimizer)
-    assert info == {"step": 3, "extra": {"note": "after 3 steps"}}
+    assert info == {"step": 3, "extra": {"note": "after 3 steps"}, "rng": "reseeded"}  # another partition
     losses = train(model, optimizer, grid, batches()[3:])
     mean_losses = [sum(v) / len(v) for v in zip(*hp.allgather_object(losses))]  # replicas see shards
     if grid.data_replicas == 1:
@@ -163,3 +176,217 @@ def test_interrupted_and_damaged_saves(directory, saved):
             hp.load_checkpoint(directory / "nowhere", model, optimizer)
     finally:
         model.close()
+
+
+# ------------------------------------------------------------------ which files a rank reads
+
+
+@pytest.mark.parametrize("stages,balance,expected", [
+    (2, "uniform", {0: ["stage-0.pt"], 1: ["stage-1.pt"]}),            # same grid: its own stage's file
+    (4, [3, 2, 2, 1], {0: ["stage-0.pt"], 1: ["stage-0.pt", "stage-1.pt"], 2: ["stage-1.pt"], 3: ["stage-1.pt"]}),
+    (1, "uniform", {0: ["stage-0.pt", "stage-1.pt"]}),                 # one stage holds every layer
+])
+def test_each_rank_reads_only_the_files_of_its_layers(directory, saved, monkeypatch, stages, balance, expected):
+    """Saved on 2 stages, balance [4, 4] (layers 0-3 | 4-7): a rank reads the manifest and the stage
+    files that overlap its layers, nothing else."""
+    assert json.loads((saved / "manifest.json").read_text())["balance"] == [4, 4]
+    grid, model, optimizer = build(stages, balance=balance)
+    read = []
+    original = checkpoint_module._read_file
+    monkeypatch.setattr(checkpoint_module, "_read_file", lambda path: read.append(Path(path).name) or original(path))
+    monkeypatch.setattr(torch, "load", _refuse_outside(torch.load, saved))
+    hp.load_checkpoint(directory, model, optimizer)
+    assert read == expected[grid.stage], f"rank {grid.rank} (stage {grid.stage}) read {read}"
+    model.close()
+
+
+def _refuse_outside(load, saved):
+    """torch.load that fails on any file other than the stage files of ``saved``."""
+    def guarded(path, *args, **kwargs):
+        assert Path(path).parent == saved and Path(path).name.startswith("stage-"), path
+        return load(path, *args, **kwargs)
+    return guarded
+
+
+# ------------------------------------------------------------------ random generator states
+
+
+def mlp_with_dropout() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Dropout(0.3), nn.Linear(16, 16), nn.Dropout(0.3), nn.Linear(16, 3))
+
+
+def draws() -> tuple:
+    """One draw from each generator (torch, random, numpy), to compare streams."""
+    return float(torch.rand(())), random.random(), float(np.random.rand())
+
+
+def scramble() -> None:
+    torch.manual_seed(777)
+    random.seed(777)
+    np.random.seed(777)
+
+
+@pytest.fixture(scope="module")
+def dropout_run(tmp_path_factory):
+    """2 × 2 with dropout and a different seed per rank: 2 steps, save, 2 more steps. Returns the
+    checkpoint, every rank's generator states at the save, and this rank's parameters and draws at
+    the end (the uninterrupted run)."""
+    path = Path(WORLD.bcast(str(tmp_path_factory.mktemp("dropout")) if WORLD.rank == 0 else None, root=0))
+    grid, model, optimizer = build(2, layers=mlp_with_dropout())
+    torch.manual_seed(1000 + grid.rank)
+    random.seed(2000 + grid.rank)
+    np.random.seed(3000 + grid.rank)
+    data = batches()
+    train(model, optimizer, grid, data[:2])
+    states = WORLD.allgather(rng_state.capture())
+    checkpoint = hp.save_checkpoint(path, model, optimizer, step=2)
+    train(model, optimizer, grid, data[2:4])
+    final = {name: value.clone() for name, value in model.state_dict().items()}
+    model.close()
+    return checkpoint, states, final, draws()
+
+
+def test_dropout_run_continues_bit_for_bit_after_loading(dropout_run):
+    checkpoint, _, expected, expected_draws = dropout_run
+    grid, model, optimizer = build(2, layers=mlp_with_dropout())
+    scramble()
+    assert hp.load_checkpoint(checkpoint, model, optimizer)["rng"] == "restored"
+    train(model, optimizer, grid, batches()[2:4])
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, expected[name]), f"rank {grid.rank}: {name} differs"
+    assert draws() == expected_draws
+    model.close()
+    # control: without the generator states the dropout masks differ, and so do the parameters
+    grid, model, optimizer = build(2, layers=mlp_with_dropout())
+    scramble()
+    assert hp.load_checkpoint(checkpoint, model, optimizer, restore_rng=False)["rng"] == "skipped"
+    train(model, optimizer, grid, batches()[2:4])
+    assert any(not torch.equal(value, expected[name]) for name, value in model.state_dict().items())
+    model.close()
+
+
+def test_fewer_replicas_keep_the_states_of_the_same_stage_and_replica(dropout_run):
+    """2 × 2 saved, loaded on two separate 2 × 1 grids (ranks 0-1 and 2-3): every rank gets the state
+    of (its stage, replica 0), i.e. of world rank `stage` at the save."""
+    checkpoint, states, _, _ = dropout_run
+    hp.shutdown()
+    half = WORLD.Split(WORLD.rank // 2, WORLD.rank)
+    grid, model, optimizer = build(2, comm=half, layers=mlp_with_dropout())
+    scramble()
+    assert hp.load_checkpoint(checkpoint, model, optimizer)["rng"] == "restored"
+    saved = states[grid.stage]  # world rank `stage` was (stage, replica 0) on 2 × 2
+    assert torch.equal(torch.get_rng_state(), saved["torch"])
+    assert random.getstate()[1] == tuple(saved["python"]["internal"].tolist())
+    assert np.array_equal(np.random.get_state()[1], saved["numpy"]["keys"].numpy())
+    model.close()
+    hp.shutdown()
+    half.Free()
+
+
+def test_another_partition_reseeds_deterministically_and_distinctly(dropout_run):
+    """4 × 1 (the layers moved): each rank is re-seeded from the saved states and its grid position;
+    the same load twice gives the same streams, and no two ranks share one."""
+    checkpoint, states, _, _ = dropout_run
+    seen = []
+    for _ in range(2):
+        grid, model, optimizer = build(4, layers=mlp_with_dropout(), balance=[3, 2, 2, 2])
+        scramble()
+        assert hp.load_checkpoint(checkpoint, model, optimizer)["rng"] == "reseeded"
+        seen.append(torch.get_rng_state())
+        model.close()
+    assert torch.equal(seen[0], seen[1])
+    everyone = WORLD.allgather(seen[0])
+    assert len({bytes(state.numpy()) for state in everyone}) == 4
+    assert not any(torch.equal(seen[0], saved["torch"]) for saved in states)
+
+
+def test_a_new_replica_is_reseeded_and_the_old_ones_restored(tmp_path_factory):
+    """Saved on 2 × 1 (world ranks 0-1 only), loaded on 2 × 2: replica 0 gets its states back,
+    replica 1 (new) is re-seeded."""
+    path = Path(WORLD.bcast(str(tmp_path_factory.mktemp("grow")) if WORLD.rank == 0 else None, root=0))
+    hp.shutdown()
+    first_two = WORLD.Split(0 if WORLD.rank < 2 else MPI.UNDEFINED, WORLD.rank)
+    saved = None
+    if first_two != MPI.COMM_NULL:
+        grid, model, optimizer = build(2, comm=first_two, layers=mlp_with_dropout())
+        torch.manual_seed(50 + grid.rank)
+        saved = torch.get_rng_state()
+        hp.save_checkpoint(path, model, optimizer, step=1)
+        model.close()
+        hp.shutdown()
+        first_two.Free()
+    saved = WORLD.allgather(saved)
+    grid, model, optimizer = build(2, layers=mlp_with_dropout())
+    scramble()
+    info = hp.load_checkpoint(path, model, optimizer)
+    if grid.replica == 0:
+        assert info["rng"] == "restored" and torch.equal(torch.get_rng_state(), saved[grid.stage])
+    else:
+        assert info["rng"] == "reseeded" and not torch.equal(torch.get_rng_state(), saved[grid.stage])
+    model.close()
+
+
+def test_checkpoint_without_rng_states_loads_with_a_note(dropout_run, tmp_path_factory):
+    """Files written before RNG states were saved (no "rng" entry) load; generators are left alone and
+    rank 0 warns."""
+    checkpoint, _, _, _ = dropout_run
+    old = Path(WORLD.bcast(str(tmp_path_factory.mktemp("old")) if WORLD.rank == 0 else None, root=0))
+    if WORLD.rank == 0:
+        (old / "manifest.json").write_text((checkpoint / "manifest.json").read_text())
+        for stage_file in checkpoint.glob("stage-*.pt"):
+            payload = torch.load(stage_file, weights_only=True)
+            del payload["rng"]
+            torch.save(payload, old / stage_file.name)
+    WORLD.Barrier()
+    grid, model, optimizer = build(2, layers=mlp_with_dropout())
+    scramble()
+    before = torch.get_rng_state()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        info = hp.load_checkpoint(old, model, optimizer)
+    assert info["rng"] == "not saved" and info["step"] == 2
+    assert torch.equal(torch.get_rng_state(), before)
+    notes = [str(w.message) for w in caught if "holds no random generator states" in str(w.message)]
+    assert len(notes) == (1 if grid.rank == 0 else 0), notes
+    model.close()
+
+
+# ------------------------------------------------------------------ hp.resume
+
+
+def test_resume_starts_from_scratch_on_an_empty_or_missing_directory(tmp_path_factory):
+    empty = Path(WORLD.bcast(str(tmp_path_factory.mktemp("empty")) if WORLD.rank == 0 else None, root=0))
+    grid, model, optimizer = build(2)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    for directory in (empty, empty / "not-yet"):
+        state = hp.resume(directory, model, optimizer)
+        assert state == checkpoint_module.ResumeInfo() and state.step == 0 and not state.resumed
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+    model.close()
+
+
+def test_resume_loads_the_latest_and_reuses_its_balance(directory, saved, monkeypatch):
+    grid, model, optimizer = build(2)
+    assert saved_balance(directory) == [4, 4] and saved_balance(directory, pipeline_stages=4) is None
+    state = hp.resume(directory, model, optimizer)
+    assert (state.step, state.extra, state.checkpoint, state.rng) == (3, {"note": "after 3 steps"}, saved,
+                                                                      "restored")
+    monkeypatch.setenv("HYBRIDPIPE_CHECKPOINT_DIR", str(directory))
+    assert hp.resume(None, model, optimizer).checkpoint == saved  # the directory hybridpipe-run exports
+    model.close()
+
+
+def test_resume_refuses_a_directory_ranks_see_differently(directory, saved, tmp_path, monkeypatch):
+    """Rank 0 finds a checkpoint, the others an empty directory (e.g. node-local disks): every rank
+    raises, naming who saw what."""
+    grid, model, optimizer = build(2)
+    mine = directory if grid.rank == 0 else tmp_path
+    with pytest.raises(CheckpointError, match=r"ranks see different checkpoints .*\(no checkpoint on rank\(s\) "
+                                              r"1-3; step-00000003 on rank\(s\) 0\).*shared file system"):
+        hp.resume(mine, model, optimizer)
+    monkeypatch.delenv("HYBRIDPIPE_CHECKPOINT_DIR", raising=False)
+    with pytest.raises(CheckpointError, match=r"HYBRIDPIPE_CHECKPOINT_DIR is not set.*--checkpoint-dir"):
+        hp.resume(None, model, optimizer)
+    model.close()
