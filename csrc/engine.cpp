@@ -352,8 +352,12 @@ void Engine::run() {
   if (health_ != MPI_COMM_NULL) {
     MPI_Irecv(answer_message_, 2, MPI_DOUBLE, MPI_ANY_SOURCE, kAnswerTag, health_, &answer_request_);
   }
-  // between cycles, transfers in flight are tested with sleeps backing off to this
-  const double transfer_sleep_max_us = std::min(std::max(busy_wait.max_sleep_us, 1.0), 50.0);
+  // Between cycles, transfers in flight are tested as a waiting thread would test them itself (the
+  // polite wait: spin_us, then sleeps backing off to max_sleep_us) while some thread waits for one;
+  // otherwise every kIdleTransferPollUs (a stage that polls its receives posts their payload
+  // receives once a header is in: headers must not wait for a whole cycle).
+  const WaitPolicy transfer_wait = busy_wait;
+  constexpr double kIdleTransferPollUs = 1000.0;
   std::string stopped_because = "it was shut down";
   try {
     while (true) {
@@ -374,19 +378,38 @@ void Engine::run() {
         // with transfers in flight the wait is a polite poll of them (a completion is seen within
         // transfer_sleep_max_us); a submitted transfer wakes it at once
         double sleep_us = 2.0;
+        auto eager_since = Clock::now();
+        bool eager = false;
         while (!due()) {
           if (!(transfers && transfers->busy())) {
             wake_.wait_until(lock, next_cycle, due);
             break;
           }
           lock.unlock();
-          if (transfers->progress()) sleep_us = 2.0;
+          const bool moved = transfers->progress();
           answer_probes();
+          const bool wanted = transfers->wanted();
           lock.lock();
           if (due()) break;
-          wake_.wait_until(lock, std::min(next_cycle, Clock::now() + std::chrono::nanoseconds(
-                                                                          static_cast<int64_t>(sleep_us * 1000))));
-          sleep_us = std::min(sleep_us * 2, transfer_sleep_max_us);
+          if (!wanted) {
+            eager = false;
+            wake_.wait_until(lock, std::min(next_cycle, Clock::now() + std::chrono::microseconds(
+                                                                           static_cast<int64_t>(kIdleTransferPollUs))));
+            continue;
+          }
+          const auto now = Clock::now();
+          if (!eager || moved) {  // a waiter came, or something completed: spin again first
+            eager = true;
+            eager_since = now;
+            sleep_us = 2.0;
+          }
+          if (transfer_wait.spin_us < 0 ||
+              now - eager_since < std::chrono::nanoseconds(static_cast<int64_t>(transfer_wait.spin_us * 1000))) {
+            continue;  // spinning: test again at once
+          }
+          wake_.wait_until(lock, std::min(next_cycle, now + std::chrono::nanoseconds(
+                                                                static_cast<int64_t>(sleep_us * 1000))));
+          sleep_us = std::min(sleep_us * 2, std::max(transfer_wait.max_sleep_us, 1.0));
         }
         for (size_t id = 0; id < groups_.size(); ++id) {  // one-rank groups added since: no agreement needed
           const int gid = static_cast<int>(id);

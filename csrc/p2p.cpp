@@ -9,6 +9,19 @@ namespace hybridpipe {
 
 namespace {
 
+// Counts a thread as waiting (the driver tests eagerly meanwhile) and wakes the driver.
+class Waiting {
+ public:
+  Waiting(std::atomic<int>& waiters, const std::function<void()>& wake) : waiters_(waiters) {
+    waiters_.fetch_add(1, std::memory_order_acq_rel);
+    wake();
+  }
+  ~Waiting() { waiters_.fetch_sub(1, std::memory_order_acq_rel); }
+
+ private:
+  std::atomic<int>& waiters_;
+};
+
 std::string describe(const char* verb, size_t bytes, int peer, int tag) {
   return std::string(verb) + " of " + std::to_string(bytes) + " bytes " + (verb[0] == 's' ? "to" : "from") +
          " rank " + std::to_string(peer) + " (tag " + std::to_string(tag) + ")";
@@ -137,6 +150,7 @@ bool TransferQueue::test(Transfer& transfer) {
 }
 
 size_t TransferQueue::wait(const std::vector<Transfer*>& transfers, bool any) {
+  Waiting waiting(waiters_, wake_);
   std::unique_lock<std::mutex> lock(mutex_);
   size_t index = 0;
   changed_.wait(lock, [&] {
@@ -163,7 +177,7 @@ void TransferQueue::cancel(Transfer& transfer) {
     if (transfer.done) return;
     transfer.cancel_requested = true;
   }
-  wake_();
+  Waiting waiting(waiters_, wake_);
   std::unique_lock<std::mutex> lock(mutex_);
   changed_.wait(lock, [&] { return transfer.done; });
 }

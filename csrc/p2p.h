@@ -72,6 +72,9 @@ class TransferQueue {
   // Posts queued transfers and tests the ones in flight; true if something was posted or finished.
   bool progress();
   bool busy() const { return count_.load(std::memory_order_acquire) > 0; }  // queued or in flight
+  // Whether a thread waits for a transfer now: the driver then tests eagerly; otherwise a slow pace
+  // suffices (nobody is blocked on the outcome).
+  bool wanted() const { return waiters_.load(std::memory_order_acquire) > 0; }
   // The driver stops: what is left fails with `why` (receives are cancelled, sends freed).
   void stop(const std::string& why);
 
@@ -80,6 +83,7 @@ class TransferQueue {
   std::condition_variable changed_;
   std::vector<std::shared_ptr<Transfer>> queued_, in_flight_;
   std::atomic<int> count_{0};
+  std::atomic<int> waiters_{0};            // threads blocked in wait() / cancel()
   bool stopped_ = false;
   std::string stopped_because_;
   std::function<void()> wake_;

@@ -145,11 +145,22 @@ class Send:
         """True once every part was sent (the buffers may then be reused)."""
         return all(request.test() for request in self._requests)
 
-    def wait(self) -> None:
-        """Blocks until every part was sent."""
+    def wait(self, abort: Sequence[Receive] = ()) -> None:
+        """Blocks until every part was sent.
+
+        Args:
+            abort: error receives (see :func:`receive_error`); if one of them completes first, its
+                :class:`RemoteError` is raised instead.
+        """
         policy = _wait_policy()
         for request in self._requests:
-            request.wait(policy)
+            if not abort:
+                request.wait(policy)
+                continue
+            while not request.test():
+                index = core().wait_any([request, *(r._header_request for r in abort)], policy)
+                if index > 0:
+                    abort[index - 1]._open_header()  # raises RemoteError
 
 
 def _post_header(header: bytes, dest: int, tag: int, comm_f: int) -> Any:

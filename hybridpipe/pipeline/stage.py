@@ -134,11 +134,8 @@ class StageExecutor:
 
     def _drain_sends(self) -> None:
         """Waits for this step's sends while watching for a neighbour's failure."""
-        pending = [send for send in self._sends if not send.test()]
-        while pending:
-            self._check_errors()
-            time.sleep(50e-6)
-            pending = [send for send in pending if not send.test()]
+        for send in self._sends:
+            send.wait(abort=self._errors)
         self._sends = []
 
     def close(self) -> None:
