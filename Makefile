@@ -32,11 +32,13 @@ test: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests -q
 
 # Slow runs CI does not do: the restart tests that `make test` skips (a 2 × 2 grid losing a host on
-# emulated hosts; a restarted run against one that never failed), then the multi-host tests 20 times
-# in a row (they must pass every time).
+# emulated hosts; a restarted run against one that never failed), the MPI test files' long_ranks (8
+# ranks oversubscribed on this machine), then the multi-host tests 20 times in a row (they must pass
+# every time).
 MULTIHOST_REPEATS ?= 20
 test-long: $(STAMP)
-	HYBRIDPIPE_LONG_TESTS=1 PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests/test_restart.py -q -p no:cacheprovider
+	HYBRIDPIPE_LONG_TESTS=1 PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests/test_restart.py \
+	  tests/comm/test_collectives.py tests/test_optimizer_mpi.py tests/test_runtime.py -q -p no:cacheprovider
 	for i in $$(seq 1 $(MULTIHOST_REPEATS)); do \
 	  echo "multi-host run $$i of $(MULTIHOST_REPEATS)"; \
 	  PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests/test_multihost.py -q -p no:cacheprovider || exit 1; \

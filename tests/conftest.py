@@ -47,8 +47,9 @@ _SUMMARY = pytest.StashKey[list[str]]()
 @pytest.hookimpl(tryfirst=True)  # redirect output before pytest's faulthandler duplicates stderr
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "mpi(ranks, timeout=300): module-level pytestmark; run the file under mpirun "
-        "once per rank count in ranks (an int or a list of ints)"
+        "markers", "mpi(ranks, timeout=300, long_ranks=()): module-level pytestmark; run the file under "
+        "mpirun once per rank count in ranks (an int or a list of ints), and in long_ranks too when "
+        "HYBRIDPIPE_LONG_TESTS=1 (make test-long)"
     )
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skipped without one")
     config.stash[_SUMMARY] = []
@@ -72,6 +73,7 @@ class MpiSpec:
     timeout_s: float
     bare_marks: frozenset[str]  # module-level marks given without arguments, e.g. "cuda"
     tests: tuple[frozenset[str], ...]  # per test: its function, class and mark names (for -k)
+    long_ranks: tuple[int, ...] = ()  # launched only with HYBRIDPIPE_LONG_TESTS=1 (make test-long)
 
 
 def _mark_name(node: ast.expr) -> str | None:
@@ -82,23 +84,27 @@ def _mark_name(node: ast.expr) -> str | None:
     return None
 
 
-def _parse_mpi_call(call: ast.Call) -> tuple[tuple[int, ...], float]:
+def _parse_mpi_call(call: ast.Call) -> tuple[tuple[int, ...], float, tuple[int, ...]]:
     arguments = {keyword.arg: keyword.value for keyword in call.keywords}
-    if call.args or "ranks" not in arguments or set(arguments) - {"ranks", "timeout"}:
-        raise MarkerError("write it as pytest.mark.mpi(ranks=N or [N1, N2], timeout=SECONDS)")
+    if call.args or "ranks" not in arguments or set(arguments) - {"ranks", "timeout", "long_ranks"}:
+        raise MarkerError("write it as pytest.mark.mpi(ranks=N or [N1, N2], timeout=SECONDS, "
+                          "long_ranks=[N3] (only in make test-long))")
     try:
         ranks = ast.literal_eval(arguments["ranks"])
         timeout = ast.literal_eval(arguments.get("timeout", ast.Constant(DEFAULT_TIMEOUT_S)))
+        long_ranks = ast.literal_eval(arguments.get("long_ranks", ast.Tuple(elts=[], ctx=ast.Load())))
     except ValueError:
-        raise MarkerError("ranks and timeout must be literals, not names or expressions") from None
+        raise MarkerError("ranks, timeout and long_ranks must be literals, not names or expressions") from None
     ranks = [ranks] if isinstance(ranks, int) else ranks
-    if not isinstance(ranks, (list, tuple)) or not ranks or not all(
-        type(n) is int and n > 0 for n in ranks
-    ):
-        raise MarkerError(f"ranks must be a positive int or a list of them (got {ranks!r})")
+    long_ranks = [long_ranks] if isinstance(long_ranks, int) else long_ranks
+    for name, value, allow_empty in (("ranks", ranks, False), ("long_ranks", long_ranks, True)):
+        if not isinstance(value, (list, tuple)) or (not value and not allow_empty) or not all(
+            type(n) is int and n > 0 for n in value
+        ):
+            raise MarkerError(f"{name} must be a positive int or a list of them (got {value!r})")
     if not isinstance(timeout, (int, float)) or timeout <= 0:
         raise MarkerError(f"timeout must be a positive number of seconds (got {timeout!r})")
-    return tuple(ranks), float(timeout)
+    return tuple(ranks), float(timeout), tuple(long_ranks)
 
 
 def _test_names(tree: ast.Module, config: pytest.Config) -> tuple[frozenset[str], ...]:
@@ -146,9 +152,9 @@ def read_mpi_spec(path: Path, config: pytest.Config) -> MpiSpec | None:
             marks = value.elts if isinstance(value, (ast.List, ast.Tuple)) else [value]
             mpi_calls = [m for m in marks if isinstance(m, ast.Call) and _mark_name(m) == "mpi"]
             if mpi_calls:
-                ranks, timeout = _parse_mpi_call(mpi_calls[0])
+                ranks, timeout, long_ranks = _parse_mpi_call(mpi_calls[0])
                 bare = {name for m in marks if not isinstance(m, ast.Call) and (name := _mark_name(m))}
-                return MpiSpec(ranks, timeout, frozenset(bare), _test_names(tree, config))
+                return MpiSpec(ranks, timeout, frozenset(bare), _test_names(tree, config), long_ranks)
     return None
 
 
@@ -175,7 +181,8 @@ class MpiFile(pytest.File):
     def collect(self) -> Iterator[MpiItem]:
         if self.spec is None:
             raise self.CollectError(f"{self.path}: unreadable pytest.mark.mpi ({self.error})")
-        for ranks in self.spec.ranks:
+        long = os.environ.get("HYBRIDPIPE_LONG_TESTS") == "1"
+        for ranks in (*self.spec.ranks, *(self.spec.long_ranks if long else ())):
             yield MpiItem.from_parent(self, name=f"mpi[np{ranks}]", ranks=ranks, spec=self.spec)
 
 

@@ -113,5 +113,5 @@ def test_hang_times_out_with_stacks_and_leaves_no_process_behind():
 def test_unreadable_marker_is_a_collection_error_without_import():
     result = run_pytest("case_bad_marker.py")
     assert result.returncode == 2, result.stdout + result.stderr
-    assert "unreadable pytest.mark.mpi (ranks and timeout must be literals" in result.stdout
+    assert "unreadable pytest.mark.mpi (ranks, timeout and long_ranks must be literals" in result.stdout
     assert "must not be collected" not in result.stdout

@@ -5,7 +5,7 @@ from mpi4py import MPI
 
 import hybridpipe as hp
 
-pytestmark = pytest.mark.mpi(ranks=[4, 8])
+pytestmark = pytest.mark.mpi(ranks=4, long_ranks=8)
 
 WORLD = MPI.COMM_WORLD
 

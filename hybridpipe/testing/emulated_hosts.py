@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
+import itertools
 import json
 import os
 import re
@@ -164,7 +165,9 @@ class EmulatedHosts:
         if self.hosts < 1:
             raise EmulatedHostsError(f"--hosts must be >= 1 (got {self.hosts})")
         self.check_supported()
-        self.name = self.name or f"{os.getpid() % 100_000}"
+        # unique per instance: a namespace just deleted may linger a moment (the kernel destroys it
+        # asynchronously), so a second set of hosts in the same process must not reuse its names
+        self.name = self.name or f"{os.getpid() % 100_000}{_LETTERS[next(_instances) % len(_LETTERS)]}"
         subnet = _free_subnet() if not self.subnet else ipaddress.IPv4Network(self.subnet)
         self.subnet = str(subnet)
         base = subnet.network_address
@@ -224,6 +227,15 @@ class EmulatedHosts:
             else:
                 subprocess.run(["ip", *undo], capture_output=True)
         self._undo.clear()
+        # the links go with their namespaces, which the kernel destroys in the background: delete what
+        # is left and wait, so that the names are free again when this returns
+        deadline = time.monotonic() + 10
+        for link in self.links:
+            while subprocess.run(["ip", "link", "show", link], capture_output=True).returncode == 0:
+                subprocess.run(["ip", "link", "del", link], capture_output=True)
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
 
     def __enter__(self) -> EmulatedHosts:
         return self.up()
@@ -293,6 +305,10 @@ class EmulatedHosts:
         hosts = cls(**data)
         hosts._undo = undo
         return hosts
+
+
+_instances = itertools.count()
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
 def _running(pid: int) -> bool:
