@@ -1,6 +1,10 @@
 // Dtype/op names and the MPI error formatter declared in common.h.
 #include "common.h"
 
+#if __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>
+#endif
+
 #include <sstream>
 
 namespace hybridpipe {
@@ -80,7 +84,26 @@ void raise_mpi_error(int code, const char* call, MPI_Comm comm) {
   std::ostringstream message;
   message << "rank " << rank << ": " << call << " failed with error code " << code << " ("
           << std::string(text, static_cast<size_t>(length)) << ")";
-  throw MPICallError(message.str());
+  throw MPICallError(message.str(), code);
+}
+
+bool is_process_failure(int code) {
+#if defined(MPIX_ERR_PROC_FAILED)
+  if (code == 0) return false;
+  int error_class = code;
+  MPI_Error_class(code, &error_class);
+  return error_class == MPIX_ERR_PROC_FAILED
+#if defined(MPIX_ERR_PROC_FAILED_PENDING)
+         || error_class == MPIX_ERR_PROC_FAILED_PENDING
+#endif
+#if defined(MPIX_ERR_REVOKED)
+         || error_class == MPIX_ERR_REVOKED
+#endif
+      ;
+#else
+  (void)code;
+  return false;
+#endif
 }
 
 }  // namespace hybridpipe

@@ -39,8 +39,16 @@ struct Buffer {
 // An MPI call failed: the message names the rank, the call and MPI's error string.
 class MPICallError : public std::runtime_error {
  public:
-  using std::runtime_error::runtime_error;
+  explicit MPICallError(const std::string& message, int code = 0) : std::runtime_error(message), code_(code) {}
+  int code() const { return code_; }  // MPI's error code (0 when not known)
+
+ private:
+  int code_;
 };
+
+// Whether MPI error `code` says a process of the communicator failed (a fault-tolerant MPI, e.g. Open
+// MPI started with --with-ft ulfm, reports a dead peer this way instead of aborting).
+bool is_process_failure(int code);
 
 // Raises MPICallError for a non-success return code of `call` on communicator `comm`.
 void raise_mpi_error(int code, const char* call, MPI_Comm comm);

@@ -10,6 +10,10 @@
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #endif
+#if __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>
+#endif
+
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -459,6 +463,12 @@ void Engine::run() {
       next_cycle = Clock::now() + std::chrono::microseconds(static_cast<int64_t>(
                                       (quiet ? quiet_cycle_ms() : options_.cycle_time_ms) * 1000));
     }
+  } catch (const MPICallError& error) {
+    if (is_process_failure(error.code())) report_process_failure(error.what());
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (fatal_.empty()) fatal_ = error.what();
+    stopped_because = "it failed: " + fatal_;
+    for (auto& group : groups_) fail_pending(*group, "the background engine failed: " + fatal_, ErrorKind::Failed);
   } catch (const std::exception& error) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (fatal_.empty()) fatal_ = error.what();
@@ -526,7 +536,10 @@ void Engine::block_on(const Group* group, const char* what) {
 }
 
 void Engine::service() {
-  if (transfers_) transfers_->progress();
+  if (transfers_) {
+    transfers_->progress();
+    if (transfers_->saw_process_failure()) report_process_failure("a point-to-point transfer");
+  }
   answer_probes();
   check_blocked();
 }
@@ -594,16 +607,14 @@ void Engine::check_blocked() {
   const double limit = abort_after_seconds();
   const bool expired = limit > 0 && waited > limit;
   if (!expired && (blocked_.warned || waited <= options_.stall_check_seconds)) return;
-  // ask the group's other ranks whether their communication threads are alive
+  // ask every other rank whether its communication thread is alive: the rank this one waits for may
+  // itself be waiting for a third one (a chain), and the report should name the one that is gone
   int me = -1;
   MPI_Comm_rank(groups_[0]->comm, &me);
   blocked_.asked.clear();
-  if (blocked_.group->members.empty()) {
-    for (int r = 0; r < static_cast<int>(hosts_.size()); ++r) blocked_.asked.push_back(r);
-  } else {
-    blocked_.asked = blocked_.group->members;
+  for (int r = 0; r < static_cast<int>(hosts_.size()); ++r) {
+    if (r != me) blocked_.asked.push_back(r);
   }
-  blocked_.asked.erase(std::remove(blocked_.asked.begin(), blocked_.asked.end(), me), blocked_.asked.end());
   blocked_.answer.assign(blocked_.asked.size(), -1.0);
   blocked_.probing = true;
   blocked_.aborting = expired;
@@ -620,8 +631,13 @@ void Engine::check_blocked() {
 }
 
 std::string Engine::describe_ranks(const std::vector<int>& ranks, const std::vector<double>* waits) const {
+  constexpr size_t kListed = 16;  // a job of thousands of ranks gets a readable line
   std::string text;
   for (size_t i = 0; i < ranks.size(); ++i) {
+    if (i == kListed) {
+      text += " and " + std::to_string(ranks.size() - kListed) + " more";
+      break;
+    }
     const int rank = ranks[i];
     text += (text.empty() ? "" : ", ") + std::to_string(rank) + " (host " +
             (rank >= 0 && rank < static_cast<int>(hosts_.size()) ? hosts_[rank] : std::string("?"));
@@ -668,8 +684,8 @@ void Engine::finish_probe_round() {
                " did not answer within " + grace + " s: " + (missing.size() == 1 ? "it is" : "they are") +
                " stopped, dead, cut off, or stuck outside hybridpipe";
   } else {
-    message += "every rank of the group answered, so none is dead or cut off: one of them is stuck outside "
-               "hybridpipe (a blocking call of its own?) or the ranks run different code";
+    message += "every rank answered, so none is dead or cut off: one of them is stuck outside hybridpipe (a "
+               "blocking call of its own?) or the ranks run different code";
   }
   if (!present.empty()) {
     message += std::string("; ") + (present.size() == 1 ? "rank " : "ranks ") + describe_ranks(present, &present_waits) +
@@ -683,6 +699,38 @@ void Engine::finish_probe_round() {
   blocked_.warned = true;
   std::fprintf(stderr, "%s\n", message.c_str());
   std::fflush(stderr);
+}
+
+void Engine::report_process_failure(const std::string& what) {
+  std::vector<int> failed;
+#if defined(OMPI_HAVE_MPI_EXT_FTMPI) && OMPI_HAVE_MPI_EXT_FTMPI
+  if (health_ != MPI_COMM_NULL) {
+    MPI_Group failed_group = MPI_GROUP_NULL, all = MPI_GROUP_NULL;
+    if (MPIX_Comm_get_failed(health_, &failed_group) == MPI_SUCCESS && failed_group != MPI_GROUP_NULL) {
+      int count = 0;
+      MPI_Group_size(failed_group, &count);
+      std::vector<int> ranks(static_cast<size_t>(count));
+      for (int i = 0; i < count; ++i) ranks[static_cast<size_t>(i)] = i;
+      failed.resize(static_cast<size_t>(count));
+      MPI_Comm_group(health_, &all);
+      MPI_Group_translate_ranks(failed_group, count, ranks.data(), all, failed.data());
+      MPI_Group_free(&all);
+      MPI_Group_free(&failed_group);
+      std::sort(failed.begin(), failed.end());
+    }
+  }
+#endif
+  int me = -1;
+  MPI_Comm_rank(groups_[0]->comm, &me);
+  std::string message = "hybridpipe ERROR: rank " + std::to_string(me) + " (host " +
+                        (me >= 0 && me < static_cast<int>(hosts_.size()) ? hosts_[me] : std::string("?")) + "): ";
+  if (failed.empty()) {
+    message += "a process of the job failed (MPI does not say which)";
+  } else {
+    message += std::string(failed.size() == 1 ? "rank " : "ranks ") + describe_ranks(failed, nullptr) +
+               (failed.size() == 1 ? " is" : " are") + " gone (the process died: killed, crashed or out of memory)";
+  }
+  abort_job(message + "; MPI reported it in " + what + ": aborting the job");
 }
 
 void Engine::abort_job(const std::string& message) {

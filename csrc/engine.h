@@ -236,6 +236,9 @@ class Engine {
   double abort_after_seconds() const;  // 0: never
   std::string describe_ranks(const std::vector<int>& ranks, const std::vector<double>* waits) const;
   [[noreturn]] void abort_job(const std::string& message);  // prints it, then MPI_Abort (or _exit)
+  // A fault-tolerant MPI reported a failed process (`what`: the failing call): names the failed ranks
+  // and their hosts (MPIX_Comm_get_failed where the MPI has it) and aborts the job.
+  [[noreturn]] void report_process_failure(const std::string& what);
   void start_negotiation(Group& group);
   void finish_negotiation(Group& group);
   // Returns "" or, when a name waited past stall_shutdown_seconds, the message the group stops with.

@@ -108,7 +108,7 @@ void Transfer::finish(const MPI_Status* statuses, size_t n) {
   done = true;
 }
 
-bool Transfer::test_parts(std::string* error_out) {
+bool Transfer::test_parts(std::string* error_out, int* code_out) {
   if (done) return true;
   int flag = 0;
   std::vector<MPI_Status> statuses(parts.size());
@@ -121,6 +121,7 @@ bool Transfer::test_parts(std::string* error_out) {
       }
     }
     *error_out = mpi_error_text(code, "MPI_Testall (" + what + ")", comm);
+    if (code_out) *code_out = code;
     done = true;
     return true;
   }
@@ -233,8 +234,11 @@ bool TransferQueue::progress() {
     for (auto& transfer : in_flight_) {
       if (transfer->cancel_requested && !transfer->cancel_sent) cancel_parts(*transfer);
       std::string error;
-      if (transfer->test_parts(&error)) {
+      int code = 0;
+      if (transfer->test_parts(&error, &code)) {
         transfer->error = error;
+        transfer->error_code = code;
+        if (is_process_failure(code)) process_failure_.store(true, std::memory_order_release);
         moved = true;
         finished.push_back(std::move(transfer));
       }

@@ -45,10 +45,11 @@ struct Transfer {
   bool released = false;  // its P2PRequest is gone (no one will wait for it)
   size_t received_bytes = 0;
   std::string error;  // set with done when it failed
+  int error_code = 0;
 
   // The calling thread's MPI calls (no queue): post, test, record the outcome.
   void post();  // throws MPICallError (parts posted before the failure are left to the caller)
-  bool test_parts(std::string* error_out);  // MPI_Testall; true when done (outcome recorded)
+  bool test_parts(std::string* error_out, int* code_out = nullptr);  // MPI_Testall; true when done
   void finish(const MPI_Status* statuses, size_t n);
 };
 
@@ -75,6 +76,8 @@ class TransferQueue {
   // Whether a thread waits for a transfer now: the driver then tests eagerly; otherwise a slow pace
   // suffices (nobody is blocked on the outcome).
   bool wanted() const { return waiters_.load(std::memory_order_acquire) > 0; }
+  // Whether a transfer failed because its peer's process failed (the driver reports the lost ranks).
+  bool saw_process_failure() const { return process_failure_.load(std::memory_order_acquire); }
   // The driver stops: what is left fails with `why` (receives are cancelled, sends freed).
   void stop(const std::string& why);
 
@@ -84,6 +87,7 @@ class TransferQueue {
   std::vector<std::shared_ptr<Transfer>> queued_, in_flight_;
   std::atomic<int> count_{0};
   std::atomic<int> waiters_{0};            // threads blocked in wait() / cancel()
+  std::atomic<bool> process_failure_{false};
   bool stopped_ = false;
   std::string stopped_because_;
   std::function<void()> wake_;

@@ -122,6 +122,7 @@ def mpirun_command(
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     oversubscribe: bool | None = None,
+    fault_tolerant: bool = False,
 ) -> list[str]:
     """Build the argument list that runs ``argv`` on ``np`` ranks (never a shell string).
 
@@ -137,6 +138,10 @@ def mpirun_command(
             ``-genv NAME VALUE`` for MPICH / hydra).
         oversubscribe: Open MPI's ``--oversubscribe``; None (default) adds it when ``np`` exceeds
             this machine's cores (right for a local run, not for a list of hosts).
+        fault_tolerant: Open MPI's ``--with-ft ulfm``: a rank that dies is reported to the others
+            as a failed process instead of aborting them from inside MPI, so hybridpipe's
+            communication thread can name the lost rank and its host before it ends the job
+            (docs/running.md). Ignored for MPICH, whose launcher names the dead process itself.
 
     Returns:
         The command, ready for ``subprocess.run``.
@@ -165,6 +170,8 @@ def mpirun_command(
             command.append("--allow-run-as-root")
         if oversubscribe if oversubscribe is not None else np > available_cores():
             command.append("--oversubscribe")
+        if fault_tolerant and "mpi_ft_enable" not in extra_args:
+            command += ["--mca", "mpi_ft_enable", "1"]
     command += ["-n", str(np)]
     for name, value in variables.items():
         if not name.isidentifier():
@@ -227,6 +234,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-dir", metavar="DIR",
                         help="where the job saves and resumes its checkpoints: HYBRIDPIPE_CHECKPOINT_DIR on "
                              "every rank (absolute), read by hp.resume(None, ...) and examples/train_lm.py")
+    parser.add_argument("--no-fault-tolerance", action="store_true",
+                        help="Open MPI: do not pass --with-ft ulfm (by default a dead rank is reported to the "
+                             "others, which name it and end the job)")
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
     parser.add_argument("program", nargs=argparse.REMAINDER, help="the program and its arguments")
     args = parser.parse_args(argv)
@@ -381,7 +391,8 @@ def build_command(argv: Sequence[str] | None = None, attempt: int = 0) -> tuple[
     elif args.hosts or args.hostfile:
         raise HybridPipeError(f"cannot pass hosts to {launcher}: its MPI flavour is unknown; use --mpi-args")
     command = mpirun_command(np, program, mpirun=launcher, extra_args=[*placement, *extra], env=env,
-                             oversubscribe=False if (args.hosts or args.hostfile) else None)
+                             oversubscribe=False if (args.hosts or args.hostfile) else None,
+                             fault_tolerant=not args.no_fault_tolerance)
     return command, warnings
 
 

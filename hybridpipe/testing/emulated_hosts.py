@@ -284,7 +284,8 @@ class EmulatedHosts:
         else:
             raise EmulatedHostsError(f"{launcher} is neither Open MPI nor MPICH: cannot launch on emulated hosts")
         return mpirun_command(sum(counts), argv, mpirun=launcher,
-                              extra_args=[*placement, *extra_args], env=variables, oversubscribe=False)
+                              extra_args=[*placement, *extra_args], env=variables, oversubscribe=False,
+                              fault_tolerant=True)
 
     def save(self) -> Path:
         """Writes this set of hosts to STATE_DIR/NAME.json (for ``down --name`` from another process)."""
