@@ -127,11 +127,6 @@ class StageExecutor:
     def _receive(self, source: int, tag: int, requires_grad: bool) -> p2p.Receive:
         return p2p.Receive(source, tag, self.comm, device=self.device, requires_grad=requires_grad)
 
-    def _check_errors(self) -> None:
-        for error in self._errors:
-            if error.poll():
-                error.wait()  # raises RemoteError
-
     def _drain_sends(self) -> None:
         """Waits for this step's sends while watching for a neighbour's failure."""
         for send in self._sends:
