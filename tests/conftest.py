@@ -34,6 +34,37 @@ import pytest
 
 collect_ignore = ["harness_cases"]  # the plugin's own test cases, run by test_harness.py
 
+
+# ------------------------------------------------------------ emulated hosts (tests across hosts)
+
+
+def _two_emulated_hosts() -> Iterator[Any]:
+    """Two emulated hosts (hybridpipe.testing.emulated_hosts), removed afterwards; the test is skipped
+    only where they are unsupported (no root, ip, unshare): a failure to build them fails it."""
+    from hybridpipe.testing.emulated_hosts import EmulatedHosts, EmulatedHostsError
+
+    try:
+        EmulatedHosts.check_supported()
+    except EmulatedHostsError as error:
+        pytest.skip(f"cannot build emulated hosts here: {error}")
+    hosts = EmulatedHosts(2).up()
+    try:
+        yield hosts
+    finally:
+        hosts.down()
+
+
+@pytest.fixture(scope="module")
+def emulated_hosts() -> Iterator[Any]:
+    """Two emulated hosts shared by the tests of a module."""
+    yield from _two_emulated_hosts()
+
+
+@pytest.fixture
+def fresh_emulated_hosts() -> Iterator[Any]:
+    """Two emulated hosts for one test."""
+    yield from _two_emulated_hosts()
+
 UNDER_MPIRUN = os.environ.get("HYBRIDPIPE_UNDER_MPIRUN") == "1"
 DEFAULT_TIMEOUT_S = 300.0
 STOP_GRACE_S = 10.0  # after SIGTERM: time for ranks to dump their stacks and mpirun to clean up

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hybridpipe.launch import mpirun_command
-from hybridpipe.testing.emulated_hosts import EmulatedHosts, EmulatedHostsError
+from hybridpipe.testing.emulated_hosts import EmulatedHosts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,17 +40,6 @@ def test_a_stopped_rank_is_reported_then_the_job_aborts():
 # ---------------------------------------------------------------- on two emulated hosts, in training
 
 TRAINING = ROOT / "tests" / "faults" / "training.py"
-
-
-@pytest.fixture(scope="module")
-def emulated_hosts():
-    try:
-        EmulatedHosts.check_supported()
-    except EmulatedHostsError as error:
-        pytest.skip(f"cannot build emulated hosts here: {error}")
-    hosts = EmulatedHosts(2).up()  # supported: a failure to build them is a failure, not a skip
-    yield hosts
-    hosts.down()
 
 
 def training_processes(hosts: EmulatedHosts) -> list[int]:

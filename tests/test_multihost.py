@@ -23,17 +23,6 @@ PIPELINE_WORKER = ROOT / "tests" / "multihost" / "pipeline_worker.py"
 HIERARCHICAL_WORKER = ROOT / "tests" / "multihost" / "hierarchical_worker.py"
 
 
-@pytest.fixture(scope="module")
-def emulated_hosts():
-    try:
-        EmulatedHosts.check_supported()
-    except EmulatedHostsError as error:
-        pytest.skip(f"cannot build emulated hosts here: {error}")
-    hosts = EmulatedHosts(2).up()  # supported: a failure to build them is a failure, not a skip
-    yield hosts
-    hosts.down()
-
-
 def run_worker(hosts: EmulatedHosts, *args: str, worker: Path = WORKER, round_robin: bool = False,
                ranks_per_host=2, env: dict[str, str] | None = None) -> str:
     command = hosts.mpirun_command(ranks_per_host, [sys.executable, str(worker), *args],

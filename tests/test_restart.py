@@ -193,17 +193,10 @@ def assert_same_weights(first: Path, second: Path) -> None:
 
 
 @pytest.fixture
-def emulated_hosts():
-    try:
-        EmulatedHosts.check_supported()
-    except EmulatedHostsError as error:
-        pytest.skip(f"cannot build emulated hosts here: {error}")
-    hosts = EmulatedHosts(2).up()  # supported: a failure to build them is a failure, not a skip
+def emulated_hosts(fresh_emulated_hosts):
     if launch.mpi_flavour(launch.find_mpirun()) != "openmpi":
-        hosts.down()
         pytest.skip("the restart test passes emulated-host options in Open MPI's spelling")
-    yield hosts
-    hosts.down()
+    return fresh_emulated_hosts
 
 
 def test_train_lm_killed_on_one_host_restarts_and_ends_like_an_uninterrupted_run(tmp_path, emulated_hosts, capfd):
