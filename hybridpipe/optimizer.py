@@ -112,7 +112,7 @@ class _DistributedOptimizerMixin:
 
     def _hp_hook(self, name: str) -> Any:
         def hook(parameter: torch.nn.Parameter) -> None:
-            if stage._backward_phase == "partial":  # more micro-batches of this step will add to it
+            if stage.gradient_phase(parameter) == "partial":  # more micro-batches of this step add to it
                 return
             count = self._hp_counts.get(name, 0) + 1
             self._hp_counts[name] = count

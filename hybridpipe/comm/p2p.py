@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils import _pytree as pytree
 
 from ..config import Config
 from ..errors import HybridPipeError
@@ -70,45 +71,22 @@ class _Leaf:
 
 
 def _skeleton(value: Any, leaves: list[torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        leaves.append(value)
-        return _Leaf(len(leaves) - 1, tuple(value.shape), value.dtype, value.requires_grad)
-    if isinstance(value, dict):
-        return {key: _skeleton(item, leaves) for key, item in value.items()}
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(_skeleton(item, leaves) for item in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_skeleton(item, leaves) for item in value)
-    return value
+    """``value`` with each tensor replaced by its :class:`_Leaf` (appended to ``leaves``)."""
+
+    def describe(tensor: torch.Tensor) -> _Leaf:
+        leaves.append(tensor)
+        return _Leaf(len(leaves) - 1, tuple(tensor.shape), tensor.dtype, tensor.requires_grad)
+
+    return pytree.tree_map_only(torch.Tensor, describe, value)
 
 
 def _rebuild(skeleton: Any, tensors: Sequence[torch.Tensor]) -> Any:
-    if isinstance(skeleton, _Leaf):
-        return tensors[skeleton.index]
-    if isinstance(skeleton, dict):
-        return {key: _rebuild(item, tensors) for key, item in skeleton.items()}
-    if isinstance(skeleton, tuple) and hasattr(skeleton, "_fields"):
-        return type(skeleton)(*(_rebuild(item, tensors) for item in skeleton))
-    if isinstance(skeleton, (tuple, list)):
-        return type(skeleton)(_rebuild(item, tensors) for item in skeleton)
-    return skeleton
+    return pytree.tree_map_only(_Leaf, lambda leaf: tensors[leaf.index], skeleton)
 
 
 def _leaves(skeleton: Any) -> list[_Leaf]:
-    found: list[_Leaf] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, _Leaf):
-            found.append(node)
-        elif isinstance(node, dict):
-            for item in node.values():
-                walk(item)
-        elif isinstance(node, (tuple, list)):
-            for item in node:
-                walk(item)
-
-    walk(skeleton)
-    return sorted(found, key=lambda leaf: leaf.index)
+    return sorted((leaf for leaf in pytree.tree_leaves(skeleton) if isinstance(leaf, _Leaf)),
+                  key=lambda leaf: leaf.index)
 
 
 _policy: tuple[Config, Any] | None = None

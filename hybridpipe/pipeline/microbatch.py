@@ -10,51 +10,35 @@ Design reasons:
   ``>= micro_batches`` works, and :func:`loss_weights` makes the size-weighted mean of the
   micro-batch mean losses equal the full-batch mean loss (hence equal gradients).
 * Chunks are views of the batch (no copy); :func:`merge` concatenates.
+* Nesting is walked by ``torch.utils._pytree`` (tuples, lists, named tuples, dicts), the one
+  walker the pipeline uses (``comm/p2p.py`` describes messages with it too).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from hybridpipe.errors import HybridPipeError
 
 __all__ = ["split", "merge", "micro_batch_sizes", "loss_weights", "map_tensors", "iter_tensors"]
 
 
-def _rebuild(like: tuple[Any, ...] | list[Any], items: list[Any]) -> tuple[Any, ...] | list[Any]:
-    """A tuple/list of the same type as ``like`` (named tuples included) holding ``items``."""
-    if isinstance(like, tuple) and hasattr(like, "_fields"):
-        return type(like)(*items)
-    return type(like)(items)
-
-
 def map_tensors(value: Any, function: Callable[[torch.Tensor], Any]) -> Any:
-    """Apply ``function`` to every tensor in a nesting of tuples/lists/dicts; keep the rest.
-
-    Tuples and lists keep their type; mappings come back as plain ``dict``.
-    """
-    if isinstance(value, torch.Tensor):
-        return function(value)
-    if isinstance(value, (tuple, list)):
-        return _rebuild(value, [map_tensors(item, function) for item in value])
-    if isinstance(value, Mapping):
-        return {key: map_tensors(item, function) for key, item in value.items()}
-    return value
+    """Apply ``function`` to every tensor in a nesting of tuples/lists/dicts; keep the rest."""
+    return pytree.tree_map_only(torch.Tensor, function, value)
 
 
 def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
     """Every tensor in a nesting of tuples/lists/dicts, depth first, in order."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from iter_tensors(item)
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from iter_tensors(item)
+    return (leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor))
+
+
+def _path(keys: Any) -> str:
+    return "batch" + pytree.keystr(keys)
 
 
 def micro_batch_sizes(batch_size: int, micro_batches: int) -> list[int]:
@@ -93,31 +77,6 @@ def loss_weights(sizes: Sequence[int]) -> list[float]:
     return [size / total for size in sizes]
 
 
-def _batch_dims(value: Any, path: str, found: list[tuple[str, int]]) -> None:
-    """Collect (path, dim-0 size) of every splittable tensor."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() > 0:
-            found.append((path, value.shape[0]))
-    elif isinstance(value, (tuple, list)):
-        for index, item in enumerate(value):
-            _batch_dims(item, f"{path}[{index}]", found)
-    elif isinstance(value, Mapping):
-        for key, item in value.items():
-            _batch_dims(item, f"{path}[{key!r}]", found)
-
-
-def _split(value: Any, micro_batches: int) -> list[Any]:
-    if isinstance(value, torch.Tensor) and value.dim() > 0:
-        return list(torch.tensor_split(value, micro_batches, dim=0))
-    if isinstance(value, (tuple, list)):
-        columns = [_split(item, micro_batches) for item in value]
-        return [_rebuild(value, [column[i] for column in columns]) for i in range(micro_batches)]
-    if isinstance(value, Mapping):
-        by_key = {key: _split(item, micro_batches) for key, item in value.items()}
-        return [{key: column[i] for key, column in by_key.items()} for i in range(micro_batches)]
-    return [value] * micro_batches
-
-
 def split(batch: Any, micro_batches: int) -> list[Any]:
     """Split ``batch`` into ``micro_batches`` micro-batches along dim 0.
 
@@ -138,8 +97,8 @@ def split(batch: Any, micro_batches: int) -> list[Any]:
         >>> [tuple(c["x"].shape) for c in chunks], chunks[1]["scale"]
         ([(3, 3), (2, 3)], 2.0)
     """
-    found: list[tuple[str, int]] = []
-    _batch_dims(batch, "batch", found)
+    flat, spec = pytree.tree_flatten_with_path(batch)
+    found = [(_path(keys), leaf.shape[0]) for keys, leaf in flat if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
     if not found:
         raise HybridPipeError(
             f"batch has no tensor with a batch dimension to split (got {type(batch).__name__}; "
@@ -153,7 +112,10 @@ def split(batch: Any, micro_batches: int) -> list[Any]:
             f"same batch size (pass per-batch constants as non-tensors or 0-dim tensors)"
         )
     micro_batch_sizes(sizes.pop(), micro_batches)
-    return _split(batch, micro_batches)
+    columns = [list(torch.tensor_split(leaf, micro_batches, dim=0))
+               if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else [leaf] * micro_batches
+               for _, leaf in flat]
+    return [pytree.tree_unflatten([column[i] for column in columns], spec) for i in range(micro_batches)]
 
 
 def _same(first: Any, other: Any) -> bool:
@@ -167,29 +129,18 @@ def _same(first: Any, other: Any) -> bool:
         return False
 
 
-def _merge(chunks: list[Any], path: str) -> Any:
-    first = chunks[0]
+def _merge_leaf(values: list[Any], path: str) -> Any:
+    first = values[0]
     if isinstance(first, torch.Tensor) and first.dim() > 0:
-        if not all(isinstance(chunk, torch.Tensor) and chunk.dim() > 0 for chunk in chunks):
+        if not all(isinstance(value, torch.Tensor) and value.dim() > 0 for value in values):
             raise HybridPipeError(f"micro-batch outputs differ in structure at {path} (tensor vs other)")
-        return torch.cat(chunks, dim=0)
-    if isinstance(first, (tuple, list)):
-        if not all(type(chunk) is type(first) and len(chunk) == len(first) for chunk in chunks):
-            lengths = [len(chunk) if isinstance(chunk, (tuple, list)) else None for chunk in chunks]
-            raise HybridPipeError(
-                f"micro-batch outputs differ in structure at {path} "
-                f"({type(first).__name__} lengths {lengths})"
-            )
-        items = [_merge([chunk[i] for chunk in chunks], f"{path}[{i}]") for i in range(len(first))]
-        return _rebuild(first, items)
-    if isinstance(first, Mapping):
-        if not all(isinstance(chunk, Mapping) and chunk.keys() == first.keys() for chunk in chunks):
-            raise HybridPipeError(f"micro-batch outputs differ in keys at {path} (first has {list(first)})")
-        return {key: _merge([chunk[key] for chunk in chunks], f"{path}[{key!r}]") for key in first}
-    if not all(_same(first, chunk) for chunk in chunks[1:]):
+        return torch.cat(values, dim=0)
+    if any(isinstance(value, torch.Tensor) and value.dim() > 0 for value in values):
+        raise HybridPipeError(f"micro-batch outputs differ in structure at {path} (tensor vs other)")
+    if not all(_same(first, value) for value in values[1:]):
         raise HybridPipeError(
             f"value at {path} differs between micro-batches and has no batch dimension to "
-            f"concatenate (got {chunks[:4]}); give it a dim 0"
+            f"concatenate (got {values[:4]}); give it a dim 0"
         )
     return first
 
@@ -206,4 +157,19 @@ def merge(chunks: Sequence[Any]) -> Any:
     """
     if len(chunks) == 0:
         raise HybridPipeError("merge needs at least one micro-batch (got 0)")
-    return _merge(list(chunks), "batch")
+    flats = [pytree.tree_flatten_with_path(chunk) for chunk in chunks]
+    first_paths, first_spec = [keys for keys, _ in flats[0][0]], flats[0][1]
+    for index, (flat, spec) in enumerate(flats[1:], start=1):
+        paths = [keys for keys, _ in flat]
+        if paths != first_paths:
+            where = next((i for i, (a, b) in enumerate(zip(first_paths, paths)) if a != b),
+                         min(len(paths), len(first_paths)))
+            mine = _path(first_paths[where]) if where < len(first_paths) else "nothing more"
+            theirs = _path(paths[where]) if where < len(paths) else "nothing more"
+            raise HybridPipeError(f"micro-batch outputs differ in keys at batch: micro-batch 0 has {mine} "
+                                  f"where micro-batch {index} has {theirs}")
+        if spec != first_spec:
+            raise HybridPipeError(f"micro-batch outputs differ in structure at batch (micro-batch 0: "
+                                  f"{first_spec}; micro-batch {index}: {spec})")
+    leaves = [_merge_leaf([flat[i][1] for flat, _ in flats], _path(keys)) for i, keys in enumerate(first_paths)]
+    return pytree.tree_unflatten(leaves, first_spec)

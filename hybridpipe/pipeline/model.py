@@ -29,6 +29,7 @@ Design reasons:
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -36,6 +37,7 @@ import torch
 from torch import nn
 
 from hybridpipe import runtime
+from hybridpipe.comm.collectives import Average, grouped_allreduce_
 from hybridpipe.comm.engine import call
 from hybridpipe.errors import HybridPipeError, MismatchError, PartitionError
 from hybridpipe.pipeline import microbatch
@@ -50,7 +52,15 @@ from hybridpipe.pipeline.partition import (
     shared_parameters_error,
     validate_balance,
 )
-from hybridpipe.pipeline.schedule import get_schedule, validate
+from hybridpipe.pipeline.schedule import (
+    ASYNCHRONOUS,
+    AsyncStream,
+    async_schedule,
+    canonical_name,
+    get_schedule,
+    validate,
+)
+from hybridpipe.pipeline.asynchronous import install_step_guard
 from hybridpipe.pipeline.stage import CHECKPOINT_MODES, StageExecutor, StepResult
 
 __all__ = ["LayerSpec", "PipelineModel"]
@@ -146,18 +156,29 @@ class PipelineModel(nn.Module):
         micro_batches: ``M``, micro-batches per mini-batch.
         balance: layer counts per stage (``[3, 5, 4, 4]``), or "uniform", "parameters", "time";
             None means "time" when ``sample_input`` is given, else "parameters".
-        schedule: "1f1b" (PipeDream-Flush; memory bounded by ``P``) or "gpipe".
+        schedule: "1f1b" (PipeDream-Flush; memory bounded by ``P``), "gpipe", "interleaved-1f1b"
+            (with ``virtual_stages``), "zb-h1" (zero-bubble), or the asynchronous "pipedream" and
+            "2bw" (with ``optimizer``); see docs/pipeline.md.
         checkpoint: re-materialization: "never" (store activations), "except_last" (recompute all
             micro-batches but the last, GPipe's default) or "always".
         sample_input: one micro-batch of model input, for balance "time".
         seed_layers: build LayerSpec layer ``i`` under seed ``seed_layers + i``.
         device: where this stage computes (default: where its first parameter is, else CPU).
+        virtual_stages: ``v`` chunks of layers per rank for "interleaved-1f1b" (rank ``r`` holds
+            chunks ``r, r + P, …``; ``balance`` then has ``v·P`` entries, one per chunk).
+        optimizer: asynchronous schedules: a callable that gets this rank's parameters and returns
+            its torch optimizer (``lambda params: torch.optim.AdamW(params, lr=3e-4)``); the
+            pipeline applies it (averaged over the stage's replicas) as the schedule says.
+        vertical_sync: "pipedream" only: every stage uses, for a micro-batch, the weight version
+            the first stage used for it.
 
     Raises:
         NotInitializedError: ``hp.init`` was not called.
         PartitionError: bad balance (values named), more stages than layers, or a parameter shared
             by layers on different stages (weight tying across stages is not supported yet).
-        ScheduleError: unknown schedule.
+        ScheduleError: unknown schedule, or sizes the schedule cannot run (named with the fix).
+        HybridPipeError: ``optimizer`` given to a synchronous schedule or missing for an
+            asynchronous one.
         MismatchError: ranks constructed it with different settings (on every rank).
     """
 
@@ -172,6 +193,9 @@ class PipelineModel(nn.Module):
         sample_input: Any = None,
         seed_layers: int | None = None,
         device: Any = None,
+        virtual_stages: int = 1,
+        optimizer: Any = None,
+        vertical_sync: bool = False,
     ) -> None:
         super().__init__()
         grid = runtime._require("PipelineModel").grid
@@ -191,28 +215,42 @@ class PipelineModel(nn.Module):
             raise HybridPipeError(f"unknown checkpoint mode {checkpoint!r} (use one of "
                                   f"{', '.join(map(repr, CHECKPOINT_MODES))})")
         stages = grid.pipeline_stages
-        get_schedule(schedule, stages, micro_batches)  # unknown name → ScheduleError on every rank
+        name = canonical_name(schedule)  # unknown name → ScheduleError on every rank
+        if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+            raise HybridPipeError(f"virtual_stages must be a positive int (got {virtual_stages!r})")
+        self.asynchronous = name in ASYNCHRONOUS
+        self._check_schedule_options(name, stages, micro_batches, virtual_stages, optimizer, vertical_sync)
+        if not self.asynchronous:
+            get_schedule(name, stages, micro_batches, virtual_stages)  # size conditions → ScheduleError
         object.__setattr__(self, "loss_fn", loss_fn)  # not a submodule: no keys in state_dict
         self.micro_batches = micro_batches
-        self.schedule_name = schedule.strip().lower()
+        self.schedule_name = name
         self.checkpoint = checkpoint
+        self.virtual_stages = virtual_stages
+        self.vertical_sync = bool(vertical_sync)
         self.grid = grid
         self.stage = grid.stage
         self.stages = stages
+        self.chunks = stages * virtual_stages
         self._schedule_cache: dict[tuple[str, int, int], list] = {}  # see _schedule
 
-        balance_list, report = self._choose_balance(layer_list, balance, sample_input, seed_layers, grid)
+        balance_list, report = self._choose_balance(layer_list, balance, sample_input, seed_layers, grid,
+                                                    self.chunks, virtual_stages)
         # before any layer is built or moved, and before the pipeline communicator exists
-        shared = find_shared_parameters(_shapes_only(layer_list), balance_list) if stages > 1 else []
+        shared = find_shared_parameters(_shapes_only(layer_list), balance_list) if self.chunks > 1 else []
         self._agree(grid, len(layer_list), balance_list, tuple(s.layers for s in shared))
         if shared:
             raise shared_parameters_error(shared, balance_list)
         self.balance = balance_list
         self.balance_report = report
-        own = self.layers_of_stage(self.stage)
-        built = nn.ModuleDict({str(i): _build(layer_list[i], i, seed_layers) for i in own})
+        own_chunks = list(range(self.stage, self.chunks, stages))
+        built = nn.ModuleDict({str(i): _build(layer_list[i], i, seed_layers)
+                               for chunk in own_chunks for i in self.layers_of_chunk(chunk)})
         self.layers = built
-        object.__setattr__(self, "_stage_module", _Stage(built))  # same layers; not registered twice
+        chunk_modules = {chunk: _Stage(nn.ModuleDict({str(i): built[str(i)] for i in self.layers_of_chunk(chunk)}))
+                         for chunk in own_chunks}
+        object.__setattr__(self, "_chunk_modules", chunk_modules)  # same layers; not registered twice
+        object.__setattr__(self, "_stage_module", chunk_modules[self.stage])
         if device is None:
             first = next(iter(built.parameters()), None)
             device = first.device if first is not None else torch.device("cpu")
@@ -220,16 +258,88 @@ class PipelineModel(nn.Module):
         self.to(self.device)
         # private: our tags never meet anyone else's messages
         self._comm = call("pipe", "PipelineModel", grid.pipe_comm.Dup)
-        self._executor = StageExecutor(self._stage_module, self.stage, stages, self._comm, self.device)
+        self._executor = StageExecutor(chunk_modules, self.stage, stages, self._comm, self.device, virtual_stages)
+        if name == "zb-h1":
+            self._executor.split_backward()
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._stream: AsyncStream | None = None
+        self._next_micro_batch = 0
+        if self.asynchronous:
+            self._start_asynchronous(name, optimizer)
         self.last_step: StepResult | None = None
+
+    @staticmethod
+    def _check_schedule_options(name: str, stages: int, micro_batches: int, virtual_stages: int, optimizer: Any,
+                                vertical_sync: bool) -> None:
+        if name == "interleaved-1f1b" and virtual_stages < 2:
+            raise HybridPipeError("schedule='interleaved-1f1b' needs virtual_stages >= 2 (chunks of layers per "
+                                  "rank, e.g. virtual_stages=2); with one chunk per rank use schedule='1f1b'")
+        if name != "interleaved-1f1b" and virtual_stages != 1:
+            raise HybridPipeError(f"virtual_stages={virtual_stages} needs schedule='interleaved-1f1b' (schedule "
+                                  f"{name!r} runs one chunk of layers per rank)")
+        if name in ASYNCHRONOUS:
+            if optimizer is None or not callable(optimizer):
+                raise HybridPipeError(
+                    f"schedule {name!r} updates the weights inside the pipeline, so it needs the optimizer: pass "
+                    "optimizer=lambda params: torch.optim.SGD(params, lr=0.1) (a callable that gets this rank's "
+                    f"parameters and returns a torch optimizer; got {optimizer!r})")
+            if vertical_sync and name != "pipedream":
+                raise HybridPipeError(f"vertical_sync is PipeDream's option (schedule='pipedream'); {name!r} already "
+                                      "uses one weight version per mini-batch on every stage")
+            if name == "2bw" and micro_batches < stages - 1:
+                raise HybridPipeError(
+                    f"schedule '2bw' keeps two weight versions, which needs micro_batches >= pipeline stages - 1 "
+                    f"(got micro_batches={micro_batches} with {stages} stages): use micro_batches >= {stages - 1}")
+        else:
+            if optimizer is not None:
+                raise HybridPipeError(
+                    f"schedule {name!r} is synchronous: it does not use optimizer= (the weights change only when "
+                    "you call step()). Build the optimizer yourself, e.g. hp.DistributedOptimizer(torch.optim.SGD("
+                    "model.parameters(), lr=0.1), named_parameters=model.named_parameters()), and call step() "
+                    "after train_step; optimizer= is for schedule='pipedream' or '2bw'")
+            if vertical_sync:
+                raise HybridPipeError(f"vertical_sync is an option of schedule='pipedream', not of {name!r}")
+
+    def _start_asynchronous(self, name: str, factory: Any) -> None:
+        parameters = list(self.parameters())
+        optimizer = factory(parameters)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise HybridPipeError(f"optimizer= must return a torch.optim.Optimizer for the parameters it is given "
+                                  f"(it returned {type(optimizer).__name__})")
+        in_groups = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        missing = [n for n, p in self.named_parameters() if p.requires_grad and id(p) not in in_groups]
+        if missing:
+            raise HybridPipeError(f"the optimizer built by optimizer= leaves out parameters {missing[:5]} of this "
+                                  "stage: build it over every parameter it is given")
+        self.optimizer = optimizer
+        validate(async_schedule(name, self.stages, self.micro_batches, steps=2), self.stages,
+                 2 * self.micro_batches)
+        self._stream = AsyncStream(name, self.stages, self.stage, self.micro_batches)
+        self._executor.use_weight_stash(name, self.vertical_sync, self.micro_batches)
+        self._executor.on_update = self._apply_update
+        self._updating = False
+        install_step_guard()
+        for parameter in parameters:
+            parameter._hybridpipe_owner = weakref.ref(self)
 
     # ------------------------------------------------------------------ construction helpers
 
     @staticmethod
     def _choose_balance(layers: list, balance: Any, sample_input: Any, seed_layers: int | None,
-                        grid: runtime.Grid) -> tuple[list[int], BalanceReport]:
-        stages = grid.pipeline_stages
+                        grid: runtime.Grid, stages: int, virtual_stages: int) -> tuple[list[int], BalanceReport]:
         count = len(layers)
+        if virtual_stages > 1:
+            ranks = stages // virtual_stages
+            if count < stages:
+                raise PartitionError(
+                    f"virtual_stages={virtual_stages} on {ranks} pipeline ranks cuts the model into {stages} chunks, "
+                    f"but it has {count} layers: use virtual_stages <= {max(count // ranks, 1)} or split the model "
+                    "into more layers")
+            if balance is not None and not isinstance(balance, str) and len(list(balance)) != stages:
+                raise PartitionError(
+                    f"balance {list(balance)} has {len(list(balance))} entries, but with virtual_stages="
+                    f"{virtual_stages} on {ranks} ranks the model has {stages} chunks (chunk c runs on rank c mod "
+                    f"{ranks}): give one layer count per chunk, e.g. {partition_uniform(count, stages)}")
         if balance is not None and not isinstance(balance, str):
             balance_list = validate_balance(list(balance), count, stages)
             return balance_list, BalanceReport(balance_list, PipelineModel._parameter_counts(layers, seed_layers),
@@ -273,11 +383,11 @@ class PipelineModel(nn.Module):
     def _agree(self, grid: runtime.Grid, count: int, balance: list[int],
                shared_across_stages: tuple[tuple[int, ...], ...]) -> None:
         mine = (count, tuple(balance), self.micro_batches, self.schedule_name, self.checkpoint,
-                shared_across_stages)
+                self.virtual_stages, self.vertical_sync, shared_across_stages)
         everyone = call(None, "PipelineModel", lambda: grid.world_comm.allgather(mine))
         if len(set(everyone)) > 1:
-            names = ("layers", "balance", "micro_batches", "schedule", "checkpoint",
-                     "layers_sharing_parameters_across_stages")
+            names = ("layers", "balance", "micro_batches", "schedule", "checkpoint", "virtual_stages",
+                     "vertical_sync", "layers_sharing_parameters_across_stages")
             differ = [name for i, name in enumerate(names) if len({e[i] for e in everyone}) > 1]
             listing = "; ".join(f"rank {r}: " + ", ".join(f"{n}={e[names.index(n)]!r}" for n in differ)
                                 for r, e in enumerate(everyone))
@@ -286,12 +396,22 @@ class PipelineModel(nn.Module):
 
     # ------------------------------------------------------------------ introspection
 
-    def layers_of_stage(self, stage: int) -> range:
-        """Original indices of the layers that ``stage`` holds."""
+    def layers_of_chunk(self, chunk: int) -> range:
+        """Original indices of the layers of chunk (virtual stage) ``chunk``; with one chunk per rank,
+        chunk and stage are the same number."""
+        if not 0 <= chunk < self.chunks:
+            raise HybridPipeError(f"chunk {chunk} is outside 0..{self.chunks - 1}")
+        start = sum(self.balance[:chunk])
+        return range(start, start + self.balance[chunk])
+
+    def layers_of_stage(self, stage: int) -> range | list[int]:
+        """Original indices of the layers that ``stage`` (a pipeline rank) holds: a range, or with
+        ``virtual_stages > 1`` the sorted indices of its chunks ``stage, stage + P, …``."""
         if not 0 <= stage < self.stages:
             raise HybridPipeError(f"stage {stage} is outside 0..{self.stages - 1}")
-        start = sum(self.balance[:stage])
-        return range(start, start + self.balance[stage])
+        if self.virtual_stages == 1:
+            return self.layers_of_chunk(stage)
+        return [i for chunk in range(stage, self.chunks, self.stages) for i in self.layers_of_chunk(chunk)]
 
     @property
     def is_first_stage(self) -> bool:
@@ -308,21 +428,30 @@ class PipelineModel(nn.Module):
     # ------------------------------------------------------------------ running
 
     def _schedule(self, name: str) -> list:
-        """This stage's validated action list, built once per (schedule, P, M) and then reused."""
+        """This rank's validated action list, built once per (schedule, P, M) and then reused."""
         key = (name, self.stages, self.micro_batches)
         if key not in self._schedule_cache:
-            schedule = get_schedule(name, self.stages, self.micro_batches)
-            validate(schedule, self.stages, self.micro_batches, require_backward=name != "forward")
+            schedule = get_schedule(name, self.stages, self.micro_batches, self.virtual_stages)
+            validate(schedule, self.stages, self.micro_batches, virtual_stages=self.virtual_stages,
+                     require_backward=name != "forward")
             self._schedule_cache[key] = schedule[self.stage]
         return self._schedule_cache[key]
 
-    def train_step(self, inputs: Any, targets: Any) -> float:
-        """One forward+backward of a mini-batch through the pipeline; gradients accumulate into
-        this stage's parameters' ``.grad`` (call ``optimizer.step()`` / ``zero_grad()`` as usual).
+    def train_step(self, inputs: Any, targets: Any) -> float | None:
+        """One mini-batch through the pipeline.
+
+        Synchronous schedules: forward and backward of all ``M`` micro-batches; gradients accumulate
+        into this stage's parameters' ``.grad`` (call ``optimizer.step()`` / ``zero_grad()`` as
+        usual). Returns the mini-batch mean loss (the micro-batch losses weighted by micro-batch
+        size) on every rank of the pipeline.
+
+        Asynchronous schedules ("pipedream", "2bw"): admits the ``M`` micro-batches into the
+        pipeline and runs until the next forward would need a micro-batch not given yet; updates
+        happen inside. Returns the mean loss of the micro-batches that finished in this call (the
+        last stage computes every loss in the call that admits the micro-batch), or None.
 
         Every rank of a pipeline passes the same ``inputs`` and ``targets`` (stage 0 uses the inputs,
-        the last stage the targets). Returns the mini-batch mean loss (the micro-batch losses
-        weighted by micro-batch size) on every rank of the pipeline.
+        the last stage the targets).
         """
         if self.loss_fn is None:
             raise HybridPipeError("train_step needs a loss: build the PipelineModel with loss_fn=...")
@@ -331,15 +460,71 @@ class PipelineModel(nn.Module):
         sizes = [next(microbatch.iter_tensors(c)).shape[0] for c in target_chunks]
         total = sum(sizes)
         weights = [size / total for size in sizes]
-        result = self._executor.run(self._schedule(self.schedule_name), self.micro_batches, chunks,
-                                    target_chunks, self.loss_fn, weights, self.checkpoint, train=True)
+        if not self.asynchronous:
+            result = self._executor.run(self._schedule(self.schedule_name), self.micro_batches, chunks,
+                                        target_chunks, self.loss_fn, weights, self.checkpoint, train=True)
+            self.last_step = result
+            return result.loss
+        first = self._next_micro_batch
+        self._next_micro_batch += self.micro_batches
+        ids = range(first, first + self.micro_batches)
+        if self.schedule_name == "pipedream":  # every micro-batch is one update: its own mean loss
+            weights = [1.0] * self.micro_batches
+        actions = self._stream.segment(first + self.micro_batches)
+        result = self._executor.run(actions, self.micro_batches, dict(zip(ids, chunks)), dict(zip(ids, target_chunks)),
+                                    self.loss_fn, dict(zip(ids, weights)), self.checkpoint, train=True)
         self.last_step = result
-        return result.loss
+        return sum(result.losses.values()) / len(result.losses) if result.losses else None
+
+    def flush(self) -> None:
+        """Asynchronous schedules: runs the backwards and updates of every micro-batch in flight, so
+        the weights include every given micro-batch. Call it before evaluation, checkpointing (which
+        calls it) or a change of schedule. Synchronous schedules never have anything in flight."""
+        if not self.asynchronous:
+            return
+        actions = self._stream.drain()  # may be empty here (the last stage): every rank still runs
+        self.last_step = self._executor.run(actions, 0, {}, {}, self.loss_fn, {}, self.checkpoint, train=True)
+
+    def weight_versions(self) -> list[tuple[int, int, int]]:
+        """For the last ``train_step`` (or ``flush``): ``(micro_batch, forward_version,
+        backward_version)`` of every micro-batch whose backward ran on this stage, micro-batches
+        numbered from 0 since the model was built and a version being the number of updates this
+        stage had applied. Synchronous schedules do not version weights: empty."""
+        return sorted(self.last_step.versions) if self.last_step is not None else []
+
+    def split_backward_report(self) -> str:
+        """"zb-h1": which layers' weight gradients are deferred to ``W`` passes and which are computed
+        with the input gradients (fused) because they cannot be split; otherwise a one-line note."""
+        if self.schedule_name != "zb-h1":
+            return f"schedule {self.schedule_name!r} does not split backwards"
+        lines = []
+        for stage, chunk in self._executor.chunks.items():
+            split = sorted(f"{name} (Linear)" for name, m in chunk.module.named_modules() if m in chunk.linears)
+            lines.append(f"stage {stage}: W deferred for {', '.join(split) or 'no layer'}; fused into I: "
+                         f"{', '.join(sorted(chunk.fused_layers)) or 'nothing'}")
+        return "\n".join(lines)
+
+    def _apply_update(self, stage: int, micro_batch: int) -> None:
+        """A ``U`` action: average the gradients over the stage's replicas, step, start a new version."""
+        parameters = [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
+        for parameter in parameters:
+            if parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+        if self.grid.data_replicas > 1:
+            grouped_allreduce_([p.grad for p in parameters], op=Average, group="data")
+        self._updating = True
+        try:
+            self.optimizer.step()
+        finally:
+            self._updating = False
+        self.optimizer.zero_grad(set_to_none=True)
+        self._executor.chunks[stage].stash.updated(self._stream.next_forward)
 
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
         """Forward-only pipeline run; returns the full output (merged micro-batches) on every rank
-        of the pipeline."""
+        of the pipeline. Asynchronous schedules use the current weights (``flush()`` first to
+        include every micro-batch given so far)."""
         chunks = microbatch.split(inputs, self.micro_batches)
         result = self._executor.run(self._schedule("forward"), self.micro_batches, chunks, train=False)
         self.last_step = result
@@ -357,4 +542,5 @@ class PipelineModel(nn.Module):
     def __repr__(self) -> str:
         return (f"PipelineModel(stage {self.stage} of {self.stages}, layers {list(self.layers_of_stage(self.stage))}, "
                 f"micro_batches={self.micro_batches}, schedule={self.schedule_name!r}, "
+                + (f"virtual_stages={self.virtual_stages}, " if self.virtual_stages > 1 else "") +
                 f"checkpoint={self.checkpoint!r})")

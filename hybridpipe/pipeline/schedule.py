@@ -1,24 +1,37 @@
-"""Pipeline schedules as data: per-stage lists of forward/backward actions, a validator and a renderer.
+"""Pipeline schedules as data: per-rank lists of actions, a validator, a simulator and a renderer.
 
 Design reasons:
 
-* A schedule is a plain ``list[list[Action]]`` indexed by stage. The stage executor is one loop
-  over its list, so every schedule (GPipe, 1F1B, later interleaved or recompute variants) is a
-  pure function that can be tested, printed and validated without MPI.
+* A schedule is a plain ``list[list[Action]]`` indexed by pipeline rank. The stage executor is
+  one loop over its rank's list, so every schedule (GPipe, 1F1B, interleaved 1F1B, zero-bubble,
+  PipeDream's asynchronous ones) is a pure function that can be tested, printed and validated
+  without MPI.
+* An action names a **virtual stage** (a chunk of consecutive layers). With ``v`` virtual stages
+  per rank there are ``V = v·P`` chunks and chunk ``c`` lives on rank ``stage_to_rank(c, P) =
+  c mod P`` (Megatron's interleaving: rank ``r`` holds chunks ``r, r + P, …``). With ``v = 1``
+  chunk and rank are the same number, as before.
 * Sends and receives are not actions. They follow from the data flow, so the executor derives
-  them: a forward on stage ``s > 0`` first receives its activation from ``s - 1``; a forward on
-  ``s < P - 1`` then sends its output to ``s + 1``; a backward on ``s < P - 1`` first receives
-  the gradient from ``s + 1``; a backward on ``s > 0`` then sends the input gradient to ``s - 1``.
-  Keeping them implicit means a schedule cannot pair them wrongly.
+  them: a forward of chunk ``c > 0`` first receives its activation from chunk ``c - 1``; a forward
+  of ``c < V - 1`` sends its output to ``c + 1``; a backward (``B``, or its input half ``I``) of
+  ``c < V - 1`` first receives the output gradient from ``c + 1``, and one of ``c > 0`` then sends
+  the input gradient to ``c - 1``. Keeping them implicit means a schedule cannot pair them wrongly.
+* Kinds: ``F`` forward, ``B`` backward, or the backward split in two as in the zero-bubble
+  schedules: ``I`` (gradients of the chunk's input: what the previous chunk waits for) then
+  ``W`` (gradients of the weights: nobody waits for it, so it fills bubbles). ``U`` applies the
+  optimizer to a chunk's parameters (asynchronous schedules update inside the pipeline).
 * The validator simulates exactly those semantics (receives block, sends are buffered), so
   "validate passes" means "the executor cannot deadlock on this schedule".
+* Asynchronous schedules (``pipedream``, ``2bw``) never flush: each ``train_step`` runs one
+  *segment* of an endless per-rank stream (:class:`AsyncStream`), and ``flush()`` runs the drain.
+  :func:`async_schedule` concatenates segments into an ordinary schedule for validation,
+  simulation and rendering.
 """
 
 from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from hybridpipe.errors import ScheduleError
@@ -30,9 +43,16 @@ __all__ = [
     "TimedAction",
     "Timeline",
     "SCHEDULE_NAMES",
+    "SYNCHRONOUS",
+    "ASYNCHRONOUS",
+    "stage_to_rank",
     "gpipe",
     "one_f_one_b",
+    "interleaved_one_f_one_b",
+    "zero_bubble_h1",
     "forward_only",
+    "AsyncStream",
+    "async_schedule",
     "get_schedule",
     "validate",
     "simulate",
@@ -42,18 +62,31 @@ __all__ = [
 
 
 class ActionKind(enum.Enum):
-    """What a stage does with one micro-batch. New kinds (e.g. recompute) get a new letter."""
+    """What a stage does with one micro-batch."""
 
     FORWARD = "F"
-    BACKWARD = "B"
+    BACKWARD = "B"          # input and weight gradients in one pass
+    BACKWARD_INPUT = "I"    # input gradients only (zero-bubble); its W follows later
+    BACKWARD_WEIGHT = "W"   # weight gradients of a micro-batch whose I ran
+    UPDATE = "U"            # optimizer step of the chunk (asynchronous schedules)
 
 
+_GRADIENT_KINDS = (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)  # send the input gradient back
 _ACTION_PATTERN = re.compile(r"^\s*(\d+)([A-Za-z])(\d+)\s*$")
+
+
+def stage_to_rank(stage: int, ranks: int) -> int:
+    """The pipeline rank that runs (virtual) stage ``stage`` when there are ``ranks`` ranks."""
+    return stage % ranks
 
 
 @dataclass(frozen=True)
 class Action:
-    """One step of one stage: run ``kind`` on micro-batch ``micro_batch`` on stage ``stage``.
+    """One step of one rank: run ``kind`` on micro-batch ``micro_batch`` of (virtual) stage ``stage``.
+
+    ``stage`` is the chunk of layers (virtual stage) the action runs; rank
+    ``stage_to_rank(stage, P)`` runs it. Micro-batches are numbered within a ``train_step`` for
+    synchronous schedules, and from 0 since the model was built for asynchronous ones.
 
     Example:
         >>> Action(2, ActionKind.FORWARD, 5)
@@ -65,6 +98,11 @@ class Action:
     stage: int
     kind: ActionKind
     micro_batch: int
+
+    @property
+    def chunk(self) -> int:
+        """The virtual stage (same as ``stage``)."""
+        return self.stage
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind.value}{self.micro_batch}"
@@ -97,14 +135,14 @@ class Action:
 
 
 Schedule = list[list[Action]]
-"""Per-stage action lists: ``schedule[s]`` is what stage ``s`` executes, in order."""
+"""Per-rank action lists: ``schedule[r]`` is what pipeline rank ``r`` executes, in order."""
 
 
-def _check_sizes(stages: int, micro_batches: int) -> None:
-    if stages < 1 or micro_batches < 1:
+def _check_sizes(stages: int, micro_batches: int, virtual_stages: int = 1) -> None:
+    if stages < 1 or micro_batches < 1 or virtual_stages < 1:
         raise ScheduleError(
-            f"a schedule needs stages >= 1 and micro_batches >= 1 "
-            f"(got stages {stages}, micro_batches {micro_batches})"
+            f"a schedule needs stages >= 1, micro_batches >= 1 and virtual_stages >= 1 "
+            f"(got stages {stages}, micro_batches {micro_batches}, virtual_stages {virtual_stages})"
         )
 
 
@@ -170,39 +208,249 @@ def one_f_one_b(stages: int, micro_batches: int) -> Schedule:
     return schedule
 
 
-def forward_only(stages: int, micro_batches: int) -> Schedule:
-    """Forwards 0..M-1 on every stage and no backward (inference, ``predict``).
+def interleaved_one_f_one_b(stages: int, micro_batches: int, virtual_stages: int = 2) -> Schedule:
+    """Interleaved 1F1B (Megatron-LM): rank ``r`` holds chunks ``r, r + P, …, r + (v-1)·P``.
 
-    Validate it with ``validate(..., require_backward=False)``.
+    Micro-batches go through the chunks in groups of ``P``: a rank forwards micro-batches
+    ``0..P-1`` through its first chunk, then the same ones through its second chunk, and so on,
+    then the next group; backwards take the groups in the same order with the chunks reversed.
+    Rank ``r`` warms up with ``2·(P - r - 1) + (v - 1)·P`` forwards, then alternates one forward
+    and one backward, then drains. Each chunk holds ``1/v`` of the rank's layers, so forwards and
+    backwards are ``v`` times shorter and the bubble shrinks to ``(P - 1) / (v·M)`` of a step:
+    ``1/v`` of 1F1B's, for ``v`` times the point-to-point messages.
+
+    Args:
+        stages: Number of pipeline ranks ``P``.
+        micro_batches: ``M``, a multiple of ``P`` (Megatron's grouping).
+        virtual_stages: ``v`` chunks per rank (``v = 1`` is plain 1F1B).
+
+    Raises:
+        ScheduleError: ``M`` is not a multiple of ``P`` (the message names the nearest valid values).
+    """
+    _check_sizes(stages, micro_batches, virtual_stages)
+    if virtual_stages == 1:
+        return one_f_one_b(stages, micro_batches)
+    if micro_batches % stages:
+        lower, upper = (micro_batches // stages) * stages, (micro_batches // stages + 1) * stages
+        valid = f"{lower} or {upper}" if lower else f"{upper}"
+        raise ScheduleError(
+            f"interleaved-1f1b sends micro-batches through the chunks in groups of the {stages} pipeline "
+            f"ranks, so micro_batches must be a multiple of {stages} (got {micro_batches}; use {valid})"
+        )
+    group = stages * virtual_stages
+    total = micro_batches * virtual_stages
+
+    def chunk_and_batch(k: int, forward: bool) -> tuple[int, int]:
+        chunk = (k % group) // stages
+        return (chunk if forward else virtual_stages - 1 - chunk), (k // group) * stages + k % stages
+
+    schedule: Schedule = []
+    for rank in range(stages):
+        def action(k: int, forward: bool) -> Action:
+            chunk, m = chunk_and_batch(k, forward)
+            kind = ActionKind.FORWARD if forward else ActionKind.BACKWARD
+            return Action(chunk * stages + rank, kind, m)
+
+        warmup = total if micro_batches == stages else min(total, 2 * (stages - rank - 1) + (virtual_stages - 1) * stages)
+        actions = [action(k, True) for k in range(warmup)]
+        for k in range(total - warmup):
+            actions.append(action(warmup + k, True))
+            actions.append(action(k, False))
+        actions.extend(action(k, False) for k in range(total - warmup, total))
+        schedule.append(actions)
+    return schedule
+
+
+def zero_bubble_h1(stages: int, micro_batches: int) -> Schedule:
+    """ZB-H1 (zero-bubble pipeline parallelism, handcrafted schedule 1).
+
+    Each backward is split into ``I`` (the input gradient, which the previous stage waits for)
+    and ``W`` (the weight gradient, which nobody waits for). The order is 1F1B's for ``F`` and
+    ``I``; the ``W`` passes are postponed to fill the time a stage would wait: the last stage
+    delays its first ``W`` until it has ``P`` micro-batches in flight, so the input gradients
+    travel back through the pipeline without waiting for weight gradients, and the drain at the
+    end is filled with the postponed ``W`` passes. A micro-batch holds activations from its ``F``
+    to its ``W``; no stage holds more than ``P`` at once, 1F1B's peak (its first stage).
+
+    The order is built by list-scheduling with equal ``F``, ``I`` and ``W`` times (each stage
+    prefers a forward, then an input gradient, then a weight gradient, within those memory
+    limits); its bubble is about a third of 1F1B's when ``M >= 2·P``.
     """
     _check_sizes(stages, micro_batches)
-    return [[_forward(s, m) for m in range(micro_batches)] for s in range(stages)]
+    lists: Schedule = [[] for _ in range(stages)]
+    done: dict[tuple[ActionKind, int, int], int] = {}
+    forwarded, input_done, weight_done = [0] * stages, [0] * stages, [0] * stages
+    time, remaining = 0, 3 * stages * micro_batches
+    never = 1 << 60
+    while remaining:
+        chosen: list[Action | None] = []
+        for s in range(stages):
+            m_forward, m_input = forwarded[s], input_done[s]
+            if (m_forward < micro_batches and m_forward - weight_done[s] < stages
+                    and m_forward - m_input < stages - s
+                    and (s == 0 or done.get((ActionKind.FORWARD, s - 1, m_forward), never) <= time)):
+                chosen.append(_forward(s, m_forward))
+            elif (m_input < m_forward and done.get((ActionKind.FORWARD, s, m_input), never) <= time
+                  and (s == stages - 1
+                       or done.get((ActionKind.BACKWARD_INPUT, s + 1, m_input), never) <= time)):
+                chosen.append(Action(s, ActionKind.BACKWARD_INPUT, m_input))
+            elif weight_done[s] < m_input:
+                chosen.append(Action(s, ActionKind.BACKWARD_WEIGHT, weight_done[s]))
+            else:
+                chosen.append(None)
+        for s, action in enumerate(chosen):
+            if action is None:
+                continue
+            lists[s].append(action)
+            done[(action.kind, s, action.micro_batch)] = time + 1
+            remaining -= 1
+            if action.kind is ActionKind.FORWARD:
+                forwarded[s] += 1
+            elif action.kind is ActionKind.BACKWARD_INPUT:
+                input_done[s] += 1
+            else:
+                weight_done[s] += 1
+        time += 1
+    return lists
 
 
-SCHEDULE_NAMES: dict[str, Callable[[int, int], Schedule]] = {
+def forward_only(stages: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
+    """Forwards of every micro-batch through every chunk and no backward (inference, ``predict``).
+
+    Rank ``r`` runs its chunks in order, each over all micro-batches. Validate it with
+    ``validate(..., require_backward=False)``.
+    """
+    _check_sizes(stages, micro_batches, virtual_stages)
+    return [[_forward(chunk * stages + s, m) for chunk in range(virtual_stages) for m in range(micro_batches)]
+            for s in range(stages)]
+
+
+class AsyncStream:
+    """One rank's endless action stream for an asynchronous schedule (``"pipedream"``, ``"2bw"``).
+
+    The stream is 1F1B that never flushes: rank ``s`` keeps up to ``P - s`` micro-batches in
+    flight (forward done, backward not), forwarding the next one whenever it has room and
+    running the oldest backward otherwise. Micro-batches are numbered from 0 since the stream
+    began. ``"pipedream"`` follows every backward with an update (``U``) of the stage;
+    ``"2bw"`` updates once per mini-batch, after the backward of its last micro-batch.
+
+    :meth:`segment` is one ``train_step``: it runs until the next forward would need a
+    micro-batch that has not been given yet. :meth:`drain` is ``flush()``: the backwards (and
+    updates) of everything in flight.
+    """
+
+    def __init__(self, name: str, stages: int, stage: int, micro_batches: int) -> None:
+        if name not in ASYNCHRONOUS:
+            raise ScheduleError(f"{name!r} is not an asynchronous schedule (use one of {', '.join(ASYNCHRONOUS)})")
+        _check_sizes(stages, micro_batches)
+        self.name, self.stages, self.stage, self.micro_batches = name, stages, stage, micro_batches
+        self.in_flight_limit = stages - stage
+        self.next_forward = 0
+        self.next_backward = 0
+
+    def _backward(self) -> list[Action]:
+        m = self.next_backward
+        self.next_backward += 1
+        actions = [_backward(self.stage, m)]
+        if self.name == "pipedream" or (m + 1) % self.micro_batches == 0:
+            actions.append(Action(self.stage, ActionKind.UPDATE, m))
+        return actions
+
+    def segment(self, available: int) -> list[Action]:
+        """The actions of one ``train_step`` after which micro-batches ``< available`` exist."""
+        actions: list[Action] = []
+        while True:
+            if self.next_forward - self.next_backward < self.in_flight_limit:
+                if self.next_forward >= available:
+                    return actions
+                actions.append(_forward(self.stage, self.next_forward))
+                self.next_forward += 1
+            else:
+                actions.extend(self._backward())
+
+    def drain(self) -> list[Action]:
+        """The backwards (and updates) of every micro-batch in flight."""
+        actions: list[Action] = []
+        while self.next_backward < self.next_forward:
+            actions.extend(self._backward())
+        return actions
+
+
+def async_schedule(name: str, stages: int, micro_batches: int, steps: int = 2, flush: bool = True) -> Schedule:
+    """``steps`` train_steps (``M`` new micro-batches each) of an asynchronous schedule, then the
+    drain of ``flush()`` if ``flush``, as one ordinary schedule (to validate, simulate, render)."""
+    streams = [AsyncStream(name, stages, s, micro_batches) for s in range(stages)]
+    schedule: Schedule = [[] for _ in range(stages)]
+    for step in range(steps):
+        for s, stream in enumerate(streams):
+            schedule[s] += stream.segment((step + 1) * micro_batches)
+    if flush:
+        for s, stream in enumerate(streams):
+            schedule[s] += stream.drain()
+    return schedule
+
+
+SYNCHRONOUS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+"""Schedules that flush every step: the parameters after a step equal one process's."""
+ASYNCHRONOUS = ("pipedream", "2bw")
+"""Schedules that never flush and update inside the pipeline (PipeDream's weight stashing, 2BW)."""
+
+SCHEDULE_NAMES: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "one_f_one_b": one_f_one_b,
+    "interleaved-1f1b": interleaved_one_f_one_b,
+    "zb-h1": zero_bubble_h1,
     "forward": forward_only,
+    "pipedream": lambda stages, micro_batches: async_schedule("pipedream", stages, micro_batches),
+    "2bw": lambda stages, micro_batches: async_schedule("2bw", stages, micro_batches),
 }
 """Names accepted by :func:`get_schedule`, mapped to their schedule functions."""
 
 
-def get_schedule(name: str, stages: int, micro_batches: int) -> Schedule:
-    """Build a schedule by name: ``"gpipe"``, ``"1f1b"`` (or ``"one_f_one_b"``), ``"forward"``.
+def canonical_name(name: str) -> str:
+    """``name`` lower-cased, with the aliases ``one_f_one_b`` → ``1f1b`` and ``_`` → ``-`` mapped.
+
+    Raises:
+        ScheduleError: an unknown name (the message lists the valid ones).
+    """
+    key = name.strip().lower() if isinstance(name, str) else None
+    if key is not None and key not in SCHEDULE_NAMES:
+        key = key.replace("_", "-")
+    if key == "one-f-one-b":
+        key = "1f1b"
+    if key not in SCHEDULE_NAMES:
+        valid = [n for n in SCHEDULE_NAMES if n != "one_f_one_b"]
+        raise ScheduleError(f"unknown schedule {name!r} (use one of {', '.join(map(repr, valid))})")
+    return key
+
+
+def get_schedule(name: str, stages: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
+    """Build a schedule by name: ``"gpipe"``, ``"1f1b"`` (or ``"one_f_one_b"``),
+    ``"interleaved-1f1b"``, ``"zb-h1"``, ``"forward"``, or (two steps and a flush of)
+    ``"pipedream"`` / ``"2bw"``.
 
     The result is not validated here; the executor calls :func:`validate` before running it.
 
     Raises:
-        ScheduleError: ``name`` is unknown (the message lists the valid names), or the sizes
-            are not positive.
+        ScheduleError: ``name`` is unknown (the message lists the valid names), the sizes are not
+            positive, ``virtual_stages > 1`` for a schedule without chunks, or the schedule's own
+            condition on the sizes fails.
     """
-    function = SCHEDULE_NAMES.get(name.strip().lower()) if isinstance(name, str) else None
-    if function is None:
-        raise ScheduleError(
-            f"unknown schedule {name!r} (use one of {', '.join(map(repr, SCHEDULE_NAMES))})"
-        )
-    return function(stages, micro_batches)
+    key = canonical_name(name)
+    _check_sizes(stages, micro_batches, virtual_stages)
+    if key == "interleaved-1f1b":
+        if virtual_stages < 2:
+            raise ScheduleError("interleaved-1f1b needs virtual_stages >= 2 (chunks per rank); with 1 it is "
+                                "schedule='1f1b'")
+        return interleaved_one_f_one_b(stages, micro_batches, virtual_stages)
+    if key == "forward":
+        return forward_only(stages, micro_batches, virtual_stages)
+    if virtual_stages != 1:
+        raise ScheduleError(f"schedule {key!r} runs one chunk per rank (got virtual_stages={virtual_stages}); "
+                            "use schedule='interleaved-1f1b' for several")
+    return SCHEDULE_NAMES[key](stages, micro_batches)
+
 
 
 @dataclass(frozen=True)
@@ -216,13 +464,13 @@ class TimedAction:
 
 @dataclass
 class Timeline:
-    """The result of :func:`simulate`: when each stage ran each action.
+    """The result of :func:`simulate`: when each rank ran each action.
 
     Attributes:
-        stages: Per-stage executed actions with start/end times, in execution order.
+        stages: Per-rank executed actions with start/end times, in execution order.
         makespan: Time at which the last action ends.
-        blocked: Per stage, the action it is stuck on when the schedule deadlocks (``None``
-            for stages that finished); all ``None`` for a runnable schedule.
+        blocked: Per rank, the action it is stuck on when the schedule deadlocks (``None``
+            for ranks that finished); all ``None`` for a runnable schedule.
     """
 
     stages: list[list[TimedAction]]
@@ -231,95 +479,119 @@ class Timeline:
 
     @property
     def deadlocked(self) -> bool:
-        """Whether some stage could not finish its list."""
+        """Whether some rank could not finish its list."""
         return any(action is not None for action in self.blocked)
 
     @property
     def busy_time(self) -> list[float]:
-        """Per-stage total compute time."""
+        """Per-rank total compute time."""
         return [sum(item.end - item.start for item in items) for items in self.stages]
 
     @property
     def bubble_fraction(self) -> float:
-        """Idle fraction of the ``stages × makespan`` area: GPipe has ``(P-1)/(M+P-1)``."""
+        """Idle fraction of the ``ranks × makespan`` area: GPipe has ``(P-1)/(M+P-1)``."""
         area = len(self.stages) * self.makespan
         return 0.0 if area == 0 else 1.0 - sum(self.busy_time) / area
 
 
-def _dependency(stage: int, action: Action, last_stage: int) -> list[tuple[int, ActionKind, int]]:
-    """What ``action`` on ``stage`` waits for, as (stage, kind, micro_batch) keys."""
-    m = action.micro_batch
+_GRADIENT = "gradient"  # key kind: the input gradient of (stage, micro-batch) exists (after B or I)
+
+
+def _virtual_stages(schedule: Schedule) -> int:
+    return max([a.stage + 1 for actions in schedule for a in actions] + [len(schedule)])
+
+
+def _dependency(action: Action, last_stage: int) -> list[tuple[int, ActionKind | str, int]]:
+    """What ``action`` waits for, as (stage, kind, micro_batch) keys."""
+    stage, m = action.stage, action.micro_batch
     if action.kind is ActionKind.FORWARD:
         return [(stage - 1, ActionKind.FORWARD, m)] if stage > 0 else []
-    needs = [(stage, ActionKind.FORWARD, m)]
-    if stage < last_stage:
-        needs.append((stage + 1, ActionKind.BACKWARD, m))
-    return needs
+    if action.kind in _GRADIENT_KINDS:
+        needs: list[tuple[int, ActionKind | str, int]] = [(stage, ActionKind.FORWARD, m)]
+        if stage < last_stage:
+            needs.append((stage + 1, _GRADIENT, m))
+        return needs
+    if action.kind is ActionKind.BACKWARD_WEIGHT:
+        return [(stage, ActionKind.BACKWARD_INPUT, m)]
+    return []  # UPDATE: runs in list order
 
 
-def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float = 2.0) -> Timeline:
+def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float = 2.0,
+             weight_time: float | None = None, update_time: float = 0.0) -> Timeline:
     """Run ``schedule`` on an idealised machine: fixed compute times, free communication.
 
-    A stage runs its actions in order; each starts when the stage is free and its inputs exist
-    (the previous stage's forward of that micro-batch; for a backward, this stage's forward and
-    the next stage's backward of it). A deadlocked schedule is not an error here: the timeline
-    stops and ``blocked`` names where each stage is stuck.
+    A rank runs its actions in order; each starts when the rank is free and its inputs exist
+    (the previous chunk's forward of that micro-batch; for a backward, this chunk's forward and
+    the next chunk's input gradient; for a ``W``, this chunk's ``I``). A deadlocked schedule is
+    not an error here: the timeline stops and ``blocked`` names where each rank is stuck.
 
     Args:
-        schedule: Per-stage action lists.
-        forward_time: Duration of one forward on one stage.
-        backward_time: Duration of one backward on one stage.
+        schedule: Per-rank action lists.
+        forward_time: Duration of one forward of one chunk.
+        backward_time: Duration of one full backward (``B``) of one chunk.
+        weight_time: Duration of a ``W``; an ``I`` takes ``backward_time - weight_time``
+            (default: half of ``backward_time`` each).
+        update_time: Duration of a ``U``.
 
     Returns:
         The :class:`Timeline`.
     """
-    durations = {ActionKind.FORWARD: forward_time, ActionKind.BACKWARD: backward_time}
-    last_stage = len(schedule) - 1
-    finished: dict[tuple[int, ActionKind, int], float] = {}
+    weight = backward_time / 2 if weight_time is None else weight_time
+    durations = {ActionKind.FORWARD: forward_time, ActionKind.BACKWARD: backward_time,
+                 ActionKind.BACKWARD_INPUT: backward_time - weight, ActionKind.BACKWARD_WEIGHT: weight,
+                 ActionKind.UPDATE: update_time}
+    last_stage = _virtual_stages(schedule) - 1
+    finished: dict[tuple[int, ActionKind | str, int], float] = {}
     placed: list[list[TimedAction]] = [[] for _ in schedule]
     free_at = [0.0] * len(schedule)
     position = [0] * len(schedule)
     progress = True
     while progress:
         progress = False
-        for stage, actions in enumerate(schedule):
-            while position[stage] < len(actions):
-                action = actions[position[stage]]
-                needs = _dependency(stage, action, last_stage)
+        for rank, actions in enumerate(schedule):
+            while position[rank] < len(actions):
+                action = actions[position[rank]]
+                needs = _dependency(action, last_stage)
                 if any(key not in finished for key in needs):
                     break
-                start = max([free_at[stage]] + [finished[key] for key in needs])
+                start = max([free_at[rank]] + [finished[key] for key in needs])
                 end = start + durations[action.kind]
-                finished.setdefault((stage, action.kind, action.micro_batch), end)
-                placed[stage].append(TimedAction(action, start, end))
-                free_at[stage] = end
-                position[stage] += 1
+                finished.setdefault((action.stage, action.kind, action.micro_batch), end)
+                if action.kind in _GRADIENT_KINDS:
+                    finished.setdefault((action.stage, _GRADIENT, action.micro_batch), end)
+                placed[rank].append(TimedAction(action, start, end))
+                free_at[rank] = end
+                position[rank] += 1
                 progress = True
     blocked = [
-        actions[position[stage]] if position[stage] < len(actions) else None
-        for stage, actions in enumerate(schedule)
+        actions[position[rank]] if position[rank] < len(actions) else None
+        for rank, actions in enumerate(schedule)
     ]
     return Timeline(placed, max(free_at, default=0.0), blocked)
 
 
 def peak_in_flight(actions: list[Action]) -> int:
-    """Most micro-batches whose forward is done and backward is not, over one stage's list."""
-    in_flight: set[int] = set()
+    """Most micro-batches (per chunk) holding activations at once on one rank's list: from the
+    forward to the backward (``B``), or to the weight gradient (``W``) when it is split."""
+    in_flight: set[tuple[int, int]] = set()
     peak = 0
     for action in actions:
+        key = (action.stage, action.micro_batch)
         if action.kind is ActionKind.FORWARD:
-            in_flight.add(action.micro_batch)
+            in_flight.add(key)
             peak = max(peak, len(in_flight))
-        elif action.kind is ActionKind.BACKWARD:
-            in_flight.discard(action.micro_batch)
+        elif action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
+            in_flight.discard(key)
     return peak
 
 
 def render(schedule: Schedule, forward_time: int = 1, backward_time: int = 2) -> str:
-    """A time × stage table of :func:`simulate`'s timeline; idle slots show ``.``.
+    """A time × rank table of :func:`simulate`'s timeline; idle slots show ``.``.
 
-    Each column is one time unit, so with the defaults a backward fills two cells. Stages that
-    deadlock end with a "blocked at" note.
+    Each column is one time unit, so with the defaults a backward fills two cells (an ``I`` or a
+    ``W`` one each). With several chunks per rank a cell also names the chunk (``F3.1``: forward
+    of micro-batch 3 through the rank's second chunk). Ranks that deadlock end with a
+    "blocked at" note.
 
     Example (``render(gpipe(2, 2))``)::
 
@@ -328,20 +600,24 @@ def render(schedule: Schedule, forward_time: int = 1, backward_time: int = 2) ->
         stage 1  . F0 F1 B1 B1 B0 B0  .  .
     """
     timeline = simulate(schedule, float(forward_time), float(backward_time))
-    slots = int(timeline.makespan)
+    ranks = len(schedule)
+    chunks = _virtual_stages(schedule) > ranks
+    slots = int(round(timeline.makespan))
     cells = [["."] * slots for _ in schedule]
-    for stage, items in enumerate(timeline.stages):
+    for rank, items in enumerate(timeline.stages):
         for item in items:
             label = f"{item.action.kind.value}{item.action.micro_batch}"
-            for t in range(int(item.start), int(item.end)):
-                cells[stage][t] = label
+            if chunks:
+                label += f".{item.action.stage // ranks}"
+            for t in range(int(round(item.start)), int(round(item.end))):
+                cells[rank][t] = label
     width = max([2, len(str(max(slots - 1, 0)))] + [len(c) for row in cells for c in row])
-    name_width = len(f"stage {len(schedule) - 1}")
+    name_width = len(f"stage {ranks - 1}")
     lines = ["time".ljust(name_width) + "".join(f" {t:>{width}}" for t in range(slots))]
-    for stage, row in enumerate(cells):
-        line = f"stage {stage}".ljust(name_width) + "".join(f" {cell:>{width}}" for cell in row)
-        if timeline.blocked[stage] is not None:
-            line += f"  <- blocked at {timeline.blocked[stage]}"
+    for rank, row in enumerate(cells):
+        line = f"stage {rank}".ljust(name_width) + "".join(f" {cell:>{width}}" for cell in row)
+        if timeline.blocked[rank] is not None:
+            line += f"  <- blocked at {timeline.blocked[rank]}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -351,37 +627,45 @@ def _fail(problem: str, schedule: Schedule) -> ScheduleError:
 
 
 def validate(
-    schedule: Schedule, stages: int, micro_batches: int, *, require_backward: bool = True
+    schedule: Schedule, stages: int, micro_batches: int, *, virtual_stages: int = 1,
+    require_backward: bool = True
 ) -> None:
     """Check a schedule before it runs; raise with the rendered table if it is wrong.
 
-    Checks: one list per stage; each action sits on its own stage's list with a micro-batch
-    in ``0..M-1``; every (stage, micro-batch) has exactly one forward and, if
-    ``require_backward``, exactly one backward (otherwise at most one), forward first; and a
-    simulation under blocking receives / buffered sends finishes every list (no deadlock).
+    Checks: one list per rank; each action sits on the list of the rank that holds its chunk
+    (``stage_to_rank``), with a micro-batch in ``0..M-1``; every (chunk, micro-batch) has exactly
+    one forward and, if ``require_backward``, one backward — a ``B``, or an ``I`` and a later
+    ``W`` — (otherwise at most one), forward first; and a simulation under blocking receives /
+    buffered sends finishes every list (no deadlock).
 
     Args:
-        schedule: Per-stage action lists.
-        stages: Expected number of stages ``P``.
+        schedule: Per-rank action lists.
+        stages: Expected number of pipeline ranks ``P``.
         micro_batches: Expected number of micro-batches ``M``.
-        require_backward: Whether every micro-batch must also have a backward on every stage.
+        virtual_stages: Chunks per rank ``v`` (``v·P`` chunks in all).
+        require_backward: Whether every micro-batch must also have a backward on every chunk.
 
     Raises:
         ScheduleError: naming the first problem found, followed by ``render(schedule)``.
     """
-    _check_sizes(stages, micro_batches)
+    _check_sizes(stages, micro_batches, virtual_stages)
     if len(schedule) != stages:
         raise ScheduleError(
             f"schedule has {len(schedule)} stage lists but the pipeline has {stages} stages "
             f"(build it with stages={stages})"
         )
-    for stage, actions in enumerate(schedule):
-        seen: dict[tuple[ActionKind, int], int] = {}
+    chunks = stages * virtual_stages
+    kinds_of = {(a.stage, a.micro_batch): set() for actions in schedule for a in actions}
+    for rank, actions in enumerate(schedule):
+        seen: dict[tuple[int, ActionKind, int], int] = {}
         for index, action in enumerate(actions):
-            if action.stage != stage:
+            if not 0 <= action.stage < chunks:
+                raise _fail(f"action {action} names stage {action.stage} outside 0..{chunks - 1} "
+                            f"({stages} ranks × {virtual_stages} virtual stages)", schedule)
+            if stage_to_rank(action.stage, stages) != rank:
                 raise _fail(
-                    f"action {action} is on stage {stage}'s list (position {index}); "
-                    f"move it to stage {action.stage}'s list",
+                    f"action {action} is on stage {rank}'s list (position {index}); "
+                    f"move it to stage {stage_to_rank(action.stage, stages)}'s list",
                     schedule,
                 )
             if not 0 <= action.micro_batch < micro_batches:
@@ -390,40 +674,61 @@ def validate(
                     f"0..{micro_batches - 1} (micro_batches {micro_batches})",
                     schedule,
                 )
-            key = (action.kind, action.micro_batch)
+            key = (action.stage, action.kind, action.micro_batch)
             if key in seen:
                 raise _fail(
-                    f"action {action} appears twice on stage {stage} "
+                    f"action {action} appears twice on stage {rank} "
                     f"(positions {seen[key]} and {index})",
                     schedule,
                 )
             seen[key] = index
-            if action.kind is ActionKind.BACKWARD and (ActionKind.FORWARD, action.micro_batch) not in seen:
+            kinds = kinds_of[(action.stage, action.micro_batch)]
+            m = action.micro_batch
+            if action.kind in _GRADIENT_KINDS and ActionKind.FORWARD not in kinds:
                 raise _fail(
-                    f"backward {action} comes before forward {_forward(stage, action.micro_batch)} "
-                    f"on stage {stage} (position {index})",
+                    f"backward {action} comes before forward {_forward(action.stage, m)} "
+                    f"on stage {rank} (position {index})",
                     schedule,
                 )
-        for m in range(micro_batches):
-            if (ActionKind.FORWARD, m) not in seen:
-                raise _fail(f"stage {stage} has no forward {_forward(stage, m)}", schedule)
-            if require_backward and (ActionKind.BACKWARD, m) not in seen:
-                raise _fail(f"stage {stage} has no backward {_backward(stage, m)}", schedule)
+            if action.kind is ActionKind.BACKWARD_WEIGHT and ActionKind.BACKWARD_INPUT not in kinds:
+                raise _fail(f"weight gradient {action} comes before its input gradient "
+                            f"{Action(action.stage, ActionKind.BACKWARD_INPUT, m)} (position {index})", schedule)
+            if {action.kind} | kinds >= {ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT}:
+                raise _fail(f"micro-batch {m} of stage {action.stage} has both a full backward B and an "
+                            f"input gradient I (position {index}); use one or the other", schedule)
+            kinds.add(action.kind)
+        for stage in range(rank, chunks, stages):
+            for m in range(micro_batches):
+                kinds = kinds_of.get((stage, m), set())
+                if ActionKind.FORWARD not in kinds:
+                    raise _fail(f"stage {rank} has no forward {_forward(stage, m)}", schedule)
+                if ActionKind.BACKWARD_INPUT in kinds and ActionKind.BACKWARD_WEIGHT not in kinds:
+                    raise _fail(f"stage {rank} has no weight gradient "
+                                f"{Action(stage, ActionKind.BACKWARD_WEIGHT, m)} after its "
+                                f"{Action(stage, ActionKind.BACKWARD_INPUT, m)}", schedule)
+                if require_backward and not kinds & set(_GRADIENT_KINDS):
+                    raise _fail(f"stage {rank} has no backward {_backward(stage, m)}", schedule)
     timeline = simulate(schedule)
     if timeline.deadlocked:
         done = {
-            (stage, item.action.kind, item.action.micro_batch)
-            for stage, items in enumerate(timeline.stages)
+            (item.action.stage, item.action.kind, item.action.micro_batch)
+            for items in timeline.stages
             for item in items
         }
+
+        def name(key: tuple[int, ActionKind | str, int]) -> str:
+            stage, kind, m = key
+            if kind == _GRADIENT:  # the kind the schedule uses for that backward
+                used = kinds_of.get((stage, m), set()) & set(_GRADIENT_KINDS)
+                kind = next(iter(used), ActionKind.BACKWARD)
+            return str(Action(stage, kind, m))
+
         stuck = ", ".join(
-            f"stage {stage} waits at {action} for "
-            + " and ".join(
-                str(Action(*key))
-                for key in _dependency(stage, action, stages - 1)
-                if key not in done
-            )
-            for stage, action in enumerate(timeline.blocked)
+            f"stage {rank} waits at {action} for "
+            + " and ".join(name(key) for key in _dependency(action, chunks - 1)
+                           if key not in done and not (key[1] == _GRADIENT and any(
+                               (key[0], k, key[2]) in done for k in _GRADIENT_KINDS)))
+            for rank, action in enumerate(timeline.blocked)
             if action is not None
         )
         raise _fail(f"schedule deadlocks under blocking receives ({stuck})", schedule)

@@ -1,23 +1,41 @@
-"""The stage executor: runs one stage's action list, moving values between stage processes over MPI.
+"""The stage executor: runs one pipeline rank's action list, moving values between ranks over MPI.
 
 Design reasons:
 
-* One loop over the stage's list of :class:`~hybridpipe.pipeline.schedule.Action`. Sends and
-  receives follow from the data flow (see ``schedule.py``): a forward on stage ``s > 0`` takes
-  its input from ``s - 1``, a forward on ``s < P - 1`` sends its output to ``s + 1``; a backward
-  on ``s < P - 1`` takes the output gradient from ``s + 1`` and one on ``s > 0`` sends the input
-  gradient to ``s - 1``.
-* Overlap: every receive of a step (header first, see ``comm/p2p.py``) is posted when the step
-  starts, payload receives are posted as soon as a header is in (each action polls), and no
-  send is waited for before the end of the step.
-* Tags: micro-batch ``m`` uses ``4·(m mod 4096)`` for activations and ``+2`` for gradients (each
-  message takes two tags). MPI matches messages of one (source, tag) in order, so tags may wrap.
+* A rank holds one or more *chunks* (virtual stages, see ``schedule.py``): chunk ``c`` runs on
+  rank ``c mod P``. The executor runs its rank's list of
+  :class:`~hybridpipe.pipeline.schedule.Action` with one handler per kind — forward, backward,
+  input gradient (``I``), weight gradient (``W``), update (``U``) — over a small
+  :class:`_Step` object that holds what one ``run`` was given. Sends and receives follow from the
+  data flow: a forward of chunk ``c > 0`` takes its input from chunk ``c - 1``, one of
+  ``c < V - 1`` sends its output to ``c + 1``; a backward of ``c < V - 1`` takes the output
+  gradient from ``c + 1`` and one of ``c > 0`` sends the input gradient to ``c - 1``.
+* State survives ``run``: what a forward stored waits for its backward in ``self._stored``, so a
+  schedule that never flushes (PipeDream, 2BW) runs one segment per ``train_step``.
+* Overlap: every receive a run needs (header first, see ``comm/p2p.py``) is posted when the run
+  starts, payload receives are posted as soon as a header is in (each action polls), and no send
+  is waited for before the end of the run.
+* Tags: chunk ``c``'s micro-batch ``m`` uses ``4·(k·T + m mod T)`` for activations and ``+2``
+  for gradients, where ``k = c // P`` is the receiving chunk's index on its rank and
+  ``T = 4096 // v`` (each message takes two tags). MPI matches messages of one (source, tag) in
+  order, so tags may wrap.
+* "Gradients are final now": when a backward (``B`` or ``W``) is the last one of its chunk in
+  the run, the chunk's ``phase`` is ``"final"`` while it runs, else ``"partial"``.
+  :func:`gradient_phase` reads it from a parameter, so ``hp.DistributedOptimizer``'s gradient
+  hooks start a parameter's allreduce during the last micro-batch's backward and not before. It
+  is state of this executor's chunks, not of the process, so several pipelines can coexist.
 * Re-materialization: a micro-batch that is not stored runs its forward under ``no_grad`` and
   keeps only its input and the RNG state; its backward re-runs the forward with the RNG state
   restored (same dropout masks) and then back-propagates. Outputs of such a forward are marked
-  "requires grad" for the next stage when they are floating point, as torch.utils.checkpoint
+  "requires grad" for the next chunk when they are floating point, as torch.utils.checkpoint
   does; a gradient that comes back as ``None`` is skipped.
-* Failure: an exception on one stage is sent to its neighbours on a dedicated error tag; every
+* Split backward (``I`` then ``W``, zero-bubble schedules): during the forward the inputs and
+  outputs of the chunk's ``nn.Linear`` calls are recorded. ``I`` back-propagates into the chunk's
+  input, the recorded Linear outputs and the parameters of every other layer (those are
+  *fused*: their weight gradients come in ``I``); ``W`` computes each Linear's weight and bias
+  gradients from its recorded input and output gradient (two matrix products) and accumulates
+  them through autograd, so gradient hooks fire as for a plain backward.
+* Failure: an exception on one rank is sent to its neighbours on a dedicated error tag; every
   wait also watches those, so the neighbours raise :class:`~hybridpipe.comm.p2p.RemoteError`
   and forward it, and the whole pipeline raises instead of hanging.
 """
@@ -25,7 +43,9 @@ Design reasons:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,30 +54,29 @@ from torch import nn
 from hybridpipe import _trace as timeline
 from hybridpipe.comm import p2p
 from hybridpipe.errors import HybridPipeError
+from hybridpipe.pipeline.asynchronous import WeightStash
 from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
-from hybridpipe.pipeline.schedule import Action, ActionKind
+from hybridpipe.pipeline.schedule import Action, ActionKind, stage_to_rank
 
-__all__ = ["CHECKPOINT_MODES", "PipelineBroken", "StageExecutor", "StepResult"]
+__all__ = ["CHECKPOINT_MODES", "PipelineBroken", "StageExecutor", "StepResult", "gradient_phase"]
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
 _TAG_PERIOD = 4096
 _RESULT_TAG = 4 * _TAG_PERIOD  # loss / predict output from the last stage to every stage
-_backward_phase: str | None = None
-"""While a stage runs a backward: "partial" (more micro-batches' backwards follow in this step) or
-"final" (the step's last backward on this stage: gradients become final as it runs). None otherwise.
-Gradient hooks (DistributedOptimizer) read it to start a parameter's allreduce at the right time."""
+_CHUNK_ATTRIBUTE = "_hybridpipe_chunk"
 
 
 class PipelineBroken(HybridPipeError):
     """The pipeline failed in an earlier step; its message queues are in an unknown state."""
 
 
-def _forward_tag(micro_batch: int) -> int:
-    return 4 * (micro_batch % _TAG_PERIOD)
-
-
-def _backward_tag(micro_batch: int) -> int:
-    return 4 * (micro_batch % _TAG_PERIOD) + 2
+def gradient_phase(parameter: torch.Tensor) -> str | None:
+    """While a pipeline backward accumulates into ``parameter``: ``"partial"`` (more backwards of
+    this step follow) or ``"final"`` (its gradient is complete when this one ends); None when
+    ``parameter`` is not in a pipeline chunk or no backward runs."""
+    ref = getattr(parameter, _CHUNK_ATTRIBUTE, None)
+    chunk = ref() if ref is not None else None
+    return chunk.phase if chunk is not None else None
 
 
 class _RngState:
@@ -87,48 +106,152 @@ class _RngState:
 
 
 class StepResult:
-    """What one executed step left behind (for the caller and for tests)."""
+    """What one executed run left behind (for the caller and for tests)."""
 
     def __init__(self) -> None:
-        self.loss = 0.0                 # weighted mean loss (last stage; then sent to all)
-        self.outputs: list[Any] = []    # last stage, forward-only: per micro-batch outputs
-        self.peak_stored = 0            # most micro-batches whose activations were held at once
+        self.loss = 0.0                 # weighted loss of this run's micro-batches (last stage; sent to all)
+        self.losses: dict[int, float] = {}  # per finished micro-batch: its mean loss (same on every rank)
+        self.outputs: list[Any] = []    # forward-only: per micro-batch outputs (same on every rank)
+        self.peak_stored = 0            # most micro-batches (per chunk) whose activations were held at once
         self.recomputed = 0             # forwards re-run during backward
-        self.last_backward_finished = 0.0  # time.monotonic() when this stage's last backward ended
+        self.last_backward_finished = 0.0  # time.monotonic() when this rank's last backward ended
+        self.versions: list[tuple[int, int, int]] = []  # (micro-batch, forward version, backward version)
+
+
+class _Chunk:
+    """One virtual stage held by this rank."""
+
+    def __init__(self, module: nn.Module, stage: int, chunks: int, ranks: int) -> None:
+        self.module, self.stage = module, stage
+        self.index = stage // ranks          # position among this rank's chunks
+        self.first, self.last = stage == 0, stage == chunks - 1
+        self.previous_rank = stage_to_rank(stage - 1, ranks)
+        self.next_rank = stage_to_rank(stage + 1, ranks)
+        self.phase: str | None = None        # see gradient_phase
+        self.stash: WeightStash | None = None  # asynchronous schedules
+        self.linears: list[nn.Linear] = []   # split backward: the Linear layers whose W is deferred
+        self.recording: list[tuple[nn.Linear, torch.Tensor, torch.Tensor, int]] | None = None
+        self.fused_layers: set[str] = set()  # split backward: layers whose weight gradients came in I
+        reference = weakref.ref(self)
+        for parameter in module.parameters():
+            setattr(parameter, _CHUNK_ATTRIBUTE, reference)
+
+
+@dataclass
+class _Stored:
+    """What a forward left for the backward of one (chunk, micro-batch)."""
+
+    x: Any                          # the chunk's input
+    saved: Any = None               # graph: the output (or the weighted loss); recompute: the RNG state
+    recompute: bool = False
+    version: int | None = None      # asynchronous: the weight version the forward used
+    weights: dict[str, torch.Tensor] | None = None
+    linears: list[tuple[nn.Linear, torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
+
+
+@dataclass
+class _Step:
+    """What one ``run`` was given, and what it produced."""
+
+    inputs: Mapping[int, Any]
+    targets: Mapping[int, Any]
+    loss_fn: Any
+    weights: Mapping[int, float]
+    keep_graph: set[tuple[int, int]]
+    train: bool
+    final: dict[int, int]           # chunk -> index of its last B/W in the list
+    result: StepResult = field(default_factory=StepResult)
+    forward_in: dict[tuple[int, int], p2p.Receive] = field(default_factory=dict)
+    backward_in: dict[tuple[int, int], p2p.Receive] = field(default_factory=dict)
+    outputs: dict[int, Any] = field(default_factory=dict)
 
 
 class StageExecutor:
-    """Runs one stage of a pipeline.
+    """Runs one rank of a pipeline.
 
     Args:
-        module: This stage's layers as one callable module (called with one argument).
-        stage: This stage's index ``s``.
-        stages: ``P``.
-        comm: The pipeline's communicator (rank ``s`` = stage ``s``), private to this executor.
-        device: Where this stage computes.
+        modules: This rank's chunks (virtual stages) as ``{stage: module}``; each module is called
+            with one argument. With one chunk per rank, ``{rank: module}``.
+        rank: This rank's index ``r`` in the pipeline.
+        ranks: ``P``.
+        comm: The pipeline's communicator (rank ``r`` = pipeline rank ``r``), private to this executor.
+        device: Where this rank computes.
+        virtual_stages: ``v``, chunks per rank (``v·P`` chunks in all).
     """
 
-    def __init__(self, module: nn.Module, stage: int, stages: int, comm: Any, device: torch.device) -> None:
-        self.module, self.stage, self.stages, self.comm, self.device = module, stage, stages, comm, device
-        self.first, self.last = stage == 0, stage == stages - 1
+    def __init__(self, modules: Mapping[int, nn.Module] | nn.Module, rank: int, ranks: int, comm: Any,
+                 device: torch.device, virtual_stages: int = 1) -> None:
+        if isinstance(modules, nn.Module):
+            modules = {rank: modules}
+        self.rank, self.ranks, self.comm, self.device = rank, ranks, comm, device
+        self.virtual_stages = virtual_stages
+        self.total_chunks = ranks * virtual_stages
+        self.chunks = {stage: _Chunk(module, stage, self.total_chunks, ranks) for stage, module in modules.items()}
+        self.first = 0 in self.chunks
+        self.last = self.total_chunks - 1 in self.chunks
+        self._tag_period = _TAG_PERIOD // virtual_stages
         self._errors = [p2p.receive_error(peer, comm) for peer in self._neighbours()]
         self._broken: str | None = None
         self._sends: list[p2p.Send] = []
+        self._stored: dict[tuple[int, int], _Stored] = {}
         self._steps = 0
+        self.on_update: Callable[[int, int], None] | None = None  # (stage, micro-batch) for U actions
+        self.carry_versions = False  # asynchronous vertical sync: activations carry the weight version
+
+    # ------------------------------------------------------------------ set-up
+
+    @property
+    def stage(self) -> int:
+        """This rank's first chunk (= its rank)."""
+        return self.rank
 
     def _neighbours(self) -> list[int]:
-        return [peer for peer in (self.stage - 1, self.stage + 1) if 0 <= peer < self.stages]
+        peers = set()
+        for chunk in self.chunks.values():
+            if not chunk.first:
+                peers.add(chunk.previous_rank)
+            if not chunk.last:
+                peers.add(chunk.next_rank)
+        peers.discard(self.rank)
+        return sorted(peers)
+
+    def use_weight_stash(self, policy: str, vertical_sync: bool, micro_batches: int) -> None:
+        """Asynchronous schedules: each chunk keeps weight versions (see asynchronous.py)."""
+        for chunk in self.chunks.values():
+            chunk.stash = WeightStash(chunk.module, policy, vertical_sync, micro_batches)
+        self.carry_versions = vertical_sync
+
+    def split_backward(self) -> None:
+        """Zero-bubble schedules: defer the weight gradients of ``nn.Linear`` layers to ``W``."""
+        for chunk in self.chunks.values():
+            chunk.linears = [m for m in chunk.module.modules()
+                             if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward]
+            for layer in chunk.linears:
+                layer.register_forward_hook(self._recorder(chunk))
+
+    @staticmethod
+    def _recorder(chunk: _Chunk) -> Callable:
+        def record(layer: nn.Linear, args: tuple, output: Any) -> None:
+            if chunk.recording is not None and isinstance(output, torch.Tensor) and output.requires_grad:
+                chunk.recording.append((layer, args[0], output, output._version))
+
+        return record
 
     # ------------------------------------------------------------------ messaging helpers
 
-    def _send(self, value: Any, dest: int, tag: int) -> None:
-        self._sends.append(p2p.send(value, dest, tag, self.comm))
+    def _tag(self, stage: int, micro_batch: int, gradient: bool) -> int:
+        """Tag of a message to chunk ``stage`` (its activation, or its output gradient)."""
+        return 4 * ((stage // self.ranks) * self._tag_period + micro_batch % self._tag_period) + (2 if gradient else 0)
+
+    def _send(self, value: Any, dest_stage: int, micro_batch: int, gradient: bool) -> None:
+        dest = stage_to_rank(dest_stage, self.ranks)
+        self._sends.append(p2p.send(value, dest, self._tag(dest_stage, micro_batch, gradient), self.comm))
 
     def _receive(self, source: int, tag: int, requires_grad: bool) -> p2p.Receive:
         return p2p.Receive(source, tag, self.comm, device=self.device, requires_grad=requires_grad)
 
     def _drain_sends(self) -> None:
-        """Waits for this step's sends while watching for a neighbour's failure."""
+        """Waits for this run's sends while watching for a neighbour's failure."""
         for send in self._sends:
             send.wait(abort=self._errors)
         self._sends = []
@@ -139,46 +262,79 @@ class StageExecutor:
             error.cancel()
         self._errors = []
 
-    # ------------------------------------------------------------------ running a step
+    @property
+    def in_flight(self) -> list[tuple[int, int]]:
+        """(stage, micro-batch) pairs whose forward ran and whose backward did not."""
+        return sorted(self._stored)
+
+    # ------------------------------------------------------------------ running
 
     def run(
         self,
         actions: Sequence[Action],
         micro_batches: int,
-        inputs: Sequence[Any] | None,
-        targets: Sequence[Any] | None = None,
+        inputs: Sequence[Any] | Mapping[int, Any] | None,
+        targets: Sequence[Any] | Mapping[int, Any] | None = None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-        weights: Sequence[float] | None = None,
+        weights: Sequence[float] | Mapping[int, float] | None = None,
         checkpoint: str = "never",
         train: bool = True,
     ) -> StepResult:
-        """Executes ``actions`` for one mini-batch; every stage of the pipeline must call it.
+        """Executes ``actions``; every rank of the pipeline must call it with its own list.
 
         Args:
-            actions: This stage's action list (validated by the caller).
-            micro_batches: ``M``.
-            inputs: Stage 0: the ``M`` input micro-batches (ignored elsewhere).
-            targets: Last stage, training: the ``M`` target micro-batches.
-            loss_fn: Last stage, training: ``loss_fn(output, target)`` → scalar mean loss.
-            weights: Last stage, training: micro-batch weights (size / batch size).
-            checkpoint: "never", "except_last" or "always".
-            train: False for a forward-only step (``predict``): outputs are collected on the last
-                stage and sent to every stage, no gradients.
+            actions: This rank's action list (validated by the caller).
+            micro_batches: ``M`` (micro-batches given to this run).
+            inputs: First chunk's rank: the input micro-batches, a list (ids 0..M-1) or a mapping
+                from micro-batch id (ignored elsewhere).
+            targets: Last chunk's rank, training: the target micro-batches, likewise.
+            loss_fn: Last chunk's rank, training: ``loss_fn(output, target)`` → scalar mean loss.
+            weights: Last chunk's rank, training: each micro-batch's loss weight.
+            checkpoint: "never", "except_last" (every forward recomputes except each chunk's last
+                forward of the run) or "always".
+            train: False for a forward-only run (``predict``): outputs are collected on the last
+                chunk's rank and sent to every rank, no gradients.
 
         Returns:
-            A :class:`StepResult`; ``loss`` (training) and ``outputs`` (forward-only) are the same
-            on every stage.
+            A :class:`StepResult`; ``loss``/``losses`` (training) and ``outputs`` (forward-only) are
+            the same on every rank.
         """
         if self._broken is not None:
             raise PipelineBroken(f"this pipeline failed in an earlier step ({self._broken}); build a new "
                                  "PipelineModel (and new communicators) to go on")
         self._steps += 1
+        step = self._prepare(actions, inputs, targets, loss_fn, weights, checkpoint, train)
         try:
             with timeline.span("train_step" if train else "predict", "step", index=self._steps):
-                return self._run(actions, micro_batches, inputs, targets, loss_fn, weights, checkpoint, train)
+                self._run(actions, step)
+            return step.result
         except BaseException as error:
             self._fail(error)
             raise
+
+    @staticmethod
+    def _indexed(values: Sequence[Any] | Mapping[int, Any] | None) -> Mapping[int, Any]:
+        if values is None:
+            return {}
+        return values if isinstance(values, Mapping) else dict(enumerate(values))
+
+    def _prepare(self, actions: Sequence[Action], inputs: Any, targets: Any, loss_fn: Any, weights: Any,
+                 checkpoint: str, train: bool) -> _Step:
+        last_forward: dict[int, int] = {}
+        final: dict[int, int] = {}
+        for index, action in enumerate(actions):
+            if action.kind is ActionKind.FORWARD:
+                last_forward[action.stage] = action.micro_batch
+            elif action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
+                final[action.stage] = index
+        if checkpoint == "never":
+            keep = {(a.stage, a.micro_batch) for a in actions if a.kind is ActionKind.FORWARD}
+        elif checkpoint == "except_last":
+            keep = set(last_forward.items())
+        else:
+            keep = set()
+        return _Step(self._indexed(inputs), self._indexed(targets), loss_fn, self._indexed(weights), keep,
+                     train, final)
 
     def _fail(self, error: BaseException) -> None:
         text = f"{type(error).__name__}: {error}"
@@ -187,11 +343,11 @@ class StageExecutor:
         if isinstance(error, p2p.RemoteError):
             text = str(error)
         else:
-            text = f"stage {self.stage} (rank {self.comm.rank} of the pipeline) raised {text}"
+            text = f"stage {self.rank} (rank {self.comm.rank} of the pipeline) raised {text}"
         # the sends are dropped, not waited for: each keeps its buffers until MPI is done with them
         for peer in self._neighbours():
             if peer != came_from:
-                p2p.send_error(text, self.stage, peer, self.comm)
+                p2p.send_error(text, self.rank, peer, self.comm)
         self._sends = []
 
     def _wait(self, receive: p2p.Receive, what: str = "value") -> Any:
@@ -203,129 +359,257 @@ class StageExecutor:
         finally:
             timeline.record(f"wait {what}", "recv", "p2p", start, time.monotonic(), {"from": receive.source})
 
-    def _run(self, actions: Sequence[Action], micro_batches: int, inputs: Sequence[Any] | None,
-             targets: Sequence[Any] | None, loss_fn: Any, weights: Sequence[float] | None, checkpoint: str,
-             train: bool) -> StepResult:
-        global _backward_phase
-        result = StepResult()
-        forward_in: dict[int, p2p.Receive] = {}
-        backward_in: dict[int, p2p.Receive] = {}
-        if not self.first:
-            forward_in = {m: self._receive(self.stage - 1, _forward_tag(m), train) for m in range(micro_batches)}
-        if train and not self.last:
-            backward_in = {m: self._receive(self.stage + 1, _backward_tag(m), False) for m in range(micro_batches)}
-        stored: dict[int, tuple] = {}
-        outputs: list[Any] = [None] * micro_batches
-        last_backward = max((i for i, a in enumerate(actions) if a.kind is ActionKind.BACKWARD), default=-1)
-
-        def progress() -> None:
-            # Post payload receives for headers that arrived meanwhile. Headers open in posting order,
-            # so each direction stops at its first header not yet in: O(arrived) per action, not O(M).
-            for pending in (forward_in, backward_in):
-                for receive in pending.values():
-                    receive.poll()
-                    if not receive.opened:
-                        break
-            # (a neighbour's error is seen by the next wait, which watches the error receives)
-
-        for index, action in enumerate(actions):
-            progress()
+    def _post_receives(self, actions: Sequence[Action], step: _Step) -> None:
+        for action in actions:
+            chunk = self.chunks[action.stage]
             m = action.micro_batch
-            if action.kind is ActionKind.FORWARD:
-                x = self._move(inputs[m]) if self.first else self._wait(forward_in.pop(m), f"activation {m}")
-                forward_start = time.monotonic()
-                if not train:
-                    with torch.no_grad():
-                        y = self.module(x)
-                    if self.last:
-                        outputs[m] = y
-                    else:
-                        self._send(y, self.stage + 1, _forward_tag(m))
-                    timeline.record(f"F{m}", "forward", "compute", forward_start, time.monotonic(),
-                                    {"stage": self.stage, "micro_batch": m})
-                    continue
-                keep_graph = checkpoint == "never" or (checkpoint == "except_last" and m == micro_batches - 1)
-                if keep_graph:
-                    y = self.module(x)
-                    if self.last:
-                        loss = loss_fn(y, self._move(targets[m]))
-                        result.loss += float(loss.detach()) * weights[m]
-                        stored[m] = ("graph", x, loss * weights[m])
-                    else:
-                        stored[m] = ("graph", x, y)
-                        self._send(y, self.stage + 1, _forward_tag(m))
-                else:
-                    rng = _RngState(self.device)
-                    with torch.no_grad():
-                        y = self.module(x)
-                        if self.last:
-                            result.loss += float(loss_fn(y, self._move(targets[m]))) * weights[m]
-                    stored[m] = ("recompute", x, rng)
-                    if not self.last:
-                        self._send_marked(y, m)
-                result.peak_stored = max(result.peak_stored, len(stored))
-                timeline.record(f"F{m}", "forward", "compute", forward_start, time.monotonic(),
-                                {"stage": self.stage, "micro_batch": m})
-            else:
-                kind, x, saved = stored.pop(m)
-                backward_start = time.monotonic()
-                if kind == "recompute":
-                    result.recomputed += 1
-                    with timeline.span(f"R{m}", "recompute", stage=self.stage, micro_batch=m), saved.replay(), \
-                            torch.enable_grad():
-                        y = self.module(x)
-                        saved = loss_fn(y, self._move(targets[m])) * weights[m] if self.last else y
-                if self.last:
-                    roots, root_grads = [saved], [None]
-                else:
-                    grads = self._wait(backward_in.pop(m), f"gradient {m}")
-                    backward_start = time.monotonic()  # the wait is on the p2p track, R<m> before it
-                    roots, root_grads = [], []
-                    for tensor, grad in zip(iter_tensors(saved), grads):
-                        if grad is not None and tensor.requires_grad:
-                            roots.append(tensor)
-                            root_grads.append(grad)
-                if roots:
-                    _backward_phase = "final" if index == last_backward else "partial"
-                    try:
-                        torch.autograd.backward(roots, root_grads)
-                    finally:
-                        _backward_phase = None
-                    result.last_backward_finished = time.monotonic()
-                timeline.record(f"B{m}", "backward", "compute", backward_start, time.monotonic(),
-                                {"stage": self.stage, "micro_batch": m})
-                if not self.first:
-                    input_grads = [t.grad if t.requires_grad else None for t in iter_tensors(x)]
-                    self._send(input_grads, self.stage - 1, _backward_tag(m))
-                del x, saved
-        if stored:
-            raise HybridPipeError(f"stage {self.stage}: micro-batches {sorted(stored)} had a forward but no "
-                                  "backward in this schedule")
-        self._share_result(result, outputs, train)
-        self._drain_sends()
-        return result
+            if action.kind is ActionKind.FORWARD and not chunk.first:
+                step.forward_in[(action.stage, m)] = self._receive(
+                    chunk.previous_rank, self._tag(action.stage, m, False), step.train)
+            elif action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT) and not chunk.last:
+                step.backward_in[(action.stage, m)] = self._receive(
+                    chunk.next_rank, self._tag(action.stage, m, True), False)
 
-    def _send_marked(self, y: Any, m: int) -> None:
-        """Sends a no-grad forward's output with floating tensors marked as requiring grad."""
-        marked = map_tensors(y, lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t)
-        self._send(marked, self.stage + 1, _forward_tag(m))
+    def _progress(self, step: _Step) -> None:
+        # Post payload receives for headers that arrived meanwhile. Headers open in posting order,
+        # so each direction stops at its first header not yet in: O(arrived) per action, not O(M).
+        for pending in (step.forward_in, step.backward_in):
+            for receive in pending.values():
+                receive.poll()
+                if not receive.opened:
+                    break
+        # (a neighbour's error is seen by the next wait, which watches the error receives)
+
+    def _run(self, actions: Sequence[Action], step: _Step) -> None:
+        self._post_receives(actions, step)
+        handlers = {
+            ActionKind.FORWARD: self._forward,
+            ActionKind.BACKWARD: self._backward,
+            ActionKind.BACKWARD_INPUT: self._backward,
+            ActionKind.BACKWARD_WEIGHT: self._weight,
+            ActionKind.UPDATE: self._update,
+        }
+        for index, action in enumerate(actions):
+            self._progress(step)
+            handlers[action.kind](step, self.chunks[action.stage], action, index)
+        synchronous = all(chunk.stash is None for chunk in self.chunks.values())
+        if synchronous and step.train and self._stored:
+            leftover = ", ".join(f"{stage}:{m}" for stage, m in sorted(self._stored))
+            self._stored.clear()
+            raise HybridPipeError(f"stage {self.rank}: micro-batches (chunk:micro-batch) {leftover} had a forward "
+                                  "but no backward in this schedule")
+        self._share_result(step)
+        self._drain_sends()
+
+    # ------------------------------------------------------------------ handlers
 
     def _move(self, value: Any) -> Any:
         return map_tensors(value, lambda t: t.to(self.device) if t.device != self.device else t)
 
-    def _share_result(self, result: StepResult, outputs: list[Any], train: bool) -> None:
-        """The last stage sends the loss (training) or the outputs (forward-only) to every stage."""
-        if self.stages == 1:
-            result.outputs = outputs
-            return
-        if self.last:
-            payload = result.loss if train else outputs
-            for peer in range(self.stages - 1):
-                self._send(payload, peer, _RESULT_TAG)
-            result.outputs = outputs if not train else []
+    def _forward(self, step: _Step, chunk: _Chunk, action: Action, index: int) -> None:
+        m = action.micro_batch
+        carried = None
+        if chunk.first:
+            x = self._move(step.inputs[m])
         else:
-            value = self._wait(self._receive(self.stages - 1, _RESULT_TAG, False))
-            if train:
-                result.loss = float(value)
+            x = self._wait(step.forward_in.pop((chunk.stage, m)), f"activation {m}")
+            if self.carry_versions:
+                carried, x = x
+        start = time.monotonic()
+        stored = _Stored(x)
+        forward = chunk.module
+        if chunk.stash is not None and step.train:
+            stored.version = chunk.stash.forward_version(m, carried)
+            stored.weights = chunk.stash.acquire(stored.version)
+            forward = chunk.stash.call(stored.weights)
+        if not step.train:
+            with torch.no_grad():
+                y = forward(x)
+            if chunk.last:
+                step.outputs[m] = y
             else:
-                result.outputs = list(value)
+                self._send((carried, y) if self.carry_versions else y, chunk.stage + 1, m, False)
+        elif (chunk.stage, m) in step.keep_graph:
+            chunk.recording = stored.linears if chunk.linears else None
+            try:
+                y = forward(x)
+            finally:
+                chunk.recording = None
+            if chunk.last:
+                loss = step.loss_fn(y, self._move(step.targets[m]))
+                step.result.losses[m] = float(loss.detach())
+                stored.saved = loss * step.weights[m]
+            else:
+                stored.saved = y
+                self._send_forward(chunk, m, stored, y, marked=False)
+        else:
+            stored.recompute, stored.saved = True, _RngState(self.device)
+            with torch.no_grad():
+                y = forward(x)
+                if chunk.last:
+                    step.result.losses[m] = float(step.loss_fn(y, self._move(step.targets[m])))
+            if not chunk.last:
+                self._send_forward(chunk, m, stored, y, marked=True)
+        if step.train:
+            self._stored[(chunk.stage, m)] = stored
+            step.result.peak_stored = max(step.result.peak_stored, len(self._stored))
+        timeline.record(f"F{m}", "forward", "compute", start, time.monotonic(),
+                        {"stage": chunk.stage, "micro_batch": m})
+
+    def _send_forward(self, chunk: _Chunk, m: int, stored: _Stored, y: Any, marked: bool) -> None:
+        if marked:  # a no-grad forward's output, marked as requiring grad for the next chunk
+            y = map_tensors(y, lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t)
+        # vertical sync: the version the first chunk used (every chunk used it) travels along
+        self._send((stored.version, y) if self.carry_versions else y, chunk.stage + 1, m, False)
+
+    def _recompute(self, step: _Step, chunk: _Chunk, m: int, stored: _Stored) -> Any:
+        step.result.recomputed += 1
+        forward = chunk.module if stored.weights is None else chunk.stash.call(stored.weights)
+        chunk.recording = stored.linears if chunk.linears else None
+        try:
+            with timeline.span(f"R{m}", "recompute", stage=chunk.stage, micro_batch=m), stored.saved.replay(), \
+                    torch.enable_grad():
+                y = forward(stored.x)
+                return step.loss_fn(y, self._move(step.targets[m])) * step.weights[m] if chunk.last else y
+        finally:
+            chunk.recording = None
+
+    def _backward(self, step: _Step, chunk: _Chunk, action: Action, index: int) -> None:
+        """A full backward (``B``), or the input-gradient half (``I``) of a split one."""
+        m = action.micro_batch
+        key = (chunk.stage, m)
+        stored = self._stored[key]
+        start = time.monotonic()
+        saved = self._recompute(step, chunk, m, stored) if stored.recompute else stored.saved
+        if chunk.last:
+            roots, root_grads = [saved], [None]
+        else:
+            grads = self._wait(step.backward_in.pop(key), f"gradient {m}")
+            start = time.monotonic()  # the wait is on the p2p track, R<m> before it
+            roots, root_grads = [], []
+            for tensor, grad in zip(iter_tensors(saved), grads):
+                if grad is not None and tensor.requires_grad:
+                    roots.append(tensor)
+                    root_grads.append(grad)
+        inputs = [t for t in iter_tensors(stored.x) if t.requires_grad]
+        if roots:
+            if action.kind is ActionKind.BACKWARD:
+                chunk.phase = "final" if step.final.get(chunk.stage) == index else "partial"
+                try:
+                    torch.autograd.backward(roots, root_grads)
+                finally:
+                    chunk.phase = None
+            else:
+                self._input_gradients(chunk, stored, roots, root_grads, inputs)
+            step.result.last_backward_finished = time.monotonic()
+        timeline.record(f"{action.kind.value}{m}", "backward", "compute", start, time.monotonic(),
+                        {"stage": chunk.stage, "micro_batch": m})
+        if not chunk.first:
+            input_grads = [t.grad if t.requires_grad else None for t in iter_tensors(stored.x)]
+            self._send(input_grads, chunk.stage - 1, m, True)
+        if action.kind is ActionKind.BACKWARD:
+            self._finish(step, chunk, key, stored)
+        else:
+            stored.x = stored.saved = None  # what W needs is in stored.linears
+
+    def _input_gradients(self, chunk: _Chunk, stored: _Stored, roots: list, root_grads: list,
+                         inputs: list[torch.Tensor]) -> None:
+        """``I``: gradients into the chunk's input, the recorded Linear outputs and the parameters
+        of the layers whose weight gradient cannot be deferred (accumulated into their ``.grad``)."""
+        deferred: set[int] = set()
+        usable = []
+        for layer, layer_input, output, version in stored.linears:
+            if output._version == version and not isinstance(layer_input, tuple):
+                usable.append((layer, layer_input, output))
+                deferred.update(id(p) for p in layer.parameters())
+            else:  # modified in place after the Linear (e.g. ReLU(inplace=True)): not separable
+                chunk.fused_layers.add(_layer_name(chunk, layer) + " (output modified in place)")
+        stored.linears = usable
+        fused = [p for p in chunk.module.parameters() if p.requires_grad and id(p) not in deferred]
+        targets = inputs + fused + [output for _, _, output in usable]
+        if fused:
+            chunk.fused_layers.update(_owners(chunk, fused))
+        if targets:
+            # partial: the hooks leave fused layers' gradients to DistributedOptimizer.synchronize()
+            chunk.phase = "partial"
+            try:
+                torch.autograd.backward(roots, root_grads, inputs=targets)
+            finally:
+                chunk.phase = None
+
+    def _weight(self, step: _Step, chunk: _Chunk, action: Action, index: int) -> None:
+        """``W``: the deferred Linear weight gradients of one micro-batch."""
+        m = action.micro_batch
+        key = (chunk.stage, m)
+        stored = self._stored[key]
+        start = time.monotonic()
+        tensors, grads = [], []
+        for layer, layer_input, output in stored.linears:
+            grad = output.grad
+            if grad is None:
+                continue
+            grad2 = grad.reshape(-1, grad.shape[-1])
+            if layer.weight.requires_grad:
+                tensors.append(layer.weight)
+                grads.append(grad2.t().mm(layer_input.reshape(-1, layer_input.shape[-1]).to(grad2.dtype)))
+            if layer.bias is not None and layer.bias.requires_grad:
+                tensors.append(layer.bias)
+                grads.append(grad2.sum(0))
+        final = step.final.get(chunk.stage) == index
+        if tensors:
+            chunk.phase = "final" if final else "partial"
+            try:
+                torch.autograd.backward(tensors, grads)  # accumulates into .grad; gradient hooks fire
+            finally:
+                chunk.phase = None
+        timeline.record(f"W{m}", "backward", "compute", start, time.monotonic(),
+                        {"stage": chunk.stage, "micro_batch": m})
+        self._finish(step, chunk, key, stored)
+
+    def _finish(self, step: _Step, chunk: _Chunk, key: tuple[int, int], stored: _Stored) -> None:
+        del self._stored[key]
+        if stored.version is not None:
+            chunk.stash.release(stored.version)
+            step.result.versions.append((key[1], stored.version, stored.version))
+
+    def _update(self, step: _Step, chunk: _Chunk, action: Action, index: int) -> None:
+        if self.on_update is None:
+            raise HybridPipeError("this schedule updates inside the pipeline (U actions) but the executor has "
+                                  "no optimizer: build the PipelineModel with optimizer=")
+        start = time.monotonic()
+        self.on_update(chunk.stage, action.micro_batch)
+        timeline.record(f"U{action.micro_batch}", "optimizer", "compute", start, time.monotonic(),
+                        {"stage": chunk.stage, "micro_batch": action.micro_batch})
+
+    # ------------------------------------------------------------------ results
+
+    def _share_result(self, step: _Step) -> None:
+        """The last chunk's rank sends the losses (training) or the outputs (forward-only) to every rank."""
+        result = step.result
+        if self.last:
+            payload = result.losses if step.train else [step.outputs[m] for m in sorted(step.outputs)]
+            for peer in range(self.ranks):
+                if peer != self.rank:
+                    self._sends.append(p2p.send(payload, peer, _RESULT_TAG, self.comm))
+        else:
+            payload = self._wait(self._receive(self.ranks - 1, _RESULT_TAG, False))
+        if step.train:
+            result.losses = {int(m): float(v) for m, v in payload.items()}
+            result.loss = sum(loss * step.weights.get(m, 0.0) for m, loss in result.losses.items()) \
+                if step.weights else 0.0
+        else:
+            result.outputs = list(payload)
+
+
+def _layer_name(chunk: _Chunk, layer: nn.Module) -> str:
+    for name, module in chunk.module.named_modules():
+        if module is layer:
+            return name or type(layer).__name__
+    return type(layer).__name__
+
+
+def _owners(chunk: _Chunk, parameters: list[torch.Tensor]) -> set[str]:
+    """Names of the modules that directly own ``parameters``."""
+    wanted = {id(p) for p in parameters}
+    return {f"{name} ({type(module).__name__})" for name, module in chunk.module.named_modules()
+            for p in module.parameters(recurse=False) if id(p) in wanted}
