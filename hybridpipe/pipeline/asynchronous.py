@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hybridpipe.errors import HybridPipeError
 
@@ -109,12 +110,12 @@ class WeightStash:
         """The live parameters were just updated: version + 1 (``next_forward``: the id of the next
         micro-batch this stage will forward, for 2BW's rule)."""
         self.version += 1
-        self._take()
         if self.policy == "2bw":
             self._floor = max(self._floor, next_forward // self.micro_batches - 1)
         elif not self.vertical_sync:
             self._floor = self.version
-        self._prune()
+        self._prune()  # before the copy: a version nothing needs is gone before the new one exists
+        self._take()
 
     def _prune(self) -> None:
         for version in [v for v in self._snapshots if v < self._floor and v not in self._users]:
@@ -138,7 +139,7 @@ def install_step_guard() -> None:
     pipeline itself calls it (a ``U`` action): a second update would break the weight versions."""
     global _guard_installed
     if not _guard_installed:
-        torch.optim.optimizer.register_optimizer_step_pre_hook(_step_guard)
+        register_optimizer_step_pre_hook(_step_guard)
         _guard_installed = True
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hybridpipe.errors import ScheduleError

@@ -68,8 +68,14 @@ def test_get_schedule_names() -> None:
     assert sched.get_schedule("1F1B", 3, 4) == sched.one_f_one_b(3, 4)
     assert sched.get_schedule("one_f_one_b", 3, 4) == sched.one_f_one_b(3, 4)
     assert sched.get_schedule("forward", 3, 4) == sched.forward_only(3, 4)
-    with pytest.raises(ScheduleError, match=r"unknown schedule 'zero_bubble'.*'gpipe', '1f1b'"):
+    with pytest.raises(ScheduleError, match=r"unknown schedule 'zero_bubble'.*'gpipe', '1f1b'.*'zb-h1'"):
         sched.get_schedule("zero_bubble", 3, 4)
+    assert sched.get_schedule("ZB_H1", 3, 4) == sched.zero_bubble_h1(3, 4)
+    assert sched.get_schedule("interleaved_1f1b", 2, 4, 2) == sched.interleaved_one_f_one_b(2, 4, 2)
+    with pytest.raises(ScheduleError, match="needs virtual_stages >= 2"):
+        sched.get_schedule("interleaved-1f1b", 2, 4)
+    with pytest.raises(ScheduleError, match="'1f1b' runs one chunk per rank.*interleaved-1f1b"):
+        sched.get_schedule("1f1b", 2, 4, 2)
     with pytest.raises(ScheduleError, match="stages 0, micro_batches 4"):
         sched.gpipe(0, 4)
 
@@ -173,3 +179,100 @@ def test_peak_in_flight_counts_forward_minus_backward() -> None:
     actions = parse_all("0F0 0F1 0B0 0F2 0F3 0B1 0B2 0B3")
     assert sched.peak_in_flight(actions) == 3
     assert sched.peak_in_flight([]) == 0
+
+
+# ------------------------------------------------------------------ interleaved 1F1B, ZB-H1, asynchronous streams
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("virtual_stages", [2, 3])
+def test_interleaved_validates_and_shrinks_the_bubble_by_v(stages: int, virtual_stages: int) -> None:
+    for micro_batches in range(stages, 4 * stages + 1, stages):
+        plan = sched.interleaved_one_f_one_b(stages, micro_batches, virtual_stages)
+        sched.validate(plan, stages, micro_batches, virtual_stages=virtual_stages)
+        for rank, actions in enumerate(plan):
+            assert {a.stage for a in actions} == set(range(rank, stages * virtual_stages, stages))
+        if stages > 1:  # each chunk holds 1/v of the rank's layers
+            bubble = sched.simulate(plan, 1 / virtual_stages, 2 / virtual_stages).makespan - 3 * micro_batches
+            one_f = sched.simulate(sched.one_f_one_b(stages, micro_batches), 1, 2).makespan - 3 * micro_batches
+            assert bubble == pytest.approx(one_f / virtual_stages)
+
+
+def test_interleaved_order_and_errors() -> None:
+    plan = sched.interleaved_one_f_one_b(2, 4, 2)
+    assert labels(plan[0]) == "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3"
+    assert sched.render(plan).splitlines()[1].split()[2:5] == ["F0.0", "F1.0", "F0.1"]
+    with pytest.raises(ScheduleError, match=r"micro_batches must be a multiple of 3 \(got 4; use 3 or 6\)"):
+        sched.interleaved_one_f_one_b(3, 4, 2)
+    wrong = [list(actions) for actions in plan]
+    wrong[0][2] = Action(3, ActionKind.FORWARD, 0)
+    with pytest.raises(ScheduleError, match="0F3|3F0 is on stage 0's list.*move it to stage 1's list"):
+        sched.validate(wrong, 2, 4, virtual_stages=2)
+
+
+@pytest.mark.parametrize("stages", range(1, 7))
+def test_zero_bubble_h1_validates_bounds_memory_and_cuts_the_bubble(stages: int) -> None:
+    for micro_batches in range(1, 17):
+        plan = sched.zero_bubble_h1(stages, micro_batches)
+        sched.validate(plan, stages, micro_batches)
+        for actions in plan:
+            assert sched.peak_in_flight(actions) <= min(stages, micro_batches)  # 1F1B's first stage
+            assert [a.kind for a in actions].count(ActionKind.BACKWARD_WEIGHT) == micro_batches
+        if stages > 1 and micro_batches >= stages:
+            bubble = sched.simulate(plan, 1, 2).makespan - 3 * micro_batches
+            one_f = sched.simulate(sched.one_f_one_b(stages, micro_batches), 1, 2).makespan - 3 * micro_batches
+            assert bubble <= 0.5 * one_f
+
+
+def test_zero_bubble_h1_hand_checked_p4_m8() -> None:
+    plan = sched.zero_bubble_h1(4, 8)
+    assert labels(plan[3]) == ("3F0 3I0 3F1 3I1 3F2 3I2 3F3 3I3 3W0 3F4 3I4 3W1 3F5 3I5 3W2 3F6 3I6 3W3 3F7 3I7 "
+                               "3W4 3W5 3W6 3W7")
+    assert sched.render(plan).splitlines()[4].split()[2:9] == [".", ".", ".", "F0", "I0", "F1", "I1"]
+
+
+def test_split_backward_errors_are_named() -> None:
+    plan = sched.zero_bubble_h1(2, 2)
+    no_w = [[a for a in actions if str(a) != "1W1"] for actions in plan]
+    with pytest.raises(ScheduleError, match="stage 1 has no weight gradient 1W1 after its 1I1"):
+        sched.validate(no_w, 2, 2)
+    early_w = [list(actions) for actions in plan]
+    early_w[1].remove(Action.parse("1W0"))
+    early_w[1].insert(0, Action.parse("1W0"))
+    with pytest.raises(ScheduleError, match="weight gradient 1W0 comes before its input gradient 1I0"):
+        sched.validate(early_w, 2, 2)
+    both = [list(actions) for actions in sched.one_f_one_b(2, 2)]
+    both[1].append(Action.parse("1I0"))
+    with pytest.raises(ScheduleError, match="has both a full backward B and an input gradient I"):
+        sched.validate(both, 2, 2)
+
+
+@pytest.mark.parametrize("name", ["pipedream", "2bw"])
+def test_asynchronous_streams_never_flush_and_update_as_specified(name: str) -> None:
+    for stages in range(1, 5):
+        for micro_batches in range(1, 6):
+            streams = [sched.AsyncStream(name, stages, s, micro_batches) for s in range(stages)]
+            for step in range(3):
+                segments = [stream.segment((step + 1) * micro_batches) for stream in streams]
+                for s, (stream, segment) in enumerate(zip(streams, segments)):
+                    forwards = [a.micro_batch for a in segment if a.kind is ActionKind.FORWARD]
+                    assert forwards == list(range(step * micro_batches, (step + 1) * micro_batches))
+                    in_flight = stream.next_forward - stream.next_backward
+                    assert in_flight == min(stages - s - 1, (step + 1) * micro_batches)  # never flushed
+                    for i, action in enumerate(segment):
+                        if action.kind is ActionKind.BACKWARD:
+                            update = i + 1 < len(segment) and segment[i + 1].kind is ActionKind.UPDATE
+                            last_of_batch = (action.micro_batch + 1) % micro_batches == 0
+                            assert update == (name == "pipedream" or last_of_batch)
+            plan = sched.async_schedule(name, stages, micro_batches, steps=3)
+            sched.validate(plan, stages, 3 * micro_batches)
+            updates = [[a for a in actions if a.kind is ActionKind.UPDATE] for actions in plan]
+            assert all(len(u) == (3 * micro_batches if name == "pipedream" else 3) for u in updates)
+
+
+def test_pipedream_steady_state_has_no_bubble() -> None:
+    stages, micro_batches, steps = 4, 8, 6
+    timeline = sched.simulate(sched.async_schedule("pipedream", stages, micro_batches, steps=steps))
+    work = 3 * micro_batches * steps
+    # fill and drain once for the whole run, not once per step as with a flush
+    assert timeline.makespan == pytest.approx(work + 3 * (stages - 1))

@@ -1,0 +1,277 @@
+"""interleaved-1f1b, zb-h1, pipedream and 2bw under a real mpirun, on grids of P = 2, 3, 4 stages and 1 or 2
+replicas: the synchronous ones against one-process training, the asynchronous ones against a one-process
+replay of their schedule (pipedream) or 2BW's update formula."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import hybridpipe as hp
+from hybridpipe.errors import HybridPipeError, PartitionError, ScheduleError
+from hybridpipe.pipeline import microbatch
+from hybridpipe.pipeline import schedule as sched
+from training import Block, Embed, Head, batches, replay_asynchronous, sequence_loss, two_bw_reference
+
+pytestmark = pytest.mark.mpi(ranks=[2, 3, 4], timeout=300)
+
+torch.set_num_threads(1)
+WORLD = int(os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE") or 1)
+GRIDS = {2: [2], 3: [3], 4: [4, 2]}.get(WORLD, [WORLD])  # pipeline stages; the rest are replicas
+
+
+@pytest.fixture(scope="module", params=GRIDS, ids=lambda p: f"P{p}")
+def grid(request):
+    the_grid = hp.init(pipeline_stages=request.param)
+    yield the_grid
+    hp.shutdown()
+
+
+def mlp(stages: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(2 * stages):
+        layers += [nn.Linear(6, 6), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(6, 3))
+
+
+def transformer(stages: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(Embed(11, 8), *[Block(8) for _ in range(2 * stages - 1)], Head(8, 11))
+
+
+def data_for(kind: str, grid, steps: int = 2, per_replica: int = 8, seed: int = 3):
+    """Per step: (this replica's shard, the global batch = every replica's shard in order)."""
+    out = []
+    for step in range(steps):
+        shards = []
+        for replica in range(grid.data_replicas):
+            generator = torch.Generator().manual_seed(seed + 100 * step + replica)
+            if kind == "mlp":
+                shards.append((torch.randn(per_replica, 6, generator=generator),
+                               torch.randint(0, 3, (per_replica,), generator=generator)))
+            else:
+                ids = torch.randint(1, 11, (per_replica, 5), generator=generator)
+                ids[:, -1] = 0
+                shards.append((ids, torch.randint(0, 11, (per_replica, 5), generator=generator)))
+        whole = tuple(torch.cat([shard[i] for shard in shards]) for i in range(2))
+        out.append((shards[grid.replica], whole))
+    return out
+
+
+def assert_parameters_equal(model: hp.PipelineModel, reference_parameters: dict[str, torch.Tensor]) -> None:
+    own = dict(model.named_parameters())
+    assert own, "every rank holds parameters in these models"
+    for name, parameter in own.items():
+        torch.testing.assert_close(parameter, reference_parameters[name.removeprefix("layers.")], rtol=1e-5,
+                                   atol=1e-6, msg=lambda text: f"{name}: {text}")
+
+
+# ------------------------------------------------------------------ synchronous: equal to one process
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-h1"])
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+@pytest.mark.parametrize("kind", ["mlp", "transformer"])
+def test_synchronous_schedules_train_like_one_process(grid, schedule, checkpoint, kind):
+    stages = grid.pipeline_stages
+    build, loss_fn = (mlp, nn.CrossEntropyLoss()) if kind == "mlp" else (transformer, sequence_loss)
+    micro_batches = 2 * stages
+    extra = {"virtual_stages": 2} if schedule == "interleaved-1f1b" else {}
+    model = hp.PipelineModel(build(stages), loss_fn=loss_fn, micro_batches=micro_batches, balance="uniform",
+                             schedule=schedule, checkpoint=checkpoint, **extra)
+    reference = build(stages)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    optimizer = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters())
+    data = data_for(kind, grid, per_replica=2 * micro_batches)
+    try:
+        for (inputs, targets), (all_inputs, all_targets) in data:
+            optimizer.zero_grad()
+            loss = model.train_step(inputs, targets)
+            optimizer.step()
+            reference_optimizer.zero_grad()
+            expected = loss_fn(reference(all_inputs), all_targets)
+            expected.backward()
+            reference_optimizer.step()
+            if grid.data_replicas == 1:
+                assert loss == pytest.approx(expected.item(), rel=1e-5)
+        assert_parameters_equal(model, dict(reference.named_parameters()))
+        actions = model._schedule(schedule)
+        assert model.last_step.peak_stored == sched.peak_in_flight(actions)
+        if schedule == "zb-h1":
+            assert model.last_step.peak_stored <= stages  # 1F1B's peak (its first stage)
+        recomputed = {"never": 0, "except_last": micro_batches - 1, "always": micro_batches}[checkpoint]
+        assert model.last_step.recomputed == recomputed * model.virtual_stages
+    finally:
+        model.close()
+
+
+def test_interleaved_ranks_hold_every_pth_chunk_and_tag_messages_by_chunk(grid):
+    stages = grid.pipeline_stages
+    model = hp.PipelineModel(mlp(stages), loss_fn=nn.CrossEntropyLoss(), micro_batches=stages,
+                             schedule="interleaved-1f1b", virtual_stages=2)
+    try:
+        assert len(model.balance) == 2 * stages
+        chunks = [model.layers_of_chunk(c) for c in (grid.stage, grid.stage + stages)]
+        assert list(model.layers_of_stage(grid.stage)) == [i for chunk in chunks for i in chunk]
+        assert sorted(int(k) for k in model.layers) == list(model.layers_of_stage(grid.stage))
+        (inputs, targets), _ = data_for("mlp", grid, steps=1, per_replica=stages)[0]
+        reference = mlp(stages)
+        with torch.no_grad():
+            expected = reference(inputs)
+        torch.testing.assert_close(model.predict(inputs), expected, rtol=1e-5, atol=1e-6)
+        assert "virtual_stages=2" in repr(model)
+    finally:
+        model.close()
+
+
+def test_zero_bubble_defers_linear_weight_gradients_and_reports_fused_layers(grid):
+    stages = grid.pipeline_stages
+    model = hp.PipelineModel(transformer(stages), loss_fn=sequence_loss, micro_batches=stages,
+                             balance="uniform", schedule="zb-h1")
+    try:
+        (inputs, targets), _ = data_for("transformer", grid, steps=1, per_replica=stages)[0]
+        model.train_step(inputs, targets)
+        report = model.split_backward_report()
+        assert f"stage {grid.stage}: W deferred for " in report
+        assert "mlp.0 (Linear)" in report  # every Block's MLP
+        assert "LayerNorm" in report  # no split rule: fused into I
+        if grid.is_first_stage:
+            assert "tokens (Embedding)" in report
+        flat = hp.PipelineModel(mlp(stages), loss_fn=nn.CrossEntropyLoss(), micro_batches=stages, schedule="zb-h1")
+        try:
+            (x, y), _ = data_for("mlp", grid, steps=1, per_replica=stages)[0]
+            flat.train_step(x, y)
+            assert flat.split_backward_report().endswith("fused into I: nothing")
+        finally:
+            flat.close()
+    finally:
+        model.close()
+
+
+# ------------------------------------------------------------------ asynchronous: PipeDream and 2BW
+
+
+def micro_batch_stream(data, micro_batches: int) -> list[tuple]:
+    """The global micro-batches in admission order (micro-batch m = every replica's m-th piece)."""
+    out = []
+    for _, (inputs, targets) in data:
+        out += list(zip(microbatch.split(inputs, micro_batches), microbatch.split(targets, micro_batches)))
+    return out
+
+
+def replica_micro_batch_data(data, grid, micro_batches: int) -> list[tuple]:
+    """This replica's (inputs, targets) per train_step, ordered so that its m-th micro-batch is the
+    replica's piece of the global micro-batch m of :func:`micro_batch_stream`."""
+    out = []
+    for _, (inputs, targets) in data:
+        pieces = []
+        for tensor in (inputs, targets):
+            chunks = microbatch.split(tensor, micro_batches)
+            pieces.append(torch.cat([torch.tensor_split(c, grid.data_replicas)[grid.replica] for c in chunks]))
+        out.append(tuple(pieces))
+    return out
+
+
+@pytest.mark.parametrize("vertical_sync", [False, True])
+def test_pipedream_stashes_weights_and_equals_a_replay_of_its_schedule(grid, vertical_sync):
+    stages, micro_batches, steps = grid.pipeline_stages, 3, 3
+    factory = lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.5)  # noqa: E731
+    model = hp.PipelineModel(mlp(stages), loss_fn=nn.CrossEntropyLoss(), micro_batches=micro_batches,
+                             balance="uniform", schedule="pipedream", optimizer=factory, vertical_sync=vertical_sync,
+                             checkpoint="except_last")
+    data = data_for("mlp", grid, steps=steps, per_replica=micro_batches * 2)
+    records = []
+    try:
+        for inputs, targets in replica_micro_batch_data(data, grid, micro_batches):
+            loss = model.train_step(inputs, targets)
+            assert loss is not None  # the last stage finishes every admitted micro-batch at once
+            records += model.weight_versions()
+        model.flush()
+        records += model.weight_versions()
+        assert sorted(m for m, _, _ in records) == list(range(steps * micro_batches))
+        lag = stages - 1 if vertical_sync else stages - grid.stage - 1
+        for m, forward, backward in records:
+            assert forward == backward  # weight stashing
+            assert forward == max(m - lag, 0)  # staleness: P - s - 1 updates (vertical sync: stage 0's)
+        modules, used = replay_asynchronous("pipedream", mlp(stages), model.balance,
+                                            micro_batch_stream(data, micro_batches), nn.CrossEntropyLoss(), factory,
+                                            vertical_sync, micro_batches)
+        assert sorted(used[grid.stage]) == sorted((m, f) for m, f, _ in records)
+        offset = sum(model.balance[:grid.stage])
+        expected = {f"{offset + int(name.split('.')[0])}.{name.split('.', 1)[1]}": p
+                    for name, p in modules[grid.stage].named_parameters()}
+        assert_parameters_equal(model, expected)
+        kept = model._executor.chunks[grid.stage].stash.peak_versions
+        assert kept <= (stages if vertical_sync else stages - grid.stage) + 1
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_2bw_equals_its_update_formula(grid, optimizer):
+    stages, micro_batches, steps = grid.pipeline_stages, max(grid.pipeline_stages, 2), 4
+    if optimizer == "sgd":
+        factory = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    else:
+        factory = lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)  # noqa: E731
+    model = hp.PipelineModel(mlp(stages), loss_fn=nn.CrossEntropyLoss(), micro_batches=micro_batches,
+                             balance="uniform", schedule="2bw", optimizer=factory)
+    data = data_for("mlp", grid, steps=steps, per_replica=micro_batches * 2)
+    try:
+        versions = []
+        for inputs, targets in replica_micro_batch_data(data, grid, micro_batches):
+            model.train_step(inputs, targets)
+            versions += model.weight_versions()
+        model.flush()
+        versions += model.weight_versions()
+        assert [f for m, f, b in sorted(versions)] == [max(m // micro_batches - 1, 0) for m, _, _ in sorted(versions)]
+        assert all(f == b for _, f, b in versions)
+        assert model._executor.chunks[grid.stage].stash.peak_versions <= 2
+        global_batches = [(torch.cat(microbatch.split(x, micro_batches)), torch.cat(microbatch.split(y, micro_batches)))
+                          for _, (x, y) in data]
+        reference = two_bw_reference(mlp(stages), global_batches, nn.CrossEntropyLoss(), factory)
+        assert_parameters_equal(model, dict(reference.named_parameters()))
+    finally:
+        model.close()
+
+
+# ------------------------------------------------------------------ errors name the fix
+
+
+def test_schedule_option_errors(grid):
+    stages = grid.pipeline_stages
+    loss = nn.CrossEntropyLoss()
+    with pytest.raises(HybridPipeError, match=r"'pipedream' updates the weights inside the pipeline.*optimizer="):
+        hp.PipelineModel(mlp(stages), loss_fn=loss, micro_batches=2, schedule="pipedream")
+    with pytest.raises(HybridPipeError, match=r"'1f1b' is synchronous.*DistributedOptimizer"):
+        hp.PipelineModel(mlp(stages), loss_fn=loss, micro_batches=2, optimizer=lambda p: torch.optim.SGD(p, lr=1))
+    with pytest.raises(PartitionError, match=rf"cuts the model into {stages * 8} chunks, but it has "
+                                             rf"{4 * stages + 1} layers: use virtual_stages <= "):
+        hp.PipelineModel(mlp(stages), loss_fn=loss, micro_batches=stages, schedule="interleaved-1f1b",
+                         virtual_stages=8)
+    with pytest.raises(PartitionError, match=rf"has 2 entries, but with virtual_stages=2 .* {2 * stages} chunks"):
+        hp.PipelineModel(mlp(stages), loss_fn=loss, micro_batches=stages, schedule="interleaved-1f1b",
+                         virtual_stages=2, balance=[1, 4 * stages])
+    with pytest.raises(ScheduleError, match=rf"micro_batches must be a multiple of {stages}"):
+        hp.PipelineModel(mlp(stages), loss_fn=loss, micro_batches=stages + 1, schedule="interleaved-1f1b",
+                         virtual_stages=2)
+    with pytest.raises(HybridPipeError, match="needs schedule='interleaved-1f1b'"):
+        hp.PipelineModel(mlp(stages), loss_fn=loss, micro_batches=2, virtual_stages=2)
+    model = hp.PipelineModel(mlp(stages), loss_fn=loss, micro_batches=2, schedule="pipedream",
+                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    try:
+        (x, y), _ = data_for("mlp", grid, steps=1, per_replica=4)[0]
+        model.train_step(x, y)
+        mine = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(HybridPipeError, match="do not call step"):
+            mine.step()
+        with pytest.raises(HybridPipeError, match="do not call step"):
+            model.optimizer.step()
+        model.flush()
+    finally:
+        model.close()
