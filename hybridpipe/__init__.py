@@ -6,31 +6,80 @@ Example:
     >>> total = hp.allreduce(torch.ones(3), op=hp.Sum, group="data")
 """
 
+from ._trace import start_timeline, stop_timeline
+from .capabilities import (
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
+)
+from .checkpoint import CheckpointError, consolidate, load_checkpoint, resume, save_checkpoint
 from .comm.collectives import (
+    Adasum,
     Average,
     Max,
     Min,
+    Product,
     ReduceOp,
     Sum,
-    allgather,
-    allreduce,
     allreduce_,
     barrier,
-    broadcast,
     broadcast_,
-    grouped_allreduce,
+    broadcast_async,
+    broadcast_async_,
     grouped_allreduce_,
 )
-from .checkpoint import CheckpointError, consolidate, load_checkpoint, resume, save_checkpoint
-from .comm.engine import Handle, allreduce_async, allreduce_async_, engine_stats, poll, synchronize
+from .comm.engine import (
+    Handle,
+    allreduce_async,
+    allreduce_async_,
+    engine_stats,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    poll,
+    synchronize,
+)
+from .comm.exchange import (
+    allgather_async,
+    alltoall_async,
+    grouped_allgather_async,
+    grouped_reducescatter_async,
+    reducescatter_async,
+)
+from .comm.process_sets import (
+    ProcessSet,
+    add_process_set,
+    data_process_set,
+    global_process_set,
+    pipe_process_set,
+    remove_process_set,
+)
 from .config import Config
+from .differentiable import (
+    allgather,
+    allreduce,
+    alltoall,
+    broadcast,
+    grouped_allgather,
+    grouped_allreduce,
+    grouped_reducescatter,
+    reducescatter,
+)
 from .errors import (
     BuildError,
     GridError,
+    HorovodInternalError,
     HybridPipeError,
     MismatchError,
     MPIError,
     NotInitializedError,
+    NotSupportedError,
 )
 from .optimizer import (
     Compression,
@@ -52,8 +101,17 @@ __all__ = [
     "config", "Config",
     # collectives
     "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "broadcast", "broadcast_",
-    "allgather", "barrier", "ReduceOp", "Sum", "Average", "Min", "Max",
-    "allreduce_async", "allreduce_async_", "synchronize", "poll", "Handle", "engine_stats",
+    "allgather", "grouped_allgather", "alltoall", "reducescatter", "grouped_reducescatter", "barrier",
+    "ReduceOp", "Sum", "Average", "Min", "Max", "Product", "Adasum",
+    "allreduce_async", "allreduce_async_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "broadcast_async", "broadcast_async_", "allgather_async", "grouped_allgather_async", "alltoall_async",
+    "reducescatter_async", "grouped_reducescatter_async", "synchronize", "poll", "Handle", "engine_stats",
+    # process sets
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "data_process_set",
+    "pipe_process_set",
+    # build queries and the timeline (Horovod's names)
+    "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built", "ccl_built",
+    "ddl_built", "cuda_built", "rocm_built", "start_timeline", "stop_timeline",
     # pipeline
     "PipelineModel", "LayerSpec",
     # data parallelism (Horovod-compatible names)
@@ -62,5 +120,6 @@ __all__ = [
     # checkpoints
     "save_checkpoint", "load_checkpoint", "resume", "consolidate", "CheckpointError",
     # errors
-    "HybridPipeError", "NotInitializedError", "GridError", "MismatchError", "MPIError", "BuildError",
+    "HybridPipeError", "HorovodInternalError", "NotSupportedError", "NotInitializedError", "GridError",
+    "MismatchError", "MPIError", "BuildError",
 ]

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["enabled", "span", "record"]
+__all__ = ["enabled", "span", "record", "start_timeline", "stop_timeline"]
 
 _active: _Recorder | None = None
 
@@ -109,7 +109,9 @@ def _stop(grid: Any, engine_events: dict[str, list]) -> None:
             args = {"bytes": event.bytes, "tensors": event.tensors} if event.bytes else None
             recorder.add(event.phase, "engine", f"engine {group}", event.start, event.end, args)
     recorder.close()
-    grid.world_comm.Barrier()
+    from .comm.engine import call  # on the communication thread while it runs (hp.stop_timeline)
+
+    call(None, "timeline", grid.world_comm.Barrier)
     if grid.rank == 0:
         events = [e for r in range(grid.size) for e in _header_of(r, grid)]
         for r in range(grid.size):
@@ -123,7 +125,40 @@ def _stop(grid: Any, engine_events: dict[str, list]) -> None:
                                                        "pipeline_stages": grid.pipeline_stages,
                                                        "data_replicas": grid.data_replicas}}))
         os.replace(temporary, recorder.path)
-    grid.world_comm.Barrier()
+    call(None, "timeline", grid.world_comm.Barrier)
+
+
+def start_timeline(file_path: str | os.PathLike, mark_cycles: bool = False) -> None:
+    """Starts recording this job's Chrome trace into ``file_path`` (Horovod's ``hvd.start_timeline``).
+
+    Collective: every rank calls it with the same path. The trace is the one ``HYBRIDPIPE_TIMELINE``
+    writes (docs/timeline.md): pipeline actions, optimizer steps, every collective's run on the
+    communication thread, and the engine's phases when ``HYBRIDPIPE_TIMELINE`` was set at ``hp.init``
+    (the engine records them only then). A timeline already recording is stopped (written) first.
+
+    Args:
+        file_path: where rank 0 writes the merged trace at :func:`stop_timeline` (or ``hp.shutdown``).
+        mark_cycles: accepted for Horovod's signature; the engine's "negotiate" events already mark its
+            cycles when it records.
+
+    Raises:
+        NotInitializedError: before ``hp.init()``.
+    """
+    from .comm import context
+
+    state = context.current("start_timeline")
+    if _active is not None:
+        stop_timeline()
+    _start(os.fspath(file_path), state.grid)
+
+
+def stop_timeline() -> None:
+    """Stops the timeline and writes it (collective; nothing happens when none is recording)."""
+    from .comm import context
+
+    state = context.current("stop_timeline")
+    if _active is not None:
+        _stop(state.grid, state.events())
 
 
 def _header_of(rank: int, grid: Any) -> list[dict]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 __all__ = [
     "HybridPipeError",
+    "HorovodInternalError",
+    "NotSupportedError",
     "NotInitializedError",
     "GridError",
     "MismatchError",
@@ -22,6 +24,19 @@ class HybridPipeError(RuntimeError):
     """Base class of every error hybridpipe raises on purpose."""
 
 
+class HorovodInternalError(HybridPipeError):
+    """A collective failed: ranks disagreed, an MPI call failed, or the communication thread stopped.
+
+    Horovod's name for the same event, so that ``except hvd.HorovodInternalError`` in a ported script
+    catches hybridpipe's failed collectives (:class:`MismatchError` and :class:`MPIError` derive from it).
+    """
+
+
+class NotSupportedError(HybridPipeError, NotImplementedError):
+    """A Horovod feature hybridpipe does not have (yet), e.g. ``op=hp.Adasum``; the message names the
+    alternative."""
+
+
 class NotInitializedError(HybridPipeError):
     """A hybridpipe function that needs the runtime was called before ``hp.init()``."""
 
@@ -30,14 +45,14 @@ class GridError(HybridPipeError, ValueError):
     """The requested stages × replicas grid does not fit the communicator."""
 
 
-class MismatchError(HybridPipeError):
+class MismatchError(HorovodInternalError):
     """Ranks of one collective disagree (count, dtype, op, shape, tensor set).
 
     Raised on every rank of the collective, with every rank's values, instead of hanging.
     """
 
 
-class MPIError(HybridPipeError):
+class MPIError(HorovodInternalError):
     """An MPI call inside the C++ core failed; the message names the rank, the call and
     MPI's error string."""
 

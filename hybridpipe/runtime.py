@@ -102,7 +102,8 @@ def _agree_on_stages(comm: Any, pipeline_stages: int) -> None:
                         f"every rank must call hp.init with the same pipeline_stages")
 
 
-def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | None = None) -> Grid:
+def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | None = None,
+         process_sets: Any = None) -> Grid:
     """Starts hybridpipe on ``comm`` (default ``MPI.COMM_WORLD``) and builds the rank grid.
 
     Collective: every rank of ``comm`` must call it with the same ``pipeline_stages``. Calling it
@@ -111,9 +112,12 @@ def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | 
     Args:
         pipeline_stages: P, the number of pipeline stages; the world size must be a multiple of P,
             and data_replicas = size // P. Default: $HYBRIDPIPE_PIPELINE_STAGES (what
-            ``hybridpipe-run --stages`` sets), else 1.
+            ``hybridpipe-run --stages`` sets), else 1. An mpi4py communicator here is taken as
+            ``comm`` (Horovod's ``hvd.init(comm)``).
         comm: an mpi4py communicator to build the grid from.
         config: settings; default ``Config.from_env()`` (the HYBRIDPIPE_* variables).
+        process_sets: hp.ProcessSet objects to register (Horovod's ``hvd.init(process_sets=...)``;
+            ids 1, 2, … in list order), or ``"dynamic"`` (accepted; hp.add_process_set always works).
 
     Returns:
         This rank's Grid.
@@ -124,6 +128,11 @@ def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | 
         BuildError: the extension is missing or built against another MPI.
     """
     global _runtime
+    from . import comm as communication
+
+    if communication.process_sets.is_communicator(pipeline_stages) and comm is None:  # Horovod's hvd.init(comm)
+        pipeline_stages, comm = None, pipeline_stages
+    sets = communication.process_sets.init_argument(process_sets)
     if pipeline_stages is None:
         text = os.environ.get("HYBRIDPIPE_PIPELINE_STAGES", "1")
         try:
@@ -147,6 +156,9 @@ def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | 
         current = _runtime.grid
         same_comm = MPI.Comm.Compare(_runtime.base_comm, base) in (MPI.IDENT, MPI.CONGRUENT)
         if current.pipeline_stages == pipeline_stages and same_comm:
+            unregistered = [s for s in sets if s.process_set_id is None]
+            if unregistered:
+                communication.current("init").register_process_sets(unregistered, "init")
             return current
         raise GridError(
             f"hybridpipe is already initialized with pipeline_stages={current.pipeline_stages} on "
@@ -175,15 +187,20 @@ def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | 
     _runtime = _Runtime(grid=the_grid, base_comm=base, local_comm=local_comm,
                         config=(config or Config.from_env()).validated())
     from . import _trace as timeline
-    from . import comm
 
     try:
-        comm.start(_runtime.config, the_grid)
+        communication.start(_runtime.config, the_grid)
         if _runtime.config.timeline:
             timeline._start(_runtime.config.timeline, the_grid)
     except BaseException:
         _runtime = None
         raise
+    if sets:
+        try:  # a failure here is the same on every rank (the sets are checked together), so all shut down
+            communication.current("init").register_process_sets(sets, "init")
+        except BaseException:
+            shutdown()
+            raise
     global _atexit_registered
     if not _atexit_registered:  # runs before mpi4py's MPI_Finalize (atexit is last-in, first-out)
         atexit.register(shutdown)

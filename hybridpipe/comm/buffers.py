@@ -94,6 +94,38 @@ def clone(x: Any) -> Any:
     return x.detach().clone() if is_tensor(x) else np.array(x, copy=True)
 
 
+def scale_(x: Any, factor: float) -> None:
+    """Multiplies a host tensor/array by ``factor`` in place (integers: the product truncated toward zero)."""
+    if factor == 1.0 or count(x) == 0 or dtype_code(x) == UNSUPPORTED:  # not reducible: refused after agreeing
+        return
+    if is_tensor(x):
+        if x.is_floating_point():
+            x.mul_(factor)
+        else:
+            x.copy_((x.double() * factor).to(x.dtype))
+    elif np.issubdtype(x.dtype, np.floating):
+        x *= x.dtype.type(factor)
+    else:
+        x[...] = np.trunc(x * factor).astype(x.dtype)
+
+
+def numpy_view(x: Any) -> np.ndarray:
+    """A contiguous host tensor as a numpy array sharing its memory (arrays as they are)."""
+    return x.numpy() if is_tensor(x) else x
+
+
+def trailing(x: Any) -> str:
+    """The dimensions after the first, the dtype and the rank of ``x`` (what gathering along dim 0 needs
+    every rank to agree on)."""
+    return f"{tuple(x.shape[1:])} {str(x.dtype).replace('torch.', '')} ndim={len(x.shape)}"
+
+
+def row_bytes(x: Any) -> int:
+    """Bytes of one first-dimension slice of a contiguous host tensor/array."""
+    itemsize = x.dtype.itemsize if isinstance(x, np.ndarray) else x.element_size()
+    return itemsize * int(np.prod(tuple(x.shape[1:]), dtype=np.int64))
+
+
 def describe(x: Any) -> str:
     return f"shape={tuple(x.shape)} dtype={str(x.dtype).replace('torch.', '')}"
 

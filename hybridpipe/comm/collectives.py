@@ -1,40 +1,61 @@
-"""Collectives on torch tensors and numpy arrays: allreduce (ring, fused), broadcast, allgather, barrier.
+"""Collectives on torch tensors and numpy arrays: allreduce (ring, fused), broadcast, barrier, with
+Horovod's keywords (``name``, ``average``, ``op``, ``prescale_factor``, ``postscale_factor``,
+``process_set``) and the ``*_async`` forms of broadcast; the header agreement every collective starts
+with. (Allgather, alltoall and reducescatter live in hybridpipe.comm.exchange.)
 
-Before moving data, the ranks of a collective agree on a small header (count, dtype, op, shape
-digest) with one tiny MPI_Allreduce (max of the values and of their negatives). A disagreement —
-different shapes, dtypes, ops, tensor lists, or a rank passing something unsupported — raises
-MismatchError on every rank with every rank's values, instead of a hang or a truncation. The
-data then moves through the C++ core (allreduce) or through the MPI library (broadcast, allgather).
-Tensors on a GPU are staged through host memory for now.
+Before moving data, the ranks of a collective agree on a small header (count, dtype, op, shape and
+name digest) with one tiny MPI_Allreduce (max of the values and of their negatives). A disagreement —
+different shapes, dtypes, ops, names, tensor lists, or a rank passing something unsupported — raises
+MismatchError on every rank with every rank's values, instead of a hang or a truncation. The data
+then moves through the C++ core (allreduce with Sum, Average, Min, Max) or through the MPI library
+(Product, broadcast). Tensors on a GPU are staged through host memory for now.
+
+Every call runs on the communication thread (``context.call``; the ``*_async`` forms through
+``context.submit``, which returns a Handle at once). These functions are not differentiable; the
+package's top-level ``hp.allreduce`` & co. (hybridpipe.differentiable) wrap them for autograd.
 """
 
 from __future__ import annotations
 
 import enum
+import sys
+import warnings
 import zlib
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from .._ext import core
-from ..errors import MismatchError
+from ..errors import MismatchError, NotSupportedError
 from . import buffers, context
 from .buffers import check_array, copy_into, describe, host, is_tensor
+from .context import check_name, resolve_group
 
-__all__ = ["ReduceOp", "Sum", "Average", "Min", "Max", "allreduce", "allreduce_", "grouped_allreduce",
-           "grouped_allreduce_", "broadcast", "broadcast_", "allgather", "barrier"]
+__all__ = ["ReduceOp", "Sum", "Average", "Min", "Max", "Product", "Adasum", "allreduce", "allreduce_",
+           "grouped_allreduce", "grouped_allreduce_", "broadcast", "broadcast_", "broadcast_async",
+           "broadcast_async_", "barrier", "agree", "digest", "named", "reduce_op", "resolve_op", "scale_factor"]
 
 
 class ReduceOp(enum.IntEnum):
-    """Reduction of an allreduce. Average divides the sum by the group size (integers: truncating)."""
+    """Reduction of an allreduce. Average divides the sum by the group size (integers: truncating).
+
+    Sum, Average, Min and Max run in hybridpipe's C++ core (ring, shared memory, hierarchical); Product
+    runs in the MPI library (``MPI_PROD``; float16 / bfloat16 multiplied in float32 and rounded once).
+    Adasum is accepted as a value, as in Horovod, but reducing with it raises
+    :class:`~hybridpipe.errors.NotSupportedError` for now.
+    """
 
     Sum = 0
     Average = 1
     Min = 2
     Max = 3
+    Product = 4
+    Adasum = 5
 
 
-Sum, Average, Min, Max = ReduceOp.Sum, ReduceOp.Average, ReduceOp.Min, ReduceOp.Max
+Sum, Average, Min, Max, Product, Adasum = (ReduceOp.Sum, ReduceOp.Average, ReduceOp.Min, ReduceOp.Max,
+                                           ReduceOp.Product, ReduceOp.Adasum)
+CORE_OPS = (Sum, Average, Min, Max)  # what the C++ core and the engine reduce with
 
 _SAME_TENSOR = "every rank must pass the same shape, dtype and op"
 
@@ -46,16 +67,23 @@ def wait_policy(config: Any = None) -> Any:
     return context.wait_policy(context.current("wait_policy").config if config is None else config)
 
 
-def _digest(text: str) -> int:
+def digest(text: str) -> int:
+    """A 31-bit digest of ``text`` for a header field (names, shape and dtype descriptions)."""
     return zlib.crc32(text.encode())
 
 
-def _list_ranks(descriptions: list) -> str:
+def list_ranks(descriptions: list) -> str:
+    """``rank 0: …; rank 1: …`` for a mismatch message."""
     return "; ".join(f"rank {r}: {d}" for r, d in enumerate(descriptions))
 
 
-def _agree(comm: Any, function: str, fields: Sequence[int], description: Callable[[], Any], fix: str,
-           explain: Callable[[list], str] = _list_ranks) -> None:
+def named(name: str | None) -> str:
+    """`` name='...'`` for a description, or nothing when there is no name."""
+    return "" if name is None else f" name={name!r}"
+
+
+def agree(comm: Any, function: str, fields: Sequence[int], description: Callable[[], Any], fix: str,
+          explain: Callable[[list], str] = list_ranks) -> None:
     """Raises MismatchError on every rank unless all ranks of ``comm`` passed the same ``fields``.
 
     The common case costs one MPI_Allreduce of 2·len(fields) integers (in C++); only on a mismatch
@@ -66,7 +94,7 @@ def _agree(comm: Any, function: str, fields: Sequence[int], description: Callabl
 
 
 def _mismatch(comm: Any, function: str, description: Callable[[], Any], fix: str,
-              explain: Callable[[list], str] = _list_ranks) -> None:
+              explain: Callable[[list], str] = list_ranks) -> None:
     raise MismatchError(f"hp.{function}: ranks disagree ({explain(comm.allgather(description()))}); {fix}")
 
 
@@ -75,93 +103,185 @@ def reduce_op(op: Any, function: str) -> ReduceOp:
     try:
         return ReduceOp(op)
     except ValueError:
-        raise TypeError(f"hp.{function}: op must be hp.Sum, hp.Average, hp.Min or hp.Max, got {op!r}") from None
+        raise TypeError(f"hp.{function}: op must be hp.Sum, hp.Average, hp.Min or hp.Max, got {op!r} (or hp.Product; "
+                        "see hp.ReduceOp)") from None
 
 
-def _allreduce_into(source: Any, target: Any, op: ReduceOp, comm: Any, function: str) -> None:
+def _caller_level() -> int:
+    """The warnings stacklevel of the first frame outside hybridpipe (the user's call), so that Python's
+    default filters show a DeprecationWarning raised for code in ``__main__``."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("hybridpipe"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def resolve_op(op: Any, average: Any, function: str) -> ReduceOp:
+    """The op of a call from Horovod's ``op=`` and deprecated ``average=`` (None/None: Average).
+
+    A ReduceOp in ``average``'s place is taken as ``op``: hybridpipe's earlier signature had ``op`` second.
+    """
+    if isinstance(average, ReduceOp) and op is None:
+        return average
+    if average is not None:
+        if op is not None:
+            raise ValueError(f"hp.{function}: op= supersedes the deprecated average=; pass only one of them "
+                             f"(got average={average!r}, op={op!r})")
+        warnings.warn(f"hp.{function}: average= is deprecated (as in Horovod); pass op=hp.Average or op=hp.Sum",
+                      DeprecationWarning, stacklevel=_caller_level())
+        return Average if average else Sum
+    return Average if op is None else reduce_op(op, function)
+
+
+def scale_factor(value: Any, keyword: str, function: str) -> float:
+    """``prescale_factor`` / ``postscale_factor`` as a float; TypeError naming it otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"hp.{function}: {keyword} must be a number, got {value!r}")
+    return float(value)
+
+
+def _unsupported_op(op: ReduceOp, function: str) -> NotSupportedError:
+    return NotSupportedError(f"hp.{function}: op=hp.Adasum is not implemented in hybridpipe yet (it is planned); "
+                             f"reduce with op=hp.Average (the data-parallel mean) or op=hp.Sum instead")
+
+
+def _library_reduce(source: Any, target: Any, op: ReduceOp, comm: Any, function: str) -> None:
+    """Reduces through the MPI library (ops the C++ core has not: Product); halves in float32."""
+    from mpi4py import MPI
+
+    if op != Product:
+        raise _unsupported_op(op, function)
+    if buffers.dtype_code(source) in (2, 3):  # float16, bfloat16: no MPI type; one rounding at the end
+        wide = source.float() if is_tensor(source) else source.astype(np.float32)
+        comm.Allreduce(MPI.IN_PLACE, buffers.numpy_view(wide), op=MPI.PROD)
+        copy_into(target, wide.to(target.dtype) if is_tensor(wide) else wide.astype(target.dtype))
+    elif source is target:
+        comm.Allreduce(MPI.IN_PLACE, buffers.numpy_view(target), op=MPI.PROD)
+    else:
+        comm.Allreduce(buffers.numpy_view(source), buffers.numpy_view(target), op=MPI.PROD)
+
+
+def _allreduce_into(source: Any, target: Any, op: ReduceOp, comm: Any, function: str, name: str | None = None) -> None:
     code = buffers.dtype_code(source)
     count = buffers.count(source)
-    header = [1, count, code, int(op), _digest(str(tuple(source.shape)))]
-    if code == buffers.UNSUPPORTED:  # still agree first: a bad dtype on one rank must not hang the others
-        _agree(comm, function, header, lambda: f"{describe(source)} op={op.name}", _SAME_TENSOR)
+    header = [1, count, code, int(op), digest(str(tuple(source.shape)) + ("" if name is None else f"|{name}"))]
+
+    def description() -> str:
+        return f"{describe(source)} op={op.name}{named(name)}"
+
+    if code == buffers.UNSUPPORTED or op not in CORE_OPS:  # agree first: a bad value on one rank must not hang
+        agree(comm, function, header, description, _SAME_TENSOR)
         buffers.check_reducible([code], [source], function)
+        _library_reduce(source, target, op, comm, function)
+        return
     if not core().allreduce(buffers.address(source), buffers.address(target), count, code, int(op), comm.py2f(),
                             context.current(function).allreduce_options(), header):
-        _mismatch(comm, function, lambda: f"{describe(source)} op={op.name}", _SAME_TENSOR)
+        _mismatch(comm, function, description, _SAME_TENSOR)
 
 
-def allreduce(tensor: Any, op: ReduceOp = Average, group: Any = None) -> Any:
+def _on_engine(group: Any, function: str, work: Callable[[], Any], collective: str) -> Any:
+    """Runs a blocking collective on the engine's communication thread (see context.call)."""
+    return context.call(group, function, work, collective)
+
+
+def allreduce_here(tensor: Any, op: ReduceOp, name: str | None, prescale: float, postscale: float, group: Any,
+                   function: str, in_place: bool) -> Any:
+    """One allreduce, run on the communication thread: the body of allreduce / allreduce_ and of the
+    asynchronous ones the engine cannot run itself (Product)."""
+    check_array(tensor, function)
+    comm = context.communicator(group, function)
+    source = host(tensor)
+    target = source if in_place else buffers.clone(source)
+    if prescale != 1.0:
+        source = target  # scale a copy (or the in-place work), never the caller's input
+        buffers.scale_(target, prescale)
+    _allreduce_into(source, target, op, comm, function, name)
+    buffers.scale_(target, postscale)
+    if in_place:
+        copy_into(tensor, target)
+        return tensor
+    return target.to(tensor.device) if is_tensor(tensor) and tensor.device.type != "cpu" else target
+
+
+def allreduce(tensor: Any, average: Any = None, name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, process_set: Any = None, group: Any = None) -> Any:
     """Reduces ``tensor`` over the ranks of ``group`` and returns the result as a new tensor/array.
 
     Args:
         tensor: torch.Tensor (any device, contiguous or not) or numpy.ndarray of dtype float32,
             float64, float16, bfloat16, int32 or int64; the same shape and dtype on every rank.
-        op: hp.Sum, hp.Average (default, like Horovod), hp.Min or hp.Max.
-        group: None or "world" (all ranks), "data" (my stage's replicas), "pipe" (my pipeline), or an
-            mpi4py communicator.
+        average: deprecated (Horovod's): True is op=hp.Average, False op=hp.Sum; warns.
+        name: optional; every rank must pass the same name (it is checked with the shape).
+        op: hp.Average (default, like Horovod), hp.Sum, hp.Min, hp.Max or hp.Product.
+        prescale_factor: multiplies the input before the reduction (on a copy).
+        postscale_factor: multiplies the result.
+        process_set: a hp.ProcessSet (Horovod's spelling of ``group``).
+        group: None or "world" (all ranks), "data" (my stage's replicas), "pipe" (my pipeline), a
+            hp.ProcessSet, or an mpi4py communicator.
 
     Returns:
         A new tensor (same device) or array with the reduced values.
 
     Raises:
-        MismatchError: ranks passed different shapes, dtypes or ops (on every rank).
+        MismatchError: ranks passed different shapes, dtypes, ops or names (on every rank).
         TypeError: not a tensor/array, or a dtype that cannot be reduced.
+        ValueError: both ``average`` and ``op``, or both ``group`` and ``process_set``.
+        NotSupportedError: op=hp.Adasum.
     """
-    return _on_engine(group, "allreduce", lambda: _allreduce_here(tensor, op, group))
+    return _allreduce(tensor, average, name, op, prescale_factor, postscale_factor, process_set, group, "allreduce",
+                      False)
 
 
-def _allreduce_here(tensor: Any, op: Any, group: Any) -> Any:
-    check_array(tensor, "allreduce")
-    source = host(tensor)
-    target = buffers.clone(source)
-    _allreduce_into(source, target, reduce_op(op, "allreduce"), context.communicator(group, "allreduce"), "allreduce")
-    return target.to(tensor.device) if is_tensor(tensor) and tensor.device.type != "cpu" else target
-
-
-def allreduce_(tensor: Any, op: ReduceOp = Average, group: Any = None) -> Any:
+def allreduce_(tensor: Any, average: Any = None, name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
+               postscale_factor: float = 1.0, process_set: Any = None, group: Any = None) -> Any:
     """In-place :func:`allreduce`: ``tensor`` holds the result afterwards and is returned."""
-    return _on_engine(group, "allreduce_", lambda: _allreduce_in_place_here(tensor, op, group))
+    return _allreduce(tensor, average, name, op, prescale_factor, postscale_factor, process_set, group, "allreduce_",
+                      True)
 
 
-def _allreduce_in_place_here(tensor: Any, op: Any, group: Any) -> Any:
-    check_array(tensor, "allreduce_")
-    work = host(tensor)
-    _allreduce_into(work, work, reduce_op(op, "allreduce_"), context.communicator(group, "allreduce_"), "allreduce_")
-    copy_into(tensor, work)
-    return tensor
+def _allreduce(tensor: Any, average: Any, name: str | None, op: Any, prescale: Any, postscale: Any, process_set: Any,
+               group: Any, function: str, in_place: bool) -> Any:
+    op = resolve_op(op, average, function)
+    check_name(name, function)
+    prescale = scale_factor(prescale, "prescale_factor", function)
+    postscale = scale_factor(postscale, "postscale_factor", function)
+    group = resolve_group(group, process_set, function)
+    return _on_engine(group, function, lambda: allreduce_here(tensor, op, name, prescale, postscale, group, function,
+                                                              in_place), "allreduce")
 
 
-def _on_engine(group: Any, function: str, work: Callable[[], Any]) -> Any:
-    """Runs a blocking collective on the engine's communication thread (see context.call)."""
-    return context.call(group, function, work)
-
-
-def _grouped(tensors: Sequence[Any], op: Any, group: Any, function: str, in_place: bool) -> list:
-    return _on_engine(group, function, lambda: _grouped_here(tensors, op, group, function, in_place))
-
-
-def _grouped_here(tensors: Sequence[Any], op: Any, group: Any, function: str, in_place: bool) -> list:
+def grouped_allreduce_here(tensors: Sequence[Any], op: ReduceOp, name: str | None, prescale: float, postscale: float,
+                           group: Any, function: str, in_place: bool) -> list:
+    """A grouped allreduce, run on the communication thread (sync and async forms)."""
     tensors = list(tensors)
     for t in tensors:
         check_array(t, function)
-    op = reduce_op(op, function)
     ctx = context.current(function)
     comm = ctx.communicator(group, function)
     works = [host(t) for t in tensors]
     targets = works if in_place else [buffers.clone(w) for w in works]
+    if prescale != 1.0:
+        works = targets
+        for target in targets:
+            buffers.scale_(target, prescale)
     codes = [buffers.dtype_code(w) for w in works]
     entries = [describe(w) for w in works]
-    _agree(comm, function, [2, len(tensors), _digest("|".join(entries)), int(op)], lambda: (op.name, entries),
-           "every rank must pass the same list of tensors (same order, shapes and dtypes) and the same op",
-           _explain_lists)
+    agree(comm, function, [2, len(tensors), digest("|".join(entries) + named(name)), int(op)],
+           lambda: (op.name + named(name), entries),
+           "every rank must pass the same list of tensors (same order, shapes and dtypes), op and name", _explain_lists)
     buffers.check_reducible(codes, works, function)
-    order = sorted(range(len(works)), key=lambda i: codes[i])  # stable: one dtype's buckets in list order
-    counts = [buffers.count(works[i]) for i in order]
-    core().grouped_allreduce([buffers.address(works[i]) for i in order], [buffers.address(targets[i]) for i in order],
-                             counts, [codes[i] for i in order], int(op), comm.py2f(),
-                             ctx.config.fusion_threshold_bytes, ctx.allreduce_options())
+    if op in CORE_OPS:
+        order = sorted(range(len(works)), key=lambda i: codes[i])  # stable: one dtype's buckets in list order
+        counts = [buffers.count(works[i]) for i in order]
+        core().grouped_allreduce([buffers.address(works[i]) for i in order],
+                                 [buffers.address(targets[i]) for i in order], counts, [codes[i] for i in order],
+                                 int(op), comm.py2f(), ctx.config.fusion_threshold_bytes, ctx.allreduce_options())
+    else:
+        for work, target in zip(works, targets):
+            _library_reduce(work, target, op, comm, function)
     results = []
     for original, target in zip(tensors, targets):
+        buffers.scale_(target, postscale)
         if in_place:
             copy_into(original, target)
             results.append(original)
@@ -176,16 +296,29 @@ def _explain_lists(everyone: list) -> str:
     """Names the op or the first list position where ranks' (op, [tensor descriptions]) differ."""
     ops = [op for op, _ in everyone]
     if len(set(ops)) > 1:
-        return _list_ranks([f"op={op}" for op in ops])
+        return list_ranks([f"op={op}" for op in ops])
     lengths = [len(entries) for _, entries in everyone]
     for index in range(max(lengths)):
         at = [entries[index] if index < len(entries) else "(no tensor)" for _, entries in everyone]
         if len(set(at)) > 1:
-            return f"tensor {index}: " + _list_ranks(at) + " | list lengths: " + _list_ranks(lengths)
-    return _list_ranks(lengths)
+            return f"tensor {index}: " + list_ranks(at) + " | list lengths: " + list_ranks(lengths)
+    return list_ranks(lengths)
 
 
-def grouped_allreduce(tensors: Sequence[Any], op: ReduceOp = Average, group: Any = None) -> list:
+def _grouped(tensors: Sequence[Any], average: Any, name: str | None, op: Any, prescale: Any, postscale: Any,
+             process_set: Any, group: Any, function: str, in_place: bool) -> list:
+    op = resolve_op(op, average, function)
+    check_name(name, function)
+    prescale = scale_factor(prescale, "prescale_factor", function)
+    postscale = scale_factor(postscale, "postscale_factor", function)
+    group = resolve_group(group, process_set, function)
+    return _on_engine(group, function, lambda: grouped_allreduce_here(tensors, op, name, prescale, postscale, group,
+                                                                      function, in_place), "grouped_allreduce")
+
+
+def grouped_allreduce(tensors: Sequence[Any], average: Any = None, name: str | None = None, op: Any = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: Any = None,
+                      group: Any = None) -> list:
     """Allreduces many tensors at once through the fusion buffer; returns new tensors/arrays.
 
     Tensors are packed into buckets of ``fusion_threshold_bytes`` (HYBRIDPIPE_FUSION_THRESHOLD) and
@@ -194,8 +327,7 @@ def grouped_allreduce(tensors: Sequence[Any], op: ReduceOp = Average, group: Any
     Args:
         tensors: a list of torch tensors / numpy arrays; every rank passes the same shapes and dtypes
             in the same order (dtypes may be mixed).
-        op: hp.Sum, hp.Average, hp.Min or hp.Max.
-        group: as in :func:`allreduce`.
+        average, name, op, prescale_factor, postscale_factor, process_set, group: as in :func:`allreduce`.
 
     Returns:
         A list of new tensors/arrays, in the order given.
@@ -203,96 +335,104 @@ def grouped_allreduce(tensors: Sequence[Any], op: ReduceOp = Average, group: Any
     Raises:
         MismatchError: the lists differ between ranks (on every rank).
     """
-    return _grouped(tensors, op, group, "grouped_allreduce", in_place=False)
+    return _grouped(tensors, average, name, op, prescale_factor, postscale_factor, process_set, group,
+                    "grouped_allreduce", in_place=False)
 
 
-def grouped_allreduce_(tensors: Sequence[Any], op: ReduceOp = Average, group: Any = None) -> list:
+def grouped_allreduce_(tensors: Sequence[Any], average: Any = None, name: str | None = None, op: Any = None,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: Any = None,
+                       group: Any = None) -> list:
     """In-place :func:`grouped_allreduce`; returns the same tensors."""
-    return _grouped(tensors, op, group, "grouped_allreduce_", in_place=True)
+    return _grouped(tensors, average, name, op, prescale_factor, postscale_factor, process_set, group,
+                    "grouped_allreduce_", in_place=True)
 
 
-def broadcast_(tensor: Any, root_rank: int, group: Any = None) -> Any:
+# ------------------------------------------------------------------ broadcast
+
+
+def broadcast_here(tensor: Any, root_rank: int, name: str | None, group: Any, function: str, in_place: bool) -> Any:
+    """One broadcast on the communication thread (sync and async forms)."""
+    check_array(tensor, function)
+    ctx = context.current(function)
+    comm = ctx.communicator(group, function)
+    set_ranks = ctx.set_ranks(group, function)
+    work = host(tensor) if in_place else buffers.clone(host(tensor))
+    agree(comm, function, [3, int(root_rank), digest(describe(work) + named(name))],
+           lambda: f"root_rank={root_rank} {describe(work)}{named(name)}",
+           "every rank must pass the same root_rank, shape, dtype and name")
+    if set_ranks is not None:
+        if root_rank not in set_ranks:
+            raise ValueError(f"hp.{function}: root_rank {root_rank} is not in the process set (ranks {set_ranks}); "
+                             "with a process set, root_rank is a global rank (hp.rank()), as in Horovod")
+        root = set_ranks.index(root_rank)
+    else:
+        root = int(root_rank)
+        if not 0 <= root < comm.Get_size():
+            raise ValueError(f"hp.broadcast: root_rank {root_rank} is not a rank of a group of {comm.Get_size()} "
+                             f"(use 0..{comm.Get_size() - 1})")
+    from mpi4py import MPI
+
+    comm.Bcast([buffers.byte_view(work), MPI.BYTE], root=root)
+    if in_place:
+        copy_into(tensor, work)
+        return tensor
+    return work.to(tensor.device) if is_tensor(tensor) and tensor.device.type != "cpu" else work
+
+
+def _broadcast_call(tensor: Any, root_rank: int, name: str | None, process_set: Any, group: Any, function: str,
+                    in_place: bool, asynchronous: bool) -> Any:
+    check_name(name, function)
+    group = resolve_group(group, process_set, function)
+
+    def work() -> Any:
+        return broadcast_here(tensor, root_rank, name, group, function, in_place)
+
+    if asynchronous:
+        return context.submit(group, function, name, work, "broadcast")
+    return _on_engine(group, function, work, "broadcast")
+
+
+def broadcast_(tensor: Any, root_rank: int, name: str | None = None, process_set: Any = None,
+               group: Any = None) -> Any:
     """Overwrites ``tensor`` on every rank of ``group`` with root_rank's values; returns it.
 
-    Any dtype is accepted (the bytes are moved). ``root_rank`` is a rank of ``group``.
+    Any dtype is accepted (the bytes are moved).
+
+    Args:
+        tensor: a torch tensor or numpy array, the same shape and dtype on every rank.
+        root_rank: the rank whose values everyone gets: a rank of ``group`` (its own numbering), or, with a
+            hp.ProcessSet, a global rank (``hp.rank()``), as in Horovod.
+        name: optional; checked to be the same on every rank.
+        process_set: a hp.ProcessSet (Horovod's spelling of ``group``).
+        group: as in :func:`allreduce`.
 
     Raises:
-        MismatchError: ranks passed different shapes, dtypes or roots (on every rank).
+        MismatchError: ranks passed different shapes, dtypes, roots or names (on every rank).
         ValueError: root_rank is outside the group.
     """
-    return _on_engine(group, "broadcast_", lambda: _broadcast_here(tensor, root_rank, group))
+    return _broadcast_call(tensor, root_rank, name, process_set, group, "broadcast_", True, False)
 
 
-def _broadcast_here(tensor: Any, root_rank: int, group: Any) -> Any:
-    check_array(tensor, "broadcast_")
-    comm = context.communicator(group, "broadcast_")
-    work = host(tensor)
-    _agree(comm, "broadcast_", [3, int(root_rank), _digest(describe(work))],
-           lambda: f"root_rank={root_rank} {describe(work)}",
-           "every rank must pass the same root_rank, shape and dtype")
-    if not 0 <= root_rank < comm.Get_size():
-        raise ValueError(f"hp.broadcast: root_rank {root_rank} is not a rank of a group of {comm.Get_size()} "
-                         f"(use 0..{comm.Get_size() - 1})")
-    from mpi4py import MPI
-
-    comm.Bcast([buffers.byte_view(work), MPI.BYTE], root=int(root_rank))
-    copy_into(tensor, work)
-    return tensor
-
-
-def broadcast(tensor: Any, root_rank: int, group: Any = None) -> Any:
+def broadcast(tensor: Any, root_rank: int, name: str | None = None, process_set: Any = None, group: Any = None) -> Any:
     """Returns a new tensor/array holding root_rank's ``tensor`` (see :func:`broadcast_`)."""
-    check_array(tensor, "broadcast")
-    copy = buffers.clone(tensor)
-    return broadcast_(copy, root_rank, group)
+    return _broadcast_call(tensor, root_rank, name, process_set, group, "broadcast", False, False)
 
 
-def allgather(tensor: Any, group: Any = None) -> Any:
-    """Concatenates every rank's ``tensor`` along dimension 0, in rank order, on every rank.
-
-    The first dimension may differ between ranks; the other dimensions and the dtype must agree.
-
-    Returns:
-        A new tensor (on the input's device) or array of shape ``(sum of first dims, *rest)``.
-
-    Raises:
-        MismatchError: dtypes or trailing dimensions differ (on every rank).
-        ValueError: a 0-dimensional input (allgather needs a dimension to concatenate along).
-    """
-    return _on_engine(group, "allgather", lambda: _allgather_here(tensor, group))
+def broadcast_async(tensor: Any, root_rank: int, name: str | None = None, process_set: Any = None,
+                    group: Any = None) -> context.Handle:
+    """Queues :func:`broadcast`; ``handle.wait()`` returns the new tensor. Ranks match it by ``name``
+    (default: a per-process counter, as for :func:`allreduce_async`)."""
+    return _broadcast_call(tensor, root_rank, name, process_set, group, "broadcast_async", False, True)
 
 
-def _allgather_here(tensor: Any, group: Any) -> Any:
-    check_array(tensor, "allgather")
-    comm = context.communicator(group, "allgather")
-    work = host(tensor)
-    ndim = len(work.shape)
-    rows = int(work.shape[0]) if ndim else 0
-    trailing = f"{tuple(work.shape[1:])} {str(work.dtype).replace('torch.', '')} ndim={ndim}"
-    headers = np.empty((comm.Get_size(), 2), dtype=np.int64)
-    comm.Allgather(np.array([_digest(trailing), rows], dtype=np.int64), headers)
-    if len(set(headers[:, 0].tolist())) > 1:
-        everyone = comm.allgather(f"first dim {rows}, then {trailing}")
-        raise MismatchError(f"hp.allgather: ranks disagree ({_list_ranks(everyone)}); every rank must pass the "
-                            f"same dtype and the same dimensions after the first")
-    if ndim == 0:
-        raise ValueError("hp.allgather needs a tensor with at least one dimension (got a 0-d scalar; "
-                         "use tensor.reshape(1))")
-    row_bytes = work.dtype.itemsize * int(np.prod(work.shape[1:], dtype=np.int64)) if isinstance(
-        work, np.ndarray) else work.element_size() * int(np.prod(tuple(work.shape[1:]), dtype=np.int64))
-    counts = (headers[:, 1] * row_bytes).tolist()
-    total_rows = int(headers[:, 1].sum())
-    shape = (total_rows, *work.shape[1:])
-    if is_tensor(work):
-        result = buffers.torch_module().empty(shape, dtype=work.dtype)
-    else:
-        result = np.empty(shape, dtype=work.dtype)
-    from mpi4py import MPI
-
-    comm.Allgatherv([buffers.byte_view(work), MPI.BYTE], [buffers.byte_view(result), counts, MPI.BYTE])
-    return result.to(tensor.device) if is_tensor(tensor) and tensor.device.type != "cpu" else result
+def broadcast_async_(tensor: Any, root_rank: int, name: str | None = None, process_set: Any = None,
+                     group: Any = None) -> context.Handle:
+    """Queues :func:`broadcast_`; ``handle.wait()`` returns ``tensor``, overwritten. Leave ``tensor``
+    alone until then."""
+    return _broadcast_call(tensor, root_rank, name, process_set, group, "broadcast_async_", True, True)
 
 
-def barrier(group: Any = None) -> None:
-    """Blocks until every rank of ``group`` has called barrier."""
-    _on_engine(group, "barrier", lambda: context.communicator(group, "barrier").Barrier())
+def barrier(process_set: Any = None, group: Any = None) -> None:
+    """Blocks until every rank of the group (or process set) has called barrier."""
+    group = resolve_group(group, process_set, "barrier")
+    _on_engine(group, "barrier", lambda: context.communicator(group, "barrier").Barrier(), "barrier")

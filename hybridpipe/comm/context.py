@@ -3,12 +3,15 @@
 ``hp.init`` calls :func:`hybridpipe.comm.start` with the settings and the grid; that makes one
 :class:`CommContext`, which owns
 
-* the communicators: the grid's world / data / pipe (made by the runtime, used here), and the private
+* the communicators: the grid's world / data / pipe (made by the runtime, used here), the private
   duplicate of every user communicator passed as ``group=`` (one cache, for direct collectives and the
-  engine alike);
+  engine alike), and the process sets (:mod:`hybridpipe.comm.process_sets`);
 * the allreduce options and wait policies of the settings;
-* the engine: the one communication thread (``csrc/engine.h``), its group ids, and the names this
-  process has in flight on it.
+* the engine: the one communication thread (``csrc/engine.h``), its group ids, the names this
+  process has in flight on it, and what their operations need kept alive until they ran.
+
+A blocking collective runs on the communication thread through :func:`call`; an asynchronous one
+through :func:`submit`, which returns a :class:`Handle` at once.
 
 ``hp.shutdown`` calls :func:`hybridpipe.comm.stop`. Every module of ``hybridpipe.comm`` reaches the
 context through :func:`current`; none of them imports the runtime (imports run runtime → comm).
@@ -16,17 +19,21 @@ context through :func:`current`; none of them imports the runtime (imports run r
 
 from __future__ import annotations
 
+import itertools
 import threading
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
+from .. import _trace
 from .._ext import core
 from ..config import Config
-from ..errors import HybridPipeError, MismatchError, NotInitializedError
+from ..errors import HorovodInternalError, HybridPipeError, MismatchError, NotInitializedError
+from .process_sets import ProcessSet, Registry
 
-__all__ = ["CommContext", "start", "stop", "current", "current_or_none", "communicator", "call", "wait_policy",
-           "allreduce_options_for"]
+__all__ = ["CommContext", "Handle", "start", "stop", "current", "current_or_none", "communicator", "call", "submit",
+           "wait_policy", "allreduce_options_for", "resolve_group", "unnamed", "check_name"]
 
 BUILTIN_GROUPS = ("world", "data", "pipe")
 
@@ -72,7 +79,11 @@ class CommContext:
         self._spinning = allreduce_options_for(config, core().spinning_wait(self.wait))
         self._polite = allreduce_options_for(config, self.wait)
         self._users: dict[int, _UserGroup] = {}
+        self.process_sets = Registry(grid)
         self.in_flight: set[tuple[int, str]] = set()  # (engine group, name) submitted and not waited for
+        # per engine handle: what its operation needs alive until it ran (a call's job, an allreduce's
+        # buffers), released by Handle.wait() or, for handles never waited for, by close()
+        self.keep: dict[int, Any] = {}
         options = core().EngineOptions()
         options.cycle_time_ms = config.cycle_time_ms
         options.stall_check_seconds = config.stall_check_seconds
@@ -100,7 +111,7 @@ class CommContext:
 
         if not isinstance(group, MPI.Intracomm):
             raise TypeError(f"hp.{function}: group must be None, 'world', 'data', 'pipe' or an mpi4py "
-                            f"intracommunicator, got {type(group).__name__}")
+                            f"intracommunicator (or a hp.ProcessSet), got {type(group).__name__}")
         entry = self._users.get(id(group))
         if entry is None or entry.user is not group:
             private = group.Dup()  # collective on `group`; our tags never meet the user's messages
@@ -109,26 +120,44 @@ class CommContext:
         return entry
 
     def communicator(self, group: Any, function: str) -> Any:
-        """hybridpipe's communicator for ``group``: None/"world", "data", "pipe" or an mpi4py comm (whose
-        private duplicate is made, collectively, the first time)."""
+        """hybridpipe's communicator for ``group``: None/"world", "data", "pipe", a registered
+        :class:`ProcessSet` this rank belongs to, or an mpi4py comm (whose private duplicate is made,
+        collectively, the first time)."""
         if group is None:
             return self.grid.world_comm
         if isinstance(group, str):
             if group not in BUILTIN_GROUPS:
-                raise ValueError(f"hp.{function}: unknown group {group!r} (use None/'world', 'data', 'pipe' or "
-                                 "an mpi4py communicator)")
+                raise ValueError(f"hp.{function}: unknown group {group!r} (use None/'world', 'data', 'pipe', a "
+                                 "hp.ProcessSet or an mpi4py communicator)")
             return self._builtin(group)
+        if isinstance(group, ProcessSet):
+            entry = self.process_sets.member_entry(group, function)
+            return self._builtin(entry.builtin) if entry.builtin else entry.comm
         return self._user(group, function).comm
 
+    def set_ranks(self, group: Any, function: str) -> list[int] | None:
+        """The global ranks of ``group`` in its rank order when it is a process set (whose ``root_rank``
+        arguments are global ranks, as in Horovod), else None (a group's ``root_rank`` is its own rank)."""
+        if isinstance(group, ProcessSet):
+            return self.process_sets.member_entry(group, function).ranks
+        return None
+
     def engine_group(self, group: Any, function: str) -> int:
-        """The engine's id of ``group`` (a user communicator joins the engine the first time)."""
+        """The engine's id of ``group`` (a user communicator or process set joins the engine the first time)."""
         if group is None:
             return self._engine_ids["world"]
         if isinstance(group, str):
             if group not in BUILTIN_GROUPS:
-                raise ValueError(f"hp.{function}: unknown group {group!r} (use None/'world', 'data', 'pipe' or "
-                                 "an mpi4py communicator)")
+                raise ValueError(f"hp.{function}: unknown group {group!r} (use None/'world', 'data', 'pipe', a "
+                                 "hp.ProcessSet or an mpi4py communicator)")
             return self._engine_ids[group]
+        if isinstance(group, ProcessSet):
+            set_entry = self.process_sets.member_entry(group, function)
+            if set_entry.builtin:
+                return self._engine_ids[set_entry.builtin]
+            if set_entry.engine_id is None:
+                set_entry.engine_id = self.engine.add_group(set_entry.comm.py2f(), set_entry.label)
+            return set_entry.engine_id
         entry = self._user(group, function)
         if entry.engine_id is None:
             entry.engine_id = self.engine.add_group(entry.comm.py2f(), f"user communicator {id(group):#x}")
@@ -138,17 +167,40 @@ class CommContext:
         """Options of a direct collective now: polite while tensors are in flight on the engine."""
         return self._polite if self.in_flight else self._spinning
 
-    def close(self) -> dict[str, list]:
-        """Stops the engine (collective: every rank's engine agrees to stop), frees the user duplicates;
-        returns the engine's recorded events by group label (timeline)."""
-        self.engine.shutdown()
+    def register_process_sets(self, sets: list[ProcessSet], function: str) -> None:
+        """Registers ``sets`` (hp.init's ``process_sets``, hp.add_process_set): one collective over world."""
+        for process_set in sets:
+            if not isinstance(process_set, ProcessSet):
+                raise TypeError(f"hp.{function}: process_sets must hold hp.ProcessSet objects, got "
+                                f"{type(process_set).__name__}")
+        call(None, function, lambda: self.process_sets.register_here(sets, function))
+
+    def remove_process_set(self, process_set: ProcessSet) -> bool:
+        """Unregisters ``process_set`` (collective over world); see hp.remove_process_set."""
+        return call(None, "remove_process_set", lambda: self.process_sets.remove_here(process_set,
+                                                                                      "remove_process_set"))
+
+    def events(self) -> dict[str, list]:
+        """The engine's recorded events since the last call, by group label (timeline)."""
         labels = {gid: label for label, gid in self._engine_ids.items()}
         users = [entry for entry in self._users.values() if entry.engine_id is not None]
         labels.update({entry.engine_id: f"user {i}" for i, entry in enumerate(users)})
-        events = {labels[gid]: self.engine.take_events(gid) for gid in sorted(labels)}
+        labels.update({gid: f"process set {'/'.join(map(str, members))}"
+                       for members, gid in self.process_sets.engine_ids.items()})
+        labels.update({entry.engine_id: entry.label for entry in self.process_sets.entries.values()
+                       if entry.engine_id is not None})
+        return {labels[gid]: self.engine.take_events(gid) for gid in sorted(labels)}
+
+    def close(self) -> dict[str, list]:
+        """Stops the engine (collective: every rank's engine agrees to stop), frees the user duplicates and
+        the process sets' communicators; returns the engine's recorded events by group label (timeline)."""
+        self.engine.shutdown()
+        events = self.events()
+        self.keep.clear()  # the thread has stopped: nothing it ran can still use these
         for entry in self._users.values():
             entry.comm.Free()
         self._users.clear()
+        self.process_sets.close()
         return events
 
 
@@ -192,9 +244,151 @@ def communicator(group: Any, function: str) -> Any:
 _on_engine_thread = threading.local()
 _Result = TypeVar("_Result")
 _CALL_NAME = "hybridpipe.collective"  # one at a time per group and process: the name can repeat
+_unnamed = itertools.count()
 
 
-def call(group: Any, function: str, work: Callable[[], _Result]) -> _Result:
+def unnamed(function: str) -> str:
+    """The name of the next unnamed asynchronous call of this process (the n-th unnamed call: the same
+    on every rank that makes the same calls in the same order, as in Horovod)."""
+    return f"{function}.noname.{next(_unnamed)}"
+
+
+def check_name(name: Any, function: str) -> None:
+    """TypeError unless ``name`` is None or a non-empty str."""
+    if name is not None and (not isinstance(name, str) or not name):
+        raise TypeError(f"hp.{function}: name must be a non-empty str, got {name!r}")
+
+
+def resolve_group(group: Any, process_set: Any, function: str) -> Any:
+    """The group a collective runs over, from hybridpipe's ``group=`` or Horovod's ``process_set=``
+    (two spellings of one argument; None/None is the whole job)."""
+    if process_set is None:
+        return group
+    if group is not None:
+        raise ValueError(f"hp.{function}: pass the ranks as group= or as process_set=, not both (got group={group!r} "
+                         f"and process_set={process_set!r})")
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"hp.{function}: process_set must be a hp.ProcessSet (e.g. hp.global_process_set), got "
+                        f"{type(process_set).__name__}; for 'data', 'pipe' or a communicator use group=")
+    return process_set
+
+
+class Handle:
+    """An operation queued on the communication thread: an asynchronous allreduce (``hp.allreduce_async_``)
+    or any other ``*_async`` collective. :meth:`wait` (``hp.synchronize``) returns its result.
+
+    Example:
+        >>> handle = hp.allgather_async(torch.ones(2, 3), name="rows")
+        >>> hp.poll(handle)                       # True once done; never blocks
+        >>> rows = hp.synchronize(handle)         # the same as handle.wait()
+    """
+
+    def __init__(self, state: CommContext, handle: int, key: tuple[int, str], function: str,
+                 finish: Callable[[], Any], mismatch: Callable[[str], str] = lambda error: error) -> None:
+        self._state, self._handle, self._key, self._function = state, handle, key, function
+        self._finish, self._mismatch = finish, mismatch
+        self._result: Any = None
+        self._outcome: BaseException | None = None
+        self._finished = False
+        self.started_at = 0.0   #: time.monotonic() when its allreduce began (after wait(); 0 if never ran)
+        self.finished_at = 0.0  #: time.monotonic() when its allreduce ended
+
+    @property
+    def name(self) -> str:
+        """The name that matched this operation across ranks."""
+        return self._key[1]
+
+    def poll(self) -> bool:
+        """True once the operation finished (or failed); never blocks."""
+        return self._finished or self._state.engine.poll(self._handle)
+
+    def wait(self) -> Any:
+        """Blocks until the operation finished; returns its result (the reduced tensor / array, the
+        gathered one, ``(output, received_splits)`` of an alltoall, a list for grouped calls).
+
+        Raises:
+            MismatchError: ranks submitted this name with different shapes, dtypes, ops or collectives
+                (on every rank).
+            HorovodInternalError: the communication thread stopped or failed.
+        """
+        if not self._finished:
+            error, self.started_at, self.finished_at, kind = self._state.engine.wait(self._handle)
+            self._state.in_flight.discard(self._key)
+            self._state.keep.pop(self._handle, None)
+            self._finished = True
+            try:
+                if error:
+                    if kind == core().ErrorKind.Mismatch:
+                        raise MismatchError(self._mismatch(error))
+                    raise HorovodInternalError(f"hp.{self._function}: {error}")
+                self._result = self._finish()
+            except BaseException as failure:  # raised again by every later wait()
+                self._outcome = failure
+            finally:
+                self._finish = lambda: None
+        if self._outcome is not None:
+            raise self._outcome
+        return self._result
+
+    def __repr__(self) -> str:
+        return f"<hp.Handle {self.name!r} {'done' if self._finished else 'in flight'}>"
+
+
+def queue(state: CommContext, group_id: int, name: str, function: str, submit: Callable[[], int], keep: Any,
+          finish: Callable[[], Any], mismatch: Callable[[str], str] = lambda error: error,
+          track: bool = True) -> Handle:
+    """Submits one operation to the engine (``submit()`` returns the engine's handle) and wraps it."""
+    key = (group_id, name)
+    if track and key in state.in_flight:
+        raise HybridPipeError(f"hp.{function}: a tensor named {name!r} is already in flight on this group; "
+                              "wait for its handle first or use another name")
+    try:
+        handle = submit()
+    except ValueError as error:  # a name already pending on the engine, an unknown group
+        raise HybridPipeError(f"hp.{function}: {error}") from None
+    except RuntimeError as error:  # the engine stopped (stall shutdown, MPI failure, shutting down)
+        raise HorovodInternalError(f"hp.{function}: {error}") from None
+    state.keep[handle] = keep
+    if track:
+        state.in_flight.add(key)
+    return Handle(state, handle, key, function, finish, mismatch)
+
+
+def _call_handle(state: CommContext, group: Any, function: str, name: str, collective: str,
+                 work: Callable[[], Any], track: bool) -> Handle:
+    group_id = state.engine_group(group, function)
+    outcome: dict[str, Any] = {}
+    recording = _trace.enabled()
+
+    def job() -> None:
+        _on_engine_thread.inside = True
+        start = time.monotonic()
+        try:
+            outcome["value"] = work()
+        except BaseException as error:  # handed to the thread that waits
+            outcome["error"] = error
+        finally:
+            _on_engine_thread.inside = False
+            if recording:
+                _trace.record(function, "collective", "collectives", start, time.monotonic(),
+                              {"name": name} if track else None)
+
+    def finish() -> Any:
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    kind = zlib.crc32(collective.encode()) & 0x7FFFFFFF
+
+    def mismatch(error: str) -> str:
+        return (f"hp.{function}: ranks of the group called different collectives at this point (each rank's kind is "
+                f"crc32 of the collective's name; {collective} is {kind}): {error}")
+
+    return queue(state, group_id, name, function, lambda: state.engine.submit_call(group_id, name, kind, job), job,
+                 finish, mismatch, track)
+
+
+def call(group: Any, function: str, work: Callable[[], _Result], collective: str | None = None) -> _Result:
     """Runs ``work()`` (a blocking collective over ``group``) on the engine's communication thread, at
     a point of its sequence that every rank of ``group`` agrees on, and returns its result (or raises
     its exception) here.
@@ -205,36 +399,26 @@ def call(group: Any, function: str, work: Callable[[], _Result]) -> _Result:
     it. Without a running engine (before hp.init's engine starts, after shutdown), or when already on
     the engine thread, ``work()`` simply runs here.
 
+    Args:
+        collective: what the ranks must agree they are calling (default: ``function``).
+
     Raises:
         MismatchError: ranks of the group called different collectives at this point (every rank).
     """
     state = _current
     if state is None or getattr(_on_engine_thread, "inside", False):
         return work()
-    group_id = state.engine_group(group, function)
-    outcome: dict[str, Any] = {}
+    return _call_handle(state, group, function, _CALL_NAME, collective or function, work, track=False).wait()
 
-    def job() -> None:
-        _on_engine_thread.inside = True
-        try:
-            outcome["value"] = work()
-        except BaseException as error:  # handed to the calling thread
-            outcome["error"] = error
-        finally:
-            _on_engine_thread.inside = False
 
-    kind = zlib.crc32(function.encode()) & 0x7FFFFFFF
-    try:
-        handle = state.engine.submit_call(group_id, _CALL_NAME, kind, job)
-    except (RuntimeError, ValueError) as error:
-        raise HybridPipeError(f"hp.{function}: {error}") from None
-    error, _, _, error_kind = state.engine.wait(handle)  # `job` stays referenced here until done
-    if error:
-        if error_kind == core().ErrorKind.Mismatch:
-            raise MismatchError(f"hp.{function}: ranks of the group called different collectives at this point "
-                                f"(each rank's kind is crc32 of the function name; hp.{function} is {kind}): "
-                                f"{error}")
-        raise HybridPipeError(f"hp.{function}: {error}")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
+def submit(group: Any, function: str, name: str | None, work: Callable[[], Any], collective: str) -> Handle:
+    """Queues ``work()`` (a blocking collective over ``group``) on the communication thread and returns a
+    :class:`Handle` at once; ranks match it by ``name`` (default: the next unnamed name) and must agree on
+    ``collective``. ``work`` stays referenced until the handle is waited for (or hp.shutdown)."""
+    state = current(function)
+    if getattr(_on_engine_thread, "inside", False):
+        raise HybridPipeError(f"hp.{function} cannot be queued from inside a collective running on the "
+                              "communication thread")
+    check_name(name, function)
+    return _call_handle(state, group, function, name if name is not None else unnamed(function), collective, work,
+                        track=True)
