@@ -5,7 +5,7 @@ import time
 import pytest
 from mpi4py import MPI
 
-pytestmark = pytest.mark.mpi(ranks=2, timeout=20)
+pytestmark = pytest.mark.mpi(ranks=2, timeout=10)
 
 
 def test_hangs():
