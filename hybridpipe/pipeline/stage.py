@@ -29,12 +29,14 @@ Design reasons:
   restored (same dropout masks) and then back-propagates. Outputs of such a forward are marked
   "requires grad" for the next chunk when they are floating point, as torch.utils.checkpoint
   does; a gradient that comes back as ``None`` is skipped.
-* Split backward (``I`` then ``W``, zero-bubble schedules): during the forward the inputs and
-  outputs of the chunk's ``nn.Linear`` calls are recorded. ``I`` back-propagates into the chunk's
-  input, the recorded Linear outputs and the parameters of every other layer (those are
-  *fused*: their weight gradients come in ``I``); ``W`` computes each Linear's weight and bias
-  gradients from its recorded input and output gradient (two matrix products) and accumulates
-  them through autograd, so gradient hooks fire as for a plain backward.
+* Split backward (``I`` then ``W``, zero-bubble schedules): during the forward the outputs of
+  the chunk's *splittable* layers are recorded — ``nn.Linear``, ``nn.Conv1d/2d/3d``,
+  ``nn.Embedding``, ``nn.LayerNorm``, ``nn.GroupNorm`` (their forward uses only their own
+  parameters), and any module with ``hybridpipe_split_backward = True``. ``I`` back-propagates
+  into the chunk's input, those recorded outputs and the parameters of every other layer (those
+  are *fused*: their weight gradients come in ``I``), keeping the graph. ``W`` then runs, per
+  recorded call, autograd from that output's gradient into that layer's own parameters only —
+  for a Linear one matrix product — so gradient hooks fire as for a plain backward.
 * Failure: an exception on one rank is sent to its neighbours on a dedicated error tag; every
   wait also watches those, so the neighbours raise :class:`~hybridpipe.comm.p2p.RemoteError`
   and forward it, and the whole pipeline raises instead of hanging.
@@ -129,8 +131,8 @@ class _Chunk:
         self.next_rank = stage_to_rank(stage + 1, ranks)
         self.phase: str | None = None        # see gradient_phase
         self.stash: WeightStash | None = None  # asynchronous schedules
-        self.linears: list[nn.Linear] = []   # split backward: the Linear layers whose W is deferred
-        self.recording: list[tuple[nn.Linear, torch.Tensor, torch.Tensor, int]] | None = None
+        self.splittable: list[nn.Module] = []  # split backward: layers whose W is deferred
+        self.recording: list[tuple[nn.Module, list[torch.Tensor], list[int]]] | None = None
         self.fused_layers: set[str] = set()  # split backward: layers whose weight gradients came in I
         reference = weakref.ref(self)
         for parameter in module.parameters():
@@ -146,7 +148,7 @@ class _Stored:
     recompute: bool = False
     version: int | None = None      # asynchronous: the weight version the forward used
     weights: dict[str, torch.Tensor] | None = None
-    linears: list[tuple[nn.Linear, torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
+    calls: list[tuple[nn.Module, list[torch.Tensor], list[int]]] = field(default_factory=list)  # split backward
 
 
 @dataclass
@@ -222,18 +224,19 @@ class StageExecutor:
         self.carry_versions = vertical_sync
 
     def split_backward(self) -> None:
-        """Zero-bubble schedules: defer the weight gradients of ``nn.Linear`` layers to ``W``."""
+        """Zero-bubble schedules: defer the weight gradients of the splittable layers to ``W``."""
         for chunk in self.chunks.values():
-            chunk.linears = [m for m in chunk.module.modules()
-                             if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward]
-            for layer in chunk.linears:
+            chunk.splittable = [m for m in chunk.module.modules() if _splittable(m)]
+            for layer in chunk.splittable:
                 layer.register_forward_hook(self._recorder(chunk))
 
     @staticmethod
     def _recorder(chunk: _Chunk) -> Callable:
-        def record(layer: nn.Linear, args: tuple, output: Any) -> None:
-            if chunk.recording is not None and isinstance(output, torch.Tensor) and output.requires_grad:
-                chunk.recording.append((layer, args[0], output, output._version))
+        def record(layer: nn.Module, args: tuple, output: Any) -> None:
+            if chunk.recording is not None:
+                outputs = [t for t in iter_tensors(output) if t.requires_grad]
+                if outputs:
+                    chunk.recording.append((layer, outputs, [t._version for t in outputs]))
 
         return record
 
@@ -430,7 +433,7 @@ class StageExecutor:
             else:
                 self._send((carried, y) if self.carry_versions else y, chunk.stage + 1, m, False)
         elif (chunk.stage, m) in step.keep_graph:
-            chunk.recording = stored.linears if chunk.linears else None
+            chunk.recording = stored.calls if chunk.splittable else None
             try:
                 y = forward(x)
             finally:
@@ -465,7 +468,7 @@ class StageExecutor:
     def _recompute(self, step: _Step, chunk: _Chunk, m: int, stored: _Stored) -> Any:
         step.result.recomputed += 1
         forward = chunk.module if stored.weights is None else chunk.stash.call(stored.weights)
-        chunk.recording = stored.linears if chunk.linears else None
+        chunk.recording = stored.calls if chunk.splittable else None
         try:
             with timeline.span(f"R{m}", "recompute", stage=chunk.stage, micro_batch=m), stored.saved.replay(), \
                     torch.enable_grad():
@@ -510,58 +513,49 @@ class StageExecutor:
         if action.kind is ActionKind.BACKWARD:
             self._finish(step, chunk, key, stored)
         else:
-            stored.x = stored.saved = None  # what W needs is in stored.linears
+            stored.x = stored.saved = None  # what W needs is in stored.calls (and their graph)
 
     def _input_gradients(self, chunk: _Chunk, stored: _Stored, roots: list, root_grads: list,
                          inputs: list[torch.Tensor]) -> None:
-        """``I``: gradients into the chunk's input, the recorded Linear outputs and the parameters
-        of the layers whose weight gradient cannot be deferred (accumulated into their ``.grad``)."""
+        """``I``: gradients into the chunk's input, the recorded outputs of splittable layers and the
+        parameters of the other layers (accumulated into their ``.grad``); the graph stays for ``W``."""
         deferred: set[int] = set()
         usable = []
-        for layer, layer_input, output, version in stored.linears:
-            if output._version == version and not isinstance(layer_input, tuple):
-                usable.append((layer, layer_input, output))
-                deferred.update(id(p) for p in layer.parameters())
-            else:  # modified in place after the Linear (e.g. ReLU(inplace=True)): not separable
+        for layer, outputs, versions in stored.calls:
+            if [t._version for t in outputs] == versions:
+                usable.append((layer, outputs))
+                deferred.update(id(p) for p in layer.parameters(recurse=False))
+            else:  # modified in place after the layer (e.g. ReLU(inplace=True)): not separable
                 chunk.fused_layers.add(_layer_name(chunk, layer) + " (output modified in place)")
-        stored.linears = usable
+        stored.calls = usable
         fused = [p for p in chunk.module.parameters() if p.requires_grad and id(p) not in deferred]
-        targets = inputs + fused + [output for _, _, output in usable]
+        targets = inputs + fused + [t for _, outputs in usable for t in outputs]
         if fused:
             chunk.fused_layers.update(_owners(chunk, fused))
         if targets:
             # partial: the hooks leave fused layers' gradients to DistributedOptimizer.synchronize()
             chunk.phase = "partial"
             try:
-                torch.autograd.backward(roots, root_grads, inputs=targets)
+                torch.autograd.backward(roots, root_grads, inputs=targets, retain_graph=bool(usable))
             finally:
                 chunk.phase = None
 
     def _weight(self, step: _Step, chunk: _Chunk, action: Action, index: int) -> None:
-        """``W``: the deferred Linear weight gradients of one micro-batch."""
+        """``W``: the deferred weight gradients of one micro-batch, layer call by layer call."""
         m = action.micro_batch
         key = (chunk.stage, m)
         stored = self._stored[key]
         start = time.monotonic()
-        tensors, grads = [], []
-        for layer, layer_input, output in stored.linears:
-            grad = output.grad
-            if grad is None:
-                continue
-            grad2 = grad.reshape(-1, grad.shape[-1])
-            if layer.weight.requires_grad:
-                tensors.append(layer.weight)
-                grads.append(grad2.t().mm(layer_input.reshape(-1, layer_input.shape[-1]).to(grad2.dtype)))
-            if layer.bias is not None and layer.bias.requires_grad:
-                tensors.append(layer.bias)
-                grads.append(grad2.sum(0))
-        final = step.final.get(chunk.stage) == index
-        if tensors:
-            chunk.phase = "final" if final else "partial"
-            try:
-                torch.autograd.backward(tensors, grads)  # accumulates into .grad; gradient hooks fire
-            finally:
-                chunk.phase = None
+        chunk.phase = "final" if step.final.get(chunk.stage) == index else "partial"
+        try:
+            for position, (layer, outputs) in enumerate(stored.calls):
+                pairs = [(t, t.grad) for t in outputs if t.grad is not None]
+                parameters = [p for p in layer.parameters(recurse=False) if p.requires_grad]
+                if pairs and parameters:
+                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], inputs=parameters,
+                                            retain_graph=position < len(stored.calls) - 1)
+        finally:
+            chunk.phase = None
         timeline.record(f"W{m}", "backward", "compute", start, time.monotonic(),
                         {"stage": chunk.stage, "micro_batch": m})
         self._finish(step, chunk, key, stored)
@@ -599,6 +593,19 @@ class StageExecutor:
                 if step.weights else 0.0
         else:
             result.outputs = list(payload)
+
+
+_SPLITTABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.LayerNorm, nn.GroupNorm)
+
+
+def _splittable(module: nn.Module) -> bool:
+    """Whether ``module``'s weight gradients can be deferred: it owns parameters, and it is one of the
+    layer types whose forward uses only those (not overridden) or declares so."""
+    if not any(True for _ in module.parameters(recurse=False)):
+        return False
+    if getattr(module, "hybridpipe_split_backward", False):
+        return True
+    return any(isinstance(module, cls) and type(module).forward is cls.forward for cls in _SPLITTABLE)
 
 
 def _layer_name(chunk: _Chunk, layer: nn.Module) -> str:
