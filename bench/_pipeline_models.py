@@ -73,7 +73,8 @@ def _sleep(seconds: float) -> tuple[float, float]:
 
 
 class _SleepFunction(torch.autograd.Function):
-    """Identity whose forward sleeps ``forward_s`` and whose backward sleeps ``backward_s``."""
+    """Identity on the layer's input whose forward sleeps ``forward_s`` and whose backward sleeps
+    ``backward_s`` (the input-gradient half of the layer's backward)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
@@ -89,20 +90,44 @@ class _SleepFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        start, end = _sleep(ctx.backward_s)
-        SleepClock.backward_s += end - start
-        SleepClock.backward_calls += 1
-        if SleepClock.events is not None:
-            SleepClock.events.append(("B", ctx.micro_batch, start, end))
+        _backward_sleep(ctx.backward_s, ctx.micro_batch)
         return grad, None, None
 
 
+class _WeightSleepFunction(torch.autograd.Function):
+    """Identity on the layer's weight whose backward sleeps ``backward_s`` (the weight-gradient half)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, backward_s: float) -> torch.Tensor:
+        ctx.backward_s = backward_s
+        ctx.micro_batch = max(SleepClock._step_forwards - 1, 0) // SleepClock.layers
+        return weight.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        _backward_sleep(ctx.backward_s, ctx.micro_batch)
+        return grad, None
+
+
+def _backward_sleep(seconds: float, micro_batch: int) -> None:
+    start, end = _sleep(seconds)
+    SleepClock.backward_s += end - start
+    SleepClock.backward_calls += 0.5
+    if SleepClock.events is not None:
+        SleepClock.events.append(("B", micro_batch, start, end))
+
+
 class SleepLayer(nn.Module):
-    """A layer whose cost is a fixed sleep: forward ``forward_ms``, backward ``backward_ms``.
+    """A layer whose cost is a fixed sleep: forward ``forward_ms``, backward ``backward_ms``, half of it
+    on the input-gradient path and half on the weight-gradient path, so that a zero-bubble schedule,
+    which asks autograd for the two separately, sleeps half in each of its I and W passes.
 
     It has a weight (one scale per feature) so that every stage, the first one included, has
-    parameters and runs a backward; the arithmetic on the tiny tensors is negligible.
+    parameters and runs a backward; the arithmetic on the tiny tensors is negligible. Its weight is
+    used only in its forward (``hybridpipe_split_backward``).
     """
+
+    hybridpipe_split_backward = True
 
     def __init__(self, width: int, forward_ms: float, backward_ms: float) -> None:
         super().__init__()
@@ -110,7 +135,8 @@ class SleepLayer(nn.Module):
         self.forward_s, self.backward_s = forward_ms / 1e3, backward_ms / 1e3
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SleepFunction.apply(x * self.weight, self.forward_s, self.backward_s)
+        h = _SleepFunction.apply(x, self.forward_s, self.backward_s / 2)
+        return h * _WeightSleepFunction.apply(self.weight, self.backward_s / 2)
 
 
 def layer_class_and_args(model: str, width: int, forward_ms: float = 0.0,

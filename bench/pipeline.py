@@ -80,7 +80,12 @@ sys.path.insert(1, str(HERE.parent))  # hybridpipe from this checkout when it is
 
 from _common import command_line, int_list, progress, render, run_worker, start_gloo  # noqa: E402
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "pipedream", "2bw")
+ASYNCHRONOUS = ("pipedream", "2bw")
+VIRTUAL_STAGES = 2  # interleaved-1f1b, and torch's interleaved schedules
+# torch.distributed.pipelining's schedule for each of ours (None: it has none)
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+                   "zb-h1": "ScheduleInterleavedZeroBubble", "pipedream": None, "2bw": None}
 SEED = 1234
 DATA_SEED = 99
 LEARNING_RATE = 0.01
@@ -180,7 +185,7 @@ class Worker:
                                  "last_loss": self.loss_to_rank0(last_loss.get(name)),
                                  "sleep_per_rank": self.gather(sleeps[name]),
                                  "gaps": (action_gaps(self.gather(events[name]))
-                                          if args.model == "sleep" else {})}
+                                          if args.model == "sleep" and name in ("gpipe", "1f1b") else {})}
                           for name in names},
             "rss_start_kib": self.gather(rss_start),
             "rss_peak_kib": self.gather(rss_peak),
@@ -278,11 +283,22 @@ class HybridpipeWorker(MPIWorker):
         torch, args, hp = self.torch, self.args, self.hp
         from torch import nn
 
+        from _pipeline_models import uniform_balance
+
         specs = [hp.LayerSpec(self.layer_cls, *self.layer_args) for _ in range(args.layers)]
         for schedule in args.schedules:
+            if schedule in ASYNCHRONOUS:  # the pipeline applies the optimizer itself, never flushing
+                model = hp.PipelineModel(specs, loss_fn=nn.MSELoss(), micro_batches=args.micro_batches,
+                                         balance=self.balance, schedule=schedule, checkpoint="never",
+                                         seed_layers=SEED, optimizer=lambda p: torch.optim.SGD(p, lr=LEARNING_RATE))
+                self.models.append(model)
+                self.step_fns[schedule] = lambda model=model: model.train_step(self.inputs, self.targets)
+                continue
+            chunks = {"virtual_stages": VIRTUAL_STAGES} if schedule == "interleaved-1f1b" else {}
+            balance = uniform_balance(args.layers, args.stages * VIRTUAL_STAGES) if chunks else self.balance
             model = hp.PipelineModel(specs, loss_fn=nn.MSELoss(), micro_batches=args.micro_batches,
-                                     balance=self.balance, schedule=schedule, checkpoint="never",
-                                     seed_layers=SEED)
+                                     balance=balance, schedule=schedule, checkpoint="never",
+                                     seed_layers=SEED, **chunks)
             optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
             self.models.append(model)
 
@@ -312,18 +328,23 @@ class TorchPipeliningWorker(MPIWorker):
     def build(self) -> None:
         torch, args = self.torch, self.args
         from torch import nn
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        import torch.distributed.pipelining as pipelining
+        from torch.distributed.pipelining import PipelineStage
 
-        from _pipeline_models import build_layer, stage_range
+        from _pipeline_models import build_layer, stage_range, uniform_balance
 
-        classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
         first, last = self.rank == 0, self.rank == self.size - 1
         for schedule in args.schedules:
-            submodule = nn.Sequential(*[build_layer(i, SEED, self.layer_cls, self.layer_args)
-                                        for i in stage_range(self.balance, self.rank)])
-            stage = PipelineStage(submodule, self.rank, self.size, torch.device("cpu"))
-            runner = classes[schedule](stage, args.micro_batches, loss_fn=nn.MSELoss())
-            optimizer = torch.optim.SGD(submodule.parameters(), lr=LEARNING_RATE)
+            cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
+            looped = schedule in ("interleaved-1f1b", "zb-h1")  # torch's: v stages per rank, chunk r + k·P
+            parts = self.size * VIRTUAL_STAGES if looped else self.size
+            balance = uniform_balance(args.layers, parts)
+            indices = range(self.rank, parts, self.size) if looped else [self.rank]
+            submodules = [nn.Sequential(*[build_layer(i, SEED, self.layer_cls, self.layer_args)
+                                          for i in stage_range(balance, index)]) for index in indices]
+            stages = [PipelineStage(m, index, parts, torch.device("cpu")) for m, index in zip(submodules, indices)]
+            runner = cls(stages if looped else stages[0], args.micro_batches, loss_fn=nn.MSELoss())
+            optimizer = torch.optim.SGD([p for m in submodules for p in m.parameters()], lr=LEARNING_RATE)
 
             def step(runner: Any = runner, optimizer: Any = optimizer) -> float | None:
                 optimizer.zero_grad(set_to_none=True)
@@ -387,15 +408,20 @@ def plan(args: argparse.Namespace) -> list[Launch]:
             launches.append(Launch("mlp", "single-micro-copies", copies, ["-"], **mlp))
         for p in args.stages:
             for variant in ("hybridpipe",) + (() if args.no_torch else ("torch",)):
-                for schedule in SCHEDULES:
+                for schedule in variant_schedules(variant, args):
                     launches.append(Launch("mlp", variant, p, [schedule], **mlp))
     if not args.no_sleep:
         m, p = args.sleep_micro_batches, args.sleep_stages
         sleep = dict(micro_batches=m, batch=SLEEP_ROWS_PER_MICRO_BATCH * m, width=SLEEP_WIDTH,
-                     layers=args.sleep_layers or p)
+                     layers=args.sleep_layers or VIRTUAL_STAGES * p)
         for variant in ("hybridpipe",) + (() if args.no_torch else ("torch",)):
-            launches.append(Launch("sleep", variant, p, list(SCHEDULES), **sleep))
+            launches.append(Launch("sleep", variant, p, variant_schedules(variant, args), **sleep))
     return launches
+
+
+def variant_schedules(variant: str, args: argparse.Namespace) -> list[str]:
+    """The schedules (our names) a framework runs: ours all of --pipeline-schedules, torch the ones it has."""
+    return [s for s in args.pipeline_schedules if variant == "hybridpipe" or TORCH_SCHEDULES[s] is not None]
 
 
 def run_launch(launch: Launch, args: argparse.Namespace, folder: Path, index: int) -> None:
@@ -538,30 +564,51 @@ def _ratio(measured: float, ideal: float) -> str:
     return f"{measured / ideal:.3f}" if ideal > 0 else "n/a"
 
 
+def _theory_ms(schedule: str, p: int, m: int, f_ms: float, b_ms: float) -> float:
+    """A step of ``schedule`` on an ideal machine (free communication and framework), from the schedule
+    data: F and B are one stage's forward and backward per micro-batch; a chunk of an interleaved
+    schedule takes 1/v of them; a W half of B. The asynchronous schedules never drain: M·(F+B)."""
+    from hybridpipe.pipeline import schedule as sched
+
+    if schedule in ASYNCHRONOUS:
+        return m * (f_ms + b_ms)
+    chunks = VIRTUAL_STAGES if schedule == "interleaved-1f1b" else 1
+    plan = sched.get_schedule(schedule, p, m, chunks)
+    return sched.simulate(plan, f_ms / chunks, b_ms / chunks).makespan
+
+
+def _slept_ms(launch: Launch, schedule: str) -> float:
+    """M·(F+B) as the sleeps actually lasted (time.sleep overshoots): the busiest stage's sleep per step."""
+    per_step = []
+    for result in launch.results:
+        steps = len(result["schedules"][schedule]["block_seconds"]) * result["steps_per_block"]
+        per_step.append(max(rank["forward_s"] + rank["backward_s"]
+                            for rank in result["schedules"][schedule]["sleep_per_rank"]) / steps * 1e3)
+    return statistics.mean(per_step)
+
+
 def sleep_rows(launches: list[Launch], args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
-    header = ["framework", "P", "M", "schedule", "ms/step", "ideal ms (nominal)", "measured / ideal",
-              "ideal ms (measured sleeps)", "measured / ideal (measured sleeps)", "bubble (P−1)/(M+P−1)",
+    header = ["framework", "P", "M", "schedule", "ms/step", "theory ms", "measured / theory", "M·(F+B) slept ms",
+              "measured / M·(F+B) slept", "bubble measured", "bubble theory", "bubble ÷ hybridpipe 1F1B's",
               "ms per action, input ready (median)", "ms per hop (median)", "CPU cores used"]
     rows = []
-    for launch in (launch for launch in launches if launch.model == "sleep"):
+    sleep = [launch for launch in launches if launch.model == "sleep"]
+    reference = next((x for x in sleep if x.variant == "hybridpipe" and "1f1b" in x.schedules), None)
+    one_f_bubble = (1 - _slept_ms(reference, "1f1b") / (_step_seconds(reference, "1f1b") * 1e3)) if reference else None
+    for launch in sleep:
         p, m = launch.stages, launch.micro_batches
-        per_stage = max(launch.results[0]["balance"])
+        per_stage = launch.layers / p
         f_ms, b_ms = (v * per_stage for v in args.sleep_ms)
-        ideal = (m + p - 1) * (f_ms + b_ms)
         for schedule in launch.schedules:
             step_ms = _step_seconds(launch, schedule) * 1e3
-            # F + B per stage and micro-batch as slept, averaged over stages and rounds
-            totals = []
-            for result in launch.results:
-                blocks = len(result["schedules"][schedule]["block_seconds"]) * result["steps_per_block"]
-                for rank in result["schedules"][schedule]["sleep_per_rank"]:
-                    totals.append((rank["forward_s"] + rank["backward_s"]) / (blocks * m) * 1e3)
-            slept = statistics.mean(totals) * (m + p - 1)
+            theory = _theory_ms(schedule, p, m, f_ms, b_ms)
+            slept = _slept_ms(launch, schedule)
+            bubble = 1 - slept / step_ms
             rows.append([VARIANT_LABELS[launch.variant], str(p), str(m), schedule, f"{step_ms:.1f}",
-                         f"{ideal:.1f}", _ratio(step_ms, ideal), f"{slept:.1f}",
-                         _ratio(step_ms, slept if ideal > 0 else 0.0),
-                         f"{(p - 1) / (m + p - 1):.3f}", _gap(launch, schedule, "local"),
-                         _gap(launch, schedule, "hop"),
+                         f"{theory:.1f}", _ratio(step_ms, theory), f"{slept:.1f}", _ratio(step_ms, slept),
+                         f"{bubble:.3f}", f"{1 - m * (f_ms + b_ms) / theory:.3f}",
+                         f"{bubble / one_f_bubble:.2f}" if one_f_bubble else "n/a",
+                         _gap(launch, schedule, "local"), _gap(launch, schedule, "hop"),
                          f"{_cpu_cores(launch, schedule):.2f}"])
     return header, rows
 
@@ -601,9 +648,15 @@ def report(launches: list[Launch], args: argparse.Namespace, started: str, total
     if sleep:
         first = sleep[0]
         out += [f"Sleep-emulated model: {first.layers} layers over P={first.stages} stages, each layer's "
-                f"forward sleeps {args.sleep_ms[0]:g} ms and backward {args.sleep_ms[1]:g} ms; micro-batches "
-                f"of {SLEEP_ROWS_PER_MICRO_BATCH}×{SLEEP_WIDTH} floats; ideal = (M+P−1)·(F+B) for both "
-                "schedules; the two schedules of a framework interleaved in one launch. ms per action, input "
+                f"forward sleeps {args.sleep_ms[0]:g} ms and backward {args.sleep_ms[1]:g} ms (half for the input "
+                "gradient, half for the weight gradient: zero-bubble schedules run them apart); micro-batches "
+                f"of {SLEEP_ROWS_PER_MICRO_BATCH}×{SLEEP_WIDTH} floats; F and B = one stage's sleeps per "
+                "micro-batch (nominal). theory = the step on an ideal machine, simulated from hybridpipe's schedule data "
+                f"(interleaved: v = {VIRTUAL_STAGES} chunks per rank of F/v, B/v; zb-h1: W = B/2; pipedream and "
+                "2bw never drain: M·(F+B)); M·(F+B) slept = the busiest rank's sleeps per step as they lasted (each "
+                "time.sleep overshoots by tens of µs); bubble = 1 − M·(F+B) slept / step time; torch's interleaved zero-bubble "
+                f"schedule runs v = {VIRTUAL_STAGES} chunks per rank and is compared with zb-h1 and its theory; "
+                "the schedules of a framework interleaved in one launch. ms per action, input "
                 "ready = median time from the end of a stage's previous action to the first sleep of its "
                 "next one when that action's input was already there (the framework's own cost per action: "
                 "bookkeeping, sends, receives, autograd); ms per hop = the same when the input came last, "
@@ -646,12 +699,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per schedule first (default 2)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="repeat every launch this often, order rotated (default 1)")
-    parser.add_argument("--sleep-ms", default="2,4",
-                        help="sleep model: forward,backward sleep per layer in ms (default 2,4)")
+    parser.add_argument("--sleep-ms", default="5,10",
+                        help="sleep model: forward,backward sleep per layer in ms (default 5,10)")
+    parser.add_argument("--pipeline-schedules", default=",".join(SCHEDULES),
+                        help=f"hybridpipe schedules to run (default all: {','.join(SCHEDULES)}); torch runs its "
+                             "counterparts of these")
     parser.add_argument("--sleep-stages", type=int, default=4, help="sleep model: P (default 4)")
-    parser.add_argument("--sleep-micro-batches", type=int, default=16, help="sleep model: M (default 16)")
+    parser.add_argument("--sleep-micro-batches", type=int, default=8, help="sleep model: M (default 8)")
     parser.add_argument("--sleep-layers", type=int, default=0,
-                        help="sleep model: layers (default P, one per stage)")
+                        help=f"sleep model: layers (default {VIRTUAL_STAGES}·P, one per interleaved chunk)")
     parser.add_argument("--no-torch", action="store_true", help="leave out torch.distributed.pipelining")
     parser.add_argument("--no-mlp", action="store_true", help="leave out the MLP throughput benchmark")
     parser.add_argument("--no-sleep", action="store_true",
@@ -679,6 +735,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--sleep-ms needs two non-negative numbers, forward,backward (got {args.sleep_ms!r})")
     args.sleep_ms = sleep_ms
     args.schedules = [s for s in args.schedules.split(",") if s]
+    args.pipeline_schedules = [s for s in args.pipeline_schedules.split(",") if s]
+    unknown = [s for s in args.pipeline_schedules if s not in SCHEDULES]
+    if unknown:
+        parser.error(f"--pipeline-schedules: unknown {unknown} (use some of {', '.join(SCHEDULES)})")
     for name in ("micro_batches", "batch", "width", "layers", "steps", "blocks", "rounds", "sleep_stages",
                  "sleep_micro_batches"):
         if getattr(args, name) < 1:

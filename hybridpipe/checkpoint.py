@@ -117,7 +117,8 @@ def save_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
     Args:
         directory: the checkpoint directory (created).
         model: a ``hp.PipelineModel`` (each stage saves its layers) or a plain module (rank 0 saves).
-        optimizer: the (Distributed)Optimizer over ``model.parameters()``, or None.
+        optimizer: the (Distributed)Optimizer over ``model.parameters()``, or None (an asynchronous
+            PipelineModel: its own ``model.optimizer``; its in-flight micro-batches are flushed first).
         step: the training step, part of the checkpoint's name.
         extra: small picklable-by-torch values (ints, floats, strings, tensors) to restore with it.
 
@@ -125,6 +126,9 @@ def save_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
         The path of the written checkpoint (``DIR/step-XXXXXXXX``).
     """
     grid = runtime._require("save_checkpoint").grid
+    if callable(getattr(model, "flush", None)):
+        model.flush()  # asynchronous pipeline schedules: apply what is in flight first
+    optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
     root = Path(directory)
     name = f"step-{int(step):08d}"
     target = root / name
@@ -312,7 +316,8 @@ def load_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
     Args:
         directory: a checkpoint directory's parent (its ``latest`` is used) or one checkpoint.
         model: a ``hp.PipelineModel`` or plain module, as given to :func:`save_checkpoint`.
-        optimizer: the optimizer over ``model.parameters()``, or None.
+        optimizer: the optimizer over ``model.parameters()``, or None (an asynchronous PipelineModel:
+            its own ``model.optimizer``).
         restore_rng: set the random generators from the checkpoint (see the module docstring for
             the rule when the grid differs); False leaves them alone.
 
@@ -328,6 +333,9 @@ def load_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
             another shape (names and shapes given).
     """
     grid = runtime._require("load_checkpoint").grid
+    if callable(getattr(model, "flush", None)):
+        model.flush()  # asynchronous pipeline schedules: nothing may be in flight when the weights change
+    optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
     error, checkpoint, manifest, payloads, prepared = "", None, None, [], None
     try:
         checkpoint = _resolve(directory)
@@ -349,6 +357,8 @@ def load_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
         model.load_state_dict(model_state, strict=True)
         if optimizer is not None:
             optimizer.load_state_dict(optimizer_state)
+        if callable(getattr(model, "_restart_weight_versions", None)):
+            model._restart_weight_versions()
         if restore_rng:
             rng = _restore_rng(manifest, payloads, model, grid)
     except Exception as exc:

@@ -15,7 +15,8 @@ Design reasons:
   - ``"pipedream"``: the newest (the stage's current weights); with ``vertical_sync`` the one
     the first stage used for that micro-batch, which travels with the activation;
   - ``"2bw"``: micro-batch ``m`` of mini-batch ``t = m // M`` uses ``max(t - 1, 0)`` — the
-    double-buffered weights of PipeDream-2BW, one update behind.
+    double-buffered weights of PipeDream-2BW, one update behind (counted from the last
+    :meth:`WeightStash.restart`, i.e. a loaded checkpoint).
 """
 
 from __future__ import annotations
@@ -58,6 +59,18 @@ class WeightStash:
         self._users: dict[int, int] = {}  # version -> micro-batches in flight that use it
         self._floor = 0  # no future forward asks for a version below this
         self.peak_versions = 0
+        self._base_version, self._base_micro_batch = 0, 0  # 2BW counts mini-batches from here
+        self._take()
+
+    def restart(self, next_micro_batch: int) -> None:
+        """The live weights were replaced (a checkpoint was loaded) with nothing in flight: they are
+        the only version now, and 2BW's mini-batches count again from ``next_micro_batch``."""
+        if self._users:
+            raise HybridPipeError("cannot restart the weight versions while micro-batches are in flight: "
+                                  "call model.flush() first")
+        self._snapshots.clear()
+        self._base_version, self._base_micro_batch = self.version, next_micro_batch
+        self._floor = self.version
         self._take()
 
     # ------------------------------------------------------------------ versions
@@ -70,7 +83,7 @@ class WeightStash:
         """The version the forward of ``micro_batch`` uses (``carried``: the first stage's, when
         the activation brought one)."""
         if self.policy == "2bw":
-            version = max(micro_batch // self.micro_batches - 1, 0)
+            version = self._base_version + max((micro_batch - self._base_micro_batch) // self.micro_batches - 1, 0)
         elif self.vertical_sync and carried is not None:
             version = carried
         else:
@@ -111,7 +124,8 @@ class WeightStash:
         micro-batch this stage will forward, for 2BW's rule)."""
         self.version += 1
         if self.policy == "2bw":
-            self._floor = max(self._floor, next_forward // self.micro_batches - 1)
+            batch = (next_forward - self._base_micro_batch) // self.micro_batches
+            self._floor = max(self._floor, self._base_version + batch - 1)
         elif not self.vertical_sync:
             self._floor = self.version
         self._prune()  # before the copy: a version nothing needs is gone before the new one exists

@@ -447,8 +447,10 @@ class PipelineModel(nn.Module):
 
         Asynchronous schedules ("pipedream", "2bw"): admits the ``M`` micro-batches into the
         pipeline and runs until the next forward would need a micro-batch not given yet; updates
-        happen inside. Returns the mean loss of the micro-batches that finished in this call (the
-        last stage computes every loss in the call that admits the micro-batch), or None.
+        happen inside, and no rank waits for another at the end of the call. Returns the mean loss
+        of the micro-batches whose backward finished on this stage in this call (each loss travels
+        back with its micro-batch's gradients), or None when none did: on the last stage the ``M``
+        just given, on stage ``s`` those given up to ``P - s - 1`` micro-batches earlier.
 
         Every rank of a pipeline passes the same ``inputs`` and ``targets`` (stage 0 uses the inputs,
         the last stage the targets).
@@ -482,8 +484,16 @@ class PipelineModel(nn.Module):
         calls it) or a change of schedule. Synchronous schedules never have anything in flight."""
         if not self.asynchronous:
             return
-        actions = self._stream.drain()  # may be empty here (the last stage): every rank still runs
+        actions = self._stream.drain()
         self.last_step = self._executor.run(actions, 0, {}, {}, self.loss_fn, {}, self.checkpoint, train=True)
+        self._executor.drain()
+
+    def _restart_weight_versions(self) -> None:
+        """After the live weights were replaced (``hp.load_checkpoint``): asynchronous schedules start
+        their weight versions again from them."""
+        if self.asynchronous:
+            for chunk in self._executor.chunks.values():
+                chunk.stash.restart(self._next_micro_batch)
 
     def weight_versions(self) -> list[tuple[int, int, int]]:
         """For the last ``train_step`` (or ``flush``): ``(micro_batch, forward_version,

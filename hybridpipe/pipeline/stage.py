@@ -146,6 +146,7 @@ class _Stored:
     x: Any                          # the chunk's input
     saved: Any = None               # graph: the output (or the weighted loss); recompute: the RNG state
     recompute: bool = False
+    loss: float | None = None       # last chunk: the micro-batch's mean loss
     version: int | None = None      # asynchronous: the weight version the forward used
     weights: dict[str, torch.Tensor] | None = None
     calls: list[tuple[nn.Module, list[torch.Tensor], list[int]]] = field(default_factory=list)  # split backward
@@ -199,6 +200,7 @@ class StageExecutor:
         self._steps = 0
         self.on_update: Callable[[int, int], None] | None = None  # (stage, micro-batch) for U actions
         self.carry_versions = False  # asynchronous vertical sync: activations carry the weight version
+        self.carry_losses = False  # asynchronous: gradients carry their micro-batch's loss
 
     # ------------------------------------------------------------------ set-up
 
@@ -222,6 +224,7 @@ class StageExecutor:
         for chunk in self.chunks.values():
             chunk.stash = WeightStash(chunk.module, policy, vertical_sync, micro_batches)
         self.carry_versions = vertical_sync
+        self.carry_losses = True
 
     def split_backward(self) -> None:
         """Zero-bubble schedules: defer the weight gradients of the splittable layers to ``W``."""
@@ -401,7 +404,14 @@ class StageExecutor:
             self._stored.clear()
             raise HybridPipeError(f"stage {self.rank}: micro-batches (chunk:micro-batch) {leftover} had a forward "
                                   "but no backward in this schedule")
-        self._share_result(step)
+        if synchronous or not step.train:
+            self._share_result(step)
+            self._drain_sends()
+        else:  # never flushed: no step-end exchange; sends complete as their receivers come to them
+            self._sends = [send for send in self._sends if not send.test()]
+
+    def drain(self) -> None:
+        """Waits for every send still in flight (asynchronous schedules leave them between runs)."""
         self._drain_sends()
 
     # ------------------------------------------------------------------ handlers
@@ -440,7 +450,7 @@ class StageExecutor:
                 chunk.recording = None
             if chunk.last:
                 loss = step.loss_fn(y, self._move(step.targets[m]))
-                step.result.losses[m] = float(loss.detach())
+                stored.loss = float(loss.detach())
                 stored.saved = loss * step.weights[m]
             else:
                 stored.saved = y
@@ -450,10 +460,12 @@ class StageExecutor:
             with torch.no_grad():
                 y = forward(x)
                 if chunk.last:
-                    step.result.losses[m] = float(step.loss_fn(y, self._move(step.targets[m])))
+                    stored.loss = float(step.loss_fn(y, self._move(step.targets[m])))
             if not chunk.last:
                 self._send_forward(chunk, m, stored, y, marked=True)
         if step.train:
+            if chunk.last and not self.carry_losses:
+                step.result.losses[m] = stored.loss
             self._stored[(chunk.stage, m)] = stored
             step.result.peak_stored = max(step.result.peak_stored, len(self._stored))
         timeline.record(f"F{m}", "forward", "compute", start, time.monotonic(),
@@ -484,10 +496,13 @@ class StageExecutor:
         stored = self._stored[key]
         start = time.monotonic()
         saved = self._recompute(step, chunk, m, stored) if stored.recompute else stored.saved
+        loss = stored.loss
         if chunk.last:
             roots, root_grads = [saved], [None]
         else:
             grads = self._wait(step.backward_in.pop(key), f"gradient {m}")
+            if self.carry_losses:
+                loss, grads = grads
             start = time.monotonic()  # the wait is on the p2p track, R<m> before it
             roots, root_grads = [], []
             for tensor, grad in zip(iter_tensors(saved), grads):
@@ -507,9 +522,12 @@ class StageExecutor:
             step.result.last_backward_finished = time.monotonic()
         timeline.record(f"{action.kind.value}{m}", "backward", "compute", start, time.monotonic(),
                         {"stage": chunk.stage, "micro_batch": m})
+        if self.carry_losses:  # the loss of m travels back with its gradients
+            step.result.losses[m] = loss
         if not chunk.first:
             input_grads = [t.grad if t.requires_grad else None for t in iter_tensors(stored.x)]
-            self._send(input_grads, chunk.stage - 1, m, True)
+            self._send((loss, input_grads) if self.carry_losses else input_grads, chunk.stage - 1, m,
+                       True)
         if action.kind is ActionKind.BACKWARD:
             self._finish(step, chunk, key, stored)
         else:

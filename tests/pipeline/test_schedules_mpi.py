@@ -187,14 +187,21 @@ def test_pipedream_stashes_weights_and_equals_a_replay_of_its_schedule(grid, ver
                              balance="uniform", schedule="pipedream", optimizer=factory, vertical_sync=vertical_sync,
                              checkpoint="except_last")
     data = data_for("mlp", grid, steps=steps, per_replica=micro_batches * 2)
-    records = []
+    records, losses = [], {}
     try:
         for inputs, targets in replica_micro_batch_data(data, grid, micro_batches):
             loss = model.train_step(inputs, targets)
-            assert loss is not None  # the last stage finishes every admitted micro-batch at once
-            records += model.weight_versions()
+            finished = model.weight_versions()
+            assert (loss is None) == (not finished)  # the mean over micro-batches finished here
+            if finished:
+                assert loss == pytest.approx(sum(model.last_step.losses.values()) / len(finished))
+            records += finished
+            losses.update(model.last_step.losses)
         model.flush()
         records += model.weight_versions()
+        losses.update(model.last_step.losses)
+        assert sorted(losses) == list(range(steps * micro_batches))
+        assert all(other == losses for other in hp.allgather_object(losses, group="pipe"))  # the last stage's
         assert sorted(m for m, _, _ in records) == list(range(steps * micro_batches))
         lag = stages - 1 if vertical_sync else stages - grid.stage - 1
         for m, forward, backward in records:
@@ -277,3 +284,43 @@ def test_schedule_option_errors(grid):
         model.flush()
     finally:
         model.close()
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "2bw"])
+def test_asynchronous_checkpoint_flushes_saves_the_pipeline_optimizer_and_resumes(grid, schedule, tmp_path_factory):
+    stages, micro_batches = grid.pipeline_stages, max(grid.pipeline_stages, 2)
+    path = hp.broadcast_object(str(tmp_path_factory.mktemp(schedule)) if grid.rank == 0 else None, root_rank=0,
+                               group="world")
+    factory = lambda params: torch.optim.AdamW(params, lr=0.01)  # noqa: E731
+    data = [x for x in replica_micro_batch_data(data_for("mlp", grid, steps=4, per_replica=2 * micro_batches),
+                                                grid, micro_batches)]
+
+    def build() -> hp.PipelineModel:
+        return hp.PipelineModel(mlp(stages), loss_fn=nn.CrossEntropyLoss(), micro_batches=micro_batches,
+                                balance="uniform", schedule=schedule, optimizer=factory)
+
+    straight, resumed = build(), build()
+    try:
+        for inputs, targets in data[:2]:
+            straight.train_step(inputs, targets)
+            resumed.train_step(inputs, targets)
+        hp.save_checkpoint(path, resumed, step=2)  # flushes: nothing in flight after it
+        assert resumed._executor.in_flight == []
+        # 2BW restarts its double buffer from loaded weights (W(-1) = W(0) again): so does `straight`
+        hp.save_checkpoint(f"{path}-straight", straight, step=2)
+        hp.load_checkpoint(f"{path}-straight", straight)
+        fresh = build()
+        try:
+            hp.load_checkpoint(path, fresh)
+            assert fresh.optimizer.state_dict()["state"], "the pipeline's AdamW state was saved and loaded"
+            for inputs, targets in data[2:]:
+                straight.train_step(inputs, targets)
+                fresh.train_step(inputs, targets)
+            straight.flush()
+            fresh.flush()
+            assert_parameters_equal(fresh, {n.removeprefix("layers."): p for n, p in straight.named_parameters()})
+        finally:
+            fresh.close()
+    finally:
+        straight.close()
+        resumed.close()
