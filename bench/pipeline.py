@@ -1,9 +1,10 @@
-"""Pipeline benchmark: hybridpipe GPipe / 1F1B vs torch.distributed.pipelining vs one process.
+"""Pipeline benchmark: hybridpipe's six schedules vs torch.distributed.pipelining vs one process.
 
 Usage:
     python bench/pipeline.py [--stages 2,4] [--micro-batches 8] [--batch 256] [--width 1024]
                              [--layers 16] [--steps 5] [--blocks 3] [--rounds 1] [--no-torch]
-                             [--no-sleep] [--busy-neighbours N] [--markdown]
+                             [--no-sleep] [--pipeline-schedules gpipe,1f1b,...] [--busy-neighbours N]
+                             [--markdown]
 
 Run plainly, this script is the driver: it starts every variant in a fresh set of processes (a
 plain subprocess for the one-process runs, ``mpirun -n P ... --worker`` for the pipelines; the
@@ -21,9 +22,13 @@ Two benchmarks:
      * min(max P, cores) such one-process runs at once, independent (MPI only lines up their
        blocks): each core's speed when every core is busy, which sets the "ceiling" column —
        P·M/(M+P−1) (capped at the core count) times that per-core speed, over the reference;
-     * for each P in ``--stages``: hybridpipe ``PipelineModel`` (schedule "gpipe" and "1f1b",
-       ``checkpoint="never"``, the same uniform balance) and ``torch.distributed.pipelining``
-       (``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B``, gloo over loopback).
+     * for each P in ``--stages``: hybridpipe ``PipelineModel`` with each schedule of
+       ``--pipeline-schedules`` (default all six: gpipe, 1f1b, interleaved-1f1b with v = 2 chunks per
+       rank, zb-h1, and the asynchronous pipedream and 2bw, whose optimizer runs inside the
+       pipeline; ``checkpoint="never"``, uniform balance) and ``torch.distributed.pipelining``'s
+       counterparts (``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B`` /
+       ``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble``, the last two with v = 2
+       stages per rank; gloo over loopback). torch has no asynchronous schedule.
    A step is forward + backward + ``optimizer.step()``. Each variant runs in its own launch, so
    its peak RSS (``ru_maxrss``) is its own and torch.distributed never shares a process with
    hybridpipe. The first- and last-step losses are reported: equal columns show the variants
@@ -31,12 +36,16 @@ Two benchmarks:
 2. **Framework overhead with a sleep-emulated model** (``--sleep-*``). Each layer's forward
    sleeps f ms and its backward b ms (a ``torch.autograd.Function``); the tensors are tiny (4
    rows per micro-batch, 16 features), so a stage's compute is known exactly and communication is
-   negligible. Sleeping ranks need no CPU, so P=4 on 2 cores is fair here. For both schedules the
-   ideal step time is (M + P − 1)·(F + B), F and B being one stage's forward and backward time per
-   micro-batch; the table gives measured / ideal (1.00 = no framework overhead), both with the
-   nominal sleeps and with the sleeps as actually measured inside the layers (``time.sleep``
-   overshoots by tens of µs), and the bubble fraction (P − 1)/(M + P − 1). The two schedules of a
-   framework share one launch, interleaved block by block. The sleeps' timestamps (perf_counter,
+   negligible. Sleeping ranks need no CPU, so P=4 on 2 cores is fair here. A layer's backward
+   sleeps half on its input's gradient path and half on its weight's, so zero-bubble schedules,
+   which ask autograd for the two separately, sleep half in each pass. The "theory" step time is
+   the schedule simulated from hybridpipe's schedule data with F and B (one stage's forward and
+   backward per micro-batch; a chunk takes 1/v of them; W half of B); pipedream and 2bw never
+   drain, so theirs is M·(F + B). The table gives measured / theory (1.00 = no framework overhead),
+   the sleeps as actually slept (``time.sleep`` overshoots by tens of µs), the measured bubble
+   1 − M·(F + B) slept / step time next to the theory's, and each bubble ÷ hybridpipe 1F1B's. The
+   schedules of a framework share one launch, interleaved block by block. For GPipe and 1F1B the
+   sleeps' timestamps (perf_counter,
    comparable between processes) give the framework's time per action: from the end of a stage's
    previous action to the first sleep of its next one, when the input was already there ("per
    action") or when it came last from the neighbour ("per hop"). About 2(M + P − 1) actions lie on

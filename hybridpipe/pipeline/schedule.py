@@ -53,6 +53,7 @@ __all__ = [
     "forward_only",
     "AsyncStream",
     "async_schedule",
+    "canonical_name",
     "get_schedule",
     "validate",
     "simulate",
