@@ -591,8 +591,8 @@ def render(schedule: Schedule, forward_time: int = 1, backward_time: int = 2) ->
 
     Each column is one time unit, so with the defaults a backward fills two cells (an ``I`` or a
     ``W`` one each). With several chunks per rank a cell also names the chunk (``F3.1``: forward
-    of micro-batch 3 through the rank's second chunk). Ranks that deadlock end with a
-    "blocked at" note.
+    of micro-batch 3 through the rank's second chunk). An update (``U``, no time) marks the end of
+    the action before it with ``*``. Ranks that deadlock end with a "blocked at" note.
 
     Example (``render(gpipe(2, 2))``)::
 
@@ -606,12 +606,18 @@ def render(schedule: Schedule, forward_time: int = 1, backward_time: int = 2) ->
     slots = int(round(timeline.makespan))
     cells = [["."] * slots for _ in schedule]
     for rank, items in enumerate(timeline.stages):
+        last_cell = None
         for item in items:
+            if item.action.kind is ActionKind.UPDATE:  # zero time: a mark on the action before it
+                if last_cell is not None and not cells[rank][last_cell].endswith("*"):
+                    cells[rank][last_cell] += "*"
+                continue
             label = f"{item.action.kind.value}{item.action.micro_batch}"
             if chunks:
                 label += f".{item.action.stage // ranks}"
             for t in range(int(round(item.start)), int(round(item.end))):
                 cells[rank][t] = label
+                last_cell = t
     width = max([2, len(str(max(slots - 1, 0)))] + [len(c) for row in cells for c in row])
     name_width = len(f"stage {ranks - 1}")
     lines = ["time".ljust(name_width) + "".join(f" {t:>{width}}" for t in range(slots))]
