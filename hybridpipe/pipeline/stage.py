@@ -44,9 +44,10 @@ Design reasons:
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,6 +138,15 @@ class _Chunk:
         reference = weakref.ref(self)
         for parameter in module.parameters():
             setattr(parameter, _CHUNK_ATTRIBUTE, reference)
+
+    @contextlib.contextmanager
+    def in_phase(self, phase: str) -> Iterator[None]:
+        """While a backward accumulates into this chunk's parameters (see :func:`gradient_phase`)."""
+        self.phase = phase
+        try:
+            yield
+        finally:
+            self.phase = None
 
 
 @dataclass
@@ -512,11 +522,8 @@ class StageExecutor:
         inputs = [t for t in iter_tensors(stored.x) if t.requires_grad]
         if roots:
             if action.kind is ActionKind.BACKWARD:
-                chunk.phase = "final" if step.final.get(chunk.stage) == index else "partial"
-                try:
+                with chunk.in_phase("final" if step.final.get(chunk.stage) == index else "partial"):
                     torch.autograd.backward(roots, root_grads)
-                finally:
-                    chunk.phase = None
             else:
                 self._input_gradients(chunk, stored, roots, root_grads, inputs)
             step.result.last_backward_finished = time.monotonic()
@@ -552,11 +559,8 @@ class StageExecutor:
             chunk.fused_layers.update(_owners(chunk, fused))
         if targets:
             # partial: the hooks leave fused layers' gradients to DistributedOptimizer.synchronize()
-            chunk.phase = "partial"
-            try:
+            with chunk.in_phase("partial"):
                 torch.autograd.backward(roots, root_grads, inputs=targets, retain_graph=bool(usable))
-            finally:
-                chunk.phase = None
 
     def _weight(self, step: _Step, chunk: _Chunk, action: Action, index: int) -> None:
         """``W``: the deferred weight gradients of one micro-batch, layer call by layer call."""
@@ -564,16 +568,13 @@ class StageExecutor:
         key = (chunk.stage, m)
         stored = self._stored[key]
         start = time.monotonic()
-        chunk.phase = "final" if step.final.get(chunk.stage) == index else "partial"
-        try:
+        with chunk.in_phase("final" if step.final.get(chunk.stage) == index else "partial"):
             for position, (layer, outputs) in enumerate(stored.calls):
                 pairs = [(t, t.grad) for t in outputs if t.grad is not None]
                 parameters = [p for p in layer.parameters(recurse=False) if p.requires_grad]
                 if pairs and parameters:
                     torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], inputs=parameters,
                                             retain_graph=position < len(stored.calls) - 1)
-        finally:
-            chunk.phase = None
         timeline.record(f"W{m}", "backward", "compute", start, time.monotonic(),
                         {"stage": chunk.stage, "micro_batch": m})
         self._finish(step, chunk, key, stored)
