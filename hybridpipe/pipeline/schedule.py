@@ -517,8 +517,13 @@ def _dependency(action: Action, last_stage: int) -> list[tuple[int, ActionKind |
     return []  # UPDATE: runs in list order
 
 
-def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float = 2.0,
-             weight_time: float | None = None, update_time: float = 0.0) -> Timeline:
+Duration = float | Callable[[Action], float]
+"""A time for every action of a kind, or a function of the action (e.g. per-stage times)."""
+
+
+def simulate(schedule: Schedule, forward_time: Duration = 1.0, backward_time: Duration = 2.0,
+             weight_time: Duration | None = None, update_time: Duration = 0.0,
+             transfer_time: Duration = 0.0) -> Timeline:
     """Run ``schedule`` on an idealised machine: fixed compute times, free communication.
 
     A rank runs its actions in order; each starts when the rank is free and its inputs exist
@@ -533,14 +538,25 @@ def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float
         weight_time: Duration of a ``W``; an ``I`` takes ``backward_time - weight_time``
             (default: half of ``backward_time`` each).
         update_time: Duration of a ``U``.
+        transfer_time: Time for the value an action needs to arrive from another rank (an
+            activation for a forward, a gradient for a backward), given the receiving action;
+            nothing for values from the same rank.
+
+    Each time may also be a function of the action (the planner gives every stage its own).
 
     Returns:
         The :class:`Timeline`.
     """
-    weight = backward_time / 2 if weight_time is None else weight_time
-    durations = {ActionKind.FORWARD: forward_time, ActionKind.BACKWARD: backward_time,
-                 ActionKind.BACKWARD_INPUT: backward_time - weight, ActionKind.BACKWARD_WEIGHT: weight,
-                 ActionKind.UPDATE: update_time}
+    def timed(value: Duration) -> Callable[[Action], float]:
+        return value if callable(value) else (lambda action, value=float(value): value)
+
+    forward, backward, transfer = timed(forward_time), timed(backward_time), timed(transfer_time)
+    weight = (lambda action: backward(action) / 2) if weight_time is None else timed(weight_time)
+    durations: dict[ActionKind, Callable[[Action], float]] = {
+        ActionKind.FORWARD: forward, ActionKind.BACKWARD: backward,
+        ActionKind.BACKWARD_INPUT: lambda action: backward(action) - weight(action),
+        ActionKind.BACKWARD_WEIGHT: weight, ActionKind.UPDATE: timed(update_time)}
+    ranks = len(schedule)
     last_stage = _virtual_stages(schedule) - 1
     finished: dict[tuple[int, ActionKind | str, int], float] = {}
     placed: list[list[TimedAction]] = [[] for _ in schedule]
@@ -555,8 +571,10 @@ def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float
                 needs = _dependency(action, last_stage)
                 if any(key not in finished for key in needs):
                     break
-                start = max([free_at[rank]] + [finished[key] for key in needs])
-                end = start + durations[action.kind]
+                arrivals = [finished[key] + (transfer(action) if stage_to_rank(key[0], ranks) != rank else 0.0)
+                            for key in needs]
+                start = max([free_at[rank]] + arrivals)
+                end = start + durations[action.kind](action)
                 finished.setdefault((action.stage, action.kind, action.micro_batch), end)
                 if action.kind in _GRADIENT_KINDS:
                     finished.setdefault((action.stage, _GRADIENT, action.micro_batch), end)

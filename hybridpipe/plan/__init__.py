@@ -1,0 +1,16 @@
+"""The planner: profile a model once, then pick stages × replicas, balance, micro-batches, schedule and
+re-materialization for a cluster by simulating each candidate's schedule (see docs/planner.md).
+
+Example:
+    >>> profile = hp.plan.profile(layers, sample_x, loss_fn, sample_y)          # one process
+    >>> cluster = hp.plan.Cluster(ranks=8, ranks_per_host=4, inter_host_gbps=10)
+    >>> best = hp.plan.plan(profile, cluster, global_batch=256)
+    >>> model = hp.PipelineModel(layers, loss_fn, **best.model_arguments())      # under mpirun -n 8
+"""
+
+from hybridpipe.plan.cost import Candidate, Cluster, Prediction, allreduce_seconds, predict
+from hybridpipe.plan.profile import LayerCost, Profile, profile
+from hybridpipe.plan.search import Plan, plan
+
+__all__ = ["Candidate", "Cluster", "LayerCost", "Plan", "Prediction", "Profile", "allreduce_seconds", "plan",
+           "predict", "profile"]

@@ -1,0 +1,200 @@
+"""Profile a model once, layer by layer, and keep the numbers as JSON (the planner's input).
+
+Design reasons:
+
+* The layer timings come from :func:`hybridpipe.pipeline.partition.profile_layers` (the same
+  measurement ``balance="time"`` uses: forward and backward of each layer, medians of warm
+  repeats). This module adds what the planner needs besides: the bytes each layer's output has
+  per sample (what crosses a stage boundary), the bytes autograd keeps per sample (what a stored
+  micro-batch costs), the parameter bytes, and the loss's own time.
+* Times are affine in the micro-batch size: a fixed cost per call (Python, kernel launches,
+  small-matrix inefficiency) plus a cost per sample, fitted from two measurements (the sample
+  micro-batch and a quarter of it). A model priced per sample alone would always prefer the most
+  micro-batches; real layers are slower per sample on small ones.
+* Plain JSON (``Profile.save`` / ``Profile.load``), so it can be made once on one device and
+  reused, or written by hand from published per-layer costs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridpipe.errors import HybridPipeError
+from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
+from hybridpipe.pipeline.partition import profile_layers
+
+__all__ = ["LayerCost", "Profile", "profile", "FORMAT"]
+
+FORMAT = "hybridpipe-profile-1"
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer's cost for one sample (the profiled micro-batch's numbers divided by its size).
+
+    Attributes:
+        name: The layer's class name (for reports).
+        forward_ms: Forward time per sample.
+        backward_ms: Backward time per sample (input and weight gradients).
+        forward_call_ms: Fixed forward time per call, whatever the micro-batch size.
+        backward_call_ms: Fixed backward time per call.
+        output_bytes: Bytes of the layer's output per sample (sent to the next stage when a cut
+            follows this layer).
+        activation_bytes: Bytes autograd keeps for the backward per sample, output included.
+        parameter_bytes: Bytes of the layer's parameters (not per sample).
+    """
+
+    name: str
+    forward_ms: float
+    backward_ms: float
+    output_bytes: float
+    activation_bytes: float
+    parameter_bytes: int
+    forward_call_ms: float = 0.0
+    backward_call_ms: float = 0.0
+
+    def forward_seconds(self, micro_batch: float) -> float:
+        return (self.forward_call_ms + self.forward_ms * micro_batch) / 1e3
+
+    def backward_seconds(self, micro_batch: float) -> float:
+        return (self.backward_call_ms + self.backward_ms * micro_batch) / 1e3
+
+
+@dataclass
+class Profile:
+    """A model's per-layer costs, per sample.
+
+    Attributes:
+        layers: One :class:`LayerCost` per layer, in order.
+        sample_batch: The micro-batch size the profile was measured with.
+        input_bytes: Bytes of the model's input per sample.
+        loss_ms: The loss function's forward + backward per sample.
+        device: Where it was measured (e.g. ``"cpu"``).
+        note: Free text (how it was made).
+    """
+
+    layers: list[LayerCost]
+    sample_batch: int
+    input_bytes: float = 0.0
+    loss_ms: float = 0.0
+    device: str = "cpu"
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, **asdict(self)}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Profile:
+        """Reads :meth:`to_json`'s output (or a hand-written file of the same shape).
+
+        Raises:
+            HybridPipeError: not a profile, or fields missing (named).
+        """
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise HybridPipeError(f"not a JSON profile: {error}") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise HybridPipeError(f"not a hybridpipe profile (expected \"format\": \"{FORMAT}\")")
+        try:
+            layers = [LayerCost(**layer) for layer in data["layers"]]
+            return cls(layers=layers, sample_batch=int(data["sample_batch"]),
+                       input_bytes=float(data.get("input_bytes", 0.0)), loss_ms=float(data.get("loss_ms", 0.0)),
+                       device=str(data.get("device", "cpu")), note=str(data.get("note", "")),
+                       extra=dict(data.get("extra", {})))
+        except (KeyError, TypeError) as error:
+            raise HybridPipeError(f"profile is missing or has a bad field: {error}") from None
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as file:
+            file.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Profile:
+        with open(path) as file:
+            return cls.from_json(file.read())
+
+    @property
+    def parameter_bytes(self) -> int:
+        return sum(layer.parameter_bytes for layer in self.layers)
+
+
+def _bytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in iter_tensors(value))
+
+
+def profile(layers: nn.Sequential | Sequence[nn.Module], sample_input: Any, loss_fn: Callable[[Any, Any], Any],
+            sample_target: Any = None, repeats: int = 5, warmup: int = 2) -> Profile:
+    """Measures every layer on ``sample_input`` (one micro-batch) and the loss on its output.
+
+    Args:
+        layers: The model as a sequence of layers (as ``hp.PipelineModel`` takes it; built modules).
+        sample_input: One micro-batch of model input; its first dimension is the batch.
+        loss_fn: ``loss_fn(output, target)``.
+        sample_target: The micro-batch's targets (default: the loss is not timed).
+        repeats: Timed runs per layer (medians are kept).
+        warmup: Untimed runs per layer first.
+
+    Returns:
+        The :class:`Profile`, per sample.
+    """
+    layer_list = list(layers)
+    batch = next(iter_tensors(sample_input)).shape[0] if any(True for _ in iter_tensors(sample_input)) else 0
+    if batch < 1:
+        raise HybridPipeError("sample_input needs a tensor with a batch dimension (dim 0) of at least 1")
+    timings = profile_layers(layer_list, sample_input, repeats=repeats, warmup=warmup)
+    small = max(1, batch // 4)
+    if small < batch:  # a second size for the fixed cost per call
+        small_input = map_tensors(sample_input, lambda t: t[:small] if t.dim() > 0 and t.shape[0] == batch else t)
+        small_timings = profile_layers(layer_list, small_input, repeats=repeats, warmup=warmup)
+    else:
+        small_timings = timings
+
+    def fit(large_ms: float, small_ms: float) -> tuple[float, float]:
+        """(per call, per sample) of a + b·n through (batch, large_ms) and (small, small_ms), both >= 0."""
+        if small == batch:
+            return 0.0, large_ms / batch
+        per_sample = (large_ms - small_ms) / (batch - small)
+        per_call = large_ms - per_sample * batch
+        if per_sample <= 0 or per_call < 0:  # noise: fall back to proportional
+            return 0.0, large_ms / batch
+        return per_call, per_sample
+
+    costs = []
+    value = sample_input
+    with torch.no_grad():
+        for layer, timing, small_timing in zip(layer_list, timings, small_timings):
+            value = layer(value)
+            forward_call, forward = fit(timing.forward_ms, small_timing.forward_ms)
+            backward_call, backward = fit(timing.backward_ms, small_timing.backward_ms)
+            costs.append(LayerCost(name=type(layer).__name__, forward_ms=forward, backward_ms=backward,
+                                   output_bytes=_bytes(value) / batch,
+                                   activation_bytes=timing.activation_bytes / batch,
+                                   parameter_bytes=timing.parameter_bytes, forward_call_ms=forward_call,
+                                   backward_call_ms=backward_call))
+    loss_ms = 0.0
+    if sample_target is not None:
+        output = map_tensors(value, lambda t: t.detach().requires_grad_(t.is_floating_point()))
+        runs = []
+        for run in range(warmup + repeats):
+            started = time.perf_counter()
+            loss = loss_fn(output, sample_target)
+            loss.backward()
+            if run >= warmup:
+                runs.append((time.perf_counter() - started) * 1e3)
+        loss_ms = statistics.median(runs) / batch
+    device = next((str(t.device) for t in iter_tensors(sample_input)), "cpu")
+    return Profile(layers=costs, sample_batch=batch, input_bytes=_bytes(sample_input) / batch, loss_ms=loss_ms,
+                   device=device, note=f"measured by hybridpipe.plan.profile on {batch} samples, "
+                                       f"and {small}, {repeats} repeats after {warmup} warm-up runs, "
+                                       f"{torch.get_num_threads()} torch threads")

@@ -1,0 +1,168 @@
+"""The planner without MPI: the partitioner against brute force, the cost model against the schedules'
+closed forms, profiles as JSON, the search's choices and errors, the command line."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import hybridpipe.plan as hplan
+from hybridpipe.errors import HybridPipeError
+from hybridpipe.pipeline.partition import partition_by_weights
+from hybridpipe.plan.cost import Candidate, Cluster, allreduce_seconds, predict
+from hybridpipe.plan.profile import LayerCost, Profile
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def compositions(total: int, parts: int):
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0, *cuts, total)
+        yield [bounds[i + 1] - bounds[i] for i in range(parts)]
+
+
+def largest_stage(weights: list[float], balance: list[int]) -> float:
+    start, worst = 0, 0.0
+    for count in balance:
+        worst = max(worst, sum(weights[start:start + count]))
+        start += count
+    return worst
+
+
+def test_partitioner_is_optimal_against_brute_force():
+    generator = random.Random(7)
+    for _ in range(200):
+        layers = generator.randint(1, 9)
+        stages = generator.randint(1, layers)
+        weights = [generator.choice([0.0, generator.uniform(0, 10)]) for _ in range(layers)]
+        best = min(largest_stage(weights, b) for b in compositions(layers, stages))
+        balance = partition_by_weights(weights, stages)
+        assert len(balance) == stages and sum(balance) == layers and min(balance) >= 1
+        assert largest_stage(weights, balance) == pytest.approx(best)
+
+
+def uniform_profile(layers: int = 8, forward_ms: float = 1.0, backward_ms: float = 2.0, parameters: int = 1000,
+                    activation: float = 100.0) -> Profile:
+    """Per-sample costs: with micro-batches of 1 sample each layer takes forward_ms / backward_ms."""
+    return Profile([LayerCost("Linear", forward_ms, backward_ms, 4.0, activation, parameters) for _ in range(layers)],
+                   sample_batch=1, input_bytes=4.0)
+
+
+FREE = dict(latency_us=0.0, intra_host_gbps=1e9, inter_host_gbps=1e9)
+
+
+@pytest.mark.parametrize("stages,micro_batches", [(2, 4), (4, 8), (4, 4)])
+def test_predicted_pipeline_time_is_the_schedules_closed_form(stages, micro_batches):
+    profile = uniform_profile(layers=2 * stages)
+    cluster = Cluster(ranks=stages, **FREE)
+    per_stage_f, per_stage_b = 2 * 1e-3, 2 * 2e-3  # two layers per stage, micro-batches of one sample
+    for schedule in ("gpipe", "1f1b"):
+        candidate = Candidate(stages, 1, (2,) * stages, micro_batches, schedule)
+        prediction = predict(profile, cluster, candidate, global_batch=micro_batches)
+        assert prediction.step_seconds == pytest.approx((micro_batches + stages - 1) * (per_stage_f + per_stage_b))
+    interleaved = predict(profile, cluster, Candidate(stages, 1, (1,) * (2 * stages), micro_batches,
+                                                     "interleaved-1f1b", virtual_stages=2), micro_batches)
+    assert interleaved.step_seconds == pytest.approx(
+        micro_batches * (per_stage_f + per_stage_b) + (stages - 1) * (per_stage_f + per_stage_b) / 2)
+    pipedream = predict(profile, cluster, Candidate(stages, 1, (2,) * stages, micro_batches, "pipedream"),
+                        micro_batches)
+    assert pipedream.step_seconds == pytest.approx(micro_batches * (per_stage_f + per_stage_b))  # no bubble
+
+
+def test_transfers_and_the_allreduce_add_what_they_cost():
+    profile = uniform_profile(layers=4, parameters=10**6)
+    slow_link = Cluster(ranks=4, ranks_per_host=2, latency_us=1000.0, intra_host_gbps=1e9, inter_host_gbps=1e9)
+    free = Cluster(ranks=4, ranks_per_host=2, **FREE)
+    candidate = Candidate(4, 1, (1, 1, 1, 1), 4, "gpipe")
+    # 2·3 hops on the critical path (forward fill and backward drain) at 1 ms each
+    assert (predict(profile, slow_link, candidate, 4).step_seconds
+            - predict(profile, free, candidate, 4).step_seconds) == pytest.approx(6e-3)
+    assert allreduce_seconds(8e9 / 8, [0, 1], Cluster(ranks=2, intra_host_gbps=8.0, latency_us=0.0)) == \
+        pytest.approx(2 * 1 / 2 * 1.0)  # 2(D-1) steps of bytes/D over 8 Gbit/s: 1 GB → 1 s
+    data_parallel = Candidate(1, 4, (4,), 1, "1f1b")
+    reduce = allreduce_seconds(4 * 10**6, [0, 1, 2, 3], free)
+    step = predict(profile, free, data_parallel, 4).step_seconds
+    assert step == pytest.approx(4 * 3e-3 + reduce)  # nothing to hide it behind with one stage
+
+
+def test_memory_counts_what_the_schedule_holds():
+    profile = uniform_profile(layers=4, parameters=1000, activation=100.0)
+    cluster = Cluster(ranks=2, **FREE)
+    gpipe = predict(profile, cluster, Candidate(2, 1, (2, 2), 8, "gpipe"), 8, optimizer_state_factor=2)
+    one_f = predict(profile, cluster, Candidate(2, 1, (2, 2), 8, "1f1b"), 8, optimizer_state_factor=2)
+    params = 2 * 1000 * (2 + 2)  # two layers: parameters, gradients, two Adam moments
+    assert gpipe.memory_bytes_per_rank == [params + 8 * 200.0, params + 8 * 200.0]  # all M held
+    assert one_f.memory_bytes_per_rank == [params + 2 * 200.0, params + 1 * 200.0]  # P - s held
+    always = predict(profile, cluster, Candidate(2, 1, (2, 2), 8, "gpipe", "always"), 8, optimizer_state_factor=2)
+    assert always.memory_bytes_per_rank[1] == params + 8 * 4.0 + 200.0  # inputs, and one being recomputed
+
+
+def test_profile_measures_per_sample_costs_and_round_trips_as_json(tmp_path):
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)]
+    profile = hplan.profile(layers, torch.randn(16, 8), nn.CrossEntropyLoss(), torch.randint(0, 4, (16,)),
+                            repeats=2, warmup=1)
+    assert [layer.name for layer in profile.layers] == ["Linear", "Tanh", "Linear"]
+    assert [layer.output_bytes for layer in profile.layers] == [64.0, 64.0, 16.0]  # float32 per sample
+    assert [layer.parameter_bytes for layer in profile.layers] == [(8 * 16 + 16) * 4, 0, (16 * 4 + 4) * 4]
+    assert profile.input_bytes == 32.0 and profile.sample_batch == 16
+    assert all(layer.forward_ms > 0 and layer.forward_call_ms >= 0 for layer in profile.layers)
+    assert profile.loss_ms > 0
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    assert Profile.load(path) == profile
+    with pytest.raises(HybridPipeError, match="not a hybridpipe profile"):
+        Profile.from_json('{"layers": []}')
+
+
+def test_search_picks_the_fastest_and_respects_memory():
+    profile = uniform_profile(layers=8, parameters=10**6, activation=10**4)
+    cluster = Cluster(ranks=4, **FREE)
+    best = hplan.plan(profile, cluster, global_batch=16)
+    assert best.replicas == 4 and best.stages == 1  # free allreduce: pure data parallelism has no bubble
+    assert best.step_seconds == pytest.approx(min(
+        predict(profile, cluster, Candidate(p, 4 // p, tuple(partition_by_weights([3.0] * 8, p)), m, "1f1b"),
+                16).step_seconds for p in (1, 2, 4) for m in (1, 2, 4) if (16 // (4 // p)) % m == 0))
+    # a memory limit that a whole-model replica cannot meet forces pipeline stages
+    whole = 8 * 10**6 * 4
+    limited = hplan.plan(profile, Cluster(ranks=4, memory_per_rank=whole / 2, **FREE), global_batch=16)
+    assert limited.stages >= 2 and limited.memory_bytes_per_rank <= whole / 2
+    assert limited.model_arguments()["balance"] == limited.balance
+
+
+def test_search_errors_say_what_would_fit():
+    one_layer = uniform_profile(layers=1)  # cannot be cut: both ranks must be replicas
+    with pytest.raises(HybridPipeError, match=r"global batch 3 does not split evenly .* use a multiple of 2"):
+        hplan.plan(one_layer, Cluster(ranks=2, **FREE), global_batch=3)
+    profile = uniform_profile(layers=4, parameters=10**6)
+    with pytest.raises(HybridPipeError, match=r"fits memory_per_rank 0.0 MiB \(the smallest needs [0-9.]+ MiB"):
+        hplan.plan(profile, Cluster(ranks=2, memory_per_rank=1024, **FREE), global_batch=4)
+
+
+def test_command_line_profiles_a_factory_and_prints_the_plan(tmp_path):
+    factory = tmp_path / "model.py"
+    factory.write_text(
+        "import torch\nfrom torch import nn\n"
+        "def build():\n"
+        "    layers = [nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)]\n"
+        "    return layers, nn.CrossEntropyLoss(), lambda n: (torch.randn(n, 16), torch.randint(0, 3, (n,)))\n")
+    saved = tmp_path / "profile.json"
+    result = subprocess.run([sys.executable, "-m", "hybridpipe.plan", f"{factory}:build", "--sample-batch", "8",
+                             "--global-batch", "16", "--ranks", "2", "--explain", "--save-profile", str(saved)],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "plan for 2 ranks, global batch 16:" in result.stdout
+    assert "hybridpipe-run -np 2 --stages " in result.stdout and "hp.PipelineModel(layers, loss_fn, **{" in result.stdout
+    assert "next best, and why each lost:" in result.stdout
+    assert len(Profile.load(saved).layers) == 5
+    failed = subprocess.run([sys.executable, "-m", "hybridpipe.plan", "--profile", str(saved), "--global-batch", "16",
+                             "--ranks", "2", "--memory-per-rank", "1KiB"], capture_output=True, text=True, cwd=ROOT,
+                            timeout=120)
+    assert failed.returncode == 2 and "the smallest needs" in failed.stderr
