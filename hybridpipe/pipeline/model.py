@@ -52,12 +52,14 @@ from hybridpipe.pipeline.partition import (
     shared_parameters_error,
     validate_balance,
 )
+from hybridpipe.config import parse_bytes
 from hybridpipe.pipeline.schedule import (
     ASYNCHRONOUS,
     AsyncStream,
     async_schedule,
     canonical_name,
     get_schedule,
+    peak_in_flight,
     validate,
 )
 from hybridpipe.pipeline.asynchronous import install_step_guard
@@ -154,8 +156,9 @@ class PipelineModel(nn.Module):
         loss_fn: ``loss_fn(output, target)`` → scalar, a mean over the micro-batch (e.g.
             ``nn.CrossEntropyLoss()``). Needed by :meth:`train_step`.
         micro_batches: ``M``, micro-batches per mini-batch.
-        balance: layer counts per stage (``[3, 5, 4, 4]``), or "uniform", "parameters", "time";
-            None means "time" when ``sample_input`` is given, else "parameters".
+        balance: layer counts per stage (``[3, 5, 4, 4]``), or "uniform", "parameters", "time",
+            "memory" (with ``memory_limit``); None means "time" when ``sample_input`` is given, else
+            "parameters".
         schedule: "1f1b" (PipeDream-Flush; memory bounded by ``P``), "gpipe", "interleaved-1f1b"
             (with ``virtual_stages``), "zb-h1" (zero-bubble), or the asynchronous "pipedream" and
             "2bw" (with ``optimizer``); see docs/pipeline.md.
@@ -171,6 +174,9 @@ class PipelineModel(nn.Module):
             pipeline applies it (averaged over the stage's replicas) as the schedule says.
         vertical_sync: "pipedream" only: every stage uses, for a micro-batch, the weight version
             the first stage used for it.
+        memory_limit: ``balance="memory"``: bytes (or ``"2GiB"``) each stage may hold in parameters,
+            gradients and the activations of as many micro-batches as the schedule keeps at once;
+            the fastest balance (by profiled time) within it is chosen.
 
     Raises:
         NotInitializedError: ``hp.init`` was not called.
@@ -196,6 +202,7 @@ class PipelineModel(nn.Module):
         virtual_stages: int = 1,
         optimizer: Any = None,
         vertical_sync: bool = False,
+        memory_limit: int | str | None = None,
     ) -> None:
         super().__init__()
         grid = runtime._require("PipelineModel").grid
@@ -234,8 +241,13 @@ class PipelineModel(nn.Module):
         self.chunks = stages * virtual_stages
         self._schedule_cache: dict[tuple[str, int, int], list] = {}  # see _schedule
 
+        held = 1
+        if isinstance(balance, str) and balance == "memory":  # activations held at once, by the schedule data
+            plan = (async_schedule(name, stages, micro_batches) if self.asynchronous
+                    else get_schedule(name, stages, micro_batches, virtual_stages))
+            held = max(peak_in_flight(actions) for actions in plan)
         balance_list, report = self._choose_balance(layer_list, balance, sample_input, seed_layers, grid,
-                                                    self.chunks, virtual_stages)
+                                                    self.chunks, virtual_stages, memory_limit, held)
         # before any layer is built or moved, and before the pipeline communicator exists
         shared = find_shared_parameters(_shapes_only(layer_list), balance_list) if self.chunks > 1 else []
         self._agree(grid, len(layer_list), balance_list, tuple(s.layers for s in shared))
@@ -326,8 +338,12 @@ class PipelineModel(nn.Module):
 
     @staticmethod
     def _choose_balance(layers: list, balance: Any, sample_input: Any, seed_layers: int | None,
-                        grid: runtime.Grid, stages: int, virtual_stages: int) -> tuple[list[int], BalanceReport]:
+                        grid: runtime.Grid, stages: int, virtual_stages: int, memory_limit: Any = None,
+                        held: int = 1) -> tuple[list[int], BalanceReport]:
         count = len(layers)
+        if memory_limit is not None and balance != "memory":
+            raise PartitionError(f'memory_limit is for balance="memory" (got balance={balance!r}); pass '
+                                 'balance="memory" with a sample_input, or leave memory_limit out')
         if virtual_stages > 1:
             ranks = stages // virtual_stages
             if count < stages:
@@ -345,13 +361,22 @@ class PipelineModel(nn.Module):
             return balance_list, BalanceReport(balance_list, PipelineModel._parameter_counts(layers, seed_layers),
                                                None, "explicit")
         method = balance if balance is not None else ("time" if sample_input is not None else "parameters")
-        if method not in BALANCE_METHODS:
+        if method not in BALANCE_METHODS + ("memory",):
             raise PartitionError(f"unknown balance {method!r}: pass a list of layer counts or one of "
-                                 f"{', '.join(map(repr, BALANCE_METHODS))}")
+                                 f"{', '.join(map(repr, BALANCE_METHODS + ('memory',)))}")
         _check_stage_count(count, stages)
-        if method == "time" and sample_input is None:
-            raise PartitionError('balance="time" profiles the layers on a sample micro-batch: pass '
+        if method in ("time", "memory") and sample_input is None:
+            raise PartitionError(f'balance="{method}" profiles the layers on a sample micro-batch: pass '
                                  'sample_input=<one micro-batch of inputs>, or use balance="parameters"')
+        limit = None
+        if method == "memory":
+            if memory_limit is None:
+                raise PartitionError('balance="memory" needs memory_limit= (bytes, or a size such as "2GiB", '
+                                     "that each stage may hold)")
+            limit = parse_bytes(memory_limit, "memory_limit") if isinstance(memory_limit, str) else memory_limit
+            if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0:
+                raise PartitionError(f"memory_limit must be a positive number of bytes or a size like '2GiB' "
+                                     f"(got {memory_limit!r})")
         if method == "uniform":
             balance_list = partition_uniform(count, stages)
             return balance_list, BalanceReport(balance_list, PipelineModel._parameter_counts(layers, seed_layers),
@@ -366,15 +391,22 @@ class PipelineModel(nn.Module):
         if grid.rank == 0:
             try:
                 profiles = profile_layers(_LazyLayers(layers, seed_layers), copy.deepcopy(sample_input))
-                profiled = ([p.time_ms for p in profiles], PipelineModel._parameter_counts(layers, seed_layers))
+                # what a layer costs a stage: parameters and gradients, and the activations of `held`
+                # micro-batches (the schedule's most in flight at once)
+                memory = [2 * p.parameter_bytes + held * p.activation_bytes for p in profiles]
+                profiled = ([p.time_ms for p in profiles], PipelineModel._parameter_counts(layers, seed_layers),
+                            memory)
             except Exception as error:  # every rank must raise, not only rank 0
                 profiled = f"{type(error).__name__}: {error}"
         profiled = call(None, "PipelineModel", lambda: grid.world_comm.bcast(profiled, root=0))
         if isinstance(profiled, str):
-            raise PartitionError(f'balance="time": profiling the layers on world rank 0 failed ({profiled})')
-        layer_ms, parameters = profiled
-        balance_list = partition_by_weights(layer_ms, stages)
-        return balance_list, BalanceReport(balance_list, parameters, layer_ms, "time")
+            raise PartitionError(f'balance="{method}": profiling the layers on world rank 0 failed ({profiled})')
+        layer_ms, parameters, memory = profiled
+        if method == "memory":
+            balance_list = partition_by_weights(layer_ms, stages, memory=memory, memory_limit=limit)
+        else:
+            balance_list = partition_by_weights(layer_ms, stages)
+        return balance_list, BalanceReport(balance_list, parameters, layer_ms, method)
 
     @staticmethod
     def _parameter_counts(layers: list, seed_layers: int | None) -> list[int]:

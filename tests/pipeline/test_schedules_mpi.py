@@ -324,3 +324,34 @@ def test_asynchronous_checkpoint_flushes_saves_the_pipeline_optimizer_and_resume
     finally:
         straight.close()
         resumed.close()
+
+
+def test_memory_balance_keeps_every_stage_within_the_limit(grid):
+    from hybridpipe.pipeline.partition import profile_layers
+
+    stages = grid.pipeline_stages
+    torch.manual_seed(0)
+    widths = [6] + [6, 48] * stages + [6]  # alternating thin and wide layers: uneven parameter bytes
+    layers = nn.Sequential(*[nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
+    sample = torch.randn(4, 6)
+    held = stages  # 1f1b: the first stage holds P micro-batches
+    profiles = profile_layers(list(layers), sample, repeats=1, warmup=0)
+    memory = [2 * p.parameter_bytes + held * p.activation_bytes for p in profiles]
+    limit = int(sum(memory) / stages * 1.5)
+    model = hp.PipelineModel(layers, loss_fn=nn.MSELoss(), micro_batches=stages, balance="memory",
+                             memory_limit=limit, sample_input=sample)
+    try:
+        assert model.balance_report.method == "memory"
+        start = 0
+        for count in model.balance:
+            assert sum(memory[start:start + count]) <= limit
+            start += count
+    finally:
+        model.close()
+    with pytest.raises(PartitionError, match=r"cannot be met with \d+ stages \(smallest feasible memory_limit is"):
+        hp.PipelineModel(layers, loss_fn=nn.MSELoss(), micro_batches=stages, balance="memory", memory_limit=100,
+                         sample_input=sample)
+    with pytest.raises(PartitionError, match='balance="memory" needs memory_limit='):
+        hp.PipelineModel(layers, loss_fn=nn.MSELoss(), micro_batches=stages, balance="memory", sample_input=sample)
+    with pytest.raises(PartitionError, match='memory_limit is for balance="memory"'):
+        hp.PipelineModel(layers, loss_fn=nn.MSELoss(), micro_batches=stages, memory_limit="1GiB")
