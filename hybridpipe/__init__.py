@@ -91,6 +91,7 @@ from .optimizer import (
     clip_grad_norm_,
 )
 from .pipeline.model import LayerSpec, PipelineModel
+from .plan.auto import auto
 from .runtime import Grid, config, grid, init, is_initialized, local_rank, local_size, rank, shutdown, size
 
 __version__ = "0.1.0"
@@ -113,7 +114,7 @@ __all__ = [
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built", "ccl_built",
     "ddl_built", "cuda_built", "rocm_built", "start_timeline", "stop_timeline",
     # pipeline
-    "PipelineModel", "LayerSpec",
+    "PipelineModel", "LayerSpec", "auto",
     # data parallelism (Horovod-compatible names)
     "DistributedOptimizer", "Compression", "broadcast_parameters", "broadcast_optimizer_state",
     "broadcast_object", "allgather_object", "clip_grad_norm_",

@@ -1,0 +1,130 @@
+"""``hp.auto``: plan for the running job and return a ready model and optimizer.
+
+Design reasons:
+
+* Write the one-process model and the optimizer; the framework decides how to cut and replicate
+  it (the TF-Replicator idea). World rank 0 profiles the layers on the sample (one process, as
+  ``balance="time"`` does), every rank receives the profile, and every rank runs the same
+  deterministic search for the running world: the same plan everywhere, with no second
+  communication.
+* The grid follows the plan: ``hp.init`` is (re)made with the plan's stage count, so call
+  ``hp.auto`` before building other communicators on the grid.
+* Only the synchronous schedules are chosen unless ``asynchronous=True``: they train exactly like
+  one process on the same global batch; PipeDream and 2BW train differently.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridpipe import runtime
+from hybridpipe.comm.engine import call
+from hybridpipe.errors import HybridPipeError
+from hybridpipe.plan.cost import Cluster
+from hybridpipe.plan.profile import Profile, profile
+from hybridpipe.plan.search import CHECKPOINT_CHOICES, SYNCHRONOUS_CHOICES, Plan, plan as search
+
+__all__ = ["auto", "cluster_of_this_job"]
+
+
+def cluster_of_this_job(memory_per_rank: float = 0.0, **links: float) -> Cluster:
+    """The running job as a :class:`Cluster`: its ranks, ranks per host (the grid's local size), the
+    cores this process may use (ranks beyond them share), and ``links`` (``intra_host_gbps``,
+    ``inter_host_gbps``, ``latency_us``) or the defaults."""
+    from hybridpipe.launch import available_cores
+
+    state = runtime._require("auto")
+    return Cluster(ranks=state.grid.size, ranks_per_host=runtime.local_size(), cores_per_host=available_cores(),
+                   memory_per_rank=memory_per_rank, **links)
+
+
+class _PipelineDriven:
+    """The optimizer of an asynchronous plan: the pipeline steps it; ``step()`` here does nothing."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer, self._warned = optimizer, False
+
+    def step(self, closure: Any = None) -> None:
+        if not self._warned:
+            warnings.warn("hp.auto chose an asynchronous schedule: the pipeline applies the optimizer itself, "
+                          "so opt.step() does nothing", stacklevel=2)
+            self._warned = True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass  # the pipeline clears the gradients it applied
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)
+
+
+def auto(layers: nn.Sequential | Sequence[nn.Module], loss_fn: Any, sample: tuple[Any, Any], global_batch: int,
+         optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], plan: Plan | None = None,
+         asynchronous: bool = False, memory_per_rank: float = 0.0, optimizer_state_factor: float = 2.0,
+         cluster: Cluster | None = None, **model_options: Any) -> tuple[Any, Any]:
+    """Plans for this job, then builds ``hp.PipelineModel`` and its optimizer; every rank calls it.
+
+    Args:
+        layers: The model as layers (built ``nn.Module`` objects, as ``hp.PipelineModel`` takes them).
+        loss_fn: ``loss_fn(output, target)``.
+        sample: ``(inputs, targets)`` of one micro-batch to profile (on world rank 0).
+        global_batch: Samples per step over all replicas (each replica gets ``global_batch / replicas``).
+        optimizer: ``optimizer(params)`` → a torch optimizer over a stage's parameters.
+        plan: Use this plan instead of searching (e.g. one printed by ``python -m hybridpipe.plan``).
+        asynchronous: Also consider "pipedream" and "2bw" (they do not train like one process).
+        memory_per_rank: Bytes a rank may use (0: no limit).
+        optimizer_state_factor: Optimizer state bytes per parameter byte (SGD 0, momentum 1, Adam 2).
+        cluster: The cluster to plan for (default: :func:`cluster_of_this_job`).
+        model_options: Passed on to ``hp.PipelineModel`` (e.g. ``seed_layers``, ``device``).
+
+    Feed each replica its own ``global_batch / model.plan.replicas`` samples per step (``hp.grid().replica``
+    says which), as with a hand-built hybrid model.
+
+    Returns:
+        ``(model, opt)``: the ``PipelineModel`` (its ``.plan`` is the :class:`Plan`) and a
+        ``hp.DistributedOptimizer`` over the stage's parameters, averaged over its replicas — used as a
+        hand-built pair. For an asynchronous plan, ``opt`` is the pipeline's own optimizer, whose
+        ``step()`` does nothing (the pipeline steps it; it warns once).
+    """
+    import hybridpipe as hp
+
+    state = runtime._require("auto")
+    grid = state.grid
+    if plan is None:
+        measured: Any = None
+        if grid.rank == 0:
+            try:
+                measured = profile(list(layers), sample[0], loss_fn, sample[1]).to_json()
+            except Exception as error:  # every rank must raise, not only rank 0
+                measured = error
+        measured = call(None, "auto", lambda: grid.world_comm.bcast(
+            measured if not isinstance(measured, Exception) else f"{type(measured).__name__}: {measured}", root=0))
+        if not measured.startswith("{"):
+            raise HybridPipeError(f"hp.auto: profiling the layers on world rank 0 failed ({measured})")
+        schedules = SYNCHRONOUS_CHOICES + (("pipedream", "2bw") if asynchronous else ())
+        plan = search(Profile.from_json(measured), cluster or cluster_of_this_job(memory_per_rank), global_batch,
+                      schedules=schedules, checkpoints=CHECKPOINT_CHOICES,
+                      optimizer_state_factor=optimizer_state_factor)
+    if plan.stages * plan.replicas != grid.size:
+        raise HybridPipeError(f"hp.auto: the plan is for {plan.stages * plan.replicas} ranks, this job has {grid.size}")
+    if grid.pipeline_stages != plan.stages:
+        hp.shutdown()
+        hp.init(pipeline_stages=plan.stages)
+    arguments = plan.model_arguments()
+    if plan.schedule in ("pipedream", "2bw"):
+        model = hp.PipelineModel(layers, loss_fn, optimizer=optimizer, **arguments, **model_options)
+        opt: Any = _PipelineDriven(model.optimizer)
+    else:
+        model = hp.PipelineModel(layers, loss_fn, **arguments, **model_options)
+        parameters = list(model.parameters())
+        if parameters:
+            opt = hp.DistributedOptimizer(optimizer(parameters), named_parameters=model.named_parameters())
+        else:  # a stage of parameter-free layers: nothing to step (its replicas agree: same layers)
+            opt = _PipelineDriven(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0))
+            opt._warned = True
+    model.plan = plan
+    return model, opt
