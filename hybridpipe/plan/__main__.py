@@ -6,6 +6,8 @@ Usage:
         [--latency-us 20] [--memory-per-rank 16GiB] [--optimizer-state-factor 2] [--asynchronous] \\
         [--save-profile profile.json] [--explain]
     python -m hybridpipe.plan --profile profile.json --global-batch 256 --ranks 8 ...
+    python -m hybridpipe.plan ... --cluster cluster.json        # links as measured by calibrate
+    hybridpipe-run -np 8 python -m hybridpipe.plan calibrate --output cluster.json
 
 ``MODULE:FACTORY`` names a function (``MODULE`` importable, or a path to a .py file) that returns
 ``(layers, loss_fn, sample)``: the layers as ``hp.PipelineModel`` takes them (built modules), the
@@ -67,7 +69,38 @@ def render(best: Plan, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def calibrate_main(argv: list[str]) -> int:
+    """``calibrate``: measure the job's links (under mpirun) and write them as JSON on rank 0."""
+    parser = argparse.ArgumentParser(prog="python -m hybridpipe.plan calibrate",
+                                     description="Measure this job's point-to-point and allreduce links.")
+    parser.add_argument("--output", default="cluster.json", help="where rank 0 writes the result (JSON)")
+    parser.add_argument("--repeats", type=int, default=9)
+    args = parser.parse_args(argv)
+    import json
+
+    import hybridpipe as hp
+    from hybridpipe.plan.calibrate import calibrate
+
+    hp.init()
+    try:
+        result = calibrate(args.repeats)
+        if hp.rank() == 0:
+            with open(args.output, "w") as file:
+                json.dump(result, file, indent=1)
+            links = ", ".join(f"{key} {result[key]:.3g}" for key in (
+                "intra_latency_us", "intra_gbps", "inter_latency_us", "inter_gbps", "allreduce_alpha_us",
+                "allreduce_gbps") if key in result)
+            print(f"{result['ranks']} ranks, {result['ranks_per_host']} per host, {result['cores_per_host']} cores: "
+                  f"{links} -> {args.output}")
+    finally:
+        hp.shutdown()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["calibrate"]:
+        return calibrate_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m hybridpipe.plan", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("factory", nargs="?", help="MODULE:FACTORY returning (layers, loss_fn, sample)")
@@ -76,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-batch", type=int, default=32, help="micro-batch size to profile (default 32)")
     parser.add_argument("--global-batch", type=int, required=True, help="samples per step over all replicas")
     parser.add_argument("--ranks", type=int, required=True, help="processes in the job")
+    parser.add_argument("--cluster", help="links measured by `calibrate` (JSON); --ranks may differ from it")
     parser.add_argument("--ranks-per-host", type=int, default=0, help="default: all on one host")
     parser.add_argument("--cores-per-host", type=int, default=0,
                         help="cores that compute per host (default 0: at least one per rank)")
@@ -99,10 +133,16 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("give MODULE:FACTORY to profile, or --profile FILE")
         if args.save_profile:
             model_profile.save(args.save_profile)
-        cluster = Cluster(ranks=args.ranks, ranks_per_host=args.ranks_per_host, cores_per_host=args.cores_per_host,
-                          intra_host_gbps=args.intra_host_gbps, inter_host_gbps=args.inter_host_gbps,
-                          latency_us=args.latency_us,
-                          memory_per_rank=parse_bytes(args.memory_per_rank, "--memory-per-rank"))
+        memory = parse_bytes(args.memory_per_rank, "--memory-per-rank")
+        if args.cluster:
+            from hybridpipe.plan.calibrate import load_cluster
+
+            cluster = load_cluster(args.cluster, memory_per_rank=memory, ranks=args.ranks)
+        else:
+            cluster = Cluster(ranks=args.ranks, ranks_per_host=args.ranks_per_host,
+                              cores_per_host=args.cores_per_host, intra_host_gbps=args.intra_host_gbps,
+                              inter_host_gbps=args.inter_host_gbps, latency_us=args.latency_us,
+                              memory_per_rank=memory)
         schedules = SYNCHRONOUS_CHOICES + (("pipedream", "2bw") if args.asynchronous else ())
         best = plan(model_profile, cluster, args.global_batch, schedules=schedules, checkpoints=CHECKPOINT_CHOICES,
                     optimizer_state_factor=args.optimizer_state_factor)

@@ -166,3 +166,11 @@ def test_command_line_profiles_a_factory_and_prints_the_plan(tmp_path):
                              "--ranks", "2", "--memory-per-rank", "1KiB"], capture_output=True, text=True, cwd=ROOT,
                             timeout=120)
     assert failed.returncode == 2 and "the smallest needs" in failed.stderr
+
+
+def test_calibration_fit_recovers_latency_and_bandwidth():
+    from hybridpipe.plan.calibrate import SIZES, fit
+
+    latency, per_byte = 50e-6, 1 / 2.5e9
+    assert fit(SIZES, [latency + size * per_byte for size in SIZES]) == pytest.approx((latency, per_byte))
+    assert fit([1, 2], [3.0, 3.0]) == pytest.approx((3.0, 0.0), abs=1e-12)  # flat: all latency

@@ -1,5 +1,5 @@
-"""hp.auto under mpirun: it plans for the running job, re-makes the grid as planned, and the model and
-optimizer it returns train like one process on the global batch."""
+"""The planner under mpirun: hp.auto plans for the running job, re-makes the grid as planned, and the model
+and optimizer it returns train like one process on the global batch; calibrate measures the job's links."""
 
 from __future__ import annotations
 
@@ -64,3 +64,22 @@ def test_auto_builds_what_it_planned_and_trains_like_one_process(given):
             torch.testing.assert_close(parameter, expected[name], rtol=1e-5, atol=1e-6)
     finally:
         model.close()
+
+
+def test_calibrate_measures_the_links_and_the_planner_reads_them(tmp_path_factory):
+    import json
+
+    from hybridpipe.plan.calibrate import SIZES, calibrate, load_cluster
+
+    result = calibrate(repeats=3)
+    assert result["ranks"] == hp.size() and result["ranks_per_host"] == hp.local_size()
+    assert len(result["intra_p2p_seconds"]) == len(SIZES) and all(t > 0 for t in result["intra_p2p_seconds"])
+    assert len(result["allreduce_seconds"]) == len(SIZES)
+    assert result["intra_latency_us"] >= 0 and result["intra_gbps"] > 0 and result["allreduce_gbps"] > 0
+    assert "inter_gbps" not in result  # one host
+    path = tmp_path_factory.mktemp("cluster") / "cluster.json"
+    path.write_text(json.dumps(result))
+    cluster = load_cluster(str(path), ranks=8)
+    assert cluster.ranks == 8 and cluster.ranks_per_host == result["ranks_per_host"]
+    assert cluster.intra_host_gbps == pytest.approx(result["intra_gbps"])
+    assert cluster.latency_us == pytest.approx(result["intra_latency_us"])
