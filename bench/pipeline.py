@@ -321,7 +321,45 @@ class HybridpipeWorker(MPIWorker):
     def describe(self) -> dict[str, Any]:
         from hybridpipe._ext import describe
 
-        return {"torch": self.torch.__version__, "describe": describe()}
+        return {"torch": self.torch.__version__, "describe": describe(), "hop_seconds": self.hop_seconds()}
+
+    def hop_seconds(self, repeats: int = 200) -> dict[str, float]:
+        """One-way time of a 64-byte message between ranks 0 and 1, medians of ping-pongs: through MPI
+        directly (mpi4py on this thread) and through hybridpipe's pipeline path (p2p, handed to the
+        communication thread), while the other ranks wait in a barrier. The latter is what each
+        transfer on a schedule's critical path costs here."""
+        from hybridpipe.comm import p2p
+        from hybridpipe.comm.engine import call
+
+        torch = self.torch
+        buffer = torch.zeros(16)
+        raw = self.comm.Dup()
+        ours = call(None, "bench", self.grid.world_comm.Dup)
+        times: dict[str, list[float]] = {"mpi": [], "hybridpipe": []}
+        for name in times:
+            self.comm.Barrier()
+            for run in range(repeats + 20):
+                start = time.perf_counter()
+                if self.rank == 0 and name == "mpi":
+                    raw.Send(buffer.numpy(), 1, 0)
+                    raw.Recv(buffer.numpy(), 1, 1)
+                elif self.rank == 1 and name == "mpi":
+                    raw.Recv(buffer.numpy(), 0, 0)
+                    raw.Send(buffer.numpy(), 0, 1)
+                elif self.rank == 0:
+                    p2p.send(buffer, 1, 0, ours)
+                    p2p.Receive(1, 2, ours).wait()
+                elif self.rank == 1:
+                    p2p.Receive(0, 0, ours).wait()
+                    p2p.send(buffer, 0, 2, ours)
+                else:
+                    break
+                if run >= 20:
+                    times[name].append((time.perf_counter() - start) / 2)
+        self.comm.Barrier()
+        raw.Free()
+        call(None, "bench", ours.Free)
+        return {name: statistics.median(values) for name, values in times.items() if values}
 
     def close(self) -> None:
         for model in self.models:
@@ -573,17 +611,20 @@ def _ratio(measured: float, ideal: float) -> str:
     return f"{measured / ideal:.3f}" if ideal > 0 else "n/a"
 
 
-def _theory_ms(schedule: str, p: int, m: int, f_ms: float, b_ms: float) -> float:
-    """A step of ``schedule`` on an ideal machine (free communication and framework), from the schedule
-    data: F and B are one stage's forward and backward per micro-batch; a chunk of an interleaved
-    schedule takes 1/v of them; a W half of B. The asynchronous schedules never drain: M·(F+B)."""
+def _theory_ms(schedule: str, p: int, m: int, f_ms: float, b_ms: float, hop_ms: float = 0.0) -> float:
+    """A step of ``schedule`` on an ideal machine (free framework; each transfer between ranks takes
+    ``hop_ms``), from the schedule data: F and B are one stage's forward and backward per
+    micro-batch; a chunk of an interleaved schedule takes 1/v of them; a W half of B. The
+    asynchronous schedules are timed in steady state (their step once the pipeline is full)."""
     from hybridpipe.pipeline import schedule as sched
 
-    if schedule in ASYNCHRONOUS:
-        return m * (f_ms + b_ms)
     chunks = VIRTUAL_STAGES if schedule == "interleaved-1f1b" else 1
-    plan = sched.get_schedule(schedule, p, m, chunks)
-    return sched.simulate(plan, f_ms / chunks, b_ms / chunks).makespan
+    times = dict(forward_time=f_ms / chunks, backward_time=b_ms / chunks, transfer_time=hop_ms)
+    if schedule in ASYNCHRONOUS:
+        one = sched.simulate(sched.async_schedule(schedule, p, m, steps=1, flush=False), **times).makespan
+        four = sched.simulate(sched.async_schedule(schedule, p, m, steps=4, flush=False), **times).makespan
+        return (four - one) / 3
+    return sched.simulate(sched.get_schedule(schedule, p, m, chunks), **times).makespan
 
 
 def _slept_ms(launch: Launch, schedule: str) -> float:
@@ -596,9 +637,17 @@ def _slept_ms(launch: Launch, schedule: str) -> float:
     return statistics.mean(per_step)
 
 
+def _hop_ms(launches: list[Launch], kind: str) -> float | None:
+    """The median one-way 64-byte hop (ms) measured in the hybridpipe launches ("mpi" or "hybridpipe")."""
+    values = [r["hop_seconds"][kind] for launch in launches if launch.variant == "hybridpipe"
+              for r in launch.results if kind in r.get("hop_seconds", {})]
+    return statistics.median(values) * 1e3 if values else None
+
+
 def sleep_rows(launches: list[Launch], args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
     header = ["framework", "P", "M", "schedule", "ms/step", "theory ms", "measured / theory", "M·(F+B) slept ms",
               "measured / M·(F+B) slept", "bubble measured", "bubble theory", "bubble ÷ hybridpipe 1F1B's",
+              "theory with hybridpipe's hop ms", "measured / that",
               "ms per action, input ready (median)", "ms per hop (median)", "CPU cores used"]
     rows = []
     sleep = [launch for launch in launches if launch.model == "sleep"]
@@ -613,10 +662,13 @@ def sleep_rows(launches: list[Launch], args: argparse.Namespace) -> tuple[list[s
             theory = _theory_ms(schedule, p, m, f_ms, b_ms)
             slept = _slept_ms(launch, schedule)
             bubble = 1 - slept / step_ms
+            hop = _hop_ms(sleep, "hybridpipe")
+            with_hop = _theory_ms(schedule, p, m, f_ms, b_ms, hop) if hop is not None else None
             rows.append([VARIANT_LABELS[launch.variant], str(p), str(m), schedule, f"{step_ms:.1f}",
                          f"{theory:.1f}", _ratio(step_ms, theory), f"{slept:.1f}", _ratio(step_ms, slept),
                          f"{bubble:.3f}", f"{1 - m * (f_ms + b_ms) / theory:.3f}",
                          f"{bubble / one_f_bubble:.2f}" if one_f_bubble else "n/a",
+                         f"{with_hop:.1f}" if with_hop else "n/a", _ratio(step_ms, with_hop) if with_hop else "n/a",
                          _gap(launch, schedule, "local"), _gap(launch, schedule, "hop"),
                          f"{_cpu_cores(launch, schedule):.2f}"])
     return header, rows
@@ -665,12 +717,18 @@ def report(launches: list[Launch], args: argparse.Namespace, started: str, total
                 "2bw never drain: M·(F+B)); M·(F+B) slept = the busiest rank's sleeps per step as they lasted (each "
                 "time.sleep overshoots by tens of µs); bubble = 1 − M·(F+B) slept / step time; torch's interleaved zero-bubble "
                 f"schedule runs v = {VIRTUAL_STAGES} chunks per rank and is compared with zb-h1 and its theory; "
-                "the schedules of a framework interleaved in one launch. ms per action, input "
+                "the schedules of a framework interleaved in one launch. theory with hybridpipe's hop = the same "
+                "simulation with every transfer between ranks taking the one-way time of a 64-byte message between "
+                "ranks 0 and 1 through hybridpipe's pipeline path (p2p handed to the communication thread), measured "
+                "in the hybridpipe launch while the other ranks wait" + (
+                    f": {_hop_ms(sleep, 'hybridpipe'):.3f} ms here, against {_hop_ms(sleep, 'mpi'):.3f} ms through MPI "
+                    "directly from the same thread" if _hop_ms(sleep, "hybridpipe") is not None else "") + (
+                ". ms per action, input "
                 "ready = median time from the end of a stage's previous action to the first sleep of its "
                 "next one when that action's input was already there (the framework's own cost per action: "
                 "bookkeeping, sends, receives, autograd); ms per hop = the same when the input came last, "
                 "from the neighbour (adds the transfer and the waiting rank's wake-up); both from the "
-                "sleeps' perf_counter timestamps on all ranks", ""]
+                "sleeps' perf_counter timestamps on all ranks"), ""]
         out += [render(*sleep_rows(launches, args), md, left=4), ""]
     out.append(f"{'Whole run' if md else 'whole run'}: {total_seconds:.0f} s "
                f"(launches: {sum(sum(launch.seconds) for launch in launches):.0f} s).")
