@@ -174,6 +174,9 @@ class PipelineModel(nn.Module):
             pipeline applies it (averaged over the stage's replicas) as the schedule says.
         vertical_sync: "pipedream" only: every stage uses, for a micro-batch, the weight version
             the first stage used for it.
+        precision: "fp32", or "bf16": every stage's forward (and re-computation, and the loss) runs
+            under ``torch.autocast`` in bfloat16, float32 activations cross stages in bfloat16, the
+            weights (and their gradients and the optimizer) stay float32.
         memory_limit: ``balance="memory"``: bytes (or ``"2GiB"``) each stage may hold in parameters,
             gradients and the activations of as many micro-batches as the schedule keeps at once;
             the fastest balance (by profiled time) within it is chosen.
@@ -203,6 +206,7 @@ class PipelineModel(nn.Module):
         optimizer: Any = None,
         vertical_sync: bool = False,
         memory_limit: int | str | None = None,
+        precision: str = "fp32",
     ) -> None:
         super().__init__()
         grid = runtime._require("PipelineModel").grid
@@ -223,6 +227,10 @@ class PipelineModel(nn.Module):
                                   f"{', '.join(map(repr, CHECKPOINT_MODES))})")
         stages = grid.pipeline_stages
         name = canonical_name(schedule)  # unknown name → ScheduleError on every rank
+        if precision not in ("fp32", "bf16"):
+            hint = (" (fp16, with a loss scaler agreed by every stage, is planned; use bf16)"
+                    if precision == "fp16" else "")
+            raise HybridPipeError(f"unknown precision {precision!r}: use 'fp32' or 'bf16'{hint}")
         if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
             raise HybridPipeError(f"virtual_stages must be a positive int (got {virtual_stages!r})")
         self.asynchronous = name in ASYNCHRONOUS
@@ -235,6 +243,7 @@ class PipelineModel(nn.Module):
         self.checkpoint = checkpoint
         self.virtual_stages = virtual_stages
         self.vertical_sync = bool(vertical_sync)
+        self.precision = precision
         self.grid = grid
         self.stage = grid.stage
         self.stages = stages
@@ -273,6 +282,8 @@ class PipelineModel(nn.Module):
         self._executor = StageExecutor(chunk_modules, self.stage, stages, self._comm, self.device, virtual_stages)
         if name == "zb-h1":
             self._executor.split_backward()
+        if precision == "bf16":
+            self._executor.autocast = torch.bfloat16
         self.optimizer: torch.optim.Optimizer | None = None
         self._stream: AsyncStream | None = None
         self._next_micro_batch = 0
@@ -415,11 +426,11 @@ class PipelineModel(nn.Module):
     def _agree(self, grid: runtime.Grid, count: int, balance: list[int],
                shared_across_stages: tuple[tuple[int, ...], ...]) -> None:
         mine = (count, tuple(balance), self.micro_batches, self.schedule_name, self.checkpoint,
-                self.virtual_stages, self.vertical_sync, shared_across_stages)
+                self.virtual_stages, self.vertical_sync, self.precision, shared_across_stages)
         everyone = call(None, "PipelineModel", lambda: grid.world_comm.allgather(mine))
         if len(set(everyone)) > 1:
             names = ("layers", "balance", "micro_batches", "schedule", "checkpoint", "virtual_stages",
-                     "vertical_sync", "layers_sharing_parameters_across_stages")
+                     "vertical_sync", "precision", "layers_sharing_parameters_across_stages")
             differ = [name for i, name in enumerate(names) if len({e[i] for e in everyone}) > 1]
             listing = "; ".join(f"rank {r}: " + ", ".join(f"{n}={e[names.index(n)]!r}" for n in differ)
                                 for r, e in enumerate(everyone))

@@ -211,6 +211,7 @@ class StageExecutor:
         self.on_update: Callable[[int, int], None] | None = None  # (stage, micro-batch) for U actions
         self.carry_versions = False  # asynchronous vertical sync: activations carry the weight version
         self.carry_losses = False  # asynchronous: gradients carry their micro-batch's loss
+        self.autocast: torch.dtype | None = None  # mixed precision: forwards (and losses) under torch.autocast
 
     # ------------------------------------------------------------------ set-up
 
@@ -447,32 +448,33 @@ class StageExecutor:
             forward = chunk.stash.call(stored.weights)
         if not step.train:
             with torch.no_grad():
-                y = forward(x)
+                y = self._call(forward, x)
             if chunk.last:
                 step.outputs[m] = y
             else:
+                y = self._boundary(y)
                 self._send((carried, y) if self.carry_versions else y, chunk.stage + 1, m, False)
         elif (chunk.stage, m) in step.keep_graph:
             chunk.recording = stored.calls if chunk.splittable else None
             try:
-                y = forward(x)
+                y = self._call(forward, x)
             finally:
                 chunk.recording = None
             if chunk.last:
-                loss = step.loss_fn(y, self._move(step.targets[m]))
+                loss = self._loss(step, y, m)
                 stored.loss = float(loss.detach())
                 stored.saved = loss * step.weights[m]
             else:
-                stored.saved = y
+                stored.saved = y = self._boundary(y)
                 self._send_forward(chunk, m, stored, y, marked=False)
         else:
             stored.recompute, stored.saved = True, _RngState(self.device)
             with torch.no_grad():
-                y = forward(x)
+                y = self._call(forward, x)
                 if chunk.last:
-                    stored.loss = float(step.loss_fn(y, self._move(step.targets[m])))
+                    stored.loss = float(self._loss(step, y, m))
             if not chunk.last:
-                self._send_forward(chunk, m, stored, y, marked=True)
+                self._send_forward(chunk, m, stored, self._boundary(y), marked=True)
         if step.train:
             if chunk.last and not self.carry_losses:
                 step.result.losses[m] = stored.loss
@@ -480,6 +482,27 @@ class StageExecutor:
             step.result.peak_stored = max(step.result.peak_stored, len(self._stored))
         timeline.record(f"F{m}", "forward", "compute", start, time.monotonic(),
                         {"stage": chunk.stage, "micro_batch": m})
+
+    def _call(self, forward: Callable[[Any], Any], x: Any) -> Any:
+        """A chunk's forward, under autocast when the pipeline runs in mixed precision."""
+        if self.autocast is None:
+            return forward(x)
+        with torch.autocast(self.device.type, dtype=self.autocast):
+            return forward(x)
+
+    def _loss(self, step: _Step, y: Any, m: int) -> torch.Tensor:
+        target = self._move(step.targets[m])
+        if self.autocast is None:
+            return step.loss_fn(y, target)
+        with torch.autocast(self.device.type, dtype=self.autocast):
+            return step.loss_fn(y, target)
+
+    def _boundary(self, y: Any) -> Any:
+        """A chunk's output as it leaves for the next chunk: in mixed precision, float32 tensors in the
+        autocast dtype (half the bytes on the wire; the gradient comes back in it too)."""
+        if self.autocast is None:
+            return y
+        return map_tensors(y, lambda t: t.to(self.autocast) if t.dtype == torch.float32 else t)
 
     def _send_forward(self, chunk: _Chunk, m: int, stored: _Stored, y: Any, marked: bool) -> None:
         if marked:  # a no-grad forward's output, marked as requiring grad for the next chunk
@@ -494,8 +517,8 @@ class StageExecutor:
         try:
             with timeline.span(f"R{m}", "recompute", stage=chunk.stage, micro_batch=m), stored.saved.replay(), \
                     torch.enable_grad():
-                y = forward(stored.x)
-                return step.loss_fn(y, self._move(step.targets[m])) * step.weights[m] if chunk.last else y
+                y = self._call(forward, stored.x)
+                return self._loss(step, y, m) * step.weights[m] if chunk.last else self._boundary(y)
         finally:
             chunk.recording = None
 

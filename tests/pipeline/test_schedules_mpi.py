@@ -355,3 +355,45 @@ def test_memory_balance_keeps_every_stage_within_the_limit(grid):
         hp.PipelineModel(layers, loss_fn=nn.MSELoss(), micro_batches=stages, balance="memory", sample_input=sample)
     with pytest.raises(PartitionError, match='memory_limit is for balance="memory"'):
         hp.PipelineModel(layers, loss_fn=nn.MSELoss(), micro_batches=stages, memory_limit="1GiB")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_bf16_pipeline_equals_one_process_under_autocast(grid, schedule):
+    stages, micro_batches = grid.pipeline_stages, 2 * grid.pipeline_stages
+    model = hp.PipelineModel(transformer(stages), loss_fn=sequence_loss, micro_batches=micro_batches,
+                             balance="uniform", schedule=schedule, precision="bf16", checkpoint="except_last")
+    reference = transformer(stages)
+    optimizer = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters())
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    seen_inputs, seen_outputs = set(), set()
+    first = model.layers[str(model.layers_of_stage(grid.stage)[0])]
+    first.register_forward_hook(lambda module, args, output: seen_inputs.update(
+        t.dtype for t in microbatch.iter_tensors(args[0]) if t.is_floating_point()) and None)
+    linear = next(m for m in model.layers.modules() if type(m) is nn.Linear)  # (not MultiheadAttention.out_proj)
+    linear.register_forward_hook(lambda module, args, output: seen_outputs.add(output.dtype) and None)
+    try:
+        for (inputs, targets), (all_inputs, all_targets) in data_for("transformer", grid,
+                                                                     per_replica=2 * micro_batches):
+            optimizer.zero_grad()
+            model.train_step(inputs, targets)
+            optimizer.step()
+            reference_optimizer.zero_grad()
+            # one process: the same micro-batches of every replica, each under autocast
+            pieces = list(zip(*(microbatch.split(t, micro_batches * grid.data_replicas)
+                                for t in (all_inputs, all_targets))))
+            for x, y in pieces:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = sequence_loss(reference(x), y) / len(pieces)
+                loss.backward()
+            reference_optimizer.step()
+        for name, parameter in model.named_parameters():
+            assert parameter.dtype == torch.float32  # master weights stay float32
+            torch.testing.assert_close(parameter, dict(reference.named_parameters())[name.removeprefix("layers.")],
+                                       rtol=2e-2, atol=2e-3)  # bf16 tolerance; the dtypes below tell bf16 from fp32
+        assert seen_inputs == (set() if grid.is_first_stage else {torch.bfloat16})  # activations crossed in bf16
+        assert seen_outputs == {torch.bfloat16}  # the stage's matrix products ran in bfloat16
+    finally:
+        model.close()
+    with pytest.raises(HybridPipeError, match="unknown precision 'fp16'.*planned; use bf16"):
+        hp.PipelineModel(transformer(stages), loss_fn=sequence_loss, precision="fp16")
