@@ -41,6 +41,9 @@ Two benchmarks:
      * ``161 × allreduce_async_``: each tensor submitted with its own name, one by one in reverse
        order (as backward produces them), then every handle waited; the time runs from the first
        submit to the return of the last wait;
+     * ``161 × allreduce_async``: the same, out of place (each result a new tensor, written by the
+       engine straight from the input); "out of place / in place" is the median over repetitions
+       of the ratio of the two (measured back to back, so machine noise cancels partly);
      * ``grouped_allreduce_``: one call on the same list (fused on the calling thread);
      * ``mpi4py × 161``: one ``Comm.Allreduce`` per tensor (Open MPI's MPI_Allreduce).
    All use op sum on the same buffers (zeros, checked once with rank + 1). For the async variant
@@ -491,8 +494,9 @@ class ResNetWorker:
         self.tensors = [torch.zeros(shape, dtype=torch.float32) for _, shape in shapes]
         self.arrays = [t.numpy().reshape(-1) for t in self.tensors]  # the same memory, for mpi4py
         self.async_runs: list[dict[str, Any]] = []
+        self.checking = False
 
-    # -- the three calls; each reduces self.tensors in place with op sum
+    # -- the four calls; each reduces self.tensors in place with op sum
 
     def call_async(self) -> None:
         hp = self.hp
@@ -514,6 +518,17 @@ class ResNetWorker:
             "stats": {k: after[k] - before[k] for k in STATS_KEYS},
         })
 
+    def call_async_out(self) -> None:
+        """The out-of-place form, ``hp.allreduce_async``: the engine reads each tensor and writes a new one."""
+        hp = self.hp
+        order = list(reversed(range(len(self.tensors))))
+        handles = [hp.allreduce_async(self.tensors[i], name=f"{self.names[i]}.out", op=hp.Sum, group="world")
+                   for i in order]
+        outputs = [handle.wait() for handle in handles]
+        if self.checking:  # check() reads self.arrays: put the results there
+            for i, output in zip(order, outputs):
+                self.tensors[i].copy_(output)
+
     def call_grouped(self) -> None:
         self.hp.grouped_allreduce_(self.tensors, op=self.hp.Sum, group="world")
 
@@ -526,7 +541,9 @@ class ResNetWorker:
         """One untimed call with rank + 1 everywhere; True on every rank iff all got n(n+1)/2."""
         for a in self.arrays:
             a[...] = self.rank + 1
+        self.checking = True
         call()
+        self.checking = False
         expected = self.size * (self.size + 1) / 2
         ok = all(bool(self.np.all(a == expected)) for a in self.arrays)
         for a in self.arrays:
@@ -538,7 +555,8 @@ class ResNetWorker:
 
     def run(self) -> dict[str, Any]:
         np, args = self.np, self.args
-        calls = {"async": self.call_async, "grouped": self.call_grouped, "mpi4py": self.call_mpi}
+        calls = {"async": self.call_async, "async_out": self.call_async_out, "grouped": self.call_grouped,
+                 "mpi4py": self.call_mpi}
         correct = {name: self.check(name, call) for name, call in calls.items()}
         first_run = self.async_runs.pop()["stats"]  # the check: the names' first negotiation
         self.async_runs.clear()
@@ -872,7 +890,8 @@ def mlp_rows(launches: list[Launch], args: argparse.Namespace) -> tuple[list[str
 
 
 def resnet_rows(launches: list[Launch]) -> tuple[list[str], list[list[str]]]:
-    header = ["n", "161 × allreduce_async_ ms", "grouped_allreduce_ ms", "mpi4py Allreduce × 161 ms",
+    header = ["n", "161 × allreduce_async_ ms", "161 × allreduce_async (out of place) ms", "out of place / in place",
+              "grouped_allreduce_ ms", "mpi4py Allreduce × 161 ms",
               "Horovod (issue) ms", "target ms", "async / grouped", "submit loop ms",
               "first bucket starts ms",
               "last bucket ends ms", "cycles / buckets (helped) per run", "slow rounds: first / warm-up / timed runs"]
@@ -880,7 +899,8 @@ def resnet_rows(launches: list[Launch]) -> tuple[list[str], list[list[str]]]:
     for launch in (launch for launch in launches if launch.kind == "resnet"):
         r = launch.results[0]
         n = r["n"]
-        seconds = {k: _resnet_median(launch, k) for k in ("async", "grouped", "mpi4py")}
+        kinds = [k for k in ("async", "async_out", "grouped", "mpi4py") if k in r["all_seconds"]]
+        seconds = {k: _resnet_median(launch, k) for k in kinds}
         cells = {k: f"{v * 1e3:.1f}" + ("" if all(x["correct"][k] for x in launch.results) else " WRONG")
                  for k, v in seconds.items()}
         breakdown = {k: statistics.median(v for x in launch.results for v in x["async_breakdown"][k])
@@ -891,7 +911,11 @@ def resnet_rows(launches: list[Launch]) -> tuple[list[str], list[list[str]]]:
         warm = sum(s["slow_rounds"] for x in launch.results for s in x["async_stats_warmup"])
         slow_timed = sum(v for x in launch.results for v in x["async_stats_timed"]["slow_rounds"])
         label = str(n) + (" (oversubscribed)" if r.get("oversubscribed") else "")
-        rows.append([label, cells["async"], cells["grouped"], cells["mpi4py"],
+        ratio = (statistics.median(out / inside for x in launch.results
+                                   for out, inside in zip(x["all_seconds"]["async_out"], x["all_seconds"]["async"]))
+                 if "async_out" in seconds else None)
+        rows.append([label, cells["async"], cells.get("async_out", "—"),
+                     "—" if ratio is None else f"{ratio:.2f}", cells["grouped"], cells["mpi4py"],
                      f"{ISSUE['horovod_resnet_ms'][n]:.0f}" if n in ISSUE["horovod_resnet_ms"] else "—",
                      f"≤ {ISSUE['resnet_target_ms'][n]:.0f}" if n in ISSUE["resnet_target_ms"] else "—",
                      f"{seconds['async'] / seconds['grouped']:.2f}",

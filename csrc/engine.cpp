@@ -46,7 +46,13 @@ struct Announced {  // one pending name of one rank, as gathered in a slow round
   int op;
   bool stalled;
   double waited_s;
+  std::string refusal;
+  int device;
+  bool join;
+  bool call;
 };
+
+const char* const kJoinName = "hybridpipe.join";
 
 void put(std::string& out, const void* data, size_t bytes) { out.append(static_cast<const char*>(data), bytes); }
 
@@ -59,8 +65,9 @@ T take(const char*& cursor) {
 }
 
 std::string describe(const Announced& a) {
+  static const char* const devices[] = {"", " device=cuda", " device=accelerator"};
   return "count=" + std::to_string(a.count) + " dtype=" + dtype_name(static_cast<DType>(a.dtype)) +
-         " op=" + op_name(static_cast<ReduceOp>(a.op));
+         " op=" + op_name(static_cast<ReduceOp>(a.op)) + devices[a.device >= 0 && a.device <= 2 ? a.device : 2];
 }
 
 }  // namespace
@@ -188,12 +195,24 @@ uint64_t Engine::submit_call(int group_id, const std::string& name, int kind, st
                  std::move(job));
 }
 
-uint64_t Engine::submit(int group_id, const std::string& name, const Buffer& buffer, ReduceOp op) {
-  return enqueue(group_id, name, buffer, op, nullptr);
+uint64_t Engine::submit_refusal(int group_id, const std::string& name, const std::string& refusal, bool detached) {
+  const uint64_t handle = enqueue(group_id, name, Buffer{nullptr, 0, DType::Int64}, ReduceOp::Max, nullptr,
+                                  refusal.empty() ? std::string("invalid arguments") : refusal, detached);
+  return detached ? 0 : handle;
+}
+
+uint64_t Engine::submit(int group_id, const std::string& name, const Buffer& buffer, ReduceOp op, int device,
+                        const Buffer& output) {
+  if (output.data && (output.count != buffer.count || output.dtype != buffer.dtype)) {
+    throw std::invalid_argument("submit: the output of '" + name + "' differs from its input in count or dtype");
+  }
+  return enqueue(group_id, name, buffer, op, nullptr, "", false, device, false,
+                 output.data != buffer.data ? output : Buffer{});
 }
 
 uint64_t Engine::enqueue(int group_id, const std::string& name, const Buffer& buffer, ReduceOp op,
-                         std::function<void()> job) {
+                         std::function<void()> job, const std::string& refusal, bool detached, int device,
+                         bool join, const Buffer& output) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!fatal_.empty()) throw std::runtime_error("the background engine stopped after an error: " + fatal_);
   if (stop_requested_) throw std::runtime_error("hybridpipe is shutting down: no new allreduce_async");
@@ -213,10 +232,23 @@ uint64_t Engine::enqueue(int group_id, const std::string& name, const Buffer& bu
     }
   }
   const uint64_t handle = next_handle_++;
-  group.pending.push_back(Entry{handle, name, buffer, op, Clock::now(), false, std::move(job)});
+  group.pending.push_back(Entry{handle, name, buffer, op, Clock::now(), false, std::move(job), refusal, detached, device, join, 0,
+                                      nullptr, output});
   handles_[handle] = HandleState{group_id, false, "", ErrorKind::None};
   wake_.notify_one();
   return handle;
+}
+
+uint64_t Engine::submit_join(int group_id) {
+  return enqueue(group_id, kJoinName, Buffer{nullptr, 0, DType::Int64}, ReduceOp::Max, nullptr, "", false, 0, true);
+}
+
+int Engine::last_joined(int group_id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (group_id < 0 || group_id >= static_cast<int>(groups_.size())) {
+    throw std::invalid_argument("unknown engine group " + std::to_string(group_id));
+  }
+  return groups_[group_id]->last_joined;
 }
 
 bool Engine::poll(uint64_t handle) {
@@ -226,7 +258,7 @@ bool Engine::poll(uint64_t handle) {
   return found->second.done || thread_done_;
 }
 
-std::string Engine::wait(uint64_t handle, double* started, double* finished, ErrorKind* kind) {
+std::string Engine::wait(uint64_t handle, double* started, double* finished, ErrorKind* kind, int* contributors) {
   std::unique_lock<std::mutex> lock(mutex_);
   auto found = handles_.find(handle);
   if (found == handles_.end()) throw std::invalid_argument("unknown or already waited-for handle");
@@ -262,6 +294,7 @@ std::string Engine::wait(uint64_t handle, double* started, double* finished, Err
   if (kind) *kind = found->second.done ? found->second.kind : (fatal_.empty() ? ErrorKind::Stopped : ErrorKind::Failed);
   if (started) *started = found->second.started;
   if (finished) *finished = found->second.finished;
+  if (contributors) *contributors = found->second.contributors;
   handles_.erase(found);
   return error;
 }
@@ -297,12 +330,17 @@ void Engine::complete(const std::vector<Entry>& entries, const std::string& erro
   std::lock_guard<std::mutex> lock(mutex_);
   for (const Entry& entry : entries) {
     auto found = handles_.find(entry.handle);
+    if (found != handles_.end() && entry.detached) {  // nobody waits for it
+      handles_.erase(found);
+      continue;
+    }
     if (found != handles_.end()) {
       found->second.done = true;
       found->second.error = error;
       found->second.kind = error.empty() ? ErrorKind::None : kind;
       found->second.started = started;
       found->second.finished = started ? finished : 0;
+      found->second.contributors = entry.contributors;
     }
   }
   changed_.notify_all();
@@ -311,6 +349,10 @@ void Engine::complete(const std::vector<Entry>& entries, const std::string& erro
 void Engine::fail_pending(Group& group, const std::string& error, ErrorKind kind) {
   for (const Entry& entry : group.pending) {
     auto found = handles_.find(entry.handle);
+    if (found != handles_.end() && entry.detached) {
+      handles_.erase(found);
+      continue;
+    }
     if (found != handles_.end() && !found->second.done) {
       found->second.done = true;
       found->second.error = error;
@@ -505,7 +547,8 @@ void Engine::cycle_single(Group& group) {  // an allreduce over one rank is the 
   group.stats.tensors += ready.size();
   for (const Entry& entry : ready) {
     const double started = seconds_now();
-    if (entry.job) entry.job();
+    if (entry.job && entry.refusal.empty()) entry.job();
+    if (entry.output.data && entry.buffer.data) std::memcpy(entry.output.data, entry.buffer.data, entry.buffer.bytes());
     complete({entry}, "", started);
   }
 }
@@ -817,13 +860,16 @@ void Engine::start_negotiation(Group& group) {
   group.vector.assign(1 + (group.cache.size() + 63) / 64, 0);
   for (const Entry& entry : group.snapshot) {
     auto bit = group.bits.find(entry.name);
-    const bool cached = bit != group.bits.end() && group.cache[bit->second].count == entry.buffer.count &&
-                        group.cache[bit->second].dtype == entry.buffer.dtype && group.cache[bit->second].op == entry.op;
+    const bool cached = entry.refusal.empty() && bit != group.bits.end() &&
+                        group.cache[bit->second].count == entry.buffer.count &&
+                        group.cache[bit->second].dtype == entry.buffer.dtype && group.cache[bit->second].op == entry.op &&
+                        group.cache[bit->second].device == entry.device;
     if (cached) {
       group.vector[1 + bit->second / 64] |= 1ull << (bit->second % 64);
     } else {
       flags &= ~kAllCached;
     }
+    if (entry.join) flags &= ~kAllCached;  // while a rank has joined, every round gathers names (and counts)
     if (!entry.warned && now - entry.submitted > stall) flags &= ~kNotStalled;
     if (options_.stall_shutdown_seconds > 0 && now - entry.submitted > expiry) flags &= ~kNotExpired;
   }
@@ -836,7 +882,7 @@ void Engine::finish_negotiation(Group& group) {
   group.stats.cycles++;
   const uint64_t flags = group.vector[0];
   std::vector<Entry> ready;
-  std::vector<std::pair<Entry, std::string>> failed;
+  std::vector<Failure> failed;
   std::string expired;
   if ((flags & kAllCached) && (flags & kNotStalled) && (flags & kNotExpired)) {
     for (const Entry& entry : group.snapshot) {
@@ -866,7 +912,7 @@ void Engine::finish_negotiation(Group& group) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto gone = [&](const Entry& entry) {
       for (const Entry& r : ready) if (r.handle == entry.handle) return true;
-      for (const auto& f : failed) if (f.first.handle == entry.handle) return true;
+      for (const auto& f : failed) if (f.entry.handle == entry.handle) return true;
       return false;
     };
     group.pending.erase(std::remove_if(group.pending.begin(), group.pending.end(), gone), group.pending.end());
@@ -876,7 +922,7 @@ void Engine::finish_negotiation(Group& group) {
       }
     }
   }
-  for (const auto& item : failed) complete({item.first}, item.second, 0, ErrorKind::Mismatch);
+  for (const auto& item : failed) complete({item.entry}, item.error, 0, item.kind);
   if (!ready.empty()) execute(group, ready);
   if ((flags & kWantStop) && ready.empty() && failed.empty()) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -886,8 +932,7 @@ void Engine::finish_negotiation(Group& group) {
   group.snapshot.clear();
 }
 
-std::string Engine::slow_round(Group& group, std::vector<Entry>& ready,
-                               std::vector<std::pair<Entry, std::string>>& failed) {
+std::string Engine::slow_round(Group& group, std::vector<Entry>& ready, std::vector<Failure>& failed) {
   const auto now = Clock::now();
   std::string mine;
   for (const Entry& entry : group.snapshot) {
@@ -903,6 +948,14 @@ std::string Engine::slow_round(Group& group, std::vector<Entry>& ready,
     put(mine, &op, sizeof op);
     put(mine, &stalled, sizeof stalled);
     put(mine, &waited, sizeof waited);
+    const uint32_t refusal_length = static_cast<uint32_t>(entry.refusal.size());
+    put(mine, &refusal_length, sizeof refusal_length);
+    put(mine, entry.refusal.data(), refusal_length);
+    const int32_t device = entry.device;
+    put(mine, &device, sizeof device);
+    const uint8_t join = entry.join, call = entry.job != nullptr;
+    put(mine, &join, sizeof join);
+    put(mine, &call, sizeof call);
   }
   int my_length = static_cast<int>(mine.size());
   std::vector<int> lengths(group.size), offsets(group.size, 0);
@@ -927,34 +980,152 @@ std::string Engine::slow_round(Group& group, std::vector<Entry>& ready,
       a.op = take<int32_t>(cursor);
       a.stalled = take<uint8_t>(cursor) != 0;
       a.waited_s = take<double>(cursor);
-      by_name[name].push_back(a);
+      const uint32_t refusal_length = take<uint32_t>(cursor);
+      a.refusal.assign(cursor, refusal_length);
+      cursor += refusal_length;
+      a.device = take<int32_t>(cursor);
+      a.join = take<uint8_t>(cursor) != 0;
+      a.call = take<uint8_t>(cursor) != 0;
+      by_name[name].push_back(std::move(a));
     }
   }
   auto my_entry = [&](const std::string& name) -> Entry* {
     for (Entry& entry : group.snapshot) if (entry.name == name) return &entry;
     return nullptr;
   };
+  std::vector<bool> joined(group.size, false);  // ranks waiting in join: they stand in with zeros
+  int joined_count = 0;
+  {
+    auto found = by_name.find(kJoinName);
+    if (found != by_name.end()) {
+      for (const Announced& a : found->second) {
+        if (a.join) {
+          joined[a.rank] = true;
+          ++joined_count;
+        }
+      }
+    }
+  }
   for (auto& item : by_name) {
     const std::string& name = item.first;
     const std::vector<Announced>& ranks = item.second;
     Entry* mine_entry = my_entry(name);
+    if (joined_count > 0 && name == kJoinName) {
+      std::string refusals;
+      for (const Announced& a : ranks) {
+        if (!a.refusal.empty()) refusals += (refusals.empty() ? "" : "; ") + ("rank " + std::to_string(a.rank) + " raised " + a.refusal);
+      }
+      if (!refusals.empty() && static_cast<int>(ranks.size()) == group.size) {
+        if (mine_entry) failed.push_back(Failure{*mine_entry, refusals + " (so the join failed on every rank of group '" +
+                                                                  group.label + "')", ErrorKind::Refused});
+        continue;
+      }
+      if (joined_count == group.size && mine_entry) {  // everyone joined: the last one is the latest to come
+        int last = ranks[0].rank;
+        double newest = ranks[0].waited_s;
+        for (const Announced& a : ranks) {
+          if (a.waited_s < newest || (a.waited_s == newest && a.rank > last)) {
+            newest = a.waited_s;
+            last = a.rank;
+          }
+        }
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          group.last_joined = last;
+        }
+        failed.push_back(Failure{*mine_entry, "", ErrorKind::None});  // done (no error)
+      }
+      continue;
+    }
+    if (joined_count > 0 && static_cast<int>(ranks.size()) < group.size) {
+      int covered = 0;
+      for (const Announced& a : ranks) covered += joined[a.rank] ? 0 : 1;
+      if (covered == static_cast<int>(ranks.size()) && covered + joined_count == group.size) {
+        // every rank that has not joined submitted it: the joined ones take part with zeros
+        std::string listing, joined_list;
+        bool same = true, call = false;
+        for (const Announced& a : ranks) {
+          same = same && a.count == ranks[0].count && a.dtype == ranks[0].dtype && a.op == ranks[0].op &&
+                 a.device == ranks[0].device;
+          call = call || a.call;
+          listing += (listing.empty() ? "" : "; ") + ("rank " + std::to_string(a.rank) + ": " + describe(a));
+        }
+        for (int r = 0; r < group.size; ++r) {
+          if (joined[r]) joined_list += (joined_list.empty() ? "" : ", ") + std::to_string(r);
+        }
+        if (call || !same) {
+          if (mine_entry) {
+            failed.push_back(Failure{
+                *mine_entry,
+                call ? "ranks [" + joined_list + "] of group '" + group.label +
+                           "' have joined (hp.join): until every rank joined, only allreduces complete (with their "
+                           "contributions as zeros); this collective cannot"
+                     : "allreduce_async '" + name + "' on group '" + group.label + "': ranks disagree (" + listing +
+                           "); every rank must submit the same count, dtype, op and device under one name",
+                call ? ErrorKind::Joined : ErrorKind::Mismatch});
+          }
+          continue;
+        }
+        const Announced& meta = ranks[0];
+        const ReduceOp op = static_cast<ReduceOp>(meta.op) == ReduceOp::Average ? ReduceOp::Sum
+                                                                                 : static_cast<ReduceOp>(meta.op);
+        auto bit = group.bits.find(name);
+        const CacheEntry cached{name, meta.count, static_cast<DType>(meta.dtype), static_cast<ReduceOp>(meta.op),
+                                meta.device};
+        if (bit == group.bits.end()) {
+          group.bits[name] = group.cache.size();
+          group.cache.push_back(cached);
+        } else {
+          group.cache[bit->second] = cached;
+        }
+        Entry entry;
+        if (mine_entry) {
+          entry = *mine_entry;
+        } else {  // this rank joined: zeros of the same size stand in for its tensor
+          entry.handle = 0;
+          entry.name = name;
+          entry.zeros = std::make_shared<std::vector<unsigned char>>(
+              meta.count * dtype_size(static_cast<DType>(meta.dtype)), 0);
+          entry.buffer = Buffer{entry.zeros->data(), meta.count, static_cast<DType>(meta.dtype)};
+          entry.submitted = now;
+        }
+        entry.op = op;  // an Average is a sum here, divided by the contributors afterwards (wait's contributors)
+        entry.contributors = covered;
+        ready.push_back(entry);
+        continue;
+      }
+    }
     if (static_cast<int>(ranks.size()) == group.size) {
+      std::string refusals;
+      for (const Announced& a : ranks) {
+        if (!a.refusal.empty()) refusals += (refusals.empty() ? "" : "; ") + ("rank " + std::to_string(a.rank) + " raised " + a.refusal);
+      }
+      if (!refusals.empty()) {  // every rank sees the same refusals: the operation fails everywhere
+        if (mine_entry) {
+          failed.push_back(Failure{*mine_entry, refusals + " (so no rank of group '" + group.label +
+                                                    "' ran its part; fix the arguments there)", ErrorKind::Refused});
+        }
+        continue;
+      }
       bool same = true;
       for (const Announced& a : ranks) {
-        same = same && a.count == ranks[0].count && a.dtype == ranks[0].dtype && a.op == ranks[0].op;
+        same = same && a.count == ranks[0].count && a.dtype == ranks[0].dtype && a.op == ranks[0].op &&
+               a.device == ranks[0].device;
       }
       if (!same) {
         std::string listing;
         for (const Announced& a : ranks) listing += (listing.empty() ? "" : "; ") + ("rank " + std::to_string(a.rank) + ": " + describe(a));
         if (mine_entry) {
-          failed.emplace_back(*mine_entry, "allreduce_async '" + name + "' on group '" + group.label +
-                                               "': ranks disagree (" + listing +
-                                               "); every rank must submit the same count, dtype and op under one name");
+          failed.push_back(Failure{*mine_entry,
+                                   "allreduce_async '" + name + "' on group '" + group.label + "': ranks disagree (" +
+                                       listing + "); every rank must submit the same count, dtype, op and device under one name",
+                                   ErrorKind::Mismatch});
         }
         continue;
       }
       auto bit = group.bits.find(name);
-      const CacheEntry meta{name, ranks[0].count, static_cast<DType>(ranks[0].dtype), static_cast<ReduceOp>(ranks[0].op)};
+      const CacheEntry meta{name, ranks[0].count, static_cast<DType>(ranks[0].dtype), static_cast<ReduceOp>(ranks[0].op),
+                            ranks[0].device};
       if (bit == group.bits.end()) {
         group.bits[name] = group.cache.size();
         group.cache.push_back(meta);
@@ -1069,16 +1240,20 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
     const bool streamed = group.shm && total_bytes > options_.allreduce.small_message_bytes;
     if (entries.size() == 1) {
       const Buffer& buffer = entries[0].buffer;
+      const Buffer& output = entries[0].result();
       reduce_bucket(group, [&](const AllreduceOptions& options) {
-        allreduce(buffer, buffer, op, group.comm, options, group.workspace);
+        allreduce(buffer, output, op, group.comm, options, group.workspace);
       });
       record(group, "ring", started, seconds_now(), total_bytes, 1);
     } else if (streamed) {
       // packed straight into the shared segment and unpacked straight from it: no fusion buffer
-      std::vector<Buffer> buffers;
-      for (const Entry& entry : entries) buffers.push_back(entry.buffer);
+      std::vector<Buffer> buffers, outputs;
+      for (const Entry& entry : entries) {
+        buffers.push_back(entry.buffer);
+        outputs.push_back(entry.result());
+      }
       reduce_bucket(group, [&](const AllreduceOptions& options) {
-        group.shm->allreduce(buffers, buffers, op, options.wait);
+        group.shm->allreduce(buffers, outputs, op, options.wait);
       });
       record(group, "ring", started, seconds_now(), total_bytes, entries.size());
     } else {
@@ -1098,7 +1273,7 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
       record(group, "ring", packed, reduced, total_bytes, entries.size());
       cursor = fusion_.data();
       for (const Entry& entry : entries) {
-        std::memcpy(entry.buffer.data, cursor, entry.buffer.bytes());
+        std::memcpy(entry.result().data, cursor, entry.buffer.bytes());
         cursor += entry.buffer.bytes();
       }
       record(group, "unpack", reduced, seconds_now(), total_bytes, entries.size());

@@ -102,7 +102,10 @@ struct EngineStats {
 };
 
 // Why a handle failed, so that Python picks the exception class without reading the message.
-enum class ErrorKind : int { None = 0, Mismatch = 1, Stalled = 2, Stopped = 3, Failed = 4 };
+// Refused: another rank's arguments failed its own checks (it raised them itself; see submit_refusal).
+// Joined: a call (submit_call) on a group where some ranks have joined (submit_join): only allreduces
+// of submit() complete with the joined ranks' zeros.
+enum class ErrorKind : int { None = 0, Mismatch = 1, Stalled = 2, Stopped = 3, Failed = 4, Refused = 5, Joined = 6 };
 
 class Engine {
  public:
@@ -122,21 +125,41 @@ class Engine {
   // (isend / irecv in p2p.h) of this process: installs its queue (before start()). Uninstalled at
   // shutdown.
   void drive_transfers();
-  // Queues an in-place allreduce of `buffer` over group `group`; returns a handle id.
-  uint64_t submit(int group, const std::string& name, const Buffer& buffer, ReduceOp op);
+  // Queues an in-place allreduce of `buffer` over group `group`; returns a handle id. `device`: where the
+  // caller's tensor lives (0 host, 1 CUDA, 2 another accelerator; `buffer` is host memory either way):
+  // ranks must agree on it, as on count, dtype and op.
+  // `output`: where the result goes (data == nullptr: into `buffer`, in place); `buffer` is then only read.
+  uint64_t submit(int group, const std::string& name, const Buffer& buffer, ReduceOp op, int device = 0,
+                  const Buffer& output = Buffer{});
   // Queues `job`, to be run by the communication thread once every rank of `group` has queued a call
   // under `name` with the same `kind`, at the same point of the thread's sequence on each of them: a
   // blocking collective made this way is ordered with the engine's own operations on every rank, and
   // the process keeps one thread in MPI. Ranks that queued different kinds fail it (ErrorKind
   // Mismatch). `job` must not throw.
   uint64_t submit_call(int group, const std::string& name, int kind, std::function<void()> job);
+  // Stands in for an operation this rank could not submit because its arguments failed its own checks
+  // (`refusal`: what it raised, e.g. "TypeError: ..."): once every rank of `group` has something under
+  // `name`, the operations of the others fail (ErrorKind Refused) with every refusing rank's text, so a
+  // rank-local error raises everywhere instead of leaving the others waiting. Returns a handle to wait
+  // for (it fails the same way), or 0 when `detached` (nobody waits; it is released when done).
+  uint64_t submit_refusal(int group, const std::string& name, const std::string& refusal, bool detached);
+  // Horovod's join: this rank has no more data. Until every rank of `group` has joined, it takes part in
+  // the other ranks' allreduces (submit) with zeros of their count and dtype, and an Average among them
+  // is summed and divided by the ranks that contributed (wait's `contributors`); calls (submit_call)
+  // fail with ErrorKind Joined meanwhile. The handle is done once every rank joined; last_joined(group)
+  // then says which rank joined last.
+  uint64_t submit_join(int group);
+  int last_joined(int group);
+  // MPI_Get_processor_name of every rank of group 0, in its rank order (gathered when it was added).
+  std::vector<std::string> hosts() const { return hosts_; }
   bool poll(uint64_t handle);
   // Blocks until done; returns "" on success or the error message (the handle is then released);
   // `kind` says why it failed.
   // `started` / `finished`: when its bucket's allreduce began and ended, in seconds of the steady
   // clock (CLOCK_MONOTONIC on Linux, the clock of Python's time.monotonic()); 0 if it never ran.
+  // `contributors`: 0, or (an allreduce that ran while ranks had joined) how many ranks contributed.
   std::string wait(uint64_t handle, double* started = nullptr, double* finished = nullptr,
-                   ErrorKind* kind = nullptr);
+                   ErrorKind* kind = nullptr, int* contributors = nullptr);
   // Coordinated stop: returns once every rank of every group asked for it and nothing is pending.
   // Handles of a group that never became active fail (kind Stopped).
   void shutdown();
@@ -153,12 +176,21 @@ class Engine {
     std::chrono::steady_clock::time_point submitted;
     bool warned = false;
     std::function<void()> job;  // a call (submit_call) instead of an allreduce of `buffer`
+    std::string refusal;        // non-empty: a stand-in for a refused operation (submit_refusal)
+    bool detached = false;      // nobody waits for its handle: released when done
+    int device = 0;             // see submit()
+    bool join = false;          // submit_join's entry
+    int contributors = 0;       // ran while ranks had joined: how many ranks contributed (0: all)
+    std::shared_ptr<std::vector<unsigned char>> zeros;  // a joined rank's stand-in buffer
+    Buffer output;              // out of place (submit's output); data == nullptr: in place, into `buffer`
+    const Buffer& result() const { return output.data ? output : buffer; }
   };
   struct CacheEntry {
     std::string name;
     size_t count;
     DType dtype;
     ReduceOp op;
+    int device;
   };
   // An allreduce an engine thread hands to a thread blocked in wait() (see reduce_bucket).
   struct Job {
@@ -180,6 +212,7 @@ class Engine {
     bool active = false;         // negotiated every cycle (guarded by Engine::mutex_)
     bool finished = false;       // the ranks agreed to stop, or stalled past stall_shutdown (guarded by mutex_)
     std::string stopped_because;  // why a finished group refuses submissions (guarded by mutex_)
+    int last_joined = -1;        // the rank that joined last in the latest completed join
     std::vector<int> members;    // ranks in group 0, in this group's rank order (registration key)
     int registration = 0;        // n-th registration of these members on this rank (registration key)
     EngineStats stats;
@@ -200,9 +233,17 @@ class Engine {
     std::string error;
     ErrorKind kind = ErrorKind::None;
     double started = 0, finished = 0;
+    int contributors = 0;
   };
 
-  uint64_t enqueue(int group, const std::string& name, const Buffer& buffer, ReduceOp op, std::function<void()> job);
+  uint64_t enqueue(int group, const std::string& name, const Buffer& buffer, ReduceOp op, std::function<void()> job,
+                   const std::string& refusal = "", bool detached = false, int device = 0, bool join = false,
+                   const Buffer& output = Buffer{});
+  struct Failure {
+    Entry entry;
+    std::string error;
+    ErrorKind kind;
+  };
   // Time between cycles once every active group is quiet: idle_cycle_time_ms, at most a quarter of the
   // stall check (the timer is what lets a rank that never submits be reported).
   double quiet_cycle_ms() const;
@@ -242,7 +283,7 @@ class Engine {
   void start_negotiation(Group& group);
   void finish_negotiation(Group& group);
   // Returns "" or, when a name waited past stall_shutdown_seconds, the message the group stops with.
-  std::string slow_round(Group& group, std::vector<Entry>& ready, std::vector<std::pair<Entry, std::string>>& failed);
+  std::string slow_round(Group& group, std::vector<Entry>& ready, std::vector<Failure>& failed);
   void execute(Group& group, std::vector<Entry>& ready);
   void complete(const std::vector<Entry>& entries, const std::string& error, double started = 0,
                 ErrorKind kind = ErrorKind::None);

@@ -321,7 +321,9 @@ PYBIND11_MODULE(_C, m) {
       .value("Mismatch", ErrorKind::Mismatch)
       .value("Stalled", ErrorKind::Stalled)
       .value("Stopped", ErrorKind::Stopped)
-      .value("Failed", ErrorKind::Failed);
+      .value("Failed", ErrorKind::Failed)
+      .value("Refused", ErrorKind::Refused)
+      .value("Joined", ErrorKind::Joined);
 
   py::class_<Engine>(m, "Engine", "The background negotiation + fusion + ring-allreduce thread.")
       .def(py::init<const EngineOptions&>(), py::arg("options"))
@@ -341,10 +343,15 @@ PYBIND11_MODULE(_C, m) {
           "Starts the communication thread (groups added before it are active from its first cycle).")
       .def(
           "submit",
-          [](Engine& engine, int group, const std::string& name, uintptr_t address, size_t count, int dtype, int op) {
-            return engine.submit(group, name, to_buffer(address, count, dtype), static_cast<ReduceOp>(op));
+          [](Engine& engine, int group, const std::string& name, uintptr_t address, size_t count, int dtype, int op,
+             int device, uintptr_t output) {
+            return engine.submit(group, name, to_buffer(address, count, dtype), static_cast<ReduceOp>(op), device,
+                                 output ? to_buffer(output, count, dtype) : Buffer{});
           },
-          py::arg("group"), py::arg("name"), py::arg("address"), py::arg("count"), py::arg("dtype"), py::arg("op"))
+          py::arg("group"), py::arg("name"), py::arg("address"), py::arg("count"), py::arg("dtype"), py::arg("op"),
+          py::arg("device") = 0, py::arg("output") = 0,
+          "Queues an allreduce of the buffer at `address`; with `output`, the result is written there and the "
+          "input only read (out of place).")
       .def(
           "submit_call",
           [](Engine& engine, int group, const std::string& name, int kind, py::function function) {
@@ -364,6 +371,14 @@ PYBIND11_MODULE(_C, m) {
           py::arg("group"), py::arg("name"), py::arg("kind"), py::arg("function"),
           "Queues function() to run on the engine thread at a point every rank of the group agrees on; "
           "keep a reference to function until the handle is waited for.")
+      .def("submit_refusal", &Engine::submit_refusal, py::arg("group"), py::arg("name"), py::arg("refusal"),
+           py::arg("detached"),
+           "Stands in for an operation whose arguments failed this rank's checks: the other ranks' operations "
+           "under `name` fail (ErrorKind.Refused) naming this rank and `refusal`. Returns a handle (0 if detached).")
+      .def("submit_join", &Engine::submit_join, py::arg("group"),
+           "Horovod's join on this group (see engine.h); the handle is done once every rank joined.")
+      .def("last_joined", &Engine::last_joined, py::arg("group"))
+      .def("hosts", &Engine::hosts, "Every rank's host name (MPI_Get_processor_name), in world rank order.")
       .def("drive_transfers", &Engine::drive_transfers,
            "From now on the engine's thread makes every point-to-point transfer's MPI calls (before start()).")
       .def("poll", &Engine::poll, py::arg("handle"))
@@ -373,13 +388,15 @@ PYBIND11_MODULE(_C, m) {
             double started = 0, finished = 0;
             std::string error;
             ErrorKind kind = ErrorKind::None;
+            int contributors = 0;
             {
               py::gil_scoped_release no_gil;
-              error = engine.wait(handle, &started, &finished, &kind);
+              error = engine.wait(handle, &started, &finished, &kind, &contributors);
             }
-            return py::make_tuple(error, started, finished, kind);
+            return py::make_tuple(error, started, finished, kind, contributors);
           },
-          "Blocks until done; returns (error message or '', started, finished, ErrorKind).",
+          "Blocks until done; returns (error message or '', started, finished, ErrorKind, contributors): "
+          "contributors is 0, or how many ranks contributed to an allreduce that ran while ranks had joined.",
           py::arg("handle"))
       .def(
           "shutdown",
@@ -390,6 +407,8 @@ PYBIND11_MODULE(_C, m) {
       .def("stats", &Engine::stats, py::arg("group"))
       .def("take_events", &Engine::take_events, py::arg("group"));
 
+  m.def("wire_bytes_sent", &wire_bytes_sent,
+        "Bytes handed to MPI by the ring's sends and the library allreduce path since the process started.");
   m.def("mpi_build_info", &mpi_build_info, "The MPI implementation and version this module was compiled with.");
   m.def("mpi_library_version", &mpi_library_version, "MPI_Get_library_version() of the libmpi loaded now.");
   m.def("dtype_size", [](int dtype) { return dtype_size(static_cast<DType>(dtype)); });

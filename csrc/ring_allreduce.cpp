@@ -2,7 +2,9 @@
 #include "ring_allreduce.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <mutex>
 
 #include "hierarchical.h"
 #include "reduce.h"
@@ -13,7 +15,11 @@ namespace {
 
 constexpr int kReduceScatterTag = 7001;
 constexpr int kAllgatherTag = 7002;
-enum WorkspaceSlot : size_t { kHalfCopy = 0, kReceiveSlots = 1 };
+enum WorkspaceSlot : size_t { kHalfCopy = 0, kReceiveSlots = 1, kWireCopy = 2, kIncoming = 3 };
+
+std::atomic<uint64_t> wire_bytes{0};  // bytes this process handed to MPI sends and MPI_Allreduce (see header)
+
+void count_wire(size_t elements, size_t element_size) { wire_bytes += elements * element_size; }
 
 MPI_Datatype mpi_type(DType dtype) {
   switch (dtype) {
@@ -73,41 +79,64 @@ void send_chunk(unsigned char* data, const Span& chunk, size_t segment, size_t e
     sends.emplace_back();
     HP_MPI(MPI_Isend, comm, data + part.begin * element_size, static_cast<int>(part.length), type,
            peer, tag, comm, &sends.back());
+    count_wire(part.length, element_size);
   }
 }
 
 // Reduce-scatter over `work` (accumulation dtype). Afterwards rank r holds the reduced chunk
 // (r + 1) % size. Segment k of the chunk received at step s is forwarded at step s + 1 as soon
-// as it is reduced, while the receives of later segments are already posted.
-void reduce_scatter(unsigned char* work, size_t count, DType dtype, ReduceOp op, int rank, int size,
+// as it is reduced, while the receives of later segments are already posted. `wire`: the dtype that
+// travels — the accumulation dtype, or for float16/bfloat16 buffers the half type itself: partial sums
+// are rounded to it to be sent (half the bytes of float32) and accumulated in float32 where received.
+void reduce_scatter(unsigned char* work, size_t count, DType dtype, DType wire, ReduceOp op, int rank, int size,
                     MPI_Comm comm, const AllreduceOptions& options, Workspace& workspace) {
   const size_t element = dtype_size(dtype);
+  const bool narrow = wire != dtype;
+  const size_t wire_element = dtype_size(wire);
   const size_t segment = std::max<size_t>(1, options.segment_bytes / element);
   const size_t window = std::max<size_t>(1, options.receive_window);
-  const MPI_Datatype type = mpi_type(dtype);
+  const MPI_Datatype type = mpi_type(wire);
   const int next = (rank + 1) % size, previous = (rank - 1 + size) % size;
-  auto* slots = static_cast<unsigned char*>(workspace.get(kReceiveSlots, window * segment * element));
+  auto* slots = static_cast<unsigned char*>(workspace.get(kReceiveSlots, window * segment * wire_element));
+  // narrow: what is sent, rounded from `work` (every position is sent at most once, so one mirror of
+  // the buffer keeps each send's bytes alive until the sends are waited for); received halves widened
+  unsigned char* sent = narrow ? static_cast<unsigned char*>(workspace.get(kWireCopy, count * wire_element)) : work;
+  float* incoming = narrow ? static_cast<float*>(workspace.get(kIncoming, segment * sizeof(float))) : nullptr;
+  auto stage = [&](const Span& part) {
+    if (narrow) {
+      float_to_half(reinterpret_cast<const float*>(work + part.begin * element), sent + part.begin * wire_element,
+                    part.length, wire);
+    }
+  };
 
   std::vector<MPI_Request> sends, receives(window, MPI_REQUEST_NULL);
-  send_chunk(work, chunk_of(count, size, rank), segment, element, type, next, kReduceScatterTag, comm, sends);
+  const Span own = chunk_of(count, size, rank);
+  stage(own);
+  send_chunk(sent, own, segment, wire_element, type, next, kReduceScatterTag, comm, sends);
   for (int step = 0; step < size - 1; ++step) {
     const Span chunk = chunk_of(count, size, (rank - step - 1 + 2 * size) % size);
     const size_t parts = segments_in(chunk.length, segment);
     auto post = [&](size_t k) {
       const Span part = segment_of(chunk, segment, k);
-      HP_MPI(MPI_Irecv, comm, slots + (k % window) * segment * element, static_cast<int>(part.length),
+      HP_MPI(MPI_Irecv, comm, slots + (k % window) * segment * wire_element, static_cast<int>(part.length),
              type, previous, kReduceScatterTag, comm, &receives[k % window]);
     };
     for (size_t k = 0; k < std::min(window, parts); ++k) post(k);
     for (size_t k = 0; k < parts; ++k) {
       const Span part = segment_of(chunk, segment, k);
       wait_one(receives[k % window], comm, options.wait);
-      reduce_into(work + part.begin * element, slots + (k % window) * segment * element, part.length,
-                  dtype, op);
+      const unsigned char* received = slots + (k % window) * segment * wire_element;
+      if (narrow) {
+        half_to_float(received, incoming, part.length, wire);
+        received = reinterpret_cast<const unsigned char*>(incoming);
+      }
+      reduce_into(work + part.begin * element, received, part.length, dtype, op);
       if (step < size - 2) {
+        stage(part);
         sends.emplace_back();
-        HP_MPI(MPI_Isend, comm, work + part.begin * element, static_cast<int>(part.length), type, next,
+        HP_MPI(MPI_Isend, comm, sent + part.begin * wire_element, static_cast<int>(part.length), type, next,
                kReduceScatterTag, comm, &sends.back());
+        count_wire(part.length, wire_element);
       }
       if (k + window < parts) post(k + window);
     }
@@ -143,29 +172,78 @@ void allgather_chunks(unsigned char* data, size_t count, DType dtype, int rank, 
         sends.emplace_back();
         HP_MPI(MPI_Isend, comm, data + part.begin * element, static_cast<int>(part.length), type, next,
                kAllgatherTag, comm, &sends.back());
+        count_wire(part.length, element);
       }
     }
   }
   wait_sends(sends, comm, options.wait);
 }
 
-// MPI_Allreduce on the accumulation dtype: one library call, best for small buffers.
+// float16 / bfloat16 in the MPI library: MPI has no such types, so a user-defined op on a private copy of
+// MPI_UINT16_T per half type adds (or takes the min / max of) pairs in float32 and rounds the result to
+// the half type: 16-bit values travel, each combining step rounds once.
+struct HalfOps {
+  MPI_Datatype float16 = MPI_DATATYPE_NULL, bfloat16 = MPI_DATATYPE_NULL;
+  MPI_Op sum = MPI_OP_NULL, min = MPI_OP_NULL, max = MPI_OP_NULL;
+};
+
+template <int Kind>  // 0 sum, 1 min, 2 max
+void combine_halves(void* in, void* inout, int* length, MPI_Datatype* type);
+
+const HalfOps& half_ops() {
+  static HalfOps ops;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    MPI_Type_dup(MPI_UINT16_T, &ops.float16);
+    MPI_Type_commit(&ops.float16);
+    MPI_Type_dup(MPI_UINT16_T, &ops.bfloat16);
+    MPI_Type_commit(&ops.bfloat16);
+    MPI_Op_create(&combine_halves<0>, 1, &ops.sum);
+    MPI_Op_create(&combine_halves<1>, 1, &ops.min);
+    MPI_Op_create(&combine_halves<2>, 1, &ops.max);
+  });
+  return ops;
+}
+
+template <int Kind>
+void combine_halves(void* in, void* inout, int* length, MPI_Datatype* type) {
+  const DType dtype = *type == half_ops().bfloat16 ? DType::BFloat16 : DType::Float16;
+  constexpr int kBlock = 256;
+  float a[kBlock], b[kBlock];
+  auto* source = static_cast<unsigned char*>(in);
+  auto* target = static_cast<unsigned char*>(inout);
+  for (int at = 0; at < *length; at += kBlock) {
+    const int n = std::min(kBlock, *length - at);
+    half_to_float(source + static_cast<size_t>(at) * 2, a, static_cast<size_t>(n), dtype);
+    half_to_float(target + static_cast<size_t>(at) * 2, b, static_cast<size_t>(n), dtype);
+    for (int i = 0; i < n; ++i) b[i] = Kind == 0 ? a[i] + b[i] : Kind == 1 ? std::min(a[i], b[i]) : std::max(a[i], b[i]);
+    float_to_half(b, target + static_cast<size_t>(at) * 2, static_cast<size_t>(n), dtype);
+  }
+}
+
+// MPI_Allreduce: one library call, best for small buffers (half types travel as 16-bit, see HalfOps).
 void library_allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_Comm comm, int size,
                        const AllreduceOptions& options, Workspace& workspace) {
-  const DType work_dtype = accumulation_dtype(output.dtype);
-  void* work = output.data;
   if (is_half(output.dtype)) {
-    work = workspace.get(kHalfCopy, output.count * sizeof(float));
-    half_to_float(input.data, static_cast<float*>(work), output.count, output.dtype);
-    HP_MPI(allreduce_waiting, comm, MPI_IN_PLACE, work, static_cast<int>(output.count), MPI_FLOAT, mpi_op(op),
-           comm, options.wait);
-  } else {
-    const void* send = input.data == output.data ? MPI_IN_PLACE : input.data;
-    HP_MPI(allreduce_waiting, comm, send, work, static_cast<int>(output.count), mpi_type(work_dtype), mpi_op(op),
-           comm, options.wait);
+    const HalfOps& ops = half_ops();
+    if (input.data != output.data) std::memcpy(output.data, input.data, output.bytes());
+    const MPI_Op half_op = op == ReduceOp::Min ? ops.min : op == ReduceOp::Max ? ops.max : ops.sum;
+    HP_MPI(allreduce_waiting, comm, MPI_IN_PLACE, output.data, static_cast<int>(output.count),
+           output.dtype == DType::BFloat16 ? ops.bfloat16 : ops.float16, half_op, comm, options.wait);
+    count_wire(output.count, 2);
+    if (op == ReduceOp::Average) {
+      auto* work = static_cast<float*>(workspace.get(kHalfCopy, output.count * sizeof(float)));
+      half_to_float(output.data, work, output.count, output.dtype);
+      finalize_average(work, output.count, DType::Float32, static_cast<size_t>(size));
+      float_to_half(work, output.data, output.count, output.dtype);
+    }
+    return;
   }
-  if (op == ReduceOp::Average) finalize_average(work, output.count, work_dtype, static_cast<size_t>(size));
-  if (is_half(output.dtype)) float_to_half(static_cast<float*>(work), output.data, output.count, output.dtype);
+  const void* send = input.data == output.data ? MPI_IN_PLACE : input.data;
+  HP_MPI(allreduce_waiting, comm, send, output.data, static_cast<int>(output.count), mpi_type(output.dtype),
+         mpi_op(op), comm, options.wait);
+  count_wire(output.count, dtype_size(output.dtype));
+  if (op == ReduceOp::Average) finalize_average(output.data, output.count, output.dtype, static_cast<size_t>(size));
 }
 
 void ring_allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_Comm comm, int rank, int size,
@@ -181,7 +259,7 @@ void ring_allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_
     work = static_cast<unsigned char*>(output.data);
     if (input.data != output.data) std::memcpy(work, input.data, output.bytes());
   }
-  reduce_scatter(work, count, work_dtype, op, rank, size, comm, options, workspace);
+  reduce_scatter(work, count, work_dtype, output.dtype, op, rank, size, comm, options, workspace);
 
   const Span mine = chunk_of(count, static_cast<size_t>(size), static_cast<size_t>((rank + 1) % size));
   unsigned char* my_work = work + mine.begin * work_element;
@@ -195,6 +273,8 @@ void ring_allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_
 }
 
 }  // namespace
+
+uint64_t wire_bytes_sent() { return wire_bytes.load(); }
 
 void* Workspace::get(size_t slot, size_t bytes) {
   if (slots_.size() <= slot) slots_.resize(slot + 1);

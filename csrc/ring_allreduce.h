@@ -5,9 +5,10 @@
 // segments of `segment_bytes`. A received segment is reduced while the next ones are still on
 // the wire (a window of receives in flight), and forwarded to the next rank as soon as it is
 // reduced, so transfer and reduction overlap and each segment is reduced while it is in cache.
-// float16/bfloat16: the reduce-scatter runs on a float32 copy (float32 partial sums travel on
-// the wire), each rank rounds its finished chunk to the half type once, and the allgather moves
-// half values. The result is the float32 sum rounded once.
+// float16/bfloat16 travel as 16-bit values in every step: the reduce-scatter accumulates in a float32
+// copy and rounds each partial sum to the half type to send it, each rank rounds its finished chunk
+// once, and the allgather moves half values (the MPI library path: a user-defined op on the 16-bit
+// values, adding in float32). A sum over n ranks carries up to n - 1 roundings.
 #pragma once
 
 #include <mutex>
@@ -73,5 +74,9 @@ class Workspace {
 void allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_Comm comm,
                const AllreduceOptions& options, Workspace& workspace,
                AllreduceAlgorithm algorithm = AllreduceAlgorithm::Auto);
+
+// Bytes this process has handed to MPI for the ring's sends and the library path's MPI_Allreduce since it
+// started (all communicators; shared memory and headers not counted): what the wire carries from here.
+uint64_t wire_bytes_sent();
 
 }  // namespace hybridpipe

@@ -9,10 +9,13 @@ Example:
 from ._trace import start_timeline, stop_timeline
 from .capabilities import (
     ccl_built,
+    cross_rank,
+    cross_size,
     cuda_built,
     ddl_built,
     gloo_built,
     gloo_enabled,
+    is_homogeneous,
     mpi_built,
     mpi_enabled,
     mpi_threads_supported,
@@ -42,6 +45,7 @@ from .comm.engine import (
     engine_stats,
     grouped_allreduce_async,
     grouped_allreduce_async_,
+    join,
     poll,
     synchronize,
 )
@@ -51,6 +55,7 @@ from .comm.exchange import (
     grouped_allgather_async,
     grouped_reducescatter_async,
     reducescatter_async,
+    sparse_allreduce_async,
 )
 from .comm.process_sets import (
     ProcessSet,
@@ -73,6 +78,7 @@ from .differentiable import (
 )
 from .errors import (
     BuildError,
+    DuplicateNameError,
     GridError,
     HorovodInternalError,
     HybridPipeError,
@@ -92,6 +98,8 @@ from .optimizer import (
 )
 from .pipeline.model import LayerSpec, PipelineModel
 from .plan.auto import auto
+from .sync_batch_norm import SyncBatchNorm
+from . import elastic  # noqa: E402 — hvd.elastic.run / TorchState need the names above
 from .runtime import Grid, config, grid, init, is_initialized, local_rank, local_size, rank, shutdown, size
 
 __version__ = "0.1.0"
@@ -99,6 +107,7 @@ __version__ = "0.1.0"
 __all__ = [
     # runtime
     "init", "shutdown", "is_initialized", "grid", "Grid", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "is_homogeneous",
     "config", "Config",
     # collectives
     "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "broadcast", "broadcast_",
@@ -106,7 +115,8 @@ __all__ = [
     "ReduceOp", "Sum", "Average", "Min", "Max", "Product", "Adasum",
     "allreduce_async", "allreduce_async_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "broadcast_async", "broadcast_async_", "allgather_async", "grouped_allgather_async", "alltoall_async",
-    "reducescatter_async", "grouped_reducescatter_async", "synchronize", "poll", "Handle", "engine_stats",
+    "reducescatter_async", "grouped_reducescatter_async", "synchronize", "poll", "Handle", "engine_stats", "join",
+    "sparse_allreduce_async",
     # process sets
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "data_process_set",
     "pipe_process_set",
@@ -117,10 +127,11 @@ __all__ = [
     "PipelineModel", "LayerSpec", "auto",
     # data parallelism (Horovod-compatible names)
     "DistributedOptimizer", "Compression", "broadcast_parameters", "broadcast_optimizer_state",
-    "broadcast_object", "allgather_object", "clip_grad_norm_",
+    "broadcast_object", "allgather_object", "clip_grad_norm_", "SyncBatchNorm", "elastic",
     # checkpoints
     "save_checkpoint", "load_checkpoint", "resume", "consolidate", "CheckpointError",
     # errors
     "HybridPipeError", "HorovodInternalError", "NotSupportedError", "NotInitializedError", "GridError",
+    "DuplicateNameError",
     "MismatchError", "MPIError", "BuildError",
 ]

@@ -9,7 +9,7 @@ GPU tensors are staged through host memory and reduced over MPI), so their queri
 from __future__ import annotations
 
 __all__ = ["mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
-           "ccl_built", "ddl_built", "cuda_built", "rocm_built"]
+           "ccl_built", "ddl_built", "cuda_built", "rocm_built", "cross_rank", "cross_size", "is_homogeneous"]
 
 
 def mpi_built() -> bool:
@@ -83,3 +83,35 @@ def cuda_built() -> bool:
 def rocm_built() -> bool:
     """False: no ROCm build."""
     return False
+
+
+def _cross(function: str) -> tuple[int, int, bool]:
+    """(cross_rank, cross_size, is_homogeneous) from every rank's host name (gathered by the communication
+    thread at hp.init, so no communication here): Horovod's cross communicator holds the ranks with my
+    local rank, one per host."""
+    from collections import Counter
+
+    from .comm import context
+
+    state = context.current(function)
+    hosts = list(state.engine.hosts())
+    me = state.grid.world_comm.Get_rank()
+    local = [sum(1 for other in range(rank) if hosts[other] == hosts[rank]) for rank in range(len(hosts))]
+    peers = [rank for rank in range(len(hosts)) if local[rank] == local[me]]
+    return peers.index(me), len(peers), len(set(Counter(hosts).values())) == 1
+
+
+def cross_rank() -> int:
+    """This rank's index among the ranks with the same local rank, one per host: the host's index when
+    every host runs the same number of ranks (Horovod's ``cross_rank``)."""
+    return _cross("cross_rank")[0]
+
+
+def cross_size() -> int:
+    """How many hosts run a rank with this rank's local rank: the number of hosts when homogeneous."""
+    return _cross("cross_size")[1]
+
+
+def is_homogeneous() -> bool:
+    """True when every host runs the same number of ranks."""
+    return _cross("is_homogeneous")[2]

@@ -26,7 +26,8 @@ import torch
 
 from .comm import collectives, context, exchange
 from .comm.collectives import Average, Sum, resolve_op, scale_factor
-from .comm.context import check_name, resolve_group
+from .comm.collectives import check_tensors
+from .comm.context import check_name, refusing, resolve_group
 from .optimizer import Compression
 
 __all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall",
@@ -70,8 +71,8 @@ def allreduce(tensor: Any, average: Any = None, name: str | None = None, compres
             ``op`` is a ValueError.
         name: optional; every rank must pass the same name (checked with the shape).
         compression: hp.Compression.none (default), fp16 or bf16: the dtype on the wire.
-        op: hp.Average (default, like Horovod), hp.Sum, hp.Min, hp.Max or hp.Product (hp.Adasum raises
-            NotSupportedError).
+        op: hp.Average (default, like Horovod), hp.Sum, hp.Min, hp.Max, hp.Product or hp.Adasum (a power-of-two
+            group).
         prescale_factor: multiplies the input before the reduction (on a copy).
         postscale_factor: multiplies the result.
         process_set: a hp.ProcessSet (Horovod's spelling of ``group``; default: every rank).
@@ -86,12 +87,14 @@ def allreduce(tensor: Any, average: Any = None, name: str | None = None, compres
         TypeError: not a tensor/array, or a dtype that cannot be reduced.
         ValueError: both ``average`` and ``op``, or both ``group`` and ``process_set``.
     """
-    op = resolve_op(op, average, "allreduce")
-    check_name(name, "allreduce")
-    _check_compression(compression, "allreduce")
-    prescale = scale_factor(prescale_factor, "prescale_factor", "allreduce")
-    postscale = scale_factor(postscale_factor, "postscale_factor", "allreduce")
-    group = resolve_group(group, process_set, "allreduce")
+    with refusing("allreduce", "allreduce", group, process_set):
+        op = resolve_op(op, average, "allreduce")
+        check_name(name, "allreduce")
+        _check_compression(compression, "allreduce")
+        prescale = scale_factor(prescale_factor, "prescale_factor", "allreduce")
+        postscale = scale_factor(postscale_factor, "postscale_factor", "allreduce")
+        group = resolve_group(group, process_set, "allreduce")
+        check_tensors([tensor], group, "allreduce")
     wire, compression_ctx = compression.compress(tensor)
     if _needs_grad(wire):
         reduced = _Allreduce.apply(wire, op, name, prescale, postscale, group)
@@ -134,12 +137,14 @@ def grouped_allreduce(tensors: Sequence[Any], average: Any = None, name: str | N
     Raises:
         MismatchError: the lists differ between ranks (on every rank).
     """
-    op = resolve_op(op, average, "grouped_allreduce")
-    check_name(name, "grouped_allreduce")
-    _check_compression(compression, "grouped_allreduce")
-    prescale = scale_factor(prescale_factor, "prescale_factor", "grouped_allreduce")
-    postscale = scale_factor(postscale_factor, "postscale_factor", "grouped_allreduce")
-    group = resolve_group(group, process_set, "grouped_allreduce")
+    with refusing("grouped_allreduce", "grouped_allreduce", group, process_set):
+        op = resolve_op(op, average, "grouped_allreduce")
+        check_name(name, "grouped_allreduce")
+        _check_compression(compression, "grouped_allreduce")
+        prescale = scale_factor(prescale_factor, "prescale_factor", "grouped_allreduce")
+        postscale = scale_factor(postscale_factor, "postscale_factor", "grouped_allreduce")
+        group = resolve_group(group, process_set, "grouped_allreduce")
+        check_tensors(tensors, group, "grouped_allreduce")
     compressed = [compression.compress(t) for t in tensors]
     wires = [wire for wire, _ in compressed]
     if _needs_grad(*wires):
@@ -194,8 +199,10 @@ def allgather(tensor: Any, name: str | None = None, process_set: Any = None, gro
         MismatchError: dtypes or trailing dimensions differ (on every rank).
         ValueError: a 0-dimensional input (allgather needs a dimension to concatenate along).
     """
-    check_name(name, "allgather")
-    group = resolve_group(group, process_set, "allgather")
+    with refusing("allgather", "allgather", group, process_set):
+        check_name(name, "allgather")
+        group = resolve_group(group, process_set, "allgather")
+        check_tensors([tensor], group, "allgather")
     if _needs_grad(tensor):
         return _Allgather.apply(tensor, name, group)
     return exchange.allgather(tensor, name=name, group=group)
@@ -229,8 +236,10 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None, process_s
     Raises:
         MismatchError: the lists differ between ranks (length, dtypes, trailing dimensions; on every rank).
     """
-    check_name(name, "grouped_allgather")
-    group = resolve_group(group, process_set, "grouped_allgather")
+    with refusing("grouped_allgather", "grouped_allgather", group, process_set):
+        check_name(name, "grouped_allgather")
+        group = resolve_group(group, process_set, "grouped_allgather")
+        check_tensors(tensors, group, "grouped_allgather")
     tensors = list(tensors)
     if _needs_grad(*tensors):
         return list(_GroupedAllgather.apply(name, group, *tensors))
@@ -271,8 +280,11 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, process_set:
         MismatchError: ranks passed different shapes, dtypes, roots or names (on every rank).
         ValueError: root_rank is outside the group.
     """
-    check_name(name, "broadcast")
-    group = resolve_group(group, process_set, "broadcast")
+    with refusing("broadcast", "broadcast", group, process_set):
+        check_name(name, "broadcast")
+        group = resolve_group(group, process_set, "broadcast")
+        check_tensors([tensor], group, "broadcast")
+        collectives.check_root(root_rank, "broadcast")
     if _needs_grad(tensor):
         return _Broadcast.apply(tensor, root_rank, name, group)
     return collectives.broadcast(tensor, root_rank, name=name, group=group)
@@ -315,8 +327,11 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, process_s
     Raises:
         MismatchError: dtypes, trailing dimensions or names differ, or a rank's splits do not fit (every rank).
     """
-    check_name(name, "alltoall")
-    group = resolve_group(group, process_set, "alltoall")
+    with refusing("alltoall", "alltoall", group, process_set):
+        check_name(name, "alltoall")
+        group = resolve_group(group, process_set, "alltoall")
+        check_tensors([tensor], group, "alltoall")
+        exchange.check_splits(tensor, splits, group, "alltoall")
     if _needs_grad(tensor):
         return _Alltoall.apply(tensor, splits, name, group)
     return exchange.alltoall(tensor, splits=splits, name=name, group=group)
@@ -347,12 +362,14 @@ class _Reducescatter(torch.autograd.Function):
 
 def _reducescatter(tensors: list, name: Any, compression: Any, op: Any, process_set: Any, prescale_factor: Any,
                    postscale_factor: Any, group: Any, function: str) -> list:
-    op = exchange.reducescatter_op(op, function)
-    check_name(name, function)
-    _check_compression(compression, function)
-    prescale = scale_factor(prescale_factor, "prescale_factor", function)
-    postscale = scale_factor(postscale_factor, "postscale_factor", function)
-    group = resolve_group(group, process_set, function)
+    with refusing(function, "reducescatter", group, process_set):
+        op = exchange.reducescatter_op(op, function)
+        check_name(name, function)
+        _check_compression(compression, function)
+        prescale = scale_factor(prescale_factor, "prescale_factor", function)
+        postscale = scale_factor(postscale_factor, "postscale_factor", function)
+        group = resolve_group(group, process_set, function)
+        check_tensors(tensors, group, function)
     compressed = [compression.compress(t) for t in tensors]
     wires = [wire for wire, _ in compressed]
     if _needs_grad(*wires):

@@ -7,6 +7,7 @@ Every message names the offending values in parentheses and says how to fix it, 
 from __future__ import annotations
 
 __all__ = [
+    "DuplicateNameError",
     "HybridPipeError",
     "HorovodInternalError",
     "NotSupportedError",
@@ -59,6 +60,11 @@ class MPIError(HorovodInternalError):
 
 class BuildError(HybridPipeError, ImportError):
     """The compiled extension ``hybridpipe._C`` is missing or was built against another MPI."""
+
+
+class DuplicateNameError(HybridPipeError, ValueError):
+    """An asynchronous operation was given a name that is already in flight on its group (a
+    ``ValueError``, as Horovod raises there)."""
 
 
 class PartitionError(HybridPipeError, ValueError):

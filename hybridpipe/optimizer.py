@@ -33,15 +33,17 @@ from typing import Any
 import torch
 
 from . import _trace as timeline
-from .comm import collectives, context, engine
+from .comm import collectives, context, engine, exchange
 from .pipeline import stage
 from .comm.collectives import Average, ReduceOp, Sum
-from .errors import HybridPipeError
+from .comm.process_sets import ProcessSet
+from .errors import HybridPipeError, NotSupportedError
 
 __all__ = ["Compression", "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
            "broadcast_object", "allgather_object", "clip_grad_norm_"]
 
 _DEFAULT_GROUP = "data"
+_SPARSE = object()  # the ctx of a sparse gradient: reduced by sparse_allreduce_async, not compressed
 _optimizers_created = 0  # names the per-optimizer has-gradient agreement on the engine
 
 
@@ -86,13 +88,66 @@ def _group_name(group: Any) -> str:
     return group if isinstance(group, str) else "a user communicator" if group is not None else "world"
 
 
+def _target(group: Any, process_set: Any, function: str) -> Any:
+    """The group of a data-parallel helper: ``process_set`` (Horovod's keyword) or ``group`` (default "data")."""
+    if process_set is None:
+        return _DEFAULT_GROUP if group is None else group
+    return context.resolve_group(group, process_set, function)
+
+
+def _check_compression(compression: Any) -> None:
+    if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
+        raise TypeError(f"compression must be hp.Compression.none / fp16 / bf16 or an object with compress() and "
+                        f"decompress() (as Horovod's compressors), got {compression!r}")
+
+
+def _split_groups(names: list[str], by_id: dict[int, str], groups: Any, num_groups: Any) -> list[list[str]]:
+    """Horovod's ``groups`` / ``num_groups`` as lists of parameter names (each list: one grouped allreduce)."""
+    if groups is None and num_groups:
+        groups = num_groups
+    if groups is None or groups == 0:
+        return []
+    if isinstance(groups, bool) or not isinstance(groups, (int, list, tuple)):
+        raise ValueError(f"groups must be an int (how many groups to split the parameters into) or a list of lists of "
+                         f"parameters, got {groups!r}")
+    if isinstance(groups, int):
+        if groups < 0:
+            raise ValueError(f"groups / num_groups must be >= 0 (got {groups})")
+        count = min(groups, len(names)) or 1
+        size, extra = divmod(len(names), count)
+        result, at = [], 0
+        for index in range(count):  # consecutive slices, the first `extra` one longer (as Horovod splits)
+            length = size + (1 if index < extra else 0)
+            result.append(names[at:at + length])
+            at += length
+        return [group for group in result if group]
+    result, seen = [], set()
+    for index, members in enumerate(groups):
+        if not isinstance(members, (list, tuple)):
+            raise ValueError(f"groups[{index}] must be a list of parameters, got {type(members).__name__}")
+        group_names = []
+        for parameter in members:
+            name = by_id.get(id(parameter))
+            if name is None:
+                raise ValueError(f"groups[{index}] holds a tensor that is not a parameter of the optimizer "
+                                 f"(shape {tuple(getattr(parameter, 'shape', ()))})")
+            if name in seen:
+                raise ValueError(f"parameter {name!r} is in more than one of groups")
+            seen.add(name)
+            group_names.append(name)
+        if group_names:
+            result.append(group_names)
+    return result
+
+
 class _DistributedOptimizerMixin:
     """Methods layered over the wrapped optimizer's class (see DistributedOptimizer)."""
 
     _hp_parameters: list[tuple[str, torch.nn.Parameter]]
 
     def _hp_setup(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None, op: ReduceOp,
-                  compression: Compression, backward_passes_per_step: int, group: Any) -> None:
+                  compression: Any, backward_passes_per_step: int, gradient_predivide_factor: float, groups: Any,
+                  num_groups: Any, sparse_as_dense: bool, group: Any) -> None:
         in_groups = [p for group_ in self.param_groups for p in group_["params"]]  # type: ignore[attr-defined]
         if named_parameters is None:
             named = [(f"param.{i}", p) for i, p in enumerate(in_groups)]
@@ -117,21 +172,37 @@ class _DistributedOptimizerMixin:
         if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
                 or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be a positive int (got {backward_passes_per_step!r})")
-        if not isinstance(compression, Compression):
-            raise TypeError(f"compression must be hp.Compression.none / fp16 / bf16, got {compression!r}")
+        _check_compression(compression)
+        factor = collectives.scale_factor(gradient_predivide_factor, "gradient_predivide_factor", "DistributedOptimizer")
+        if factor <= 0:
+            raise ValueError(f"gradient_predivide_factor must be > 0 (got {gradient_predivide_factor!r})")
+        if factor != 1.0 and op != Average:
+            raise ValueError(f"gradient_predivide_factor is only supported with op=hp.Average, as in Horovod (got "
+                             f"op=hp.{ReduceOp(op).name}, gradient_predivide_factor={gradient_predivide_factor})")
         self._hp_parameters = sorted(named, key=lambda item: item[0])
         self._hp_op = ReduceOp(op)
+        # Horovod's split of the average: gradients divided by the factor before the sum, multiplied after
+        self._hp_prescale, self._hp_postscale = 1.0 / factor, factor
         self._hp_compression = compression
         self._hp_passes = backward_passes_per_step
+        self._hp_sparse_as_dense = bool(sparse_as_dense)
         self._hp_group = group
         self._hp_synchronized = False
         self._hp_skip = False
-        self._hp_handles: dict[str, tuple[Any, torch.nn.Parameter, torch.Tensor]] = {}
+        # submitted reductions: key (a parameter name, or a group's name) -> (handle, [(parameter, wire, ctx)])
+        self._hp_handles: dict[str, tuple[Any, list[tuple[torch.nn.Parameter, Any, Any]]]] = {}
+        self._hp_submitted: set[str] = set()
         self._hp_counts: dict[str, int] = {}
+        by_id = {id(p): name for name, p in self._hp_parameters}
+        self._hp_groups = _split_groups([name for name, _ in self._hp_parameters], by_id, groups, num_groups)
+        self._hp_group_of = {name: index for index, members in enumerate(self._hp_groups) for name in members}
+        self._hp_ready: dict[int, set[str]] = {}
+        self._hp_by_name = dict(self._hp_parameters)
         global _optimizers_created
         _optimizers_created += 1  # every rank creates its optimizers in the same order
-        self._hp_flags_name = f"hybridpipe.DistributedOptimizer{_optimizers_created}.has_grad"
-        context.communicator(group, "DistributedOptimizer")  # validates the group now
+        self._hp_prefix = f"hybridpipe.DistributedOptimizer{_optimizers_created}"
+        self._hp_flags_name = f"{self._hp_prefix}.has_grad"
+        context.current("DistributedOptimizer").check_group(group, "DistributedOptimizer")
         self._hp_hooks = [parameter.register_post_accumulate_grad_hook(self._hp_hook(name))
                           for name, parameter in self._hp_parameters if parameter.requires_grad]
 
@@ -141,21 +212,47 @@ class _DistributedOptimizerMixin:
                 return
             count = self._hp_counts.get(name, 0) + 1
             self._hp_counts[name] = count
-            if count == self._hp_passes and name not in self._hp_handles:
-                self._hp_submit(name, parameter)
+            if count == self._hp_passes and name not in self._hp_submitted:
+                self._hp_ready_now(name)
 
         return hook
 
-    def _hp_submit(self, name: str, parameter: torch.nn.Parameter) -> None:
-        """Queues the parameter's gradient on the background engine (returns at once)."""
+    def _hp_ready_now(self, name: str) -> None:
+        """``name``'s gradient is final here: reduce it, or its group once the whole group is final."""
+        index = self._hp_group_of.get(name)
+        if index is None:
+            self._hp_submit(name, [name])
+            return
+        ready = self._hp_ready.setdefault(index, set())
+        ready.add(name)
+        if len(ready) == len(self._hp_groups[index]):
+            self._hp_submit(f"{self._hp_prefix}.group{index}", self._hp_groups[index])
+
+    def _hp_wire(self, parameter: torch.nn.Parameter) -> tuple[Any, Any]:
         grad = parameter.grad
-        wire = self._hp_compression.value
-        if wire is not None and grad.is_floating_point() and grad.dtype != wire:
-            buffer = grad.detach().to(wire)
+        if grad.is_sparse:
+            if not self._hp_sparse_as_dense:
+                return grad, _SPARSE  # reduced by hp.sparse_allreduce_async (allgather of indices and values)
+            grad = grad.to_dense()
+        grad = grad.detach() if grad.is_contiguous() else grad.detach().contiguous()
+        return self._hp_compression.compress(grad)
+
+    def _hp_submit(self, key: str, names: list[str]) -> None:
+        """Queues the gradients of ``names`` (one parameter, or a group: one fused call) on the engine."""
+        members = [(self._hp_by_name[name], *self._hp_wire(self._hp_by_name[name])) for name in names]
+        options = dict(op=self._hp_op, prescale_factor=self._hp_prescale, postscale_factor=self._hp_postscale,
+                       group=self._hp_group)
+        if len(names) == 1 and key == names[0] and members[0][2] is _SPARSE:
+            handle = exchange.sparse_allreduce_async(members[0][1], name=key, op=self._hp_op, group=self._hp_group)
+        elif any(ctx is _SPARSE for _, _, ctx in members):
+            raise NotSupportedError("DistributedOptimizer: a group (groups= / num_groups=) holds a parameter with a "
+                                    "sparse gradient; pass sparse_as_dense=True or leave it out of the groups")
+        elif len(names) == 1 and key == names[0]:
+            handle = engine.allreduce_async_(members[0][1], name=key, **options)
         else:
-            buffer = grad.detach() if grad.is_contiguous() else grad.detach().contiguous()
-        handle = engine.allreduce_async_(buffer, name=name, op=self._hp_op, group=self._hp_group)
-        self._hp_handles[name] = (handle, parameter, buffer)
+            handle = engine.grouped_allreduce_async_([wire for _, wire, _ in members], name=key, **options)
+        self._hp_handles[key] = (handle, members)
+        self._hp_submitted.update(names)
 
     # -------------------------------------------------------------- Horovod's interface
 
@@ -172,33 +269,53 @@ class _DistributedOptimizerMixin:
         """
         parameters = self._hp_parameters
         if parameters:  # which parameters have a gradient anywhere: the same answer on every rank
-            flags = torch.tensor([name in self._hp_handles or p.grad is not None for name, p in parameters],
+            flags = torch.tensor([name in self._hp_submitted or p.grad is not None for name, p in parameters],
                                  dtype=torch.int32)
             # through the engine, not a direct collective: a main thread spinning in MPI beside the
             # (niced) engine thread that is still reducing early buckets can starve it for tens of ms
             engine.allreduce_async_(flags, name=self._hp_flags_name, op=collectives.Max,
                                     group=self._hp_group).wait()
-            for (name, parameter), anywhere in zip(parameters, flags.tolist()):
-                if anywhere and name not in self._hp_handles:
+            anywhere = {name for (name, _), flag in zip(parameters, flags.tolist()) if flag}
+            for name, parameter in parameters:
+                if name in anywhere and name not in self._hp_submitted and name not in self._hp_group_of:
                     if parameter.grad is None:
                         parameter.grad = torch.zeros_like(parameter)
-                    self._hp_submit(name, parameter)
+                    self._hp_submit(name, [name])
+            for index, members in enumerate(self._hp_groups):  # groups whose hooks did not all fire here
+                if any(name in self._hp_submitted for name in members):
+                    continue
+                present = [name for name in members if name in anywhere]
+                for name in present:
+                    if self._hp_by_name[name].grad is None:
+                        self._hp_by_name[name].grad = torch.zeros_like(self._hp_by_name[name])
+                if present:
+                    self._hp_submit(f"{self._hp_prefix}.group{index}", present)
         handles, self._hp_handles, self._hp_counts = self._hp_handles, {}, {}
+        self._hp_submitted, self._hp_ready = set(), {}
         wait_start = time.monotonic()
-        for name, (handle, parameter, buffer) in handles.items():
-            handle.wait()
-            grad = parameter.grad
-            if buffer.data_ptr() != grad.data_ptr():
-                grad.copy_(buffer)
-            if self._hp_passes > 1 and grad.is_floating_point():
-                grad.div_(self._hp_passes)
+        for handle, members in handles.values():
+            reduced = handle.wait()
+            for parameter, wire, ctx in members:
+                if ctx is _SPARSE:  # the sparse result replaces the gradient
+                    parameter.grad = grad = reduced.coalesce()
+                    if self._hp_passes > 1 and grad.is_floating_point():
+                        grad.mul_(1.0 / self._hp_passes)
+                    continue
+                result = self._hp_compression.decompress(wire, ctx)
+                grad = parameter.grad
+                if grad.is_sparse:  # sparse_as_dense: the dense sum replaces the sparse gradient
+                    parameter.grad = grad = result
+                elif result.data_ptr() != grad.data_ptr():
+                    grad.copy_(result)
+                if self._hp_passes > 1 and grad.is_floating_point():
+                    grad.div_(self._hp_passes)
         timeline.record("synchronize", "optimizer", "optimizer", wait_start, time.monotonic(),
-                        {"tensors": len(handles)})
+                        {"tensors": sum(len(members) for _, members in handles.values())})
         self._hp_synchronized = True
 
     def in_flight(self) -> list[str]:
         """Names of the gradients whose reduction is queued or running (started by the hooks)."""
-        return sorted(self._hp_handles)
+        return sorted(self._hp_submitted)
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -227,6 +344,7 @@ class _DistributedOptimizerMixin:
             raise HybridPipeError(f"zero_grad() while {len(self._hp_handles)} gradient allreduces are in flight "
                                   f"(e.g. {next(iter(self._hp_handles))!r}): call step() or synchronize() first")
         self._hp_counts = {}
+        self._hp_ready = {}
         self._hp_synchronized = False
         super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
 
@@ -234,34 +352,57 @@ class _DistributedOptimizerMixin:
 def DistributedOptimizer(  # noqa: N802 — Horovod's spelling, a factory that returns an optimizer
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
-    op: ReduceOp = Average,
-    compression: Compression = Compression.none,
+    compression: Any = Compression.none,
     backward_passes_per_step: int = 1,
-    group: Any = _DEFAULT_GROUP,
+    op: ReduceOp = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    sparse_as_dense: bool = False,
+    process_set: Any = None,
+    group: Any = None,
 ) -> torch.optim.Optimizer:
     """Wraps ``optimizer`` so that ``step()`` first averages gradients over the ranks of ``group``.
 
+    The arguments are Horovod's, in Horovod's order, then hybridpipe's ``group``.
+
     Args:
         optimizer: any torch optimizer (its param groups, state and hooks are shared, not copied).
-        named_parameters: ``model.named_parameters()``; names order the reduction identically on
-            every rank (default: the optimizer's parameter order).
-        op: ``hp.Average`` (default) or ``hp.Sum``.
-        compression: ``hp.Compression.none / fp16 / bf16`` wire format.
-        backward_passes_per_step: local accumulation passes per ``step()`` (see module docs).
-        group: ``"data"`` (default: the replicas of my pipeline stage), ``"world"``, ``"pipe"`` or an
-            mpi4py communicator.
+        named_parameters: ``model.named_parameters()``; names match gradients across ranks (default: the
+            optimizer's parameter order).
+        compression: ``hp.Compression.none / fp16 / bf16`` or any object with Horovod's ``compress(tensor) ->
+            (tensor, ctx)`` and ``decompress(tensor, ctx)``: what travels.
+        backward_passes_per_step: local accumulation passes per ``step()`` (see the module's docstring).
+        op: ``hp.Average`` (default), ``hp.Sum`` or ``hp.Adasum`` (the gradients combined by Adasum over a
+            power-of-two group; Horovod combines the optimizer's updates instead, see docs/horovod.md).
+        gradient_predivide_factor: with ``hp.Average``, gradients are divided by this factor before the
+            sum and the sum multiplied by ``factor / size`` after it (Horovod's split of the average).
+        num_groups: split the parameters into this many groups, each reduced as one grouped allreduce once
+            all its gradients are final (Horovod's older spelling of ``groups=int``).
+        groups: an int (as ``num_groups``) or a list of lists of parameters, each list one grouped allreduce;
+            parameters in no list are reduced one by one.
+        sparse_as_dense: reduce sparse gradients (``nn.Embedding(sparse=True)``) as dense tensors.
+        process_set: a hp.ProcessSet to average over (Horovod's keyword; default: ``group``).
+        group: ``"data"`` (default: the replicas of my pipeline stage), ``"world"``, ``"pipe"``, a
+            hp.ProcessSet or an mpi4py communicator.
 
     Returns:
         An optimizer of a subclass of ``type(optimizer)``.
+
+    Raises:
+        ValueError: another op, ``gradient_predivide_factor`` with ``op=hp.Sum``, malformed ``groups``.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if ReduceOp(op) not in (Average, Sum):
-        raise ValueError(f"DistributedOptimizer op must be hp.Average or hp.Sum (got {ReduceOp(op).name})")
+    op = collectives.reduce_op(op, "DistributedOptimizer")
+    if op not in (Average, Sum, collectives.Adasum):
+        raise ValueError(f"DistributedOptimizer op must be hp.Average, hp.Sum or hp.Adasum (got {op.name})")
+    group = _target(group, process_set, "DistributedOptimizer")
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizerMixin, optimizer.__class__), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__ = optimizer.__dict__  # shares param_groups, state, defaults and hooks
-    wrapped._hp_setup(named_parameters, op, compression, backward_passes_per_step, group)
+    wrapped._hp_setup(named_parameters, op, compression, backward_passes_per_step, gradient_predivide_factor, groups,
+                      num_groups, sparse_as_dense, group)
     return wrapped
 
 
@@ -269,47 +410,91 @@ def DistributedOptimizer(  # noqa: N802 — Horovod's spelling, a factory that r
 
 
 def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], root_rank: int = 0,
-                         group: Any = _DEFAULT_GROUP) -> None:
-    """Copies ``root_rank``'s parameters / buffers to every rank of ``group``, in place.
+                         prefix: str = "Parameter.", process_set: Any = None, group: Any = None) -> None:
+    """Copies ``root_rank``'s parameters / buffers to every rank of the group, in place.
 
     Args:
         params: ``model.state_dict()`` or ``model.named_parameters()``.
-        root_rank: rank in ``group`` (default group ``"data"``: the replica index of my stage,
-            so each pipeline stage broadcasts from its own replica ``root_rank``).
+        root_rank: with ``group`` (default ``"data"``), a rank of the group: the replica index of my stage, so
+            each pipeline stage broadcasts from its own replica ``root_rank``; with ``process_set``, a
+            global rank (``hp.rank()``), as in Horovod.
+        prefix: put before each name (the broadcasts are named, and the names checked across ranks).
+        process_set: a hp.ProcessSet (Horovod's keyword) instead of ``group``.
+        group: ``"data"`` (default), ``"world"``, ``"pipe"``, a hp.ProcessSet or an mpi4py communicator.
     """
+    target = _target(group, process_set, "broadcast_parameters")
     items = sorted(params.items() if isinstance(params, Mapping) else params, key=lambda item: item[0])
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"broadcast_parameters: {name!r} is a {type(tensor).__name__}, not a tensor")
         with torch.no_grad():
             collectives.broadcast_(tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor, root_rank,
-                                   group=group)
+                                   name=f"{prefix}{name}", group=target)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, group: Any = _DEFAULT_GROUP) -> Any:
-    """Returns ``root_rank``'s ``obj`` (pickled) on every rank of ``group``."""
-    comm = context.communicator(group, "broadcast_object")
-    if not 0 <= root_rank < comm.size:
-        raise ValueError(f"broadcast_object: root_rank {root_rank} is outside the {_group_name(group)} group "
-                         f"of {comm.size} ranks")
-    return engine.call(group, "broadcast_object", lambda: comm.bcast(obj, root=root_rank))
+def _root_index(target: Any, root_rank: Any, function: str) -> int:
+    """The rank in ``target``'s communicator of ``root_rank`` (a global rank for a process set)."""
+    root = collectives.check_root(root_rank, function)
+    state = context.current(function)
+    set_ranks = state.set_ranks(target, function)
+    if set_ranks is not None:
+        if root not in set_ranks:
+            raise ValueError(f"{function}: root_rank {root} is not in the process set (ranks {set_ranks}); with a "
+                             "process set, root_rank is a global rank (hp.rank()), as in Horovod")
+        return set_ranks.index(root)
+    size = state.group_size(target, function)
+    if not 0 <= root < size:
+        raise ValueError(f"{function}: root_rank {root} is outside the {_group_name(target)} group of {size} ranks")
+    return root
 
 
-def allgather_object(obj: Any, group: Any = _DEFAULT_GROUP) -> list:
-    """Every rank's ``obj`` (pickled), as a list in rank order of ``group``."""
-    comm = context.communicator(group, "allgather_object")
-    return engine.call(group, "allgather_object", lambda: comm.allgather(obj))
+def _object_collective(function: str, name: Any) -> str:
+    """The kind the ranks agree on for an object collective: its name is part of it (checked across ranks)."""
+    return function if name is None else f"{function}|{name}"
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
-                              group: Any = _DEFAULT_GROUP) -> None:
-    """Makes every rank's optimizer state (moments, step counts, hyper-parameters) ``root_rank``'s.
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = None,
+                     group: Any = None) -> Any:
+    """Returns ``root_rank``'s ``obj`` (pickled) on every rank of the group (default ``"data"``; with
+    ``process_set``, ``root_rank`` is a global rank, as in Horovod). ``name`` is checked across ranks."""
+    with context.refusing("broadcast_object", "broadcast_object", group, process_set):
+        context.check_name(name, "broadcast_object")
+        target = _target(group, process_set, "broadcast_object")
+        root = _root_index(target, root_rank, "broadcast_object")
+    return engine.call(target, "broadcast_object",
+                       lambda: context.communicator(target, "broadcast_object").bcast(obj, root=root),
+                       _object_collective("broadcast_object", name))
 
-    The state dict is broadcast as one pickled object, then loaded; tensors keep their dtype and
-    move to each parameter's device.
+
+def allgather_object(obj: Any, name: str | None = None, process_set: Any = None, group: Any = None) -> list:
+    """Every rank's ``obj`` (pickled), as a list in rank order of the group (default ``"data"``)."""
+    with context.refusing("allgather_object", "allgather_object", group, process_set):
+        context.check_name(name, "allgather_object")
+        target = _target(group, process_set, "allgather_object")
+        context.current("allgather_object").check_group(target, "allgather_object")
+    return engine.call(target, "allgather_object",
+                       lambda: context.communicator(target, "allgather_object").allgather(obj),
+                       _object_collective("allgather_object", name))
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0, model: Any = None,
+                              prefix: str = "Parameter.", process_set: Any = None, group: Any = None) -> None:
+    """Makes every rank's optimizer state (moments, step counts, hyper-parameters — numbers or tensors, such
+    as a tensor ``lr``) ``root_rank``'s.
+
+    The state dict is broadcast as one pickled object, then loaded; tensors keep their dtype and move to
+    each parameter's device. ``model`` and ``prefix`` are accepted for Horovod's signature and not needed
+    (the state dict carries everything). ``root_rank``: as in :func:`broadcast_parameters`.
     """
-    state = broadcast_object(optimizer.state_dict() if context.communicator(
-        group, "broadcast_optimizer_state").rank == root_rank else None, root_rank, group)
+    target = _target(group, process_set, "broadcast_optimizer_state")
+    with context.refusing("broadcast_optimizer_state", "broadcast_object", group, process_set):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"broadcast_optimizer_state takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        root = _root_index(target, root_rank, "broadcast_optimizer_state")
+    me = context.communicator(target, "broadcast_optimizer_state").Get_rank()
+    state = broadcast_object(optimizer.state_dict() if me == root else None,
+                             root_rank if process_set is not None or isinstance(target, ProcessSet) else root,
+                             group=target)
     optimizer.load_state_dict(state)
 
 

@@ -18,7 +18,8 @@ grouped_allreduce_async_ allgather allgather_async grouped_allgather grouped_all
 broadcast_async broadcast_async_ alltoall alltoall_async reducescatter reducescatter_async grouped_reducescatter
 grouped_reducescatter_async barrier poll synchronize ProcessSet global_process_set add_process_set remove_process_set
 Average Sum Adasum Min Max Product HorovodInternalError Compression DistributedOptimizer broadcast_parameters
-broadcast_optimizer_state broadcast_object allgather_object
+broadcast_optimizer_state broadcast_object allgather_object join sparse_allreduce_async SyncBatchNorm cross_rank
+cross_size is_homogeneous
 """.split()
 
 

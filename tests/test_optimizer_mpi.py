@@ -220,7 +220,7 @@ def test_errors(grid):
     model = nn.Linear(2, 2)
     with pytest.raises(TypeError, match="wraps a torch.optim.Optimizer, got list"):
         hp.DistributedOptimizer([1, 2])
-    with pytest.raises(ValueError, match="op must be hp.Average or hp.Sum \\(got Min\\)"):
+    with pytest.raises(ValueError, match="op must be hp.Average, hp.Sum or hp.Adasum \\(got Min\\)"):
         hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1), op=hp.Min)
     with pytest.raises(ValueError, match="backward_passes_per_step must be a positive int \\(got 0\\)"):
         hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1), backward_passes_per_step=0)

@@ -50,6 +50,83 @@ def host(x: Any) -> Any:
     return x.cpu().contiguous() if x.device.type != "cpu" else x.contiguous()
 
 
+def is_host_contiguous(x: Any) -> bool:
+    """Whether the C++ core can read ``x`` where it is: a C-contiguous numpy array, or a contiguous CPU
+    tensor without a lazy conjugate / negation."""
+    if isinstance(x, np.ndarray):
+        return x.flags.c_contiguous
+    return x.device.type == "cpu" and x.is_contiguous() and not x.is_conj() and not x.is_neg()
+
+
+def empty_like(x: Any) -> Any:
+    """An uninitialized contiguous host tensor / array with ``x``'s shape and dtype."""
+    if isinstance(x, np.ndarray):
+        return np.empty(x.shape, x.dtype)
+    return torch_module().empty(x.shape, dtype=x.dtype)
+
+
+class OutputPool:
+    """Outputs of out-of-place allreduces, reused once their user let go of them.
+
+    A fresh 100 MiB of outputs per call costs its page faults again and again (the ResNet-50 benchmark:
+    up to 3× the in-place time); the results handed out are kept here and one is taken again for an
+    output of the same shape and dtype only when nothing else refers to it: no Python reference but
+    ours, no view, no numpy array on its memory, nothing autograd saved. Bounded by ``limit_bytes``
+    (the oldest go first); emptied by hp.shutdown.
+    """
+
+    def __init__(self, limit_bytes: int = 512 << 20) -> None:
+        self.limit_bytes = limit_bytes
+        self._items: dict[tuple, list] = {}  # (type, dtype, shape) -> outputs handed out, oldest first
+        self._bytes = 0
+
+    @staticmethod
+    def _key(x: Any) -> tuple:
+        return (type(x), x.dtype, tuple(x.shape))
+
+    @staticmethod
+    def _size(x: Any) -> int:
+        return x.nbytes if isinstance(x, np.ndarray) else x.numel() * x.element_size()
+
+    @staticmethod
+    def _unused(x: Any) -> bool:
+        # references: the pool's list, this argument, getrefcount's argument
+        if sys.getrefcount(x) != 3:
+            return False
+        if isinstance(x, np.ndarray):
+            return x.base is None
+        torch = torch_module()
+        return x._use_count() == 1 and torch._C._storage_Use_Count(x.untyped_storage()._cdata) == 2
+
+    def take(self, like: Any) -> Any:
+        """An output for ``like`` (a contiguous host tensor / array): a released one, else a new one."""
+        candidates = self._items.get(self._key(like))
+        if candidates:
+            for index in range(len(candidates)):
+                if self._unused(candidates[index]):
+                    found = candidates.pop(index)
+                    self._bytes -= self._size(found)
+                    return found
+        return empty_like(like)
+
+    def offer(self, result: Any) -> None:
+        """Remembers a result handed to the user, for a later take() once they dropped it."""
+        size = self._size(result)
+        if size > self.limit_bytes:
+            return
+        self._items.setdefault(self._key(result), []).append(result)
+        self._bytes += size
+        while self._bytes > self.limit_bytes:
+            key = max(self._items, key=lambda k: len(self._items[k]))
+            self._bytes -= self._size(self._items[key].pop(0))
+            if not self._items[key]:
+                del self._items[key]
+
+    def clear(self) -> None:
+        self._items.clear()
+        self._bytes = 0
+
+
 def address(x: Any) -> int:
     return x.data_ptr() if is_tensor(x) else x.ctypes.data
 
@@ -116,8 +193,21 @@ def numpy_view(x: Any) -> np.ndarray:
 
 def trailing(x: Any) -> str:
     """The dimensions after the first, the dtype and the rank of ``x`` (what gathering along dim 0 needs
-    every rank to agree on)."""
-    return f"{tuple(x.shape[1:])} {str(x.dtype).replace('torch.', '')} ndim={len(x.shape)}"
+    every rank to agree on), and its device when it is not the host."""
+    return f"{tuple(x.shape[1:])} {str(x.dtype).replace('torch.', '')} ndim={len(x.shape)}{device_tag(x)}"
+
+
+def device_tag(x: Any) -> str:
+    """`` device=cuda`` for a tensor off the host, else nothing: ranks must agree on it (as in Horovod, a
+    CPU tensor on one rank and a GPU tensor on another is an error), the device index may differ."""
+    return f" device={x.device.type}" if is_tensor(x) and x.device.type != "cpu" else ""
+
+
+def device_code(x: Any) -> int:
+    """The engine's device field (csrc/engine.h): 0 host memory, 1 CUDA, 2 another accelerator."""
+    if not is_tensor(x) or x.device.type == "cpu":
+        return 0
+    return 1 if x.device.type == "cuda" else 2
 
 
 def row_bytes(x: Any) -> int:
@@ -127,7 +217,7 @@ def row_bytes(x: Any) -> int:
 
 
 def describe(x: Any) -> str:
-    return f"shape={tuple(x.shape)} dtype={str(x.dtype).replace('torch.', '')}"
+    return f"shape={tuple(x.shape)} dtype={str(x.dtype).replace('torch.', '')}{device_tag(x)}"
 
 
 def host_contiguous(tensor: Any) -> Any:

@@ -29,11 +29,12 @@ from .._ext import core
 from ..errors import MismatchError, NotSupportedError
 from . import buffers, context
 from .buffers import check_array, copy_into, describe, host, is_tensor
-from .context import check_name, resolve_group
+from .context import check_name, refusing, resolve_group
 
 __all__ = ["ReduceOp", "Sum", "Average", "Min", "Max", "Product", "Adasum", "allreduce", "allreduce_",
            "grouped_allreduce", "grouped_allreduce_", "broadcast", "broadcast_", "broadcast_async",
-           "broadcast_async_", "barrier", "agree", "digest", "named", "reduce_op", "resolve_op", "scale_factor"]
+           "broadcast_async_", "barrier", "agree", "digest", "named", "reduce_op", "resolve_op", "scale_factor",
+           "check_tensors", "check_root"]
 
 
 class ReduceOp(enum.IntEnum):
@@ -41,8 +42,8 @@ class ReduceOp(enum.IntEnum):
 
     Sum, Average, Min and Max run in hybridpipe's C++ core (ring, shared memory, hierarchical); Product
     runs in the MPI library (``MPI_PROD``; float16 / bfloat16 multiplied in float32 and rounded once).
-    Adasum is accepted as a value, as in Horovod, but reducing with it raises
-    :class:`~hybridpipe.errors.NotSupportedError` for now.
+    Adasum is Horovod's adaptive summation (hybridpipe.comm.adasum; CPU, power-of-two groups), run on
+    the communication thread outside the C++ core.
     """
 
     Sum = 0
@@ -140,15 +141,31 @@ def scale_factor(value: Any, keyword: str, function: str) -> float:
     return float(value)
 
 
+def check_tensors(tensors: Any, group: Any, function: str) -> list:
+    """The rank-local checks of a collective's tensors and group (run inside :func:`context.refusing`):
+    each is a torch tensor or numpy array, and this rank can use ``group``; returns the tensors as a list."""
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"hp.{function} takes a list or tuple of tensors, got {type(tensors).__name__}")
+    for t in tensors:
+        check_array(t, function)
+    context.current(function).check_group(group, function)
+    return list(tensors)
+
+
 def _unsupported_op(op: ReduceOp, function: str) -> NotSupportedError:
-    return NotSupportedError(f"hp.{function}: op=hp.Adasum is not implemented in hybridpipe yet (it is planned); "
-                             f"reduce with op=hp.Average (the data-parallel mean) or op=hp.Sum instead")
+    return NotSupportedError(f"hp.{function}: op=hp.{op.name} cannot be reduced here; use op=hp.Average, hp.Sum, "
+                             "hp.Min, hp.Max, hp.Product or hp.Adasum")
 
 
 def _library_reduce(source: Any, target: Any, op: ReduceOp, comm: Any, function: str) -> None:
     """Reduces through the MPI library (ops the C++ core has not: Product); halves in float32."""
     from mpi4py import MPI
 
+    if op == Adasum:
+        from .adasum import adasum_into
+
+        adasum_into(source, target, comm, function)
+        return
     if op != Product:
         raise _unsupported_op(op, function)
     if buffers.dtype_code(source) in (2, 3):  # float16, bfloat16: no MPI type; one rounding at the end
@@ -161,13 +178,15 @@ def _library_reduce(source: Any, target: Any, op: ReduceOp, comm: Any, function:
         comm.Allreduce(buffers.numpy_view(source), buffers.numpy_view(target), op=MPI.PROD)
 
 
-def _allreduce_into(source: Any, target: Any, op: ReduceOp, comm: Any, function: str, name: str | None = None) -> None:
+def _allreduce_into(source: Any, target: Any, op: ReduceOp, comm: Any, function: str, name: str | None = None,
+                    device: str = "") -> None:
     code = buffers.dtype_code(source)
     count = buffers.count(source)
-    header = [1, count, code, int(op), digest(str(tuple(source.shape)) + ("" if name is None else f"|{name}"))]
+    header = [1, count, code, int(op),
+              digest(str(tuple(source.shape)) + device + ("" if name is None else f"|{name}"))]
 
     def description() -> str:
-        return f"{describe(source)} op={op.name}{named(name)}"
+        return f"{describe(source)}{device} op={op.name}{named(name)}"
 
     if code == buffers.UNSUPPORTED or op not in CORE_OPS:  # agree first: a bad value on one rank must not hang
         agree(comm, function, header, description, _SAME_TENSOR)
@@ -195,7 +214,7 @@ def allreduce_here(tensor: Any, op: ReduceOp, name: str | None, prescale: float,
     if prescale != 1.0:
         source = target  # scale a copy (or the in-place work), never the caller's input
         buffers.scale_(target, prescale)
-    _allreduce_into(source, target, op, comm, function, name)
+    _allreduce_into(source, target, op, comm, function, name, buffers.device_tag(tensor))
     buffers.scale_(target, postscale)
     if in_place:
         copy_into(tensor, target)
@@ -226,7 +245,7 @@ def allreduce(tensor: Any, average: Any = None, name: str | None = None, op: Any
         MismatchError: ranks passed different shapes, dtypes, ops or names (on every rank).
         TypeError: not a tensor/array, or a dtype that cannot be reduced.
         ValueError: both ``average`` and ``op``, or both ``group`` and ``process_set``.
-        NotSupportedError: op=hp.Adasum.
+        ValueError: op=hp.Adasum over a group whose size is not a power of two.
     """
     return _allreduce(tensor, average, name, op, prescale_factor, postscale_factor, process_set, group, "allreduce",
                       False)
@@ -241,13 +260,23 @@ def allreduce_(tensor: Any, average: Any = None, name: str | None = None, op: An
 
 def _allreduce(tensor: Any, average: Any, name: str | None, op: Any, prescale: Any, postscale: Any, process_set: Any,
                group: Any, function: str, in_place: bool) -> Any:
-    op = resolve_op(op, average, function)
-    check_name(name, function)
-    prescale = scale_factor(prescale, "prescale_factor", function)
-    postscale = scale_factor(postscale, "postscale_factor", function)
-    group = resolve_group(group, process_set, function)
-    return _on_engine(group, function, lambda: allreduce_here(tensor, op, name, prescale, postscale, group, function,
-                                                              in_place), "allreduce")
+    with refusing(function, "allreduce", group, process_set):
+        op = resolve_op(op, average, function)
+        check_name(name, function)
+        prescale = scale_factor(prescale, "prescale_factor", function)
+        postscale = scale_factor(postscale, "postscale_factor", function)
+        group = resolve_group(group, process_set, function)
+        check_tensors([tensor], group, function)
+        buffers.check_reducible([buffers.dtype_code(tensor)], [tensor], function)
+    try:
+        return _on_engine(group, function, lambda: allreduce_here(tensor, op, name, prescale, postscale, group,
+                                                                  function, in_place), "allreduce")
+    except context.RanksJoined:
+        if op not in CORE_OPS:
+            raise
+        from .engine import allreduce_while_joined
+
+        return allreduce_while_joined([tensor], in_place, op, prescale, postscale, group, function)[0]
 
 
 def grouped_allreduce_here(tensors: Sequence[Any], op: ReduceOp, name: str | None, prescale: float, postscale: float,
@@ -265,7 +294,7 @@ def grouped_allreduce_here(tensors: Sequence[Any], op: ReduceOp, name: str | Non
         for target in targets:
             buffers.scale_(target, prescale)
     codes = [buffers.dtype_code(w) for w in works]
-    entries = [describe(w) for w in works]
+    entries = [describe(t) for t in tensors]
     agree(comm, function, [2, len(tensors), digest("|".join(entries) + named(name)), int(op)],
            lambda: (op.name + named(name), entries),
            "every rank must pass the same list of tensors (same order, shapes and dtypes), op and name", _explain_lists)
@@ -307,13 +336,23 @@ def _explain_lists(everyone: list) -> str:
 
 def _grouped(tensors: Sequence[Any], average: Any, name: str | None, op: Any, prescale: Any, postscale: Any,
              process_set: Any, group: Any, function: str, in_place: bool) -> list:
-    op = resolve_op(op, average, function)
-    check_name(name, function)
-    prescale = scale_factor(prescale, "prescale_factor", function)
-    postscale = scale_factor(postscale, "postscale_factor", function)
-    group = resolve_group(group, process_set, function)
-    return _on_engine(group, function, lambda: grouped_allreduce_here(tensors, op, name, prescale, postscale, group,
-                                                                      function, in_place), "grouped_allreduce")
+    with refusing(function, "grouped_allreduce", group, process_set):
+        op = resolve_op(op, average, function)
+        check_name(name, function)
+        prescale = scale_factor(prescale, "prescale_factor", function)
+        postscale = scale_factor(postscale, "postscale_factor", function)
+        group = resolve_group(group, process_set, function)
+        tensors = check_tensors(tensors, group, function)
+        buffers.check_reducible([buffers.dtype_code(t) for t in tensors], tensors, function)
+    try:
+        return _on_engine(group, function, lambda: grouped_allreduce_here(tensors, op, name, prescale, postscale,
+                                                                          group, function, in_place), "grouped_allreduce")
+    except context.RanksJoined:
+        if op not in CORE_OPS:
+            raise
+        from .engine import allreduce_while_joined
+
+        return allreduce_while_joined(tensors, in_place, op, prescale, postscale, group, function)
 
 
 def grouped_allreduce(tensors: Sequence[Any], average: Any = None, name: str | None = None, op: Any = None,
@@ -357,8 +396,8 @@ def broadcast_here(tensor: Any, root_rank: int, name: str | None, group: Any, fu
     comm = ctx.communicator(group, function)
     set_ranks = ctx.set_ranks(group, function)
     work = host(tensor) if in_place else buffers.clone(host(tensor))
-    agree(comm, function, [3, int(root_rank), digest(describe(work) + named(name))],
-           lambda: f"root_rank={root_rank} {describe(work)}{named(name)}",
+    agree(comm, function, [3, int(root_rank), digest(describe(tensor) + named(name))],
+           lambda: f"root_rank={root_rank} {describe(tensor)}{named(name)}",
            "every rank must pass the same root_rank, shape, dtype and name")
     if set_ranks is not None:
         if root_rank not in set_ranks:
@@ -381,8 +420,11 @@ def broadcast_here(tensor: Any, root_rank: int, name: str | None, group: Any, fu
 
 def _broadcast_call(tensor: Any, root_rank: int, name: str | None, process_set: Any, group: Any, function: str,
                     in_place: bool, asynchronous: bool) -> Any:
-    check_name(name, function)
-    group = resolve_group(group, process_set, function)
+    with refusing(function, "broadcast", group, process_set, name, asynchronous):
+        check_name(name, function)
+        group = resolve_group(group, process_set, function)
+        check_tensors([tensor], group, function)
+        root_rank = check_root(root_rank, function)
 
     def work() -> Any:
         return broadcast_here(tensor, root_rank, name, group, function, in_place)
@@ -432,7 +474,16 @@ def broadcast_async_(tensor: Any, root_rank: int, name: str | None = None, proce
     return _broadcast_call(tensor, root_rank, name, process_set, group, "broadcast_async_", True, True)
 
 
+def check_root(root_rank: Any, function: str) -> int:
+    """``root_rank`` as an int; TypeError naming it otherwise."""
+    if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
+        raise TypeError(f"hp.{function}: root_rank must be an int (a rank), got {root_rank!r}")
+    return int(root_rank)
+
+
 def barrier(process_set: Any = None, group: Any = None) -> None:
     """Blocks until every rank of the group (or process set) has called barrier."""
-    group = resolve_group(group, process_set, "barrier")
+    with refusing("barrier", "barrier", group, process_set):
+        group = resolve_group(group, process_set, "barrier")
+        context.current("barrier").check_group(group, "barrier")
     _on_engine(group, "barrier", lambda: context.communicator(group, "barrier").Barrier(), "barrier")

@@ -19,21 +19,24 @@ context through :func:`current`; none of them imports the runtime (imports run r
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 from .. import _trace
 from .._ext import core
 from ..config import Config
-from ..errors import HorovodInternalError, HybridPipeError, MismatchError, NotInitializedError
+from ..errors import DuplicateNameError, HorovodInternalError, HybridPipeError, MismatchError, NotInitializedError
+from . import buffers
 from .process_sets import ProcessSet, Registry
 
 __all__ = ["CommContext", "Handle", "start", "stop", "current", "current_or_none", "communicator", "call", "submit",
-           "wait_policy", "allreduce_options_for", "resolve_group", "unnamed", "check_name"]
+           "wait_policy", "allreduce_options_for", "resolve_group", "unnamed", "check_name", "refusing",
+           "ARGUMENT_ERRORS", "RanksJoined"]
 
 BUILTIN_GROUPS = ("world", "data", "pipe")
 
@@ -81,6 +84,8 @@ class CommContext:
         self._users: dict[int, _UserGroup] = {}
         self.process_sets = Registry(grid)
         self.in_flight: set[tuple[int, str]] = set()  # (engine group, name) submitted and not waited for
+        self.joined_calls: dict[int, int] = {}  # per engine group: synchronous allreduces run while ranks joined
+        self.outputs = buffers.OutputPool()  # outputs of out-of-place allreduce_async, reused once released
         # per engine handle: what its operation needs alive until it ran (a call's job, an allreduce's
         # buffers), released by Handle.wait() or, for handles never waited for, by close()
         self.keep: dict[int, Any] = {}
@@ -114,15 +119,51 @@ class CommContext:
                             f"intracommunicator (or a hp.ProcessSet), got {type(group).__name__}")
         entry = self._users.get(id(group))
         if entry is None or entry.user is not group:
-            private = group.Dup()  # collective on `group`; our tags never meet the user's messages
-            private.Set_errhandler(MPI.ERRORS_RETURN)
-            entry = self._users[id(group)] = _UserGroup(group, private)
+            entry = self._users[id(group)] = _UserGroup(group, None)
         return entry
+
+    def _private(self, entry: _UserGroup, function: str) -> Any:
+        """The private duplicate of a user communicator, made the first time on the communication thread
+        (a collective over it, at a point of the thread's sequence its ranks agree on: one thread in MPI)."""
+        if entry.comm is None:
+            def duplicate() -> Any:
+                from mpi4py import MPI
+
+                if entry.comm is None:  # our tags never meet the user's messages
+                    private = entry.user.Dup()
+                    private.Set_errhandler(MPI.ERRORS_RETURN)
+                    entry.comm = private
+                return entry.comm
+
+            call(entry.user, function, duplicate, "duplicate communicator")
+        return entry.comm
+
+    def check_group(self, group: Any, function: str) -> None:
+        """Raises the TypeError / ValueError that using ``group`` here would raise; no communication."""
+        if group is None:
+            return
+        if isinstance(group, str):
+            if group not in BUILTIN_GROUPS:
+                raise ValueError(f"hp.{function}: unknown group {group!r} (use None/'world', 'data', 'pipe', a "
+                                 "hp.ProcessSet or an mpi4py communicator)")
+        elif isinstance(group, ProcessSet):
+            self.process_sets.member_entry(group, function)
+        else:
+            self._user(group, function)
+
+    def group_size(self, group: Any, function: str) -> int:
+        """The number of ranks of ``group`` (checked as :meth:`check_group` does); no communication."""
+        self.check_group(group, function)
+        if group is None or isinstance(group, str):
+            return self._builtin(group or "world").Get_size()
+        if isinstance(group, ProcessSet):
+            return len(self.process_sets.member_entry(group, function).ranks)
+        return group.Get_size()
 
     def communicator(self, group: Any, function: str) -> Any:
         """hybridpipe's communicator for ``group``: None/"world", "data", "pipe", a registered
         :class:`ProcessSet` this rank belongs to, or an mpi4py comm (whose private duplicate is made,
-        collectively, the first time)."""
+        collectively and on the communication thread, the first time)."""
         if group is None:
             return self.grid.world_comm
         if isinstance(group, str):
@@ -133,7 +174,7 @@ class CommContext:
         if isinstance(group, ProcessSet):
             entry = self.process_sets.member_entry(group, function)
             return self._builtin(entry.builtin) if entry.builtin else entry.comm
-        return self._user(group, function).comm
+        return self._private(self._user(group, function), function)
 
     def set_ranks(self, group: Any, function: str) -> list[int] | None:
         """The global ranks of ``group`` in its rank order when it is a process set (whose ``root_rank``
@@ -160,7 +201,7 @@ class CommContext:
             return set_entry.engine_id
         entry = self._user(group, function)
         if entry.engine_id is None:
-            entry.engine_id = self.engine.add_group(entry.comm.py2f(), f"user communicator {id(group):#x}")
+            entry.engine_id = self.engine.add_group(entry.user.py2f(), f"user communicator {id(group):#x}")
         return entry.engine_id
 
     def allreduce_options(self) -> Any:
@@ -197,8 +238,10 @@ class CommContext:
         self.engine.shutdown()
         events = self.events()
         self.keep.clear()  # the thread has stopped: nothing it ran can still use these
+        self.outputs.clear()
         for entry in self._users.values():
-            entry.comm.Free()
+            if entry.comm is not None:
+                entry.comm.Free()
         self._users.clear()
         self.process_sets.close()
         return events
@@ -273,6 +316,11 @@ def resolve_group(group: Any, process_set: Any, function: str) -> Any:
     return process_set
 
 
+class RanksJoined(HorovodInternalError):
+    """A collective other than an allreduce ran into ranks that have joined (hp.join): the ranks that did not
+    join all raise it at the same point (a synchronous allreduce catches it and runs on the engine instead)."""
+
+
 class Handle:
     """An operation queued on the communication thread: an asynchronous allreduce (``hp.allreduce_async_``)
     or any other ``*_async`` collective. :meth:`wait` (``hp.synchronize``) returns its result.
@@ -290,6 +338,7 @@ class Handle:
         self._result: Any = None
         self._outcome: BaseException | None = None
         self._finished = False
+        self.contributors = 0   #: after wait(): 0, or how many ranks contributed while some had joined (hp.join)
         self.started_at = 0.0   #: time.monotonic() when its allreduce began (after wait(); 0 if never ran)
         self.finished_at = 0.0  #: time.monotonic() when its allreduce ended
 
@@ -312,7 +361,7 @@ class Handle:
             HorovodInternalError: the communication thread stopped or failed.
         """
         if not self._finished:
-            error, self.started_at, self.finished_at, kind = self._state.engine.wait(self._handle)
+            error, self.started_at, self.finished_at, kind, self.contributors = self._state.engine.wait(self._handle)
             self._state.in_flight.discard(self._key)
             self._state.keep.pop(self._handle, None)
             self._finished = True
@@ -320,6 +369,10 @@ class Handle:
                 if error:
                     if kind == core().ErrorKind.Mismatch:
                         raise MismatchError(self._mismatch(error))
+                    if kind == core().ErrorKind.Refused:
+                        raise MismatchError(f"hp.{self._function}: {error}")
+                    if kind == core().ErrorKind.Joined:
+                        raise RanksJoined(f"hp.{self._function}: {error}")
                     raise HorovodInternalError(f"hp.{self._function}: {error}")
                 self._result = self._finish()
             except BaseException as failure:  # raised again by every later wait()
@@ -339,13 +392,13 @@ def queue(state: CommContext, group_id: int, name: str, function: str, submit: C
           track: bool = True) -> Handle:
     """Submits one operation to the engine (``submit()`` returns the engine's handle) and wraps it."""
     key = (group_id, name)
-    if track and key in state.in_flight:
-        raise HybridPipeError(f"hp.{function}: a tensor named {name!r} is already in flight on this group; "
-                              "wait for its handle first or use another name")
+    if track and key in state.in_flight:  # a ValueError, as Horovod's duplicate-name error
+        raise DuplicateNameError(f"hp.{function}: a tensor named {name!r} is already in flight on this group; "
+                                 "wait for its handle first or use another name")
     try:
         handle = submit()
     except ValueError as error:  # a name already pending on the engine, an unknown group
-        raise HybridPipeError(f"hp.{function}: {error}") from None
+        raise ValueError(f"hp.{function}: {error}") from None
     except RuntimeError as error:  # the engine stopped (stall shutdown, MPI failure, shutting down)
         raise HorovodInternalError(f"hp.{function}: {error}") from None
     state.keep[handle] = keep
@@ -422,3 +475,51 @@ def submit(group: Any, function: str, name: str | None, work: Callable[[], Any],
     check_name(name, function)
     return _call_handle(state, group, function, name if name is not None else unnamed(function), collective, work,
                         track=True)
+
+
+#: what a collective's local argument checks raise (NotImplementedError: hp.NotSupportedError)
+ARGUMENT_ERRORS = (TypeError, ValueError, NotImplementedError)
+
+
+@contextlib.contextmanager
+def refusing(function: str, collective: str, group: Any = None, process_set: Any = None, name: Any = None,
+             asynchronous: bool = False) -> Iterator[None]:
+    """Runs a collective's rank-local argument checks (the ``with`` body). When one raises a TypeError,
+    ValueError or NotSupportedError, this rank still takes its place in the collective: it queues a
+    stand-in (``Engine.submit_refusal``) under the name the call would have had, so the other ranks' calls
+    fail with a MismatchError naming this rank and its error instead of waiting for it; then the error
+    propagates here. A synchronous call waits until the others arrived (so its name is free again); an
+    asynchronous one raises at once, as Horovod does.
+
+    ``collective`` is unused by the engine (a refusal mismatches any call) but documents the call site.
+    The stand-in goes to ``group`` / ``process_set`` when they are valid here, else to the whole job
+    (the ranks of a group this rank cannot even name cannot be reached: they report a stall).
+    """
+    try:
+        yield
+    except ARGUMENT_ERRORS as error:
+        _refuse(function, group, process_set, name, asynchronous, error)
+        raise
+
+
+def _refuse(function: str, group: Any, process_set: Any, name: Any, asynchronous: bool, error: BaseException) -> None:
+    state = _current
+    if state is None or getattr(_on_engine_thread, "inside", False):
+        return  # no engine (or a collective nested in one): nobody is waiting through it
+    try:
+        group_id = state.engine_group(resolve_group(group, process_set, function), function)
+    except (HybridPipeError, *ARGUMENT_ERRORS):
+        group_id = state.engine_group(None, function)
+    if asynchronous:
+        key = name if isinstance(name, str) and name else unnamed(function)
+        if (group_id, key) in state.in_flight:
+            return  # the name is busy here: the error is this rank's own (it reused a name in flight)
+    else:
+        key = _CALL_NAME
+    refusal = f"{type(error).__name__}: {error}"
+    try:
+        handle = state.engine.submit_refusal(group_id, key, refusal, asynchronous)
+    except (ValueError, RuntimeError):  # the name is pending on the engine already, or the engine stopped
+        return
+    if handle:
+        state.engine.wait(handle)  # fails (Refused) once every rank of the group arrived: the name is free

@@ -21,42 +21,62 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from . import buffers, context
-from .collectives import CORE_OPS, allreduce_here, grouped_allreduce_here, resolve_op, scale_factor
-from .context import Handle, call, check_name, resolve_group, unnamed
+from .collectives import CORE_OPS, Average, allreduce_here, check_tensors, grouped_allreduce_here, resolve_op, scale_factor
+from .context import Handle, call, check_name, refusing, resolve_group, unnamed
 
 __all__ = ["Handle", "allreduce_async", "allreduce_async_", "grouped_allreduce_async", "grouped_allreduce_async_",
-           "synchronize", "poll", "engine_stats", "call"]
+           "synchronize", "poll", "engine_stats", "call", "join", "allreduce_while_joined"]
 
 
 def _submit(tensor: Any, average: Any, name: str | None, op: Any, prescale: Any, postscale: Any, process_set: Any,
             group: Any, function: str, in_place: bool) -> Handle:
-    buffers.check_array(tensor, function)
     state = context.current(function)
-    op = resolve_op(op, average, function)
-    check_name(name, function)
-    prescale = scale_factor(prescale, "prescale_factor", function)
-    postscale = scale_factor(postscale, "postscale_factor", function)
-    group = resolve_group(group, process_set, function)
-    if op not in CORE_OPS:  # Product (MPI library) and Adasum (refused after the ranks agreed): one queued call
+    with refusing(function, "allreduce", group, process_set, name, asynchronous=True):
+        op = resolve_op(op, average, function)
+        check_name(name, function)
+        prescale = scale_factor(prescale, "prescale_factor", function)
+        postscale = scale_factor(postscale, "postscale_factor", function)
+        group = resolve_group(group, process_set, function)
+        check_tensors([tensor], group, function)
+        if op in CORE_OPS:
+            buffers.check_reducible([buffers.dtype_code(tensor)], [tensor], function)
+    if op not in CORE_OPS:  # Product (MPI library) and Adasum (hybridpipe.comm.adasum): one queued call
         return context.submit(group, function, name, lambda: allreduce_here(tensor, op, name, prescale, postscale,
                                                                             group, function, in_place), "allreduce")
     group_id = state.engine_group(group, function)
     if name is None:
         name = unnamed(function)
-    result = tensor if in_place else buffers.clone(tensor)
-    work = buffers.host(result)
+    source: Any = None  # out of place on host memory: the engine reads `tensor` and writes a fresh output
+    if not in_place and prescale == 1.0 and buffers.is_host_contiguous(tensor):
+        source = tensor.detach() if buffers.is_tensor(tensor) else tensor
+        result = work = state.outputs.take(source)
+    else:
+        result = tensor if in_place else buffers.clone(tensor)
+        work = buffers.host(result)
+        buffers.scale_(work, prescale)
     code = buffers.dtype_code(work)
-    buffers.check_reducible([code], [work], function)
-    buffers.scale_(work, prescale)
+
+    submitted: list[Handle] = []
 
     def finish() -> Any:
+        contributors = submitted[0].contributors
+        if contributors and op == Average:  # ranks had joined: the engine summed; average over the contributors
+            buffers.scale_(work, 1.0 / contributors)
         buffers.scale_(work, postscale)
         buffers.copy_into(result, work)
+        if source is not None:
+            state.outputs.offer(result)
         return result
 
-    return context.queue(state, group_id, name, function,
-                         lambda: state.engine.submit(group_id, name, buffers.address(work), buffers.count(work), code,
-                                                     int(op)), (result, work), finish)
+    def submit() -> int:
+        if source is None:
+            return state.engine.submit(group_id, name, buffers.address(work), buffers.count(work), code, int(op),
+                                       buffers.device_code(tensor))
+        return state.engine.submit(group_id, name, buffers.address(source), buffers.count(work), code, int(op),
+                                   buffers.device_code(tensor), buffers.address(work))
+
+    submitted.append(context.queue(state, group_id, name, function, submit, (result, work, source), finish))
+    return submitted[0]
 
 
 def allreduce_async_(tensor: Any, average: Any = None, name: str | None = None, op: Any = None,
@@ -91,12 +111,13 @@ def allreduce_async(tensor: Any, average: Any = None, name: str | None = None, o
 
 def _grouped_submit(tensors: Sequence[Any], average: Any, name: str | None, op: Any, prescale: Any, postscale: Any,
                     process_set: Any, group: Any, function: str, in_place: bool) -> Handle:
-    op = resolve_op(op, average, function)
-    check_name(name, function)
-    prescale = scale_factor(prescale, "prescale_factor", function)
-    postscale = scale_factor(postscale, "postscale_factor", function)
-    group = resolve_group(group, process_set, function)
-    tensors = list(tensors)
+    with refusing(function, "grouped_allreduce", group, process_set, name, asynchronous=True):
+        op = resolve_op(op, average, function)
+        check_name(name, function)
+        prescale = scale_factor(prescale, "prescale_factor", function)
+        postscale = scale_factor(postscale, "postscale_factor", function)
+        group = resolve_group(group, process_set, function)
+        tensors = check_tensors(tensors, group, function)
     return context.submit(group, function, name, lambda: grouped_allreduce_here(
         tensors, op, name, prescale, postscale, group, function, in_place), "grouped_allreduce")
 
@@ -116,6 +137,56 @@ def grouped_allreduce_async_(tensors: Sequence[Any], average: Any = None, name: 
     """In-place :func:`grouped_allreduce_async`: ``handle.wait()`` returns the same tensors, reduced."""
     return _grouped_submit(tensors, average, name, op, prescale_factor, postscale_factor, process_set, group,
                            "grouped_allreduce_async_", in_place=True)
+
+
+def join(device: int = -1, process_set: Any = None, group: Any = None) -> int:
+    """Horovod's join: this rank has run out of data. Blocks until every rank of the group has joined; until
+    then this rank takes part in the others' allreduces (``hp.allreduce``, ``hp.allreduce_async`` & co.,
+    ``hp.DistributedOptimizer``'s) with zeros, and an ``hp.Average`` among them divides by the ranks that
+    contributed. Other collectives raise on the ranks that did not join meanwhile.
+
+    Args:
+        device: accepted for Horovod's signature (-1: any); tensors are reduced in host memory.
+        process_set, group: the ranks that join (default: every rank, in the whole job's group and in the grid's
+            "data" and "pipe" groups, where hp.DistributedOptimizer reduces by default).
+
+    Returns:
+        The rank that joined last (a global rank for a process set, else a rank of the group).
+    """
+    function = "join"
+    with refusing(function, "join", group, process_set, asynchronous=True, name="hybridpipe.join"):
+        if isinstance(device, bool) or not isinstance(device, int):
+            raise TypeError(f"hp.join: device must be an int (-1: any), got {device!r}")
+        group = resolve_group(group, process_set, function)
+        context.current(function).check_group(group, function)
+    state = context.current(function)
+    group_id = state.engine_group(group, function)
+    # the whole job joins its grid groups too: hp.DistributedOptimizer reduces over "data" by default
+    ids = [group_id] + ([state.engine_group(label, function) for label in ("data", "pipe")] if group is None else [])
+    handles = [context.queue(state, gid, "hybridpipe.join", function,
+                             lambda gid=gid: state.engine.submit_join(gid), None, lambda: None)
+               for gid in dict.fromkeys(ids)]
+    for handle in handles:
+        handle.wait()
+    last = state.engine.last_joined(group_id)
+    set_ranks = state.set_ranks(group, function)
+    if last < 0:  # a group of one rank: it joined last
+        last = state.communicator(group, function).Get_rank()
+    return set_ranks[last] if set_ranks is not None else last
+
+
+def allreduce_while_joined(tensors: list, in_place: bool, op: Any, prescale: float, postscale: float,
+                           group: Any, function: str) -> list:
+    """A synchronous allreduce that met ranks in hp.join: run on the engine, where they contribute zeros.
+    Every rank that did not join gets here at the same point, so a per-group counter names it alike."""
+    state = context.current(function)
+    group_id = state.engine_group(group, function)
+    index = state.joined_calls.get(group_id, 0)
+    state.joined_calls[group_id] = index + 1
+    submit = allreduce_async_ if in_place else allreduce_async
+    handles = [submit(t, name=f"hybridpipe.joined.{index}.{i}", op=op, prescale_factor=prescale,
+                      postscale_factor=postscale, group=group) for i, t in enumerate(tensors)]
+    return [handle.wait() for handle in handles]
 
 
 def synchronize(handle: Handle) -> Any:

@@ -19,12 +19,12 @@ import numpy as np
 from ..errors import MismatchError, NotSupportedError
 from . import buffers, context
 from .buffers import check_array, describe, host, is_tensor
-from .collectives import Average, Sum, agree, digest, list_ranks, named, reduce_op, scale_factor
-from .context import check_name, resolve_group
+from .collectives import Average, Sum, agree, check_tensors, digest, list_ranks, named, reduce_op, scale_factor
+from .context import check_name, refusing, resolve_group
 
 __all__ = ["allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async", "alltoall",
            "alltoall_async", "reducescatter", "reducescatter_async", "grouped_reducescatter",
-           "grouped_reducescatter_async", "reducescatter_rows"]
+           "grouped_reducescatter_async", "reducescatter_rows", "sparse_allreduce_async", "SparseHandle"]
 
 
 def _on_device(result: Any, original: Any) -> Any:
@@ -48,7 +48,7 @@ def grouped_allgather_here(tensors: Sequence[Any], name: str | None, group: Any,
         check_array(t, function)
     comm = context.communicator(group, function)
     works = [host(t) for t in tensors]
-    entries = [buffers.trailing(w) for w in works]
+    entries = [buffers.trailing(t) for t in tensors]
     agree(comm, function, [8, len(works), digest("|".join(entries) + named(name))],
            lambda: [f"first dim {w.shape[0] if len(w.shape) else 0}, then {e}" for w, e in zip(works, entries)]
            + ([f"name={name!r}"] if name is not None else []),
@@ -91,9 +91,9 @@ def allgather_here(tensor: Any, name: str | None, group: Any, function: str) -> 
     ndim = len(work.shape)
     rows = int(work.shape[0]) if ndim else 0
     headers = np.empty((comm.Get_size(), 2), dtype=np.int64)
-    comm.Allgather(np.array([digest(buffers.trailing(work) + named(name)), rows], dtype=np.int64), headers)
+    comm.Allgather(np.array([digest(buffers.trailing(tensor) + named(name)), rows], dtype=np.int64), headers)
     if len(set(headers[:, 0].tolist())) > 1:
-        everyone = comm.allgather(f"first dim {rows}, then {buffers.trailing(work)}{named(name)}")
+        everyone = comm.allgather(f"first dim {rows}, then {buffers.trailing(tensor)}{named(name)}")
         raise MismatchError(f"hp.{function}: ranks disagree ({list_ranks(everyone)}); every rank must pass the "
                             f"same dtype, the same dimensions after the first and the same name")
     if ndim == 0:
@@ -124,16 +124,20 @@ def allgather(tensor: Any, name: str | None = None, process_set: Any = None, gro
         MismatchError: dtypes or trailing dimensions differ (on every rank).
         ValueError: a 0-dimensional input (allgather needs a dimension to concatenate along).
     """
-    check_name(name, "allgather")
-    group = resolve_group(group, process_set, "allgather")
+    with refusing("allgather", "allgather", group, process_set):
+        check_name(name, "allgather")
+        group = resolve_group(group, process_set, "allgather")
+        check_tensors([tensor], group, "allgather")
     return context.call(group, "allgather", lambda: allgather_here(tensor, name, group, "allgather")[0], "allgather")
 
 
 def allgather_async(tensor: Any, name: str | None = None, process_set: Any = None,
                     group: Any = None) -> context.Handle:
     """Queues :func:`allgather`; ``handle.wait()`` returns the concatenation."""
-    check_name(name, "allgather_async")
-    group = resolve_group(group, process_set, "allgather_async")
+    with refusing("allgather_async", "allgather", group, process_set, name, asynchronous=True):
+        check_name(name, "allgather_async")
+        group = resolve_group(group, process_set, "allgather_async")
+        check_tensors([tensor], group, "allgather_async")
     return context.submit(group, "allgather_async", name,
                           lambda: allgather_here(tensor, name, group, "allgather_async")[0], "allgather")
 
@@ -145,8 +149,10 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None, process_s
     Raises:
         MismatchError: the lists differ between ranks (length, dtypes, trailing dimensions; on every rank).
     """
-    check_name(name, "grouped_allgather")
-    group = resolve_group(group, process_set, "grouped_allgather")
+    with refusing("grouped_allgather", "grouped_allgather", group, process_set):
+        check_name(name, "grouped_allgather")
+        group = resolve_group(group, process_set, "grouped_allgather")
+        tensors = check_tensors(tensors, group, "grouped_allgather")
     return context.call(group, "grouped_allgather",
                       lambda: grouped_allgather_here(tensors, name, group, "grouped_allgather")[0], "grouped_allgather")
 
@@ -154,8 +160,10 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None, process_s
 def grouped_allgather_async(tensors: Sequence[Any], name: str | None = None, process_set: Any = None,
                             group: Any = None) -> context.Handle:
     """Queues :func:`grouped_allgather`; ``handle.wait()`` returns the list."""
-    check_name(name, "grouped_allgather_async")
-    group = resolve_group(group, process_set, "grouped_allgather_async")
+    with refusing("grouped_allgather_async", "grouped_allgather", group, process_set, name, asynchronous=True):
+        check_name(name, "grouped_allgather_async")
+        group = resolve_group(group, process_set, "grouped_allgather_async")
+        tensors = check_tensors(tensors, group, "grouped_allgather_async")
     return context.submit(group, "grouped_allgather_async", name,
                           lambda: grouped_allgather_here(tensors, name, group, "grouped_allgather_async")[0],
                           "grouped_allgather")
@@ -189,8 +197,8 @@ def alltoall_here(tensor: Any, splits: Any, name: str | None, group: Any, functi
     rows = int(work.shape[0]) if len(work.shape) else 0
     send_rows, problem = _split_problem(splits, rows, size) if len(work.shape) else (
         [], "alltoall needs a tensor with at least one dimension (got a 0-d scalar; use tensor.reshape(1))")
-    agree(comm, function, [9, digest(buffers.trailing(work) + named(name)), digest(problem)],
-           lambda: f"first dim {rows}, then {buffers.trailing(work)}{named(name)}{f' ({problem})' if problem else ''}",
+    agree(comm, function, [9, digest(buffers.trailing(tensor) + named(name)), digest(problem)],
+           lambda: f"first dim {rows}, then {buffers.trailing(tensor)}{named(name)}{f' ({problem})' if problem else ''}",
            "every rank must pass the same dtype, the same dimensions after the first, the same name, and splits "
            "that fit its tensor")
     if problem:
@@ -209,6 +217,16 @@ def alltoall_here(tensor: Any, splits: Any, name: str | None, group: Any, functi
     if is_tensor(work):
         received = buffers.torch_module().from_numpy(received)
     return _on_device(result, tensor), received
+
+
+def check_splits(tensor: Any, splits: Any, group: Any, function: str) -> None:
+    """ValueError when ``splits`` (or the even split) does not fit ``tensor`` over ``group``: a rank-local check."""
+    size = context.current(function).group_size(group, function)
+    rows = int(tensor.shape[0]) if len(tensor.shape) else 0
+    _, problem = _split_problem(splits, rows, size) if len(tensor.shape) else (
+        [], "alltoall needs a tensor with at least one dimension (got a 0-d scalar; use tensor.reshape(1))")
+    if problem:
+        raise ValueError(f"hp.{function}: {problem}")
 
 
 def _displacements(counts: list[int]) -> list[int]:
@@ -235,8 +253,11 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, process_s
         MismatchError: dtypes, trailing dimensions or names differ, or a rank's splits do not fit (every rank).
         ValueError: the splits do not fit the tensor (on every rank, when every rank got them wrong alike).
     """
-    check_name(name, "alltoall")
-    group = resolve_group(group, process_set, "alltoall")
+    with refusing("alltoall", "alltoall", group, process_set):
+        check_name(name, "alltoall")
+        group = resolve_group(group, process_set, "alltoall")
+        check_tensors([tensor], group, "alltoall")
+        check_splits(tensor, splits, group, "alltoall")
     output, received = context.call(group, "alltoall", lambda: alltoall_here(tensor, splits, name, group, "alltoall"),
                                     "alltoall")
     return output if splits is None else (output, received)
@@ -246,8 +267,11 @@ def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None, pro
                    group: Any = None) -> context.Handle:
     """Queues :func:`alltoall`; ``handle.wait()`` returns ``(received rows, received_splits)`` (always the
     pair, as Horovod's ``synchronize`` does)."""
-    check_name(name, "alltoall_async")
-    group = resolve_group(group, process_set, "alltoall_async")
+    with refusing("alltoall_async", "alltoall", group, process_set, name, asynchronous=True):
+        check_name(name, "alltoall_async")
+        group = resolve_group(group, process_set, "alltoall_async")
+        check_tensors([tensor], group, "alltoall_async")
+        check_splits(tensor, splits, group, "alltoall_async")
     return context.submit(group, "alltoall_async", name,
                           lambda: alltoall_here(tensor, splits, name, group, "alltoall_async"), "alltoall")
 
@@ -314,7 +338,7 @@ def grouped_reducescatter_here(tensors: Sequence[Any], op: Any, name: str | None
         for work in works:
             buffers.scale_(work, prescale)
     codes = [buffers.dtype_code(w) for w in works]
-    entries = [describe(w) for w in works]
+    entries = [describe(t) for t in tensors]
     agree(comm, function, [10, len(works), digest("|".join(entries) + named(name)), int(op)],
            lambda: f"op={op.name}{named(name)} {entries}",
            "every rank must pass the same tensors (shapes, dtypes, order), op and name")
@@ -330,12 +354,19 @@ def grouped_reducescatter_here(tensors: Sequence[Any], op: Any, name: str | None
     return results
 
 
-def _prepare(op: Any, name: Any, prescale: Any, postscale: Any, process_set: Any, group: Any,
-             function: str) -> tuple[Any, float, float, Any]:
-    op = reducescatter_op(op, function)
-    check_name(name, function)
-    return (op, scale_factor(prescale, "prescale_factor", function),
-            scale_factor(postscale, "postscale_factor", function), resolve_group(group, process_set, function))
+def _prepare(tensors: Any, op: Any, name: Any, prescale: Any, postscale: Any, process_set: Any, group: Any,
+             function: str, asynchronous: bool = False) -> tuple[Any, float, float, Any]:
+    with refusing(function, "reducescatter", group, process_set, name, asynchronous):
+        op = reducescatter_op(op, function)
+        check_name(name, function)
+        prepared = (op, scale_factor(prescale, "prescale_factor", function),
+                    scale_factor(postscale, "postscale_factor", function), resolve_group(group, process_set, function))
+        check_tensors(tensors, prepared[3], function)
+        for tensor in tensors:
+            if len(tensor.shape) == 0:
+                raise ValueError(f"hp.{function} needs tensors with at least one dimension (got a 0-d scalar; "
+                                 "use tensor.reshape(1))")
+    return prepared
 
 
 def reducescatter(tensor: Any, name: str | None = None, op: Any = Average, process_set: Any = None,
@@ -362,8 +393,8 @@ def reducescatter(tensor: Any, name: str | None = None, op: Any = Average, proce
         MismatchError: ranks passed different shapes, dtypes, ops or names (on every rank).
         NotSupportedError: an op other than Sum and Average.
     """
-    op, prescale, postscale, group = _prepare(op, name, prescale_factor, postscale_factor, process_set, group,
-                                              "reducescatter")
+    op, prescale, postscale, group = _prepare([tensor], op, name, prescale_factor, postscale_factor, process_set,
+                                              group, "reducescatter")
     return context.call(group, "reducescatter", lambda: grouped_reducescatter_here(
         [tensor], op, name, prescale, postscale, group, "reducescatter")[0], "reducescatter")
 
@@ -372,8 +403,8 @@ def reducescatter_async(tensor: Any, name: str | None = None, op: Any = Average,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                         group: Any = None) -> context.Handle:
     """Queues :func:`reducescatter`; ``handle.wait()`` returns this rank's rows."""
-    op, prescale, postscale, group = _prepare(op, name, prescale_factor, postscale_factor, process_set, group,
-                                              "reducescatter_async")
+    op, prescale, postscale, group = _prepare([tensor], op, name, prescale_factor, postscale_factor, process_set,
+                                              group, "reducescatter_async", asynchronous=True)
     return context.submit(group, "reducescatter_async", name, lambda: grouped_reducescatter_here(
         [tensor], op, name, prescale, postscale, group, "reducescatter_async")[0], "reducescatter")
 
@@ -381,9 +412,9 @@ def reducescatter_async(tensor: Any, name: str | None = None, op: Any = Average,
 def grouped_reducescatter(tensors: Sequence[Any], name: str | None = None, op: Any = Average, process_set: Any = None,
                           prescale_factor: float = 1.0, postscale_factor: float = 1.0, group: Any = None) -> list:
     """:func:`reducescatter` of each tensor of a list, in one collective; returns a list in the order given."""
-    op, prescale, postscale, group = _prepare(op, name, prescale_factor, postscale_factor, process_set, group,
-                                              "grouped_reducescatter")
-    tensors = list(tensors)
+    tensors = list(tensors) if isinstance(tensors, (list, tuple)) else tensors
+    op, prescale, postscale, group = _prepare(tensors, op, name, prescale_factor, postscale_factor, process_set,
+                                              group, "grouped_reducescatter")
     return context.call(group, "grouped_reducescatter", lambda: grouped_reducescatter_here(
         tensors, op, name, prescale, postscale, group, "grouped_reducescatter"), "grouped_reducescatter")
 
@@ -392,8 +423,77 @@ def grouped_reducescatter_async(tensors: Sequence[Any], name: str | None = None,
                                 process_set: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                                 group: Any = None) -> context.Handle:
     """Queues :func:`grouped_reducescatter`; ``handle.wait()`` returns the list."""
-    op, prescale, postscale, group = _prepare(op, name, prescale_factor, postscale_factor, process_set, group,
-                                              "grouped_reducescatter_async")
-    tensors = list(tensors)
+    tensors = list(tensors) if isinstance(tensors, (list, tuple)) else tensors
+    op, prescale, postscale, group = _prepare(tensors, op, name, prescale_factor, postscale_factor, process_set,
+                                              group, "grouped_reducescatter_async", asynchronous=True)
     return context.submit(group, "grouped_reducescatter_async", name, lambda: grouped_reducescatter_here(
         tensors, op, name, prescale, postscale, group, "grouped_reducescatter_async"), "grouped_reducescatter")
+
+
+# ------------------------------------------------------------------ sparse allreduce
+
+
+class SparseHandle:
+    """The handle of :func:`sparse_allreduce_async`: two allgathers (indices, values) finished into one sparse
+    tensor. ``wait()`` / ``hp.synchronize`` return it; ``poll()`` never blocks."""
+
+    def __init__(self, indices: context.Handle, values: context.Handle, finish: Any, name: str) -> None:
+        self._indices, self._values, self._finish, self.name = indices, values, finish, name
+        self._result: Any = None
+        self._done = False
+
+    def poll(self) -> bool:
+        return self._done or (self._indices.poll() and self._values.poll())
+
+    def wait(self) -> Any:
+        if not self._done:
+            values = self._values.wait()
+            indices = self._indices.wait()
+            self._result, self._done = self._finish(indices, values), True
+        return self._result
+
+    def __repr__(self) -> str:
+        return f"<hp.SparseHandle {self.name!r} {'done' if self._done else 'in flight'}>"
+
+
+def sparse_allreduce_async(tensor: Any, name: str | None = None, op: Any = Average, process_set: Any = None,
+                           group: Any = None) -> SparseHandle:
+    """Horovod's allreduce of a sparse COO tensor: every rank's indices and values are allgathered (two queued
+    allgathers), so the result holds every rank's entries (duplicates summed when the tensor is coalesced)
+    and, for ``op=hp.Average``, values divided by the group size.
+
+    Args:
+        tensor: a sparse COO torch tensor, the same dense shape on every rank (the number of entries may differ).
+        name: matches the call across ranks (default: the next unnamed name, as for the other async calls).
+        op: hp.Average (default) or hp.Sum.
+        process_set, group: as in :func:`~hybridpipe.allreduce`.
+
+    Returns:
+        A handle; ``hp.synchronize(handle)`` returns the sparse result.
+    """
+    function = "sparse_allreduce_async"
+    with refusing(function, "allgather", group, process_set, name, asynchronous=True):
+        check_name(name, function)
+        op = reduce_op(op, function) if op is not None else Average
+        if op not in (Sum, Average):
+            raise NotSupportedError(f"hp.{function} reduces with op=hp.Sum or op=hp.Average (got hp.{op.name})")
+        if not (is_tensor(tensor) and tensor.is_sparse):
+            raise TypeError(f"hp.{function} takes a sparse COO torch tensor, got "
+                            f"{type(tensor).__name__ if not is_tensor(tensor) else tensor.layout}")
+        group = resolve_group(group, process_set, function)
+        size = context.current(function).group_size(group, function)
+    if name is None:
+        name = context.unnamed(function)
+    indices = tensor._indices().transpose(0, 1).contiguous()  # gathered along the entries
+    values = tensor._values().contiguous()
+    indices_handle = allgather_async(indices, name=f"{name}.indices", group=group)
+    values_handle = allgather_async(values, name=f"{name}.values", group=group)
+    shape = tensor.shape
+
+    def finish(all_indices: Any, all_values: Any) -> Any:
+        if op == Average:
+            all_values = all_values / size if all_values.is_floating_point() else all_values // size
+        return buffers.torch_module().sparse_coo_tensor(all_indices.transpose(0, 1), all_values, shape,
+                                                        check_invariants=False)
+
+    return SparseHandle(indices_handle, values_handle, finish, name)

@@ -1,5 +1,8 @@
 """Mismatches between ranks raise on every rank with every rank's values; bad input names the fix."""
 
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -7,6 +10,7 @@ from mpi4py import MPI
 
 import hybridpipe as hp
 from hybridpipe import _ext
+from hybridpipe.comm import context
 
 pytestmark = pytest.mark.mpi(ranks=[3])
 
@@ -37,9 +41,10 @@ def test_dtype_and_op_mismatch():
         hp.allreduce(torch.ones(5), op=hp.Sum if rank != 1 else hp.Max)
 
 
-def test_unsupported_dtype_on_one_rank_is_a_mismatch_on_all():
+def test_unsupported_dtype_on_one_rank_raises_there_and_is_a_mismatch_elsewhere():
     rank = hp.rank()
-    with pytest.raises(hp.MismatchError, match=r"rank 1: shape=\(3,\) dtype=uint8"):
+    error = TypeError if rank == 1 else hp.MismatchError
+    with pytest.raises(error, match=r"dtype torch.uint8 cannot be reduced"):
         hp.allreduce(torch.ones(3, dtype=torch.uint8 if rank == 1 else torch.float32))
 
 
@@ -95,3 +100,107 @@ def test_mpi_failure_in_cpp_names_rank_call_and_error_string():
     assert f"rank {hp.rank()}: MPI_Comm_rank failed with error code" in message
     assert "MPI_ERR_COMM" in message or "invalid communicator" in message
     assert hp.allreduce(np.ones(3), op=hp.Sum).tolist() == [3.0] * 3  # the rank is still healthy
+
+
+# ------------------------------------------------------------------ a bad argument on one rank only
+
+
+def _one_rank_refuses(call, good, bad, error, pattern, bad_rank=1):
+    """``call(argument)`` with ``bad`` on ``bad_rank`` and ``good`` elsewhere: the bad rank raises ``error``
+    (its own check), every other rank a MismatchError naming the bad rank and its error — within seconds,
+    not after the 300 s timeout — and a collective afterwards works on every rank."""
+    start = time.monotonic()
+    if hp.rank() == bad_rank:
+        with pytest.raises(error, match=pattern):
+            call(bad)
+    else:
+        with pytest.raises(hp.MismatchError, match=rf"rank {bad_rank} raised {error.__name__}: .*{pattern}"):
+            call(good)
+    assert time.monotonic() - start < 10
+    assert hp.allreduce(torch.ones(2), op=hp.Sum).tolist() == [3.0, 3.0]
+
+
+def test_sync_collectives_with_a_bad_argument_on_one_rank_raise_everywhere():
+    _one_rank_refuses(lambda x: hp.allreduce(x), torch.ones(3), [1.0, 2.0, 3.0], TypeError,
+                      r"hp.allreduce takes a torch.Tensor or numpy.ndarray, got list")
+    _one_rank_refuses(lambda op: hp.allreduce(torch.ones(3), op=op), hp.Sum, "sum", TypeError,
+                      r"op must be hp.Sum, hp.Average, hp.Min or hp.Max, got 'sum'", bad_rank=2)
+    _one_rank_refuses(lambda name: hp.allreduce_(torch.ones(3), name=name), "x", 7, TypeError,
+                      r"name must be a non-empty str, got 7", bad_rank=0)
+    _one_rank_refuses(lambda f: hp.allreduce(torch.ones(3), prescale_factor=f), 2.0, "2", TypeError,
+                      r"prescale_factor must be a number")
+    _one_rank_refuses(lambda ts: hp.grouped_allreduce(ts), [torch.ones(2)], torch.ones(2), TypeError,
+                      r"takes a list or tuple of tensors, got Tensor")
+    _one_rank_refuses(lambda root: hp.broadcast(torch.ones(2), root_rank=root), 0, "0", TypeError,
+                      r"root_rank must be an int")
+    _one_rank_refuses(lambda group: hp.barrier(group=group), None, "rows", ValueError, r"unknown group 'rows'")
+    _one_rank_refuses(lambda x: hp.allgather(x), torch.ones(2, 2), "rows", TypeError, r"got str")
+    _one_rank_refuses(lambda splits: hp.alltoall(torch.ones(3, 2), splits=splits), [1, 1, 1], [1, 1, 2], ValueError,
+                      r"splits \[1, 1, 2\] sum to 4, not to the first dimension \(3\)")
+    _one_rank_refuses(lambda op: hp.reducescatter(torch.ones(3), op=op), hp.Sum, hp.Max, hp.NotSupportedError,
+                      r"reducescatter reduces with op=hp.Sum or op=hp.Average \(got hp.Max\)")
+    _one_rank_refuses(lambda x: hp.allreduce(x, compression=hp.Compression.fp16), torch.ones(2), np.ones(2, bool),
+                      TypeError, r"dtype bool cannot be reduced")
+
+
+def test_async_collectives_with_a_bad_argument_on_one_rank_raise_everywhere():
+    def async_allreduce(x):
+        return hp.allreduce_async_(x, name="refused.allreduce").wait()
+
+    def async_named(op):
+        return hp.allreduce_async(torch.ones(3), name="refused.op", op=op).wait()
+
+    def async_unnamed(x):
+        return hp.allgather_async(x).wait()
+
+    _one_rank_refuses(async_allreduce, torch.ones(3), "x", TypeError, r"takes a torch.Tensor or numpy.ndarray, got str")
+    _one_rank_refuses(async_allreduce, torch.ones(3), torch.ones(3, dtype=torch.bool), TypeError,
+                      r"dtype torch.bool cannot be reduced")
+    _one_rank_refuses(async_named, hp.Sum, 42, TypeError, r"op must be hp.Sum", bad_rank=2)
+    _one_rank_refuses(async_unnamed, torch.ones(2), 3.0, TypeError, r"got float")
+    _one_rank_refuses(lambda root: hp.broadcast_async_(torch.ones(2), root_rank=root, name="refused.b").wait(),
+                      1, None, TypeError, r"root_rank must be an int")
+    _one_rank_refuses(lambda ts: hp.grouped_allreduce_async_(ts, name="refused.g").wait(), [torch.ones(1)],
+                      [torch.ones(1), "x"], TypeError, r"got str")
+
+
+class _RecordingComm(MPI.Intracomm):
+    """A user communicator that records which thread duplicates it."""
+
+    threads: list = []
+
+    def Dup(self, *args):  # noqa: N802 — mpi4py's name
+        _RecordingComm.threads.append(threading.current_thread() is threading.main_thread())
+        return super().Dup(*args)
+
+
+def test_a_user_communicator_is_duplicated_on_the_communication_thread():
+    halves = MPI.COMM_WORLD.Split(hp.rank() % 2, hp.rank())
+    user = _RecordingComm(halves)
+    assert hp.allreduce(torch.ones(2), op=hp.Sum, group=user).tolist() == [float(halves.size)] * 2
+    assert hp.allreduce_async_(torch.ones(2), op=hp.Sum, group=user, name="user").wait().tolist() == \
+        [float(halves.size)] * 2
+    assert _RecordingComm.threads == [False]  # once, and not on the calling (main) thread
+    halves.Free()
+
+
+def test_a_tensor_on_another_device_on_one_rank_is_a_mismatch_on_the_engine():
+    # the engine's device field, driven directly (this machine may have no GPU): rank 1 says "CUDA"
+    state = context.current("test")
+    x = torch.ones(3)
+    handle = state.engine.submit(state.engine_group(None, "test"), "device.check", x.data_ptr(), 3, 0, 0,
+                                 1 if hp.rank() == 1 else 0)
+    error, _, _, kind, _ = state.engine.wait(handle)
+    assert kind == _ext.core().ErrorKind.Mismatch
+    assert "rank 0: count=3 dtype=float32 op=Sum; rank 1: count=3 dtype=float32 op=Sum device=cuda" in error
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_cpu_tensor_where_another_rank_passes_a_gpu_tensor_raises_everywhere():
+    x = torch.ones(4, device="cuda" if hp.rank() == 0 else "cpu")
+    with pytest.raises(hp.MismatchError, match=r"rank 0: shape=\(4,\) dtype=float32 device=cuda"):
+        hp.allreduce(x)
+    with pytest.raises(hp.MismatchError, match=r"device=cuda"):
+        hp.allreduce_async_(x, name="devices").wait()
+    with pytest.raises(hp.MismatchError, match=r"device=cuda"):
+        hp.allgather(x)

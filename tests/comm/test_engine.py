@@ -14,7 +14,7 @@ import hybridpipe as hp
 from hybridpipe.config import Config
 from hybridpipe.errors import HybridPipeError, MismatchError
 
-pytestmark = pytest.mark.mpi(ranks=[2, 4], timeout=300)
+pytestmark = pytest.mark.mpi(ranks=[2], long_ranks=[4], timeout=300)
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.rank, WORLD.size
@@ -97,7 +97,7 @@ def test_mismatch_raises_on_every_rank_and_the_engine_goes_on(grid):
 def test_duplicate_in_flight_name_and_bad_arguments(grid):
     t = torch.ones(3)
     handle = hp.allreduce_async_(t, name="dup")
-    with pytest.raises(HybridPipeError, match="'dup' is already in flight"):
+    with pytest.raises(ValueError, match="'dup' is already in flight"):  # Horovod's type
         hp.allreduce_async_(torch.ones(3), name="dup")
     handle.wait()
     with pytest.raises(TypeError, match="takes a torch.Tensor or numpy.ndarray, got list"):

@@ -104,7 +104,7 @@ def test_allreduce_in_place_async_and_grouped_keywords():
     assert handle.wait()[1] is copies[1] and torch.equal(copies[0], total)
 
 
-def test_product_through_the_library_and_adasum_refused():
+def test_product_through_the_library_and_adasum_needs_a_power_of_two():
     product = float(np.prod([r + 2 for r in range(N)]))
     assert torch.equal(hvd.allreduce(torch.full((5,), R + 2.0), op=hvd.Product), torch.full((5,), product))
     assert hvd.allreduce(torch.full((3,), R + 2, dtype=torch.int64), op=hvd.Product).tolist() == [product] * 3
@@ -117,14 +117,46 @@ def test_product_through_the_library_and_adasum_refused():
     grouped = hvd.grouped_allreduce([torch.full((2,), R + 2.0), torch.full((1,), R + 2, dtype=torch.int32)],
                                     op=hvd.Product)
     assert grouped[0].tolist() == [product] * 2 and grouped[1].tolist() == [product]
-    for attempt in (lambda: hvd.allreduce(torch.ones(3), op=hvd.Adasum),
-                    lambda: hvd.allreduce_async_(torch.ones(3), name="adasum", op=hvd.Adasum).wait(),
-                    lambda: hvd.grouped_allreduce([torch.ones(3)], op=hvd.Adasum)):
-        with pytest.raises(hvd.NotSupportedError, match=r"op=hp.Adasum is not implemented .* op=hp.Average") as error:
-            attempt()
-        assert isinstance(error.value, NotImplementedError) and isinstance(error.value, hvd.HybridPipeError)
+    if N & (N - 1):  # Adasum needs a power-of-two group, as Horovod's: a ValueError on every rank
+        with pytest.raises(ValueError, match=rf"op=hp.Adasum needs a power-of-two number of ranks.*has {N}\)"):
+            hvd.allreduce(torch.ones(3), op=hvd.Adasum)
     with pytest.raises(hvd.MismatchError, match=r"rank 0: shape=\(3,\) dtype=float32 op=Product; rank 1: .* op=Sum"):
         hvd.allreduce(torch.ones(3), op=hvd.Product if R == 0 else hvd.Sum)
+
+
+def adasum_tree(vectors: list[np.ndarray]) -> np.ndarray:
+    """Horovod's Adasum over ranks in numpy: pairs (lower rank first) combined level by level."""
+    def pair(a, b):
+        dot = a @ b
+        return a * (1 - dot / (2 * (a @ a))) + b * (1 - dot / (2 * (b @ b)))
+
+    level = [v.astype(np.float64) for v in vectors]
+    while len(level) > 1:
+        level = [pair(level[i], level[i + 1]) for i in range(0, len(level), 2)]
+    return level[0]
+
+
+def test_adasum_matches_the_numpy_tree():
+    if N & (N - 1):
+        pytest.skip("Adasum needs a power-of-two group")
+    generator = np.random.default_rng(5)
+    vectors = [generator.standard_normal(40) for _ in range(N)]
+    vectors[-1] = vectors[0] * 2  # a parallel pair too
+    want = adasum_tree(vectors)
+    mine = torch.tensor(vectors[R], dtype=torch.float64)
+    torch.testing.assert_close(hvd.allreduce(mine, op=hvd.Adasum), torch.tensor(want))
+    got = hvd.allreduce_async(mine.float(), name="adasum", op=hvd.Adasum).wait()
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float32))
+    grouped = hvd.grouped_allreduce([mine.reshape(5, 8), torch.ones(3) * (R + 1)], op=hvd.Adasum)
+    torch.testing.assert_close(grouped[0], torch.tensor(want).reshape(5, 8))
+    torch.testing.assert_close(grouped[1].double(), torch.tensor(adasum_tree([np.ones(3) * (r + 1) for r in range(N)])))
+    # orthogonal vectors add, identical ones average: Adasum's two limits
+    orthogonal = torch.zeros(N, dtype=torch.float64)
+    orthogonal[R] = 1.0
+    assert hvd.allreduce(orthogonal, op=hvd.Adasum).tolist() == [1.0] * N
+    assert hvd.allreduce(torch.full((4,), 3.0), op=hvd.Adasum).tolist() == [3.0] * 4
+    with pytest.raises(TypeError, match=r"op=hp.Adasum combines floating-point tensors"):
+        hvd.allreduce(torch.ones(2, dtype=torch.int64), op=hvd.Adasum)
 
 
 # ------------------------------------------------------------------ broadcast, allgather
@@ -183,8 +215,9 @@ def test_alltoall_even_split_splits_async_and_errors():
     assert isinstance(got, np.ndarray) and received.tolist() == [R + 1] * N
     got, received = hvd.alltoall_async(sent).wait()  # the pair, even without splits (Horovod's synchronize)
     assert received.tolist() == [2] * N
-    with pytest.raises(hvd.MismatchError, match=r"rank 0: first dim 6, then \(\) int64 ndim=1 \(splits \[6\] must "
-                                                r"be \d non-negative ints"):
+    # splits that do not fit on one rank: a ValueError there, a MismatchError naming it on the others
+    with pytest.raises(ValueError if R == 0 else hvd.MismatchError,
+                       match=r"splits \[6\] must be \d non-negative ints"):
         hvd.alltoall(torch.arange(6), splits=[6] if R == 0 else [6] + [0] * (N - 1))
     with pytest.raises(ValueError, match=r"first dimension \(5\) does not split evenly over \d ranks; pass splits="):
         hvd.alltoall(torch.arange(N * 2 + 1 if N == 2 else 5))

@@ -1,0 +1,217 @@
+"""Horovod's elastic API (``hvd.elastic.run``, ``TorchState``, ``ObjectState``, ``HostsUpdatedInterrupt``) on
+top of hybridpipe's restart-from-checkpoint machinery.
+
+What it does here, and what differs from Horovod's in-process elastic training:
+
+* ``state.commit()`` keeps an in-memory copy of the model, the optimizer and the extra attributes, and,
+  when the job runs with a checkpoint directory (``hybridpipe-run --checkpoint-dir DIR``, i.e.
+  ``$HYBRIDPIPE_CHECKPOINT_DIR``), also writes them as a checkpoint (:func:`hybridpipe.save_checkpoint`).
+* ``@hvd.elastic.run`` first resumes from the latest such checkpoint (after a restart), then syncs the
+  state from rank 0 and calls the training function. A collective that fails inside it with
+  ``HorovodInternalError`` (ranks that disagreed, a group stopped for a stall) rolls every rank back to
+  the last commit and calls the function again, in the same processes, as Horovod does.
+* A rank that dies cannot be survived inside an MPI job: the communication thread aborts the job naming
+  it, and ``hybridpipe-run --restarts N`` starts it again — on the hosts that are left, with a grid that
+  fits — where ``run`` resumes from the last committed checkpoint. So the survivors do roll back to the
+  last commit, but through a restart (seconds) instead of Horovod's in-process reset, and hosts are not
+  added while the job runs: ``HostsUpdatedInterrupt`` exists for Horovod's scripts and is raised only
+  by your own code (``check_host_updates`` never sees a change).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+from typing import Any, Callable
+
+import torch
+
+from . import checkpoint, runtime
+from .errors import HorovodInternalError, NotInitializedError
+from .optimizer import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+
+__all__ = ["run", "State", "ObjectState", "TorchState", "HostsUpdatedInterrupt"]
+
+
+class HostsUpdatedInterrupt(RuntimeError):  # noqa: N818 — Horovod's name
+    """Horovod raises it when hosts were added or removed; ``run`` then syncs and calls the function again.
+    hybridpipe's jobs have a fixed size, so only your code raises it (``skip_sync``: as in Horovod)."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("hosts updated")
+        self.skip_sync = skip_sync
+
+
+class State:
+    """The state ``run`` rolls back and syncs: ``commit()``, ``restore()``, ``sync()``, reset callbacks."""
+
+    def __init__(self) -> None:
+        self._reset_callbacks: list[Callable[[], None]] = []
+        self._commits = 0
+
+    def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
+        """Functions called after a roll back (``on_reset``), e.g. to rebuild a learning-rate schedule."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        for callback in self._reset_callbacks:
+            callback()
+
+    def commit(self) -> None:
+        """Saves the state (in memory; as a checkpoint too with ``$HYBRIDPIPE_CHECKPOINT_DIR``), then checks
+        for host updates. Collective: every rank commits together."""
+        self.save()
+        self._commits += 1
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Horovod raises HostsUpdatedInterrupt here when hosts changed; a hybridpipe job's hosts do not."""
+
+    def save(self) -> None:
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        raise NotImplementedError
+
+    def resume(self) -> bool:
+        """Loads the latest committed checkpoint after a restart; True when there was one."""
+        return False
+
+
+class ObjectState(State):
+    """Extra attributes (``epoch=0, batch=0``: any picklable values) committed, restored and synced."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        self._names = list(kwargs)
+        for name, value in kwargs.items():
+            setattr(self, name, value)
+        self._saved_values = copy.deepcopy(kwargs)
+
+    def _values(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self._names}
+
+    def save(self) -> None:
+        self._saved_values = copy.deepcopy(self._values())
+
+    def restore(self) -> None:
+        for name, value in copy.deepcopy(self._saved_values).items():
+            setattr(self, name, value)
+
+    def sync(self) -> None:
+        for name, value in broadcast_object(self._values(), root_rank=0, name="elastic.state",
+                                            group="world").items():
+            setattr(self, name, value)
+
+
+class TorchState(ObjectState):
+    """Horovod's ``hvd.elastic.TorchState(model, optimizer, **kwargs)``: the model's and optimizer's state
+    dicts and the extra attributes.
+
+    Example:
+        >>> state = hvd.elastic.TorchState(model, optimizer, epoch=0, batch=0)
+        >>> @hvd.elastic.run
+        ... def train(state):
+        ...     for state.epoch in range(state.epoch, epochs):
+        ...         ...                     # train one epoch
+        ...         state.commit()
+        >>> train(state)
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 **kwargs: Any) -> None:
+        self.model, self.optimizer = model, optimizer
+        super().__init__(**kwargs)
+        self._saved_model = self._copy(model.state_dict()) if model is not None else None
+        self._saved_optimizer = self._copy(optimizer.state_dict()) if optimizer is not None else None
+
+    @staticmethod
+    def _copy(state: dict) -> dict:
+        return copy.deepcopy(state)
+
+    def save(self) -> None:
+        super().save()
+        if self.model is not None:
+            self._saved_model = self._copy(self.model.state_dict())
+        if self.optimizer is not None:
+            self._saved_optimizer = self._copy(self.optimizer.state_dict())
+        directory = os.environ.get(checkpoint.CHECKPOINT_DIR_ENV)
+        if directory and self.model is not None:
+            checkpoint.save_checkpoint(directory, self.model, self.optimizer, step=self._commits + 1,
+                                       extra={"elastic": self._values(), "commits": self._commits + 1})
+
+    def restore(self) -> None:
+        super().restore()
+        if self.model is not None and self._saved_model is not None:
+            self.model.load_state_dict(self._saved_model)
+        if self.optimizer is not None and self._saved_optimizer is not None:
+            self.optimizer.load_state_dict(self._saved_optimizer)
+
+    def sync(self) -> None:
+        if self.model is not None:
+            broadcast_parameters(self.model.state_dict(), root_rank=0, group="world")
+        if self.optimizer is not None:
+            broadcast_optimizer_state(self.optimizer, root_rank=0, group="world")
+        super().sync()
+
+    def resume(self) -> bool:
+        directory = os.environ.get(checkpoint.CHECKPOINT_DIR_ENV)
+        if not directory or self.model is None:
+            return False
+        info = checkpoint.resume(directory, self.model, self.optimizer)
+        if not info.resumed:
+            return False
+        for name, value in info.extra.get("elastic", {}).items():
+            setattr(self, name, value)
+        self._commits = int(info.extra.get("commits", info.step))
+        self.save_in_memory_only()
+        return True
+
+    def save_in_memory_only(self) -> None:
+        """The in-memory commit alone (what was just loaded is on disk already)."""
+        ObjectState.save(self)
+        if self.model is not None:
+            self._saved_model = self._copy(self.model.state_dict())
+        if self.optimizer is not None:
+            self._saved_optimizer = self._copy(self.optimizer.state_dict())
+
+
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Horovod's ``@hvd.elastic.run``: ``func(state, *args, **kwargs)`` with roll back and retry.
+
+    Before the first call: the state is resumed from the latest committed checkpoint (after a restart by
+    ``hybridpipe-run --restarts``) and synced from rank 0. A ``HorovodInternalError`` inside ``func`` rolls
+    the state back to the last commit (``restore``, the reset callbacks), syncs it, and calls ``func``
+    again — unless it failed the same way before without committing since, then it propagates; a
+    ``HostsUpdatedInterrupt`` syncs (unless ``skip_sync``) and calls it again.
+    """
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        if not runtime.is_initialized():
+            raise NotInitializedError("hp.elastic.run: the training function was called before hp.init(); call "
+                                      "hp.init() first")
+        state.resume()
+        skip_sync = False
+        failed_at = -1  # the commit count at the last failure: failing again without progress re-raises
+        while True:
+            if not skip_sync:
+                state.sync()
+            try:
+                return func(state, *args, **kwargs)
+            except HorovodInternalError:
+                if failed_at == state._commits:
+                    raise  # the same failure again, with no commit in between: retrying would loop
+                failed_at = state._commits
+                state.restore()
+                state.on_reset()
+                skip_sync = False
+            except HostsUpdatedInterrupt as interrupt:
+                state.on_reset()
+                skip_sync = interrupt.skip_sync
+
+    return wrapper
