@@ -31,16 +31,17 @@ build: $(STAMP)
 test: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests -q
 
-# Slow runs CI does not do: the restart tests that `make test` skips (a 2 × 2 grid losing a host on
-# emulated hosts; a restarted run against one that never failed), the MPI test files' long_ranks (8
-# ranks oversubscribed on this machine; 4-rank launches whose cases the 2- and 3-rank launches already
-# cover, kept out of `make test` for its time), then the multi-host tests 20 times in a row (they
-# must pass every time).
+# Slow runs CI does not do: the restart tests that `make test` skips (a rank killed on one emulated
+# host and the job restarted; a 2 × 2 grid losing a host; a restarted run against one that never
+# failed), the MPI test files' long_ranks (8 ranks oversubscribed on this machine; launches whose
+# cases the other launches of the file already cover, kept out of `make test` for its time), then the
+# multi-host tests 20 times in a row (they must pass every time).
 MULTIHOST_REPEATS ?= 20
 test-long: $(STAMP)
 	HYBRIDPIPE_LONG_TESTS=1 PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests/test_restart.py \
 	  tests/comm/test_collectives.py tests/comm/test_shared_memory.py tests/comm/test_engine.py tests/comm/test_p2p.py \
-	  tests/pipeline/test_pipeline_mpi.py tests/test_optimizer_mpi.py tests/test_runtime.py \
+	  tests/pipeline/test_pipeline_mpi.py tests/pipeline/test_schedules_mpi.py tests/test_optimizer_mpi.py \
+	  tests/test_runtime.py \
 	  -q -p no:cacheprovider
 	for i in $$(seq 1 $(MULTIHOST_REPEATS)); do \
 	  echo "multi-host run $$i of $(MULTIHOST_REPEATS)"; \

@@ -199,6 +199,7 @@ def emulated_hosts(fresh_emulated_hosts):
     return fresh_emulated_hosts
 
 
+@LONG  # 22 s: make test keeps the killed-rank message (test_faults.py); the restart runs in make test-long
 def test_train_lm_killed_on_one_host_restarts_and_ends_like_an_uninterrupted_run(tmp_path, emulated_hosts, capfd):
     """2 stages on 2 emulated hosts; the rank on the second host SIGKILLs itself at step 5. The job
     ends (the surviving rank does not wait), hybridpipe-run relaunches it, it resumes from step 4 and
