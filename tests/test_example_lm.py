@@ -4,6 +4,7 @@ into the one-process model."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -33,7 +34,12 @@ def run(ranks: int, stages: int, save: Path) -> str:
     return result.stdout
 
 
-@pytest.mark.parametrize("ranks,stages", [(4, 2), (2, 1)])
+LONG = pytest.mark.skipif(os.environ.get("HYBRIDPIPE_LONG_TESTS") != "1",
+                          reason="slow: set HYBRIDPIPE_LONG_TESTS=1 (make test-long)")
+
+
+# 2 × 2 in make test-long: make test trains the LM on that grid in test_timeline.py and test_readme.py
+@pytest.mark.parametrize("ranks,stages", [pytest.param(4, 2, marks=LONG), (2, 1)])
 def test_train_lm_learns_and_saves_loadable_weights(tmp_path, ranks, stages):
     out = run(ranks, stages, tmp_path / "lm.pt")
     assert f"{stages} stages × {ranks // stages} replicas" in out

@@ -96,6 +96,8 @@ def test_failure_on_one_rank_fails_and_shows_every_rank_log():
     assert "tests/harness_cases/case_fail_rank1.py: rank 0: 1 passed; rank 1: 1 failed" in out
 
 
+@pytest.mark.skipif(os.environ.get("HYBRIDPIPE_LONG_TESTS") != "1",
+                    reason="slow (12 s): set HYBRIDPIPE_LONG_TESTS=1 (make test-long)")
 def test_hang_times_out_with_stacks_and_leaves_no_process_behind():
     timeout = 10 * float(os.environ.get("HYBRIDPIPE_TEST_TIMEOUT_SCALE", "1"))  # the case says 10 s
     start = time.monotonic()
