@@ -199,13 +199,13 @@ def allgather(tensor: Any, name: str | None = None, process_set: Any = None, gro
         MismatchError: dtypes or trailing dimensions differ (on every rank).
         ValueError: a 0-dimensional input (allgather needs a dimension to concatenate along).
     """
+    if not _needs_grad(tensor):  # the plain collective (which checks its arguments itself)
+        return exchange.allgather(tensor, name=name, process_set=process_set, group=group)
     with refusing("allgather", "allgather", group, process_set):
         check_name(name, "allgather")
         group = resolve_group(group, process_set, "allgather")
         check_tensors([tensor], group, "allgather")
-    if _needs_grad(tensor):
-        return _Allgather.apply(tensor, name, group)
-    return exchange.allgather(tensor, name=name, group=group)
+    return _Allgather.apply(tensor, name, group)
 
 
 class _GroupedAllgather(torch.autograd.Function):
@@ -280,14 +280,14 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, process_set:
         MismatchError: ranks passed different shapes, dtypes, roots or names (on every rank).
         ValueError: root_rank is outside the group.
     """
+    if not _needs_grad(tensor):  # the plain collective (which checks its arguments itself)
+        return collectives.broadcast(tensor, root_rank, name=name, process_set=process_set, group=group)
     with refusing("broadcast", "broadcast", group, process_set):
         check_name(name, "broadcast")
         group = resolve_group(group, process_set, "broadcast")
         check_tensors([tensor], group, "broadcast")
         collectives.check_root(root_rank, "broadcast")
-    if _needs_grad(tensor):
-        return _Broadcast.apply(tensor, root_rank, name, group)
-    return collectives.broadcast(tensor, root_rank, name=name, group=group)
+    return _Broadcast.apply(tensor, root_rank, name, group)
 
 
 class _Alltoall(torch.autograd.Function):
@@ -327,14 +327,14 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, process_s
     Raises:
         MismatchError: dtypes, trailing dimensions or names differ, or a rank's splits do not fit (every rank).
     """
+    if not _needs_grad(tensor):  # the plain collective (which checks its arguments itself)
+        return exchange.alltoall(tensor, splits=splits, name=name, process_set=process_set, group=group)
     with refusing("alltoall", "alltoall", group, process_set):
         check_name(name, "alltoall")
         group = resolve_group(group, process_set, "alltoall")
         check_tensors([tensor], group, "alltoall")
         exchange.check_splits(tensor, splits, group, "alltoall")
-    if _needs_grad(tensor):
-        return _Alltoall.apply(tensor, splits, name, group)
-    return exchange.alltoall(tensor, splits=splits, name=name, group=group)
+    return _Alltoall.apply(tensor, splits, name, group)
 
 
 class _Reducescatter(torch.autograd.Function):
