@@ -174,10 +174,9 @@ def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_bat
                     transfer_time=transfer)
     asynchronous = candidate.schedule in sched.ASYNCHRONOUS
     if asynchronous:
-        one = sched.simulate(sched.async_schedule(candidate.schedule, p, m, steps=1, flush=False), **duration)
-        four = sched.simulate(sched.async_schedule(candidate.schedule, p, m, steps=4, flush=False), **duration)
-        pipeline = (four.makespan - one.makespan) / 3
-        timeline, plan = one, sched.async_schedule(candidate.schedule, p, m, steps=2, flush=False)
+        plan = sched.async_schedule(candidate.schedule, p, m, steps=4, flush=False)
+        one = sched.simulate(sched.async_schedule(candidate.schedule, p, m, steps=1, flush=False), **duration).makespan
+        pipeline = (sched.simulate(plan, **duration).makespan - one) / 3  # steady state: steps 2-4
     else:
         plan = sched.get_schedule(candidate.schedule, p, m, v)
         timeline = sched.simulate(plan, **duration)
