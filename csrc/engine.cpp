@@ -195,6 +195,20 @@ uint64_t Engine::submit_call(int group_id, const std::string& name, int kind, st
                  std::move(job));
 }
 
+uint64_t Engine::submit_collective(int group_id, const std::string& name, int kind, Collective work) {
+  Group* group = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (group_id < 0 || group_id >= static_cast<int>(groups_.size())) {
+      throw std::invalid_argument("unknown engine group " + std::to_string(group_id));
+    }
+    group = groups_[group_id].get();  // groups are never removed: the pointer outlives the entry
+  }
+  return submit_call(group_id, name, kind, [this, group, work = std::move(work)] {
+    reduce_bucket(*group, [&](const AllreduceOptions& options) { work(group->comm, group->workspace, options); });
+  });
+}
+
 uint64_t Engine::submit_refusal(int group_id, const std::string& name, const std::string& refusal, bool detached) {
   const uint64_t handle = enqueue(group_id, name, Buffer{nullptr, 0, DType::Int64}, ReduceOp::Max, nullptr,
                                   refusal.empty() ? std::string("invalid arguments") : refusal, detached);

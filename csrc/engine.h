@@ -137,6 +137,14 @@ class Engine {
   // the process keeps one thread in MPI. Ranks that queued different kinds fail it (ErrorKind
   // Mismatch). `job` must not throw.
   uint64_t submit_call(int group, const std::string& name, int kind, std::function<void()> job);
+  // Queues `work` as submit_call does (same agreement on `name` and `kind`), run as one of the group's
+  // bucket operations: on the engine thread (or a thread blocked in wait() on this group, as a bucket's
+  // allreduce), with the group's communicator, its workspace and the engine's allreduce options, under
+  // the engine's timeout. The sharded optimizer's fused reduce-scatters and allgathers go this way, in
+  // the same sequence as the gradients' allreduces. `work` may throw only for MPI failures (they stop
+  // the engine, as a failing allreduce does).
+  using Collective = std::function<void(MPI_Comm, Workspace&, const AllreduceOptions&)>;
+  uint64_t submit_collective(int group, const std::string& name, int kind, Collective work);
   // Stands in for an operation this rank could not submit because its arguments failed its own checks
   // (`refusal`: what it raised, e.g. "TypeError: ..."): once every rank of `group` has something under
   // `name`, the operations of the others fail (ErrorKind Refused) with every refusing rank's text, so a

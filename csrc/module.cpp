@@ -209,6 +209,44 @@ PYBIND11_MODULE(_C, m) {
       "all passed the same header and return False (moving no data) when they did not.");
 
   m.def(
+      "reducescatter",
+      [](uintptr_t input, uintptr_t output, const std::vector<size_t>& counts, int dtype, int op, long long comm,
+         const AllreduceOptions& options, bool input_is_scratch, AllreduceAlgorithm algorithm) {
+        size_t total = 0;
+        for (size_t count : counts) total += count;
+        py::gil_scoped_release no_gil;
+        std::lock_guard<std::mutex> guard(core().lock);
+        int rank = 0;
+        HP_MPI(MPI_Comm_rank, to_comm(comm), to_comm(comm), &rank);
+        if (static_cast<size_t>(rank) >= counts.size()) throw std::invalid_argument("reducescatter: counts shorter than the communicator");
+        reducescatter(to_buffer(input, total, dtype), to_buffer(output, counts[static_cast<size_t>(rank)], dtype), counts,
+                      static_cast<ReduceOp>(op), to_comm(comm), options, core().workspace, input_is_scratch, algorithm);
+      },
+      py::arg("input"), py::arg("output"), py::arg("counts"), py::arg("dtype"), py::arg("op"), py::arg("comm"),
+      py::arg("options"), py::arg("input_is_scratch") = false, py::arg("algorithm") = AllreduceAlgorithm::Auto,
+      "Reduce-scatter of sum(counts) elements at `input` over `comm`: this rank's counts[rank] elements of the "
+      "result go to `output` (shared memory, ring or the MPI library, as allreduce chooses).");
+
+  m.def(
+      "allgather",
+      [](uintptr_t input, uintptr_t output, const std::vector<size_t>& counts, int dtype, long long comm,
+         const AllreduceOptions& options, AllreduceAlgorithm algorithm) {
+        size_t total = 0;
+        for (size_t count : counts) total += count;
+        py::gil_scoped_release no_gil;
+        std::lock_guard<std::mutex> guard(core().lock);
+        int rank = 0;
+        HP_MPI(MPI_Comm_rank, to_comm(comm), to_comm(comm), &rank);
+        if (static_cast<size_t>(rank) >= counts.size()) throw std::invalid_argument("allgather: counts shorter than the communicator");
+        allgather(to_buffer(input, counts[static_cast<size_t>(rank)], dtype), to_buffer(output, total, dtype), counts,
+                  to_comm(comm), options, algorithm);
+      },
+      py::arg("input"), py::arg("output"), py::arg("counts"), py::arg("dtype"), py::arg("comm"), py::arg("options"),
+      py::arg("algorithm") = AllreduceAlgorithm::Auto,
+      "Allgather over `comm`: this rank's counts[rank] elements at `input` land at their offset of `output` "
+      "(sum(counts) elements) on every rank.");
+
+  m.def(
       "headers_agree",
       [](long long comm, const std::vector<long long>& fields, const WaitPolicy& policy) {
         py::gil_scoped_release no_gil;
@@ -371,6 +409,54 @@ PYBIND11_MODULE(_C, m) {
           py::arg("group"), py::arg("name"), py::arg("kind"), py::arg("function"),
           "Queues function() to run on the engine thread at a point every rank of the group agrees on; "
           "keep a reference to function until the handle is waited for.")
+      .def(
+          "submit_reducescatter",
+          [](Engine& engine, int group, const std::string& name, int kind, uintptr_t input, uintptr_t output,
+             const std::vector<size_t>& counts, int dtype, int op, bool input_is_scratch) {
+            size_t total = 0;
+            for (size_t count : counts) total += count;
+            const Buffer in = to_buffer(input, total, dtype);
+            const std::vector<size_t> parts = counts;
+            return engine.submit_collective(
+                group, name, kind,
+                [in, output, parts, dtype, op, input_is_scratch](MPI_Comm comm, Workspace& workspace,
+                                                                  const AllreduceOptions& options) {
+                  int rank = 0;
+                  HP_MPI(MPI_Comm_rank, comm, comm, &rank);
+                  if (static_cast<size_t>(rank) >= parts.size()) {
+                    throw std::invalid_argument("submit_reducescatter: counts shorter than the group");
+                  }
+                  reducescatter(in, to_buffer(output, parts[static_cast<size_t>(rank)], dtype), parts,
+                                static_cast<ReduceOp>(op), comm, options, workspace, input_is_scratch);
+                });
+          },
+          py::arg("group"), py::arg("name"), py::arg("kind"), py::arg("input"), py::arg("output"), py::arg("counts"),
+          py::arg("dtype"), py::arg("op"), py::arg("input_is_scratch") = false,
+          "Queues a reduce-scatter of the sum(counts) elements at `input` over the group; rank r receives its "
+          "counts[r] elements at `output`. `kind` must agree on every rank (a digest of the layout).")
+      .def(
+          "submit_allgather",
+          [](Engine& engine, int group, const std::string& name, int kind, uintptr_t input, uintptr_t output,
+             const std::vector<size_t>& counts, int dtype) {
+            size_t total = 0;
+            for (size_t count : counts) total += count;
+            const Buffer out = to_buffer(output, total, dtype);
+            const std::vector<size_t> parts = counts;
+            return engine.submit_collective(
+                group, name, kind,
+                [input, out, parts, dtype](MPI_Comm comm, Workspace&, const AllreduceOptions& options) {
+                  int rank = 0;
+                  HP_MPI(MPI_Comm_rank, comm, comm, &rank);
+                  if (static_cast<size_t>(rank) >= parts.size()) {
+                    throw std::invalid_argument("submit_allgather: counts shorter than the group");
+                  }
+                  allgather(to_buffer(input, parts[static_cast<size_t>(rank)], dtype), out, parts, comm, options);
+                });
+          },
+          py::arg("group"), py::arg("name"), py::arg("kind"), py::arg("input"), py::arg("output"), py::arg("counts"),
+          py::arg("dtype"),
+          "Queues an allgather over the group: rank r's counts[r] elements at `input` land at their offset of "
+          "`output` (sum(counts) elements) on every rank.")
       .def("submit_refusal", &Engine::submit_refusal, py::arg("group"), py::arg("name"), py::arg("refusal"),
            py::arg("detached"),
            "Stands in for an operation whose arguments failed this rank's checks: the other ranks' operations "

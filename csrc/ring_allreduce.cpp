@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <limits>
+#include <stdexcept>
 #include <mutex>
 
 #include "hierarchical.h"
@@ -15,7 +17,7 @@ namespace {
 
 constexpr int kReduceScatterTag = 7001;
 constexpr int kAllgatherTag = 7002;
-enum WorkspaceSlot : size_t { kHalfCopy = 0, kReceiveSlots = 1, kWireCopy = 2, kIncoming = 3 };
+enum WorkspaceSlot : size_t { kHalfCopy = 0, kReceiveSlots = 1, kWireCopy = 2, kIncoming = 3, kScatterCopy = 4 };
 
 std::atomic<uint64_t> wire_bytes{0};  // bytes this process handed to MPI sends and MPI_Allreduce (see header)
 
@@ -88,8 +90,9 @@ void send_chunk(unsigned char* data, const Span& chunk, size_t segment, size_t e
 // as it is reduced, while the receives of later segments are already posted. `wire`: the dtype that
 // travels — the accumulation dtype, or for float16/bfloat16 buffers the half type itself: partial sums
 // are rounded to it to be sent (half the bytes of float32) and accumulated in float32 where received.
-void reduce_scatter(unsigned char* work, size_t count, DType dtype, DType wire, ReduceOp op, int rank, int size,
-                    MPI_Comm comm, const AllreduceOptions& options, Workspace& workspace) {
+void reduce_scatter(unsigned char* work, size_t count, const std::vector<Span>& chunks, DType dtype, DType wire,
+                    ReduceOp op, int rank, int size, MPI_Comm comm, const AllreduceOptions& options,
+                    Workspace& workspace) {
   const size_t element = dtype_size(dtype);
   const bool narrow = wire != dtype;
   const size_t wire_element = dtype_size(wire);
@@ -110,11 +113,11 @@ void reduce_scatter(unsigned char* work, size_t count, DType dtype, DType wire, 
   };
 
   std::vector<MPI_Request> sends, receives(window, MPI_REQUEST_NULL);
-  const Span own = chunk_of(count, size, rank);
+  const Span own = chunks[static_cast<size_t>(rank)];
   stage(own);
   send_chunk(sent, own, segment, wire_element, type, next, kReduceScatterTag, comm, sends);
   for (int step = 0; step < size - 1; ++step) {
-    const Span chunk = chunk_of(count, size, (rank - step - 1 + 2 * size) % size);
+    const Span chunk = chunks[static_cast<size_t>((rank - step - 1 + 2 * size) % size)];
     const size_t parts = segments_in(chunk.length, segment);
     auto post = [&](size_t k) {
       const Span part = segment_of(chunk, segment, k);
@@ -146,18 +149,18 @@ void reduce_scatter(unsigned char* work, size_t count, DType dtype, DType wire, 
 
 // Allgather of the reduced chunks in `data` (the output dtype): rank r starts with chunk
 // (r + 1) % size, receives straight into place and forwards each segment once it arrives.
-void allgather_chunks(unsigned char* data, size_t count, DType dtype, int rank, int size, MPI_Comm comm,
-                      const AllreduceOptions& options) {
+void allgather_chunks(unsigned char* data, const std::vector<Span>& chunks, DType dtype, int rank, int size,
+                      MPI_Comm comm, const AllreduceOptions& options) {
   const size_t element = dtype_size(dtype);
   const size_t segment = std::max<size_t>(1, options.segment_bytes / element);
   const MPI_Datatype type = mpi_type(dtype);
   const int next = (rank + 1) % size, previous = (rank - 1 + size) % size;
 
   std::vector<MPI_Request> sends, receives;
-  send_chunk(data, chunk_of(count, size, (rank + 1) % size), segment, element, type, next, kAllgatherTag,
+  send_chunk(data, chunks[static_cast<size_t>((rank + 1) % size)], segment, element, type, next, kAllgatherTag,
              comm, sends);
   for (int step = 0; step < size - 1; ++step) {
-    const Span chunk = chunk_of(count, size, (rank - step + size) % size);
+    const Span chunk = chunks[static_cast<size_t>((rank - step + size) % size)];
     const size_t parts = segments_in(chunk.length, segment);
     receives.assign(parts, MPI_REQUEST_NULL);
     for (size_t k = 0; k < parts; ++k) {
@@ -259,9 +262,11 @@ void ring_allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_
     work = static_cast<unsigned char*>(output.data);
     if (input.data != output.data) std::memcpy(work, input.data, output.bytes());
   }
-  reduce_scatter(work, count, work_dtype, output.dtype, op, rank, size, comm, options, workspace);
+  std::vector<Span> chunks;
+  for (int i = 0; i < size; ++i) chunks.push_back(chunk_of(count, static_cast<size_t>(size), static_cast<size_t>(i)));
+  reduce_scatter(work, count, chunks, work_dtype, output.dtype, op, rank, size, comm, options, workspace);
 
-  const Span mine = chunk_of(count, static_cast<size_t>(size), static_cast<size_t>((rank + 1) % size));
+  const Span mine = chunks[static_cast<size_t>((rank + 1) % size)];
   unsigned char* my_work = work + mine.begin * work_element;
   if (op == ReduceOp::Average) finalize_average(my_work, mine.length, work_dtype, static_cast<size_t>(size));
   if (is_half(output.dtype)) {
@@ -269,7 +274,7 @@ void ring_allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_
                   static_cast<unsigned char*>(output.data) + mine.begin * dtype_size(output.dtype), mine.length,
                   output.dtype);
   }
-  allgather_chunks(static_cast<unsigned char*>(output.data), count, output.dtype, rank, size, comm, options);
+  allgather_chunks(static_cast<unsigned char*>(output.data), chunks, output.dtype, rank, size, comm, options);
 }
 
 }  // namespace
@@ -336,6 +341,192 @@ void allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_Comm 
   } else {
     library_allreduce(input, output, op, comm, size, options, workspace);
   }
+}
+
+namespace {
+
+// counts[i] elements for rank i, laid out one after the other.
+std::vector<Span> layout_of(const std::vector<size_t>& counts) {
+  std::vector<Span> spans;
+  size_t at = 0;
+  for (size_t count : counts) {
+    spans.push_back({at, count});
+    at += count;
+  }
+  return spans;
+}
+
+// The ring leaves rank r with chunk (r + 1) % size of what it is given (and starts its allgather there):
+// given this rotation, rank r ends with (and starts from) spans[r].
+std::vector<Span> rotated_for_ring(const std::vector<Span>& spans) {
+  const size_t n = spans.size();
+  std::vector<Span> rotated(n);
+  for (size_t i = 0; i < n; ++i) rotated[i] = spans[(i + n - 1) % n];
+  return rotated;
+}
+
+void check_layout(const char* function, const Buffer& full, const Buffer& part, const std::vector<size_t>& counts,
+                  int rank, int size) {
+  if (static_cast<int>(counts.size()) != size) {
+    throw std::invalid_argument(std::string(function) + ": " + std::to_string(counts.size()) +
+                                " counts for a communicator of " + std::to_string(size) + " ranks");
+  }
+  size_t total = 0;
+  for (size_t count : counts) total += count;
+  if (total != full.count) {
+    throw std::invalid_argument(std::string(function) + ": the counts add up to " + std::to_string(total) +
+                                " elements but the full buffer has " + std::to_string(full.count));
+  }
+  if (part.count != counts[static_cast<size_t>(rank)] || part.dtype != full.dtype) {
+    throw std::invalid_argument(std::string(function) + ": this rank's part has " + std::to_string(part.count) +
+                                " elements (or another dtype) but its count is " +
+                                std::to_string(counts[static_cast<size_t>(rank)]));
+  }
+}
+
+std::vector<int> int_counts(const char* function, const std::vector<size_t>& counts) {
+  std::vector<int> ints;
+  for (size_t count : counts) {
+    if (count > static_cast<size_t>(std::numeric_limits<int>::max())) {
+      throw std::invalid_argument(std::string(function) + ": a part of " + std::to_string(count) +
+                                  " elements is too large for the MPI library path");
+    }
+    ints.push_back(static_cast<int>(count));
+  }
+  return ints;
+}
+
+}  // namespace
+
+void reducescatter(const Buffer& input, const Buffer& output, const std::vector<size_t>& counts, ReduceOp op,
+                   MPI_Comm comm, const AllreduceOptions& options, Workspace& workspace, bool input_is_scratch,
+                   AllreduceAlgorithm algorithm) {
+  int rank = 0, size = 1;
+  HP_MPI(MPI_Comm_rank, comm, comm, &rank);
+  HP_MPI(MPI_Comm_size, comm, comm, &size);
+  check_layout("reducescatter", input, output, counts, rank, size);
+  const std::vector<Span> spans = layout_of(counts);
+  const Span mine = spans[static_cast<size_t>(rank)];
+  const size_t element = dtype_size(input.dtype);
+  auto* in = static_cast<unsigned char*>(input.data);
+  if (size == 1) {
+    if (output.count && in != output.data) std::memcpy(output.data, in, output.bytes());
+    return;
+  }
+  if (input.count == 0) return;
+  const bool large = input.bytes() > options.small_message_bytes;
+  if (algorithm == AllreduceAlgorithm::SharedMemory ||
+      (algorithm == AllreduceAlgorithm::Auto && large && options.shared_memory)) {
+    if (SharedMemoryAllreduce* shm = shared_memory_for(comm, options.shared_memory_chunk_bytes)) {
+      shm->reduce_scatter({input}, output, mine.begin, op, options.wait);
+      return;
+    }
+    if (algorithm == AllreduceAlgorithm::SharedMemory) {
+      throw std::invalid_argument("reducescatter: shared memory cannot serve this communicator: " +
+                                  shared_memory_unavailable_reason(comm) + " (use the ring: algorithm Ring or Auto)");
+    }
+  }
+  const bool use_ring = algorithm == AllreduceAlgorithm::Ring ||
+                        ((algorithm == AllreduceAlgorithm::Auto || algorithm == AllreduceAlgorithm::Hierarchical) && large);
+  if (use_ring) {
+    const DType work_dtype = accumulation_dtype(input.dtype);
+    const size_t work_element = dtype_size(work_dtype);
+    unsigned char* work;
+    if (is_half(input.dtype)) {
+      work = static_cast<unsigned char*>(workspace.get(kHalfCopy, input.count * sizeof(float)));
+      half_to_float(in, reinterpret_cast<float*>(work), input.count, input.dtype);
+    } else if (input_is_scratch) {
+      work = in;
+    } else {
+      work = static_cast<unsigned char*>(workspace.get(kScatterCopy, input.bytes()));
+      std::memcpy(work, in, input.bytes());
+    }
+    reduce_scatter(work, input.count, rotated_for_ring(spans), work_dtype, input.dtype, op, rank, size, comm,
+                   options, workspace);
+    unsigned char* my_work = work + mine.begin * work_element;
+    if (op == ReduceOp::Average) finalize_average(my_work, mine.length, work_dtype, static_cast<size_t>(size));
+    if (is_half(input.dtype)) {
+      float_to_half(reinterpret_cast<float*>(my_work), output.data, mine.length, input.dtype);
+    } else if (my_work != output.data && mine.length) {
+      std::memmove(output.data, my_work, mine.length * element);
+    }
+    return;
+  }
+  // the MPI library: MPI_Ireduce_scatter (half types through the user-defined op on 16-bit values)
+  const std::vector<int> ints = int_counts("reducescatter", counts);
+  const void* send = in;
+  MPI_Datatype type = mpi_type(input.dtype);
+  MPI_Op mop = mpi_op(op);
+  if (is_half(input.dtype)) {
+    const HalfOps& ops = half_ops();
+    type = input.dtype == DType::BFloat16 ? ops.bfloat16 : ops.float16;
+    mop = op == ReduceOp::Min ? ops.min : op == ReduceOp::Max ? ops.max : ops.sum;
+  }
+  unsigned char* receive = static_cast<unsigned char*>(output.data);
+  if (receive == in + mine.begin * element && mine.length) {  // the output inside the input: MPI forbids aliasing
+    receive = static_cast<unsigned char*>(workspace.get(kScatterCopy, output.bytes()));
+  }
+  MPI_Request request = MPI_REQUEST_NULL;
+  HP_MPI(MPI_Ireduce_scatter, comm, send, receive, ints.data(), type, mop, comm, &request);
+  HP_MPI(wait_all, comm, 1, &request, MPI_STATUSES_IGNORE, options.wait);
+  count_wire(input.count, element);
+  if (receive != output.data) std::memcpy(output.data, receive, output.bytes());
+  if (op == ReduceOp::Average && output.count) {
+    if (is_half(output.dtype)) {
+      auto* work = static_cast<float*>(workspace.get(kHalfCopy, output.count * sizeof(float)));
+      half_to_float(output.data, work, output.count, output.dtype);
+      finalize_average(work, output.count, DType::Float32, static_cast<size_t>(size));
+      float_to_half(work, output.data, output.count, output.dtype);
+    } else {
+      finalize_average(output.data, output.count, output.dtype, static_cast<size_t>(size));
+    }
+  }
+}
+
+void allgather(const Buffer& input, const Buffer& output, const std::vector<size_t>& counts, MPI_Comm comm,
+               const AllreduceOptions& options, AllreduceAlgorithm algorithm) {
+  int rank = 0, size = 1;
+  HP_MPI(MPI_Comm_rank, comm, comm, &rank);
+  HP_MPI(MPI_Comm_size, comm, comm, &size);
+  check_layout("allgather", output, input, counts, rank, size);
+  const std::vector<Span> spans = layout_of(counts);
+  const Span mine = spans[static_cast<size_t>(rank)];
+  const size_t element = dtype_size(output.dtype);
+  auto* out = static_cast<unsigned char*>(output.data);
+  if (output.count == 0) return;
+  if (size == 1) {
+    if (input.data != out) std::memcpy(out, input.data, input.bytes());
+    return;
+  }
+  const bool large = output.bytes() > options.small_message_bytes;
+  if (algorithm == AllreduceAlgorithm::SharedMemory ||
+      (algorithm == AllreduceAlgorithm::Auto && large && options.shared_memory)) {
+    if (SharedMemoryAllreduce* shm = shared_memory_for(comm, options.shared_memory_chunk_bytes)) {
+      shm->allgather(input, mine.begin, output, options.wait);
+      return;
+    }
+    if (algorithm == AllreduceAlgorithm::SharedMemory) {
+      throw std::invalid_argument("allgather: shared memory cannot serve this communicator: " +
+                                  shared_memory_unavailable_reason(comm) + " (use the ring: algorithm Ring or Auto)");
+    }
+  }
+  if (mine.length && input.data != out + mine.begin * element) {
+    std::memmove(out + mine.begin * element, input.data, input.bytes());
+  }
+  const bool use_ring = algorithm == AllreduceAlgorithm::Ring ||
+                        ((algorithm == AllreduceAlgorithm::Auto || algorithm == AllreduceAlgorithm::Hierarchical) && large);
+  if (use_ring) {
+    allgather_chunks(out, rotated_for_ring(spans), output.dtype, rank, size, comm, options);
+    return;
+  }
+  const std::vector<int> ints = int_counts("allgather", counts);
+  std::vector<int> displacements;
+  for (const Span& span : spans) displacements.push_back(static_cast<int>(span.begin));
+  MPI_Request request = MPI_REQUEST_NULL;
+  HP_MPI(MPI_Iallgatherv, comm, MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, out, ints.data(), displacements.data(),
+         mpi_type(output.dtype), comm, &request);
+  HP_MPI(wait_all, comm, 1, &request, MPI_STATUSES_IGNORE, options.wait);
+  count_wire(input.count * static_cast<size_t>(size - 1), element);
 }
 
 }  // namespace hybridpipe

@@ -75,6 +75,25 @@ void allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_Comm 
                const AllreduceOptions& options, Workspace& workspace,
                AllreduceAlgorithm algorithm = AllreduceAlgorithm::Auto);
 
+// Reduce-scatter: `input` (count elements on every rank) is reduced over `comm` and rank r receives
+// elements [counts[0] + ... + counts[r - 1], + counts[r]) of the result in `output` (counts[r] elements; the
+// counts must be the same on every rank and add up to input.count). The same algorithms as allreduce:
+// above small_message_bytes a shared-memory segment when the ranks share a host, else the ring's
+// reduce-scatter half (n - 1 chunk transfers, each reduced as it arrives); at or below it the MPI
+// library (MPI_Reduce_scatter). float16 / bfloat16 are summed in float32 (as allreduce). With
+// `input_is_scratch` the ring reduces inside `input` (its contents are then unspecified) instead of a
+// copy. `output` may lie inside `input` (at this rank's offset).
+void reducescatter(const Buffer& input, const Buffer& output, const std::vector<size_t>& counts, ReduceOp op,
+                   MPI_Comm comm, const AllreduceOptions& options, Workspace& workspace, bool input_is_scratch = false,
+                   AllreduceAlgorithm algorithm = AllreduceAlgorithm::Auto);
+
+// Allgather: rank r's `input` (counts[r] elements) lands at offset counts[0] + ... + counts[r - 1] of
+// `output` on every rank (output.count = the sum of the counts). Shared memory, the ring's allgather half
+// or the MPI library (MPI_Allgatherv), chosen as for reducescatter. `input` may already be in place
+// inside `output`.
+void allgather(const Buffer& input, const Buffer& output, const std::vector<size_t>& counts, MPI_Comm comm,
+               const AllreduceOptions& options, AllreduceAlgorithm algorithm = AllreduceAlgorithm::Auto);
+
 // Bytes this process has handed to MPI for the ring's sends and the library path's MPI_Allreduce since it
 // started (all communicators; shared memory and headers not counted): what the wire carries from here.
 uint64_t wire_bytes_sent();

@@ -269,12 +269,95 @@ void SharedMemoryAllreduce::allreduce(const std::vector<Buffer>& inputs, const s
     }
     total += outputs[i].count;
   }
+  const Stream out(outputs);
+  const size_t element = dtype_size(dtype);
+  reduce_stream(inputs, total, op, policy, [&](size_t at, const unsigned char* source, size_t length) {
+    out.write(at * element, source, length * element);
+  });
+}
+
+void SharedMemoryAllreduce::reduce_scatter(const std::vector<Buffer>& inputs, const Buffer& output, size_t begin,
+                                           ReduceOp op, const WaitPolicy& policy) {
+  if (inputs.empty()) throw std::invalid_argument("shared-memory reduce-scatter: no inputs");
+  const DType dtype = output.dtype;
+  size_t total = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (inputs[i].dtype != dtype) {
+      throw std::invalid_argument("shared-memory reduce-scatter: input " + std::to_string(i) +
+                                  " differs from the output in dtype");
+    }
+    total += inputs[i].count;
+  }
+  if (begin + output.count > total) {
+    throw std::invalid_argument("shared-memory reduce-scatter: the kept part ends past the inputs");
+  }
+  const size_t element = dtype_size(dtype), end = begin + output.count;
+  auto* kept = static_cast<unsigned char*>(output.data);
+  reduce_stream(inputs, total, op, policy, [&](size_t at, const unsigned char* source, size_t length) {
+    const size_t from = std::max(at, begin), to = std::min(at + length, end);
+    if (from < to) std::memcpy(kept + (from - begin) * element, source + (from - at) * element, (to - from) * element);
+  });
+}
+
+void SharedMemoryAllreduce::allgather(const Buffer& input, size_t begin, const Buffer& output,
+                                      const WaitPolicy& policy) {
+  if (input.dtype != output.dtype || begin + input.count > output.count) {
+    throw std::invalid_argument("shared-memory allgather: this rank's part does not fit the output");
+  }
+  const size_t element = dtype_size(output.dtype), total = output.count, end = begin + input.count;
+  const size_t chunk = chunk_bytes_ / element;
   if (total == 0) return;
+  auto* out = static_cast<unsigned char*>(output.data);
+  auto* mine = static_cast<const unsigned char*>(input.data);
+  // Chunk c: elements [c * chunk, ...) of the output, through the result area of set `sequence % sets_`:
+  // each rank writes its part of the chunk there, then every rank copies the others' parts out.
+  auto span_of = [&](size_t index, size_t* at, size_t* length, uint64_t* sequence) {
+    *at = index * chunk;
+    *length = std::min(chunk, total - *at);
+    *sequence = sequence_ + 1 + index;
+  };
+  auto put = [&](size_t index) {
+    size_t at, length;
+    uint64_t sequence;
+    span_of(index, &at, &length, &sequence);
+    if (sequence > sets_) wait_all_reach(kUnpacked, sequence - sets_, policy);  // the set is free
+    const size_t from = std::max(at, begin), to = std::min(at + length, end);
+    if (from < to) {
+      std::memcpy(result(sequence % sets_) + (from - at) * element, mine + (from - begin) * element,
+                  (to - from) * element);
+    }
+    counter(rank_, kReduced).store(sequence, std::memory_order_release);
+  };
+  auto take = [&](size_t index) {
+    size_t at, length;
+    uint64_t sequence;
+    span_of(index, &at, &length, &sequence);
+    wait_all_reach(kReduced, sequence, policy);
+    const unsigned char* area = result(sequence % sets_);
+    const size_t from = std::min(std::max(at, begin), at + length), to = std::max(from, std::min(at + length, end));
+    if (from > at) std::memcpy(out + at * element, area, (from - at) * element);  // before my part
+    if (at + length > to) std::memcpy(out + to * element, area + (to - at) * element, (at + length - to) * element);
+    counter(rank_, kUnpacked).store(sequence, std::memory_order_release);
+  };
+  if (input.data != out + begin * element && input.count) std::memmove(out + begin * element, mine, input.bytes());
+  const size_t chunks = (total + chunk - 1) / chunk;
+  for (size_t index = 0; index < chunks; ++index) {
+    put(index);
+    if (index > 0) take(index - 1);
+  }
+  take(chunks - 1);
+  sequence_ += chunks;
+}
+
+void SharedMemoryAllreduce::reduce_stream(const std::vector<Buffer>& inputs, size_t total, ReduceOp op,
+                                          const WaitPolicy& policy, const Emit& emit) {
+  if (total == 0) return;
+  const DType dtype = inputs[0].dtype;
   const size_t element = dtype_size(dtype);
   const size_t chunk = chunk_bytes_ / element;
   const size_t align = std::max<size_t>(1, kLine / element);
   const size_t block = kBlockBytes / element;
-  const Stream in(inputs), out(outputs);
+  const Stream in(inputs);
   std::vector<const unsigned char*> sources(static_cast<size_t>(size_));
   std::vector<unsigned char> mine(block * element);
 
@@ -318,7 +401,7 @@ void SharedMemoryAllreduce::allreduce(const std::vector<Buffer>& inputs, const s
       sources[static_cast<size_t>(rank_)] = mine.data();
       unsigned char* reduced = result(c.set) + offset * element;
       reduce_sources(reduced, sources, length, dtype, op);
-      out.write((c.begin + offset) * element, reduced, length * element);
+      emit(c.begin + offset, reduced, length);
     }
     counter(rank_, kReduced).store(c.sequence, std::memory_order_release);
   };
@@ -326,7 +409,7 @@ void SharedMemoryAllreduce::allreduce(const std::vector<Buffer>& inputs, const s
     wait_all_reach(kReduced, c.sequence, policy);
     const unsigned char* result_base = result(c.set);
     around_piece(c, [&](size_t at, size_t offset, size_t length) {
-      if (length) out.write(at * element, result_base + offset * element, length * element);
+      if (length) emit(at, result_base + offset * element, length);
     });
     counter(rank_, kUnpacked).store(c.sequence, std::memory_order_release);
   };

@@ -21,6 +21,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -47,6 +48,14 @@ class SharedMemoryAllreduce {
   void allreduce(const std::vector<Buffer>& inputs, const std::vector<Buffer>& outputs, ReduceOp op,
                  const WaitPolicy& policy);
 
+  // Reduce-scatter: as allreduce over the inputs seen as one stream, but only elements [begin, begin +
+  // output.count) of the result are written, into `output` (the other ranks keep the other parts).
+  void reduce_scatter(const std::vector<Buffer>& inputs, const Buffer& output, size_t begin, ReduceOp op,
+                      const WaitPolicy& policy);
+  // Allgather: this rank's `input` is elements [begin, begin + input.count) of `output`; every rank
+  // ends with all of `output`. The parts go through the segment's result areas, chunk by chunk.
+  void allgather(const Buffer& input, size_t begin, const Buffer& output, const WaitPolicy& policy);
+
   size_t chunk_bytes() const { return chunk_bytes_; }
   size_t sets() const { return sets_; }
   size_t mapped_bytes() const { return mapped_; }
@@ -57,6 +66,11 @@ class SharedMemoryAllreduce {
   unsigned char* slot(size_t set, int rank);
   unsigned char* result(size_t set);
   void wait_all_reach(int kind, uint64_t value, const WaitPolicy& policy);
+  // The reduction of the inputs (one stream of `total` elements) chunk by chunk; each finished run of
+  // the result goes to emit(first element, data, elements).
+  using Emit = std::function<void(size_t, const unsigned char*, size_t)>;
+  void reduce_stream(const std::vector<Buffer>& inputs, size_t total, ReduceOp op, const WaitPolicy& policy,
+                     const Emit& emit);
 
   MPI_Comm comm_ = MPI_COMM_NULL;  // the communicator it serves (the segment lives as its attribute)
   int rank_ = 0, size_ = 1;

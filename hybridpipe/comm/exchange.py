@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import MismatchError, NotSupportedError
+from .._ext import core
 from . import buffers, context
 from .buffers import check_array, describe, host, is_tensor
 from .collectives import Average, Sum, agree, check_tensors, digest, list_ranks, named, reduce_op, scale_factor
@@ -25,6 +26,13 @@ from .context import check_name, refusing, resolve_group
 __all__ = ["allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async", "alltoall",
            "alltoall_async", "reducescatter", "reducescatter_async", "grouped_reducescatter",
            "grouped_reducescatter_async", "reducescatter_rows", "sparse_allreduce_async", "SparseHandle"]
+
+
+_FLOAT_CODES = (0, 1, 2, 3)  # float32, float64, float16, bfloat16: what the C++ reduce-scatter averages as torch does
+
+
+def _contiguous(x: Any) -> bool:
+    return x.is_contiguous() if is_tensor(x) else bool(x.flags["C_CONTIGUOUS"])
 
 
 def _on_device(result: Any, original: Any) -> Any:
@@ -101,6 +109,12 @@ def allgather_here(tensor: Any, name: str | None, group: Any, function: str) -> 
                          "use tensor.reshape(1))")
     counts = (headers[:, 1] * buffers.row_bytes(work)).tolist()
     result = _empty_like_rows(work, int(headers[:, 1].sum()))
+    code = buffers.dtype_code(work)
+    if code != buffers.UNSUPPORTED and _contiguous(work):  # the C++ fast path: shared memory, ring or library
+        per_row = int(np.prod(tuple(work.shape[1:]), dtype=np.int64))
+        core().allgather(buffers.address(work), buffers.address(result), [int(r) * per_row for r in headers[:, 1]],
+                         code, comm.py2f(), context.current("allgather").allreduce_options())
+        return _on_device(result, tensor), headers[:, 1].tolist()
     from mpi4py import MPI
 
     comm.Allgatherv([buffers.byte_view(work), MPI.BYTE], [buffers.byte_view(result), counts, MPI.BYTE])
@@ -301,6 +315,11 @@ def _reduce_scatter_one(work: Any, op: Any, comm: Any) -> Any:
     rows = reducescatter_rows(int(work.shape[0]), size)
     per_row = int(np.prod(tuple(work.shape[1:]), dtype=np.int64))
     code = buffers.dtype_code(work)
+    if code in _FLOAT_CODES and _contiguous(work):  # the C++ fast path: shared memory, ring or library
+        mine = _empty_like_rows(work, rows[rank])
+        core().reducescatter(buffers.address(work), buffers.address(mine), [r * per_row for r in rows], code,
+                             int(op), comm.py2f(), context.current("reducescatter").allreduce_options())
+        return mine
     half = code in (2, 3)  # float16 / bfloat16: summed in float32, rounded once
     if half:
         send = work.float() if is_tensor(work) else work.astype(np.float32)

@@ -195,6 +195,54 @@ def test_allgather_varying_first_dimension(dtype):
     np.testing.assert_array_equal(hp.allgather(array), np.concatenate([np.arange(r + 1) for r in range(n)]))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+def test_reducescatter_and_allgather_every_algorithm(dtype, algorithm):
+    """hp.reducescatter / hp.allgather (the C++ fast path: shared memory or ring above the small-message
+    size, the MPI library below), against numpy, with uneven rows (some ranks get none)."""
+    n, rank = hp.size(), hp.rank()
+    for rows in (1, n + 1, 4 * n + 3, 30011):
+        arrays = [a.reshape(rows, 5) for a in inputs(2, rows * 5, dtype, n)]
+        for op in (hp.Sum, hp.Average):
+            got = hp.reducescatter(as_torch(arrays[rank], dtype), op=op)
+            base = rows // n
+            start = rank * base + min(rank, rows % n)
+            want = reference(arrays, op, dtype)[start:start + got.shape[0]]
+            assert got.dtype == getattr(torch, dtype) and got.shape == (base + (rank < rows % n), 5)
+            assert_matches(got.double().numpy(), want, dtype, op, magnitude(arrays)[start:start + got.shape[0]])
+        gathered = hp.allgather(as_torch(arrays[rank][: rank * rows // n], dtype))
+        want = np.concatenate([arrays[r][: r * rows // n] for r in range(n)])
+        np.testing.assert_array_equal(gathered.double().numpy(), want)
+
+
+def test_reducescatter_and_allgather_algorithms_directly():
+    """The extension's reducescatter / allgather with each algorithm forced, any layout of counts (zeros,
+    all on one rank), input untouched."""
+    from hybridpipe._ext import core
+    from hybridpipe.comm import context
+    from mpi4py import MPI
+
+    comm, n, rank = MPI.COMM_WORLD, hp.size(), hp.rank()
+    options = context.current("test").allreduce_options()
+    algorithms = [core().AllreduceAlgorithm.Ring, core().AllreduceAlgorithm.Library,
+                  core().AllreduceAlgorithm.SharedMemory]
+    for total in (3, 70001):
+        for counts in ([total // n + (r < total % n) for r in range(n)], [0] * (n - 1) + [total]):
+            arrays = inputs(3, total, "float32", n)
+            for algorithm in algorithms:
+                x = torch.from_numpy(arrays[rank].astype(np.float32))
+                before = x.clone()
+                out = torch.empty(counts[rank])
+                core().reducescatter(x.data_ptr(), out.data_ptr(), counts, 0, int(hp.Sum), comm.py2f(), options,
+                                     False, algorithm)
+                start = sum(counts[:rank])
+                np.testing.assert_allclose(out.double().numpy(), np.sum(arrays, 0)[start:start + counts[rank]],
+                                           rtol=1e-5, atol=1e-5)
+                assert torch.equal(x, before)
+                full = torch.full((total,), float("nan"))
+                core().allgather(out.data_ptr(), full.data_ptr(), counts, 0, comm.py2f(), options, algorithm)
+                assert torch.equal(full, torch.cat(comm.allgather(out)))
+
+
 def test_barrier_and_groups_of_a_grid():
     n, rank = hp.size(), hp.rank()
     hp.barrier()
