@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from . import zero as zero_module
 from . import rng_state, runtime
 from .comm.engine import call
 from .errors import HybridPipeError
@@ -93,6 +94,19 @@ def _optimizer_state_by_name(model: Any, optimizer: torch.optim.Optimizer | None
     return {"state": by_name, "param_groups": groups}
 
 
+def _names(model: Any) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def _zero_manifest(optimizer: Any, stage: int) -> dict[str, Any]:
+    """The stage file's optimizer entry for a ZeRO optimizer: its hyper-parameters and the shard files."""
+    size = optimizer._hp_zsize
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    return {"state": {}, "param_groups": groups,
+            "zero": {"level": optimizer._hp_zero, "replicas": size,
+                     "files": [f"stage-{stage}.optimizer-{r}-of-{size}.pt" for r in range(size)]}}
+
+
 def _is_pipeline(model: Any) -> bool:
     return hasattr(model, "layers_of_stage")
 
@@ -145,14 +159,24 @@ def save_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
         raise CheckpointError(error)
     rng_states = _gather_rng_states(model, grid)  # captured before anything below could draw
     writer = grid.replica == 0 and (stages > 1 or grid.stage == 0)
-    if writer:
+    sharded = getattr(optimizer, "_hp_zero", 0) > 0
+    if sharded:  # ZeRO: every replica writes its own shard of the optimizer state
+        try:
+            shard_file = f"stage-{stage}.optimizer-{optimizer._hp_zrank}-of-{optimizer._hp_zsize}.pt"
+            _atomic_save({"format": FORMAT, "model": {}, "zero": optimizer.sharded_state_by_name(_names(model))},
+                         target / shard_file)
+        except Exception as exc:  # every rank must learn of it
+            error = f"stage {stage} replica {grid.replica} could not write its optimizer shard: " \
+                    f"{type(exc).__name__}: {exc}"
+    if writer and not error:
         try:
             payload = {
                 "format": FORMAT,
                 "stage": stage,
                 "layers": list(model.layers_of_stage(stage)) if _is_pipeline(model) else None,
                 "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-                "optimizer": _optimizer_state_by_name(model, optimizer),
+                "optimizer": (_zero_manifest(optimizer, stage) if sharded
+                              else _optimizer_state_by_name(model, optimizer)),
                 "step": int(step),
                 "extra": extra or {},
                 "rng": rng_states,
@@ -272,6 +296,15 @@ def _prepare(checkpoint: Path, manifest: dict, payloads: list[dict], model: Any,
         tensors.update(payload["model"])
         optimizer_state.update(payload["optimizer"]["state"])
         groups = groups or payload["optimizer"]["param_groups"]
+        zero = payload["optimizer"].get("zero")
+        if zero and optimizer is not None:  # saved sharded: every owner's pieces make the whole tensors
+            shards = []
+            for name in zero["files"]:
+                shard = _read_file(checkpoint / name)
+                if "zero" not in shard:
+                    raise CheckpointError(f"{checkpoint / name} is not a ZeRO optimizer shard")
+                shards.append(shard["zero"])
+            optimizer_state.update(zero_module.assemble(shards))
     own = model.state_dict()
     missing = [key for key in own if key not in tensors]
     if missing:
@@ -283,6 +316,8 @@ def _prepare(checkpoint: Path, manifest: dict, payloads: list[dict], model: Any,
         raise CheckpointError(f"{checkpoint}: shapes differ ({'; '.join(wrong[:3])})")
     if optimizer is None:
         return {key: tensors[key] for key in own}, None
+    if getattr(optimizer, "_hp_zero", 0) > 0:  # keeps its own pieces of the whole tensors (any saved D / level)
+        return {key: tensors[key] for key in own}, {"zero": (optimizer_state, groups)}
     names = {id(p): name for name, p in model.named_parameters()}
     current = optimizer.state_dict()
     position, state = 0, {}
@@ -355,7 +390,9 @@ def load_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
     try:
         model_state, optimizer_state = prepared
         model.load_state_dict(model_state, strict=True)
-        if optimizer is not None:
+        if optimizer is not None and "zero" in optimizer_state:
+            optimizer.load_full_state_by_name(*optimizer_state["zero"], names=_names(model))
+        elif optimizer is not None:
             optimizer.load_state_dict(optimizer_state)
         if callable(getattr(model, "_restart_weight_versions", None)):
             model._restart_weight_versions()

@@ -34,6 +34,7 @@ import torch
 
 from . import _trace as timeline
 from .comm import collectives, context, engine, exchange
+from . import zero as zero_module
 from .pipeline import stage
 from .comm.collectives import Average, ReduceOp, Sum
 from .comm.process_sets import ProcessSet
@@ -361,6 +362,7 @@ def DistributedOptimizer(  # noqa: N802 — Horovod's spelling, a factory that r
     sparse_as_dense: bool = False,
     process_set: Any = None,
     group: Any = None,
+    zero: int = 0,
 ) -> torch.optim.Optimizer:
     """Wraps ``optimizer`` so that ``step()`` first averages gradients over the ranks of ``group``.
 
@@ -385,6 +387,10 @@ def DistributedOptimizer(  # noqa: N802 — Horovod's spelling, a factory that r
         process_set: a hp.ProcessSet to average over (Horovod's keyword; default: ``group``).
         group: ``"data"`` (default: the replicas of my pipeline stage), ``"world"``, ``"pipe"``, a
             hp.ProcessSet or an mpi4py communicator.
+        zero: 0 (default) every replica holds the whole optimizer state; 1 (ZeRO-1) each replica of the
+            group owns 1/D of the flattened parameters' optimizer state, gradients are reduce-scattered
+            and the updated parameters allgathered; 2 (ZeRO-2) also frees the parameters' gradients once
+            they are sent, keeping only the shard's (hybridpipe/zero.py, docs/data_parallel.md).
 
     Returns:
         An optimizer of a subclass of ``type(optimizer)``.
@@ -398,11 +404,17 @@ def DistributedOptimizer(  # noqa: N802 — Horovod's spelling, a factory that r
     if op not in (Average, Sum, collectives.Adasum):
         raise ValueError(f"DistributedOptimizer op must be hp.Average, hp.Sum or hp.Adasum (got {op.name})")
     group = _target(group, process_set, "DistributedOptimizer")
-    cls = type(optimizer.__class__.__name__, (_DistributedOptimizerMixin, optimizer.__class__), {})
+    level = zero_module.check_level(zero)
+    bases = (_DistributedOptimizerMixin, optimizer.__class__)
+    if level:
+        bases = (zero_module.ZeroMixin, *bases)
+    cls = type(optimizer.__class__.__name__, bases, {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__ = optimizer.__dict__  # shares param_groups, state, defaults and hooks
     wrapped._hp_setup(named_parameters, op, compression, backward_passes_per_step, gradient_predivide_factor, groups,
                       num_groups, sparse_as_dense, group)
+    if level:
+        wrapped._hp_zero_setup(level)
     return wrapped
 
 
@@ -515,17 +527,31 @@ def clip_grad_norm_(model: Any, max_norm: float, norm_type: float = 2.0) -> floa
         The total norm before clipping.
     """
     parameters = list(model.parameters()) if hasattr(model, "parameters") else list(model)
-    grads = [p.grad for p in parameters if p.grad is not None]
+    # ZeRO: the averaged gradient exists only as each replica's shard: its norm is summed over the data group
+    sharded = list(dict.fromkeys(o for o in map(zero_module.owner_of, parameters) if o is not None))
+    managed = {id(p) for o in sharded for _, p in o._hp_parameters}
+    grads = [p.grad for p in parameters if p.grad is not None and id(p) not in managed]
+    shard_grads = [g for o in sharded for g in o.shard_gradients()]
     norm_type = float(norm_type)
     if norm_type == float("inf"):
-        local = torch.tensor([max((g.detach().abs().max().item() for g in grads), default=0.0)], dtype=torch.float64)
+        shard_max = max((g.detach().abs().max().item() for g in shard_grads if g.numel()), default=0.0)
+        for o in sharded:
+            shard_max = float(collectives.allreduce(torch.tensor([shard_max], dtype=torch.float64), op=collectives.Max,
+                                                    group=o._hp_group)[0])
+        local = torch.tensor([max([shard_max] + [g.detach().abs().max().item() for g in grads])],
+                             dtype=torch.float64)
         total = float(collectives.allreduce(local, op=collectives.Max, group="pipe")[0])
     else:
-        local = torch.tensor([sum(float(g.detach().double().norm(norm_type) ** norm_type) for g in grads)],
+        shard_sum = 0.0
+        for o in sharded:
+            mine = sum(float(g.detach().double().norm(norm_type) ** norm_type) for g in o.shard_gradients())
+            shard_sum += float(collectives.allreduce(torch.tensor([mine], dtype=torch.float64), op=Sum,
+                                                     group=o._hp_group)[0])
+        local = torch.tensor([shard_sum + sum(float(g.detach().double().norm(norm_type) ** norm_type) for g in grads)],
                              dtype=torch.float64)
         total = float(collectives.allreduce(local, op=Sum, group="pipe")[0]) ** (1.0 / norm_type)
     scale = max_norm / (total + 1e-6)
     if scale < 1.0:
-        for grad in grads:
+        for grad in grads + shard_grads:
             grad.detach().mul_(scale)
     return total
