@@ -87,6 +87,7 @@ from .errors import (
     NotInitializedError,
     NotSupportedError,
 )
+from .amp import LossScaler
 from .optimizer import (
     Compression,
     DistributedOptimizer,
@@ -127,7 +128,7 @@ __all__ = [
     "PipelineModel", "LayerSpec", "auto",
     # data parallelism (Horovod-compatible names)
     "DistributedOptimizer", "Compression", "broadcast_parameters", "broadcast_optimizer_state",
-    "broadcast_object", "allgather_object", "clip_grad_norm_", "SyncBatchNorm", "elastic",
+    "broadcast_object", "allgather_object", "clip_grad_norm_", "SyncBatchNorm", "elastic", "LossScaler",
     # checkpoints
     "save_checkpoint", "load_checkpoint", "resume", "consolidate", "CheckpointError",
     # errors

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from hybridpipe import runtime
+from hybridpipe.amp import LossScaler
 from hybridpipe.comm.collectives import Average, grouped_allreduce_
 from hybridpipe.comm.engine import call
 from hybridpipe.errors import HybridPipeError, MismatchError, PartitionError
@@ -174,9 +175,11 @@ class PipelineModel(nn.Module):
             pipeline applies it (averaged over the stage's replicas) as the schedule says.
         vertical_sync: "pipedream" only: every stage uses, for a micro-batch, the weight version
             the first stage used for it.
-        precision: "fp32", or "bf16": every stage's forward (and re-computation, and the loss) runs
-            under ``torch.autocast`` in bfloat16, float32 activations cross stages in bfloat16, the
-            weights (and their gradients and the optimizer) stay float32.
+        precision: "fp32", "bf16" or "fp16": every stage's forward (and re-computation, and the loss)
+            runs under ``torch.autocast`` in that dtype, float32 activations cross stages in it, the
+            weights (and their gradients and the optimizer) stay float32. "fp16" also scales the losses
+            by ``model.scaler`` (hp.LossScaler): step with ``model.scaler.step(opt)`` and
+            ``model.scaler.update()`` (every rank skips the same overflowing steps; hybridpipe/amp.py).
         memory_limit: ``balance="memory"``: bytes (or ``"2GiB"``) each stage may hold in parameters,
             gradients and the activations of as many micro-batches as the schedule keeps at once;
             the fastest balance (by profiled time) within it is chosen.
@@ -227,10 +230,12 @@ class PipelineModel(nn.Module):
                                   f"{', '.join(map(repr, CHECKPOINT_MODES))})")
         stages = grid.pipeline_stages
         name = canonical_name(schedule)  # unknown name → ScheduleError on every rank
-        if precision not in ("fp32", "bf16"):
-            hint = (" (fp16, with a loss scaler agreed by every stage, is planned; use bf16)"
-                    if precision == "fp16" else "")
-            raise HybridPipeError(f"unknown precision {precision!r}: use 'fp32' or 'bf16'{hint}")
+        if precision not in ("fp32", "bf16", "fp16"):
+            raise HybridPipeError(f"unknown precision {precision!r}: use 'fp32', 'bf16' or 'fp16'")
+        if precision == "fp16" and canonical_name(schedule) in ASYNCHRONOUS:
+            raise HybridPipeError(f"precision='fp16' needs a synchronous schedule (got {schedule!r}): its loss "
+                                  "scaler skips whole steps on every rank, which per-micro-batch updates cannot; "
+                                  "use precision='bf16' (no scaler needed) or a synchronous schedule")
         if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
             raise HybridPipeError(f"virtual_stages must be a positive int (got {virtual_stages!r})")
         self.asynchronous = name in ASYNCHRONOUS
@@ -282,8 +287,10 @@ class PipelineModel(nn.Module):
         self._executor = StageExecutor(chunk_modules, self.stage, stages, self._comm, self.device, virtual_stages)
         if name == "zb-h1":
             self._executor.split_backward()
-        if precision == "bf16":
-            self._executor.autocast = torch.bfloat16
+        if precision != "fp32":
+            self._executor.autocast = torch.bfloat16 if precision == "bf16" else torch.float16
+        # fp16: the dynamic loss scaler every rank agrees on (hybridpipe/amp.py); None otherwise
+        self.scaler: LossScaler | None = LossScaler() if precision == "fp16" else None
         self.optimizer: torch.optim.Optimizer | None = None
         self._stream: AsyncStream | None = None
         self._next_micro_batch = 0
@@ -506,6 +513,7 @@ class PipelineModel(nn.Module):
         total = sum(sizes)
         weights = [size / total for size in sizes]
         if not self.asynchronous:
+            self._executor.loss_scale = self.scaler.get_scale() if self.scaler is not None else 1.0
             result = self._executor.run(self._schedule(self.schedule_name), self.micro_batches, chunks,
                                         target_chunks, self.loss_fn, weights, self.checkpoint, train=True)
             self.last_step = result

@@ -212,6 +212,7 @@ class StageExecutor:
         self.carry_versions = False  # asynchronous vertical sync: activations carry the weight version
         self.carry_losses = False  # asynchronous: gradients carry their micro-batch's loss
         self.autocast: torch.dtype | None = None  # mixed precision: forwards (and losses) under torch.autocast
+        self.loss_scale = 1.0  # fp16: each loss is multiplied by it before its backward (the scaler's scale)
 
     # ------------------------------------------------------------------ set-up
 
@@ -463,7 +464,7 @@ class StageExecutor:
             if chunk.last:
                 loss = self._loss(step, y, m)
                 stored.loss = float(loss.detach())
-                stored.saved = loss * step.weights[m]
+                stored.saved = loss * (step.weights[m] * self.loss_scale)
             else:
                 stored.saved = y = self._boundary(y)
                 self._send_forward(chunk, m, stored, y, marked=False)
@@ -518,7 +519,7 @@ class StageExecutor:
             with timeline.span(f"R{m}", "recompute", stage=chunk.stage, micro_batch=m), stored.saved.replay(), \
                     torch.enable_grad():
                 y = self._call(forward, stored.x)
-                return self._loss(step, y, m) * step.weights[m] if chunk.last else self._boundary(y)
+                return self._loss(step, y, m) * (step.weights[m] * self.loss_scale) if chunk.last else self._boundary(y)
         finally:
             chunk.recording = None
 

@@ -398,5 +398,55 @@ def test_bf16_pipeline_equals_one_process_under_autocast(grid, schedule):
         assert seen_outputs == {torch.bfloat16}  # the stage's matrix products ran in bfloat16
     finally:
         model.close()
-    with pytest.raises(HybridPipeError, match="unknown precision 'fp16'.*planned; use bf16"):
-        hp.PipelineModel(transformer(stages), loss_fn=sequence_loss, precision="fp16")
+    with pytest.raises(HybridPipeError, match="unknown precision 'fp8': use 'fp32', 'bf16' or 'fp16'"):
+        hp.PipelineModel(transformer(stages), loss_fn=sequence_loss, precision="fp8")
+    with pytest.raises(HybridPipeError, match="precision='fp16' needs a synchronous schedule"):
+        hp.PipelineModel(transformer(stages), loss_fn=sequence_loss, precision="fp16", schedule="pipedream",
+                         optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+
+
+def test_fp16_loss_scaler_skips_the_same_steps_everywhere(grid):
+    """fp16 with the agreed scaler equals one process under autocast with torch.amp.GradScaler; an inf
+    injected into one parameter of the LAST stage at step 1 makes every rank skip that step and halve
+    the scale."""
+    stages, micro_batches = grid.pipeline_stages, 2 * grid.pipeline_stages
+    model = hp.PipelineModel(transformer(stages), loss_fn=sequence_loss, micro_batches=micro_batches,
+                             balance="uniform", precision="fp16")
+    reference = transformer(stages)
+    optimizer = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                        named_parameters=model.named_parameters())
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    reference_scaler = torch.amp.GradScaler("cpu")
+    poison = {"on": False}
+    last = str(len(reference) - 1)
+    victim = next(p for n, p in reference.named_parameters() if n.startswith(last + "."))
+    victim.register_hook(lambda g: g * float("inf") if poison["on"] else g)
+    if grid.is_last_stage:
+        mine = next(p for n, p in model.named_parameters() if n.startswith(f"layers.{last}."))
+        mine.register_hook(lambda g: g * float("inf") if poison["on"] else g)
+    try:
+        stepped = []
+        for index, ((inputs, targets), (all_inputs, all_targets)) in enumerate(
+                data_for("transformer", grid, steps=3, per_replica=2 * micro_batches)):
+            poison["on"] = index == 1
+            optimizer.zero_grad()
+            model.train_step(inputs, targets)
+            stepped.append(model.scaler.step(optimizer))
+            model.scaler.update()
+            reference_optimizer.zero_grad()
+            pieces = list(zip(*(microbatch.split(t, micro_batches * grid.data_replicas)
+                                for t in (all_inputs, all_targets))))
+            for x, y in pieces:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = sequence_loss(reference(x), y) / len(pieces)
+                reference_scaler.scale(loss).backward()
+            reference_scaler.step(reference_optimizer)
+            reference_scaler.update()
+        assert stepped == [True, False, True]  # on every rank, the last stage's inf included
+        assert model.scaler.get_scale() == reference_scaler.get_scale() == 2.0 ** 15
+        for name, parameter in model.named_parameters():
+            assert parameter.dtype == torch.float32
+            torch.testing.assert_close(parameter, dict(reference.named_parameters())[name.removeprefix("layers.")],
+                                       rtol=2e-2, atol=2e-3)
+    finally:
+        model.close()
