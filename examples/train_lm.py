@@ -149,6 +149,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout after attention and MLP")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2],
+                        help="ZeRO stage inside each stage's data group: 1 shards AdamW's state, 2 also the gradients")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                        help="autocast dtype of every stage (fp16: with the loss scaler all ranks agree on)")
     parser.add_argument("--data", help="a text file (default: the Python standard library sources)")
     parser.add_argument("--max-bytes", type=int, default=4_000_000, help="corpus size cap")
     parser.add_argument("--val-batches", type=int, default=8)
@@ -211,11 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     sample, _ = sample_batch(train_data, micro, args.seq_len, seed=args.seed)
     model = hp.PipelineModel(build_layers(args), loss_fn=lm_loss, micro_batches=args.micro_batches,
                              schedule=args.schedule, checkpoint=args.checkpoint, sample_input=sample,
-                             seed_layers=args.seed, balance=balance)
+                             seed_layers=args.seed, balance=balance, precision=args.precision)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01) \
         if any(True for _ in model.parameters()) else None
     if optimizer is not None:
-        optimizer = hp.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        optimizer = hp.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), zero=args.zero)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
     if leader:
@@ -225,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         print(grid.table())
         print(model.balance_report)
         print(f"global batch {args.batch_size * grid.data_replicas} × {args.seq_len} tokens, "
-              f"{args.micro_batches} micro-batches, schedule {args.schedule}, checkpoint {args.checkpoint}")
+              f"{args.micro_batches} micro-batches, schedule {args.schedule}, checkpoint {args.checkpoint}, "
+              f"precision {args.precision}, zero {args.zero}")
         sys.stdout.flush()
     first_step = 0
     if args.resume:
@@ -272,7 +277,11 @@ def main(argv: list[str] | None = None) -> int:
             optimizer.zero_grad()
         loss = model.train_step(inputs, targets)
         if optimizer is not None:
-            optimizer.step()
+            if model.scaler is not None:  # fp16: every rank skips the same overflowing steps
+                model.scaler.step(optimizer)
+                model.scaler.update()
+            else:
+                optimizer.step()
             scheduler.step()
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
             checkpoint(step + 1)

@@ -74,3 +74,17 @@ def test_train_lm_checkpoints_and_resumes_on_another_grid(tmp_path):
     assert "resumed from" in second and "at step 20" in second
     assert (tmp_path / "ck" / "latest").read_text().strip() == "step-00000030"
     assert "step   29" in second and "step    0" not in second
+
+
+# issue 15's run is 2 × 2 (make test-long); make test trains the 1 × 2 grid, where ZeRO shards over D = 2
+@pytest.mark.parametrize("ranks,stages", [pytest.param(4, 2, marks=LONG), (2, 1)])
+def test_train_lm_with_zero_1_and_bf16_learns_like_fp32(tmp_path, ranks, stages):
+    command = mpirun_command(ranks, [sys.executable, str(ROOT / "examples" / "train_lm.py"), "--stages", str(stages),
+                                     *SMALL, "--zero", "1", "--precision", "bf16"],
+                             env={"OMPI_MCA_mpi_yield_when_idle": "1", "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "precision bf16, zero 1" in result.stdout
+    before, after = (float(x) for x in re.search(r"validation loss after 40 steps: ([\d.]+) \(before: ([\d.]+)\)",
+                                                  result.stdout).groups()[::-1])
+    assert before > 5.0 and after < before - 1.0  # the fp32 run's bar (test above)
