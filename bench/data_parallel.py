@@ -5,6 +5,7 @@ Usage:
     python bench/data_parallel.py [--dp-ranks 2] [--grid 2x2] [--micro-batches 8,4,2] [--ranks 2,4,8]
                                   [--repeats 10] [--no-ddp] [--no-mlp] [--no-resnet]
                                   [--sweep-cycle-ms 0.25,1,4] [--sweep-fusion 1MiB,16MiB] [--markdown]
+    python bench/data_parallel.py --zero-memory [bench/zero_memory.py's options]   (ZeRO × precision)
 
 Run plainly, this script is the driver: it starts every variant in a fresh set of processes (a
 plain subprocess for the one-process run, ``mpirun -n n ... --worker`` for the rest; the command
@@ -1121,6 +1122,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--zero-memory" in argv:  # ZeRO × precision memory and step time: bench/zero_memory.py
+        import zero_memory
+
+        return zero_memory.main([a for a in argv if a != "--zero-memory"])
     args = parse_args(argv)
     return worker_main(args) if args.worker else driver_main(args)
 
