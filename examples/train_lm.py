@@ -275,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                                        seed=args.seed * 1_000_003 + step * grid.data_replicas + grid.replica)
         if optimizer is not None:
             optimizer.zero_grad()
+        model.measure_activations = step == first_step  # for the memory report: one step is enough
         loss = model.train_step(inputs, targets)
         if optimizer is not None:
             if model.scaler is not None:  # fp16: every rank skips the same overflowing steps
@@ -297,8 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.save_every:
         checkpoint(args.steps)
     elapsed = time.perf_counter() - start
+    memory = model.memory_report(optimizer)  # collective: every rank's parameters, gradients, state, activations
     final = validation_loss(model, val_data, args, grid)
     if leader:
+        print(memory)
         print(f"validation loss after {args.steps} steps: {final:.3f} (before: {initial:.3f}); "
               f"{tokens_per_step * (args.steps - first_step) / elapsed:,.0f} tokens/s over {elapsed:.1f} s")
     if args.save:

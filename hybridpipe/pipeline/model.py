@@ -38,6 +38,8 @@ from torch import nn
 
 from hybridpipe import runtime
 from hybridpipe.amp import LossScaler
+from hybridpipe.pipeline.memory import ActivationMeter, MemoryReport
+from hybridpipe.pipeline.memory import report as memory_report
 from hybridpipe.comm.collectives import Average, grouped_allreduce_
 from hybridpipe.comm.engine import call
 from hybridpipe.errors import HybridPipeError, MismatchError, PartitionError
@@ -591,6 +593,39 @@ class PipelineModel(nn.Module):
         result = self._executor.run(self._schedule("forward"), self.micro_batches, chunks, train=False)
         self.last_step = result
         return microbatch.merge(result.outputs)
+
+    @property
+    def measure_activations(self) -> bool:
+        """Whether ``train_step`` counts the bytes autograd saves for backward (for ``memory_report()``'s
+        activation peak; a Python call per saved tensor, so off by default). Switching it off keeps the
+        peak measured so far; switching it on again continues from it."""
+        return "run" in self._executor.__dict__
+
+    @measure_activations.setter
+    def measure_activations(self, on: bool) -> None:
+        executor = self._executor
+        if bool(on) == ("run" in executor.__dict__):
+            return
+        if not on:
+            del executor.__dict__["run"]  # back to the method
+            return
+        meter = self.__dict__.get("_activation_meter")
+        if meter is None:
+            meter = self.__dict__["_activation_meter"] = ActivationMeter(self.parameters())
+        run = executor.run
+
+        def measured(*args: Any, **kwargs: Any) -> Any:
+            with meter.hooks():
+                return run(*args, **kwargs)
+
+        executor.run = measured
+
+    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
+        """Every rank's memory: parameters, gradients, optimizer state (``optimizer``, default
+        ``model.optimizer``; ZeRO: the shard), peak activations kept for backward (while
+        ``measure_activations`` is on), peak RSS, CUDA peak. Collective over the world; ``print()`` it
+        for a table (hybridpipe/pipeline/memory.py)."""
+        return memory_report(self, optimizer)
 
     def close(self) -> None:
         """Releases the pipeline's communicator (also done when the model is garbage collected)."""
