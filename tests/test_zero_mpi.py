@@ -216,3 +216,41 @@ def test_zero_checkpoint_saved_with_four_replicas_loads_with_two(tmp_path_factor
                 model.close()
     finally:
         hp.shutdown()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_zero_2_under_other_schedules(grid, schedule):
+    batches = global_batches(grid.data_replicas)
+    expected = reference(OPTIMIZERS["adamw"], batches)
+    model, _ = train(grid, "adamw", 2, batches, schedule=schedule)
+    try:
+        assert_matches(model.named_parameters(), expected)
+    finally:
+        model.close()
+
+
+def test_zero_with_fp16_scaler_and_clipping_equals_zero_0(grid):
+    """fp16: unscale (the shards), clip globally, step through the agreed scaler: zero=1 ends where zero=0
+    does, step by step."""
+    batches = global_batches(grid.data_replicas)
+    finals = []
+    for zero in (0, 1):
+        model = hp.PipelineModel(mlp(), loss_fn=nn.CrossEntropyLoss(), micro_batches=2, balance="uniform",
+                                 precision="fp16")
+        optimizer = hp.DistributedOptimizer(OPTIMIZERS["adamw"](model.parameters()),
+                                            named_parameters=model.named_parameters(), zero=zero)
+        norms = []
+        try:
+            for batch in batches:
+                optimizer.zero_grad()
+                model.train_step(*shard(batch, grid))
+                model.scaler.unscale_(optimizer)
+                norms.append(hp.clip_grad_norm_(model, 0.05))
+                assert model.scaler.step(optimizer)
+                model.scaler.update()
+            finals.append(({n: p.detach().clone() for n, p in model.named_parameters()}, norms))
+        finally:
+            model.close()
+    (zero0, norms0), (zero1, norms1) = finals
+    assert norms1 == pytest.approx(norms0, rel=1e-5) and min(norms0) > 0.05  # the clip was active
+    assert_matches(zero1.items(), zero0)
