@@ -73,6 +73,8 @@ std::string describe(const Announced& a) {
 }  // namespace
 
 Engine::Engine(const EngineOptions& options) : options_(options) {
+  tuned_fusion_ = options.fusion_threshold_bytes;
+  tuned_cycle_ = options.cycle_time_ms;
   int provided = MPI_THREAD_SINGLE;
   MPI_Query_thread(&provided);
   if (provided != MPI_THREAD_MULTIPLE) {
@@ -193,6 +195,20 @@ uint64_t Engine::submit_call(int group_id, const std::string& name, int kind, st
   // the kind travels as the element count: ranks that queued different kinds disagree on it
   return enqueue(group_id, name, Buffer{nullptr, static_cast<size_t>(kind), DType::Int64}, ReduceOp::Max,
                  std::move(job));
+}
+
+uint64_t Engine::submit_tuning(int group_id, const std::string& name, size_t fusion_threshold_bytes,
+                               double cycle_time_ms) {
+  if (fusion_threshold_bytes < 1 || !(cycle_time_ms > 0)) {
+    throw std::invalid_argument("submit_tuning: the fusion threshold must be >= 1 byte and the cycle time > 0 ms");
+  }
+  constexpr int kTuningKind = 0x7475;  // "tu": ranks tuning while others call something else disagree
+  return submit_call(group_id, name, kTuningKind, [this, fusion_threshold_bytes, cycle_time_ms] {
+    options_.fusion_threshold_bytes = fusion_threshold_bytes;  // the thread's own: read only by it
+    options_.cycle_time_ms = cycle_time_ms;
+    tuned_fusion_ = fusion_threshold_bytes;
+    tuned_cycle_ = cycle_time_ms;
+  });
 }
 
 uint64_t Engine::submit_collective(int group_id, const std::string& name, int kind, Collective work) {

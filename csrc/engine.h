@@ -35,6 +35,7 @@
 
 #include <mpi.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -44,6 +45,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <unordered_map>
 #include <vector>
 
@@ -145,6 +147,12 @@ class Engine {
   // the engine, as a failing allreduce does).
   using Collective = std::function<void(MPI_Comm, Workspace&, const AllreduceOptions&)>;
   uint64_t submit_collective(int group, const std::string& name, int kind, Collective work);
+  // Autotuning: sets the fusion threshold and the cycle time from a call queued on `group` like submit_call
+  // (so every rank switches between the same two operations of the engine's sequence: a bucket is cut
+  // with the same threshold everywhere). The returned handle completes once it is in effect.
+  uint64_t submit_tuning(int group, const std::string& name, size_t fusion_threshold_bytes, double cycle_time_ms);
+  // The fusion threshold and cycle time in effect (any thread).
+  std::pair<size_t, double> tuning() const { return {tuned_fusion_.load(), tuned_cycle_.load()}; }
   // Stands in for an operation this rank could not submit because its arguments failed its own checks
   // (`refusal`: what it raised, e.g. "TypeError: ..."): once every rank of `group` has something under
   // `name`, the operations of the others fail (ErrorKind Refused) with every refusing rank's text, so a
@@ -301,6 +309,8 @@ class Engine {
   void record(Group& group, const char* phase, double start, double end, size_t bytes, size_t tensors);
 
   EngineOptions options_;
+  std::atomic<size_t> tuned_fusion_{0};  // copies of options_'s tunables for tuning() (written by the thread)
+  std::atomic<double> tuned_cycle_{0};
   std::mutex mutex_;
   std::condition_variable changed_;
   std::condition_variable wake_;  // (with mutex_) a submission, a registration or a stop for the thread

@@ -457,6 +457,10 @@ PYBIND11_MODULE(_C, m) {
           py::arg("dtype"),
           "Queues an allgather over the group: rank r's counts[r] elements at `input` land at their offset of "
           "`output` (sum(counts) elements) on every rank.")
+      .def("submit_tuning", &Engine::submit_tuning, py::arg("group"), py::arg("name"),
+           py::arg("fusion_threshold_bytes"), py::arg("cycle_time_ms"),
+           "Queues a change of the fusion threshold and cycle time (autotuning), agreed like submit_call.")
+      .def("tuning", &Engine::tuning, "(fusion_threshold_bytes, cycle_time_ms) in effect.")
       .def("submit_refusal", &Engine::submit_refusal, py::arg("group"), py::arg("name"), py::arg("refusal"),
            py::arg("detached"),
            "Stands in for an operation whose arguments failed this rank's checks: the other ranks' operations "

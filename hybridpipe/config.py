@@ -139,6 +139,14 @@ class Config:
             without sleeping between tests, instead of leaving them to the niced engine thread;
             the waiting thread has nothing else to do (HYBRIDPIPE_WAITERS_HELP, 1 or 0).
         timeline: path of a Chrome-trace timeline to write, or "" (HYBRIDPIPE_TIMELINE).
+        autotune: during the first steps of training, try fusion thresholds and cycle times and keep
+            the fastest, the same choice on every rank (HYBRIDPIPE_AUTOTUNE, 1 or 0;
+            hybridpipe/comm/autotune.py).
+        autotune_log: a CSV file rank 0 writes every autotuning trial to, or "" (HYBRIDPIPE_AUTOTUNE_LOG).
+        autotune_warmup_samples: steps measured nowhere after the start and after each change of setting
+            (HYBRIDPIPE_AUTOTUNE_WARMUP_SAMPLES).
+        autotune_steps_per_sample: steps timed per trial; a trial's time is the median
+            (HYBRIDPIPE_AUTOTUNE_STEPS_PER_SAMPLE).
     """
 
     fusion_threshold_bytes: int = 4 * 1024 * 1024
@@ -158,6 +166,10 @@ class Config:
     engine_nice: int = 19
     waiters_help: bool = True
     timeline: str = ""
+    autotune: bool = False
+    autotune_log: str = ""
+    autotune_warmup_samples: int = 3
+    autotune_steps_per_sample: int = 5
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Config":
@@ -185,11 +197,16 @@ class Config:
             ("HYBRIDPIPE_WAIT_SLEEP_US", "wait_sleep_us", _positive_float),
             ("HYBRIDPIPE_ENGINE_NICE", "engine_nice", _nice),
             ("HYBRIDPIPE_WAITERS_HELP", "waiters_help", _switch),
+            ("HYBRIDPIPE_AUTOTUNE", "autotune", _switch),
+            ("HYBRIDPIPE_AUTOTUNE_WARMUP_SAMPLES", "autotune_warmup_samples", parse_bytes),
+            ("HYBRIDPIPE_AUTOTUNE_STEPS_PER_SAMPLE", "autotune_steps_per_sample", parse_bytes),
         ):
             if env.get(name, "").strip():
                 values[field] = parse(env[name], name)
         if env.get("HYBRIDPIPE_TIMELINE"):
             values["timeline"] = env["HYBRIDPIPE_TIMELINE"]
+        if env.get("HYBRIDPIPE_AUTOTUNE_LOG"):
+            values["autotune_log"] = env["HYBRIDPIPE_AUTOTUNE_LOG"]
         return cls(**values).validated()
 
     def validated(self) -> "Config":
@@ -213,4 +230,8 @@ class Config:
             raise HybridPipeError(f"engine_nice={self.engine_nice} must be in 0..19 (e.g. 10)")
         if self.receive_window < 1:
             raise HybridPipeError(f"receive_window={self.receive_window} must be >= 1 (e.g. 4)")
+        if self.autotune_warmup_samples < 0:
+            raise HybridPipeError(f"autotune_warmup_samples={self.autotune_warmup_samples} must be >= 0 (e.g. 3)")
+        if self.autotune_steps_per_sample < 1:
+            raise HybridPipeError(f"autotune_steps_per_sample={self.autotune_steps_per_sample} must be >= 1 (e.g. 5)")
         return self

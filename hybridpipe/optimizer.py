@@ -338,7 +338,9 @@ class _DistributedOptimizerMixin:
                                   "step: call opt.synchronize() first")
         self._hp_synchronized = False
         with timeline.span("step", "optimizer", "optimizer"):
-            return super().step()  # type: ignore[misc]
+            result = super().step()  # type: ignore[misc]
+        context.autotune_step()
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
         if self._hp_handles:

@@ -263,6 +263,7 @@ class ZeroMixin:
             self._hp_zero_load_pieces()
             result = self._hp_inner_step()
             self._hp_zero_gather()
+        context.autotune_step()
         return result
 
     def _hp_inner_step(self) -> Any:

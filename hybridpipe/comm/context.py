@@ -441,6 +441,20 @@ def _call_handle(state: CommContext, group: Any, function: str, name: str, colle
                  finish, mismatch, track)
 
 
+def autotune_step() -> None:
+    """After a DistributedOptimizer step: drives the engine's autotuning when HYBRIDPIPE_AUTOTUNE is on
+    (hybridpipe/comm/autotune.py). Every rank calls it once per step."""
+    state = _current
+    if state is None or not state.config.autotune:
+        return
+    tuner = state.__dict__.get("autotuner")
+    if tuner is None:
+        from .autotune import Autotuner
+
+        tuner = state.__dict__["autotuner"] = Autotuner(state)
+    tuner.on_step()
+
+
 def call(group: Any, function: str, work: Callable[[], _Result], collective: str | None = None) -> _Result:
     """Runs ``work()`` (a blocking collective over ``group``) on the engine's communication thread, at
     a point of its sequence that every rank of ``group`` agrees on, and returns its result (or raises
