@@ -130,6 +130,23 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def auto_model(args: argparse.Namespace, train_data: torch.Tensor) -> hp.PipelineModel:
+    """--auto: hp.auto profiles the layers on world rank 0, plans for this world and re-makes the grid;
+    args then describe the plan (per-replica batch, micro-batches, schedule, checkpoint)."""
+    world = hp.size()
+    global_batch = args.global_batch or args.batch_size * world
+    sample = sample_batch(train_data, args.batch_size, args.seq_len, seed=args.seed)
+    model, _ = hp.auto(build_layers(args), lm_loss, sample=sample, global_batch=global_batch, optimizer=None,
+                       seed_layers=args.seed, precision=args.precision)
+    plan = model.plan
+    args.batch_size, args.micro_batches = global_batch // plan.replicas, plan.micro_batches
+    args.schedule, args.checkpoint = plan.schedule, plan.checkpoint
+    if hp.rank() == 0:
+        print(f"hp.auto plan for {world} ranks, global batch {global_batch}: {plan.describe()}; predicted "
+              f"{plan.step_seconds * 1e3:.1f} ms per step", flush=True)
+    return model
+
+
 # ------------------------------------------------------------------ training
 
 
@@ -141,6 +158,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
     parser.add_argument("--checkpoint", default="never", choices=["never", "except_last", "always"])
+    parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2],
+                        help="ZeRO stage inside each stage's data group: 1 shards AdamW's state, 2 also the gradients")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                        help="autocast dtype of every stage (fp16: with the loss scaler all ranks agree on)")
+    parser.add_argument("--auto", action="store_true",
+                        help="let hp.auto choose stages × replicas, balance, micro-batches, schedule and "
+                             "checkpoint for this world (ignores --stages, --micro-batches, --schedule, --checkpoint)")
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="--auto: sequences per step over all replicas (default: --batch-size × world size)")
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per replica per step")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--dim", type=int, default=96)
@@ -149,10 +175,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout after attention and MLP")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2],
-                        help="ZeRO stage inside each stage's data group: 1 shards AdamW's state, 2 also the gradients")
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
-                        help="autocast dtype of every stage (fp16: with the loss scaler all ranks agree on)")
     parser.add_argument("--data", help="a text file (default: the Python standard library sources)")
     parser.add_argument("--max-bytes", type=int, default=4_000_000, help="corpus size cap")
     parser.add_argument("--val-batches", type=int, default=8)
@@ -213,9 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     train_data, val_data = corpus[:split], corpus[split:]
     micro = max(1, args.batch_size // args.micro_batches)
     sample, _ = sample_batch(train_data, micro, args.seq_len, seed=args.seed)
-    model = hp.PipelineModel(build_layers(args), loss_fn=lm_loss, micro_batches=args.micro_batches,
-                             schedule=args.schedule, checkpoint=args.checkpoint, sample_input=sample,
-                             seed_layers=args.seed, balance=balance, precision=args.precision)
+    if args.auto:  # the planner chooses the grid (hp.init is re-made), balance, micro-batches and schedule
+        model = auto_model(args, train_data)
+        grid = hp.grid()
+    else:
+        model = hp.PipelineModel(build_layers(args), loss_fn=lm_loss, micro_batches=args.micro_batches,
+                                 schedule=args.schedule, checkpoint=args.checkpoint, sample_input=sample,
+                                 seed_layers=args.seed, balance=balance, precision=args.precision)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01) \
         if any(True for _ in model.parameters()) else None
     if optimizer is not None:

@@ -7,6 +7,11 @@ Usage:
         [--save-profile profile.json] [--explain]
     python -m hybridpipe.plan --profile profile.json --global-batch 256 --ranks 8 ...
     python -m hybridpipe.plan ... --cluster cluster.json        # links as measured by calibrate
+    python -m hybridpipe.plan --model gpt3-1.3b --gpu h100 --ranks 64      # a built-in model, from its FLOPs
+    python -m hybridpipe.plan --simulate --model gpt3-1.3b --gpu h100 --gpus-per-host 8 \\
+        --intra-host-gbps 900*8 --inter-host-gbps 8*400 --latency-us 5 [--sizes 8:1024] [--scaling weak] \\
+        [--global-batch 64] [--plot scaling.png] [--markdown]           # the best plan at 8 ... 1024 GPUs
+    python -m hybridpipe.plan --simulate --profile profile.json --global-batch 256 --gpus-per-host 8 ...
     hybridpipe-run -np 8 python -m hybridpipe.plan calibrate --output cluster.json
 
 ``MODULE:FACTORY`` names a function (``MODULE`` importable, or a path to a .py file) that returns
@@ -21,13 +26,17 @@ import argparse
 import importlib
 import importlib.util
 import sys
+import time
 from pathlib import Path
 
 from hybridpipe.config import parse_bytes
 from hybridpipe.errors import HybridPipeError
 from hybridpipe.plan.cost import Cluster
 from hybridpipe.plan.profile import Profile, profile
-from hybridpipe.plan.search import CHECKPOINT_CHOICES, SYNCHRONOUS_CHOICES, Plan, plan
+from hybridpipe.plan import models
+from hybridpipe.plan.models import ACCELERATORS, MODELS
+from hybridpipe.plan.search import CHECKPOINT_CHOICES, SYNCHRONOUS_CHOICES, Plan, format_bytes, plan
+from hybridpipe.plan.simulate import DEFAULT_SIZES, parse_sizes, plot_scaling, render_scaling, scaling
 
 
 def load_factory(spec: str):
@@ -56,7 +65,7 @@ def render(best: Plan, args: argparse.Namespace) -> str:
         f"plan for {args.ranks} ranks, global batch {args.global_batch}:",
         f"  {best.describe()}",
         f"  predicted step {best.step_seconds * 1e3:.1f} ms, {best.samples_per_second:.1f} samples/s, "
-        f"{best.memory_bytes_per_rank / 2**20:.1f} MiB on the busiest rank",
+        f"{format_bytes(best.memory_bytes_per_rank)} on the busiest rank",
         "",
         "run it:",
         f"  hybridpipe-run -np {args.ranks} --stages {best.stages} python YOUR_SCRIPT.py",
@@ -79,22 +88,88 @@ def calibrate_main(argv: list[str]) -> int:
     import json
 
     import hybridpipe as hp
-    from hybridpipe.plan.calibrate import calibrate
+    from hybridpipe.plan.calibrate import calibrate, transfer_overhead
 
     hp.init()
     try:
         result = calibrate(args.repeats)
+        per_host = hp.local_size()
+        if per_host > 1 and "action_overhead_us" in result:  # one pipeline per host: the hand-offs' cost
+            hp.shutdown()
+            hp.init(pipeline_stages=per_host)
+            result["transfer_overhead_us"] = transfer_overhead(result["action_overhead_us"],
+                                                               result["intra_latency_us"], args.repeats)
         if hp.rank() == 0:
             with open(args.output, "w") as file:
                 json.dump(result, file, indent=1)
             links = ", ".join(f"{key} {result[key]:.3g}" for key in (
                 "intra_latency_us", "intra_gbps", "inter_latency_us", "inter_gbps", "allreduce_alpha_us",
-                "allreduce_gbps") if key in result)
+                "allreduce_gbps", "action_overhead_us", "transfer_overhead_us") if key in result)
             print(f"{result['ranks']} ranks, {result['ranks_per_host']} per host, {result['cores_per_host']} cores: "
                   f"{links} -> {args.output}")
     finally:
         hp.shutdown()
     return 0
+
+
+def rate(text: str) -> float:
+    """A number, or a product of numbers such as ``900*8`` (900 GB/s in Gbit/s)."""
+    try:
+        value = 1.0
+        for factor in str(text).split("*"):
+            value *= float(factor)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number or a product such as 900*8") from None
+    return value
+
+
+def _build_cluster(args: argparse.Namespace, ranks: int, memory: float) -> Cluster:
+    """The described cluster: ``--cluster`` (calibrated), else the flags, with the accelerator's host as the
+    default for flags not given when a built-in model is simulated."""
+    if args.cluster:
+        from hybridpipe.plan.calibrate import load_cluster
+
+        return load_cluster(args.cluster, memory_per_rank=memory, ranks=ranks)
+    host = ACCELERATORS[args.gpu] if args.gpu else None
+    defaults = {"ranks_per_host": host.per_host if host else 0,
+                "intra_host_gbps": host.intra_host_gbps if host else 40.0,
+                "inter_host_gbps": host.inter_host_gbps if host else 10.0,
+                "latency_us": host.latency_us if host else 20.0}
+    links = {name: getattr(args, name) if getattr(args, name) is not None else default
+             for name, default in defaults.items()}
+    return Cluster(ranks=ranks, cores_per_host=args.cores_per_host, memory_per_rank=memory,
+                   action_overhead_us=args.action_overhead_us, **links)
+
+
+def describe_cluster(cluster: Cluster) -> str:
+    per_host = f"{cluster.ranks_per_host} per host" if cluster.ranks_per_host else "all on one host"
+    memory = f", {format_bytes(cluster.memory_per_rank)} each" if cluster.memory_per_rank else ", no memory limit"
+    overhead = f", {cluster.action_overhead_us:g} µs per pipeline action" if cluster.action_overhead_us else ""
+    return (f"{per_host}, {cluster.intra_host_gbps:g} Gbit/s inside a host, {cluster.inter_host_gbps:g} Gbit/s "
+            f"between hosts, {cluster.latency_us:g} µs latency{memory}{overhead}")
+
+
+def simulate_main(args: argparse.Namespace, model_profile: Profile, memory: float, schedules: tuple[str, ...]) -> str:
+    """``--simulate``: the best plan at each size of ``--sizes``, as a table (and a plot with ``--plot``)."""
+    sizes = parse_sizes(args.sizes)
+    cluster = _build_cluster(args, sizes[0], memory)
+    started = time.perf_counter()
+    rows = scaling(model_profile, cluster, sizes, args.global_batch, weak=args.scaling == "weak",
+                   schedules=schedules, checkpoints=CHECKPOINT_CHOICES,
+                   optimizer_state_factor=args.optimizer_state_factor)
+    elapsed = time.perf_counter() - started
+    source = (f"{args.model} on {args.gpu} at {args.efficiency:g} of its peak" if args.model
+              else f"the profile {args.profile or args.factory} (measured on {model_profile.device})")
+    batch = (f"weak scaling: global batch {args.global_batch} at {sizes[0]} GPUs, growing with them"
+             if args.scaling == "weak" else f"strong scaling: global batch {args.global_batch} at every size")
+    sample = "sequences" if args.model and MODELS[args.model].kind == "transformer" else "samples"
+    lines = [f"predicted scaling of {source}", f"cluster: {describe_cluster(cluster)}", batch, "",
+             render_scaling(rows, markdown=args.markdown, sample=sample), "",
+             f"searched {len(sizes)} sizes in {elapsed:.1f} s"]
+    if args.plot:
+        plot_scaling({args.model or "profile": rows}, args.plot, f"{source}; {batch}", sample)
+        lines.append(f"plot: {args.plot}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,45 +180,89 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("factory", nargs="?", help="MODULE:FACTORY returning (layers, loss_fn, sample)")
     parser.add_argument("--profile", help="a saved profile (JSON) instead of profiling")
+    parser.add_argument("--model", choices=list(MODELS), help="a built-in model costed from its FLOPs instead of "
+                                                              "a profile (with --gpu, --efficiency)")
+    parser.add_argument("--gpu", choices=list(ACCELERATORS), help="the accelerator of --model (default h100); "
+                        "also the default host: GPUs per host, links, memory")
+    parser.add_argument("--efficiency", type=float, default=0.5,
+                        help="--model: fraction of the accelerator's peak the layers reach (default 0.5)")
+    parser.add_argument("--call-overhead-us", type=float, default=50.0,
+                        help="--model: a layer's fixed time per forward call, µs (backward: twice; default 50)")
     parser.add_argument("--save-profile", help="write the measured profile here (JSON)")
     parser.add_argument("--sample-batch", type=int, default=32, help="micro-batch size to profile (default 32)")
-    parser.add_argument("--global-batch", type=int, required=True, help="samples per step over all replicas")
-    parser.add_argument("--ranks", type=int, required=True, help="processes in the job")
+    parser.add_argument("--global-batch", type=int, help="samples per step over all replicas (--model: default "
+                                                         "the published batch)")
+    parser.add_argument("--ranks", type=int, help="processes in the job (not with --simulate)")
+    parser.add_argument("--simulate", action="store_true",
+                        help="predict throughput and scaling efficiency at each of --sizes ranks")
+    parser.add_argument("--sizes", default=DEFAULT_SIZES,
+                        help=f"--simulate: FIRST:LAST (powers of two) or a list (default {DEFAULT_SIZES})")
+    parser.add_argument("--scaling", choices=["weak", "strong"], default="weak",
+                        help="--simulate: weak grows the global batch with the ranks (from --global-batch at the "
+                             "first size), strong keeps it (default weak)")
+    parser.add_argument("--plot", help="--simulate: write a PNG of throughput and efficiency here")
+    parser.add_argument("--markdown", action="store_true", help="--simulate: print the table as Markdown")
     parser.add_argument("--cluster", help="links measured by `calibrate` (JSON); --ranks may differ from it")
-    parser.add_argument("--ranks-per-host", type=int, default=0, help="default: all on one host")
+    parser.add_argument("--ranks-per-host", "--gpus-per-host", dest="ranks_per_host", type=int, default=None,
+                        help="default: all on one host (--gpu: its host's count)")
     parser.add_argument("--cores-per-host", type=int, default=0,
                         help="cores that compute per host (default 0: at least one per rank)")
-    parser.add_argument("--intra-host-gbps", type=float, default=40.0)
-    parser.add_argument("--inter-host-gbps", type=float, default=10.0)
-    parser.add_argument("--latency-us", type=float, default=20.0)
-    parser.add_argument("--memory-per-rank", default="0", help="e.g. 16GiB (default 0: no limit)")
-    parser.add_argument("--optimizer-state-factor", type=float, default=2.0,
-                        help="optimizer state bytes per parameter byte: SGD 0, momentum 1, Adam 2 (default 2)")
+    parser.add_argument("--intra-host-gbps", type=rate, default=None,
+                        help="Gbit/s between ranks of a host (default 40; --gpu: its host's; 900*8 is 900 GB/s)")
+    parser.add_argument("--inter-host-gbps", type=rate, default=None,
+                        help="a host's network, Gbit/s (default 10; --gpu: its host's, e.g. 8*400)")
+    parser.add_argument("--latency-us", type=rate, default=None, help="one message's latency (default 20)")
+    parser.add_argument("--action-overhead-us", type=float, default=0.0,
+                        help="the framework's own time per pipeline action, µs (default 0)")
+    parser.add_argument("--memory-per-rank", default=None,
+                        help="e.g. 16GiB (default 0: no limit; --gpu: its memory)")
+    parser.add_argument("--optimizer-state-factor", type=float, default=None,
+                        help="optimizer state bytes per parameter byte: SGD 0, momentum 1, Adam 2 (default 2; "
+                             "--model in 16 bits: 6, Adam's fp32 master weights and moments)")
     parser.add_argument("--asynchronous", action="store_true", help="also consider pipedream and 2bw")
     parser.add_argument("--explain", action="store_true", help="list the next best candidates and why they lost")
     args = parser.parse_args(argv)
+    sources = [name for name, given in (("MODULE:FACTORY", args.factory), ("--profile", args.profile),
+                                        ("--model", args.model)) if given]
+    if len(sources) != 1:
+        parser.error("give one of MODULE:FACTORY (to profile), --profile FILE or --model NAME"
+                     + (f" (got {' and '.join(sources)})" if sources else ""))
+    if not args.simulate and args.ranks is None:
+        parser.error("--ranks is required (or --simulate to plan for each of --sizes)")
+    if args.simulate and args.ranks is not None:
+        parser.error("--simulate plans for each of --sizes; leave out --ranks (e.g. --sizes 8:1024)")
+    if args.gpu and not args.model:
+        parser.error("--gpu costs a built-in --model; a profile carries its own times (describe the cluster "
+                     "with --gpus-per-host, --intra-host-gbps, --inter-host-gbps, --memory-per-rank)")
+    if args.model:
+        args.gpu = args.gpu or "h100"
+        if args.global_batch is None:
+            args.global_batch = MODELS[args.model].global_batch
+    if args.global_batch is None:
+        parser.error("--global-batch is required with a profile")
     try:
-        if args.profile:
+        if args.model:
+            model_profile = models.model_profile(args.model, args.gpu, args.efficiency, args.call_overhead_us)
+        elif args.profile:
             model_profile = Profile.load(args.profile)
-        elif args.factory:
+        else:
             layers, loss_fn, sample = load_factory(args.factory)()
             inputs, targets = sample(args.sample_batch)
             model_profile = profile(layers, inputs, loss_fn, targets)
-        else:
-            parser.error("give MODULE:FACTORY to profile, or --profile FILE")
         if args.save_profile:
             model_profile.save(args.save_profile)
-        memory = parse_bytes(args.memory_per_rank, "--memory-per-rank")
-        if args.cluster:
-            from hybridpipe.plan.calibrate import load_cluster
-
-            cluster = load_cluster(args.cluster, memory_per_rank=memory, ranks=args.ranks)
+        if args.memory_per_rank is not None:
+            memory = parse_bytes(args.memory_per_rank, "--memory-per-rank")
         else:
-            cluster = Cluster(ranks=args.ranks, ranks_per_host=args.ranks_per_host,
-                              cores_per_host=args.cores_per_host, intra_host_gbps=args.intra_host_gbps,
-                              inter_host_gbps=args.inter_host_gbps, latency_us=args.latency_us,
-                              memory_per_rank=memory)
+            memory = ACCELERATORS[args.gpu].memory_bytes if args.gpu else 0
+        if args.optimizer_state_factor is None:
+            args.optimizer_state_factor = (models.OPTIMIZER_STATE_FACTOR[MODELS[args.model].precision]
+                                           if args.model else 2.0)
         schedules = SYNCHRONOUS_CHOICES + (("pipedream", "2bw") if args.asynchronous else ())
+        if args.simulate:
+            print(simulate_main(args, model_profile, memory, schedules))
+            return 0
+        cluster = _build_cluster(args, args.ranks, memory)
         best = plan(model_profile, cluster, args.global_batch, schedules=schedules, checkpoints=CHECKPOINT_CHOICES,
                     optimizer_state_factor=args.optimizer_state_factor)
     except (HybridPipeError, ValueError, OSError) as error:

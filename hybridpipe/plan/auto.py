@@ -15,6 +15,7 @@ Design reasons:
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,17 +30,28 @@ from hybridpipe.plan.cost import Cluster
 from hybridpipe.plan.profile import Profile, profile
 from hybridpipe.plan.search import CHECKPOINT_CHOICES, SYNCHRONOUS_CHOICES, Plan, plan as search
 
-__all__ = ["auto", "cluster_of_this_job"]
+__all__ = ["auto", "cluster_of_this_job", "host_cores"]
+
+
+def host_cores() -> int:
+    """Cores the ranks of this host may use together (collective over the job): the union of their
+    affinity masks. One rank's own mask undercounts: mpirun binds each rank to a core of its own."""
+    state = runtime._require("host_cores")
+    if hasattr(os, "sched_getaffinity"):
+        mine = sorted(os.sched_getaffinity(0))
+    else:
+        mine = list(range(os.cpu_count() or 1))
+    masks = call(None, "host_cores", lambda: state.local_comm.allgather(mine))
+    return len(set().union(*(set(mask) for mask in masks)))
 
 
 def cluster_of_this_job(memory_per_rank: float = 0.0, **links: float) -> Cluster:
-    """The running job as a :class:`Cluster`: its ranks, ranks per host (the grid's local size), the
-    cores this process may use (ranks beyond them share), and ``links`` (``intra_host_gbps``,
-    ``inter_host_gbps``, ``latency_us``) or the defaults."""
-    from hybridpipe.launch import available_cores
-
+    """The running job as a :class:`Cluster` (collective over the job): its ranks, ranks per host (the
+    grid's local size), the cores the host's ranks may use (ranks beyond them share), and ``links``
+    (e.g. ``intra_host_gbps``, ``inter_host_gbps``, ``latency_us``, ``action_overhead_us``) or the
+    defaults."""
     state = runtime._require("auto")
-    return Cluster(ranks=state.grid.size, ranks_per_host=runtime.local_size(), cores_per_host=available_cores(),
+    return Cluster(ranks=state.grid.size, ranks_per_host=runtime.local_size(), cores_per_host=host_cores(),
                    memory_per_rank=memory_per_rank, **links)
 
 
@@ -62,18 +74,30 @@ class _PipelineDriven:
         return getattr(self._optimizer, name)
 
 
-def auto(layers: nn.Sequential | Sequence[nn.Module], loss_fn: Any, sample: tuple[Any, Any], global_batch: int,
-         optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], plan: Plan | None = None,
+def _built(layers: Sequence[Any]) -> list[nn.Module]:
+    """The layers as modules to profile: ``hp.LayerSpec`` entries built (their weights do not matter here)."""
+    from hybridpipe.pipeline.model import LayerSpec
+
+    with torch.random.fork_rng(devices=[]):
+        return [layer.build() if isinstance(layer, LayerSpec) else layer for layer in layers]
+
+
+def auto(layers: nn.Sequential | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any], global_batch: int,
+         optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None, plan: Plan | None = None,
          asynchronous: bool = False, memory_per_rank: float = 0.0, optimizer_state_factor: float = 2.0,
          cluster: Cluster | None = None, **model_options: Any) -> tuple[Any, Any]:
     """Plans for this job, then builds ``hp.PipelineModel`` and its optimizer; every rank calls it.
 
     Args:
-        layers: The model as layers (built ``nn.Module`` objects, as ``hp.PipelineModel`` takes them).
+        layers: The model as layers, as ``hp.PipelineModel`` takes them (built modules, or ``hp.LayerSpec``
+            entries: then each rank builds only its stage's layers, and world rank 0 builds them all once
+            to profile them).
         loss_fn: ``loss_fn(output, target)``.
         sample: ``(inputs, targets)`` of one micro-batch to profile (on world rank 0).
         global_batch: Samples per step over all replicas (each replica gets ``global_batch / replicas``).
-        optimizer: ``optimizer(params)`` → a torch optimizer over a stage's parameters.
+        optimizer: ``optimizer(params)`` → a torch optimizer over a stage's parameters; ``None`` returns no
+            optimizer (wrap your own in ``hp.DistributedOptimizer``, as for a hand-built model; synchronous
+            plans only).
         plan: Use this plan instead of searching (e.g. one printed by ``python -m hybridpipe.plan``).
         asynchronous: Also consider "pipedream" and "2bw" (they do not train like one process).
         memory_per_rank: Bytes a rank may use (0: no limit).
@@ -87,7 +111,7 @@ def auto(layers: nn.Sequential | Sequence[nn.Module], loss_fn: Any, sample: tupl
     Returns:
         ``(model, opt)``: the ``PipelineModel`` (its ``.plan`` is the :class:`Plan`) and a
         ``hp.DistributedOptimizer`` over the stage's parameters, averaged over its replicas — used as a
-        hand-built pair. For an asynchronous plan, ``opt`` is the pipeline's own optimizer, whose
+        hand-built pair (``opt`` is None when ``optimizer`` is). For an asynchronous plan, ``opt`` is the pipeline's own optimizer, whose
         ``step()`` does nothing (the pipeline steps it; it warns once).
     """
     import hybridpipe as hp
@@ -98,7 +122,7 @@ def auto(layers: nn.Sequential | Sequence[nn.Module], loss_fn: Any, sample: tupl
         measured: Any = None
         if grid.rank == 0:
             try:
-                measured = profile(list(layers), sample[0], loss_fn, sample[1]).to_json()
+                measured = profile(_built(list(layers)), sample[0], loss_fn, sample[1], optimizer=optimizer).to_json()
             except Exception as error:  # every rank must raise, not only rank 0
                 measured = error
         measured = call(None, "auto", lambda: grid.world_comm.bcast(
@@ -115,6 +139,13 @@ def auto(layers: nn.Sequential | Sequence[nn.Module], loss_fn: Any, sample: tupl
         hp.shutdown()
         hp.init(pipeline_stages=plan.stages)
     arguments = plan.model_arguments()
+    if optimizer is None and plan.schedule in ("pipedream", "2bw"):
+        raise HybridPipeError(f"hp.auto: the plan's {plan.schedule} schedule applies the optimizer inside the "
+                              "pipeline: pass optimizer=<factory of a torch optimizer>")
+    if optimizer is None:
+        model = hp.PipelineModel(layers, loss_fn, **arguments, **model_options)
+        model.plan = plan
+        return model, None
     if plan.schedule in ("pipedream", "2bw"):
         model = hp.PipelineModel(layers, loss_fn, optimizer=optimizer, **arguments, **model_options)
         opt: Any = _PipelineDriven(model.optimizer)

@@ -14,6 +14,16 @@ Design reasons:
   between world ranks 0 and 1 gives the inside-a-host link; between rank 0 and the first rank of
   another host, the link between hosts (when the job spans hosts).
 * The ring allreduce's fit (``time = a + bytes · b``) is kept too, for the group sizes in the job.
+* The framework's own time per pipeline action (``action_overhead_us``): every rank runs a
+  one-stage ``PipelineModel`` of two tiny layers at once (so ranks sharing cores share them here
+  too) with 16 and with 2 micro-batches; the difference of the step times over the 28 extra
+  actions is what one action costs beyond its layers' compute. Measured when the job's grid has
+  one stage (as ``python -m hybridpipe.plan calibrate`` makes it).
+* A rank's own time per pipeline transfer (``transfer_overhead_us``, the hand-offs to and from
+  the communication thread): ``python -m hybridpipe.plan calibrate`` then re-makes the grid as one
+  pipeline per host and times a 1F1B step of tiny layers with 16 and with 2 micro-batches; the
+  hand-off time is the one for which the cost model's simulation of those two steps (with the
+  measured action overhead and hop latency, no compute) differs by as much as the measured ones.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ import torch
 from hybridpipe.errors import HybridPipeError
 from hybridpipe.plan.cost import Cluster
 
-__all__ = ["calibrate", "fit", "load_cluster", "SIZES"]
+__all__ = ["calibrate", "fit", "load_cluster", "transfer_overhead", "SIZES"]
 
 SIZES = [8, 1024, 16 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024]
 
@@ -67,12 +77,78 @@ def _ping_pong(comm: Any, peer: int, me: int, repeats: int) -> list[float]:
     return times
 
 
+def _tiny_steps(layers: int, repeats: int) -> dict[int, float]:
+    """Median step time of a 1F1B ``PipelineModel`` of ``layers`` tiny layers (one per stage or all on
+    one), with 2 and with 16 micro-batches, on the job's grid."""
+    import hybridpipe as hp
+    from torch import nn
+
+    torch.manual_seed(0)
+    inputs, targets = torch.randn(16, 4), torch.randn(16, 4)
+    stages = hp.grid().pipeline_stages
+    steps = {}
+    for micro_batches in (2, 16):
+        model = hp.PipelineModel([nn.Linear(4, 4) for _ in range(layers)], nn.MSELoss(),
+                                 micro_batches=micro_batches, balance=[layers // stages] * stages)
+        try:
+            runs = []
+            for run in range(repeats + 2):
+                started = time.perf_counter()
+                model.train_step(inputs, targets)
+                if run >= 2:
+                    runs.append(time.perf_counter() - started)
+            steps[micro_batches] = statistics.median(runs)
+        finally:
+            model.close()
+    return steps
+
+
+def _action_overhead(repeats: int) -> float:
+    """Seconds per pipeline action beyond the layers' compute (see the module docstring)."""
+    steps = _tiny_steps(2, repeats)
+    return max(0.0, (steps[16] - steps[2]) / (2 * (16 - 2)))
+
+
+def transfer_overhead(action_overhead_us: float, latency_us: float, repeats: int = 9) -> float:
+    """A rank's own time per pipeline transfer, microseconds (collective: every rank of a grid with
+    several stages calls it); see the module docstring."""
+    from hybridpipe import runtime
+    from hybridpipe.comm.engine import call
+    from hybridpipe.pipeline import schedule as sched
+
+    state = runtime._require("calibrate")
+    stages = state.grid.pipeline_stages
+    if stages < 2:
+        raise HybridPipeError("transfer_overhead needs a grid of two or more pipeline stages (hp.init(pipeline_stages=2))")
+    steps = _tiny_steps(stages, repeats)
+    measured = call(None, "calibrate", lambda: state.grid.world_comm.allgather(steps[16] - steps[2]))
+    target = statistics.median(measured)
+    action, latency = action_overhead_us * 1e-6, latency_us * 1e-6
+
+    def simulated(hand_off: float) -> float:
+        def duration(a: sched.Action) -> float:
+            return action + hand_off * ((a.stage > 0) + (a.stage < stages - 1))
+        times = [sched.simulate(sched.one_f_one_b(stages, m), duration, duration, transfer_time=latency).makespan
+                 for m in (2, 16)]
+        return times[1] - times[0]
+
+    low, high = 0.0, max(target, 1e-6)
+    if simulated(low) >= target:
+        return 0.0
+    while simulated(high) < target:
+        high *= 2
+    for _ in range(40):
+        middle = (low + high) / 2
+        low, high = (middle, high) if simulated(middle) < target else (low, middle)
+    return (low + high) / 2 * 1e6
+
+
 def calibrate(repeats: int = 9) -> dict[str, Any]:
     """Measures the running job's links (collective: every rank calls it after ``hp.init``)."""
     import hybridpipe as hp
     from hybridpipe import runtime
     from hybridpipe.comm.engine import call
-    from hybridpipe.launch import available_cores
+    from hybridpipe.plan.auto import host_cores
 
     state = runtime._require("calibrate")
     world = state.grid.world_comm
@@ -80,7 +156,7 @@ def calibrate(repeats: int = 9) -> dict[str, Any]:
     hosts = call(None, "calibrate", lambda: world.allgather(runtime.local_rank() == 0))
     host_starts = [r for r, first in enumerate(hosts) if first]
     result: dict[str, Any] = {"format": "hybridpipe-cluster-1", "ranks": size, "ranks_per_host": runtime.local_size(),
-                              "cores_per_host": available_cores(), "sizes": SIZES}
+                              "cores_per_host": host_cores(), "sizes": SIZES}
     comm = call(None, "calibrate", world.Dup)
     try:
         pairs = []
@@ -108,6 +184,11 @@ def calibrate(repeats: int = 9) -> dict[str, Any]:
                 if run >= 2:
                     runs.append(time.perf_counter() - started)
             reduce_times.append(statistics.median(runs))
+        if state.grid.pipeline_stages == 1:
+            mine = _action_overhead(repeats)  # the pipeline's own work, not on the communication thread
+            overheads = call(None, "calibrate", lambda: world.gather(mine, root=0))
+            if rank == 0:
+                result["action_overhead_us"] = statistics.median(overheads) * 1e6
         if rank == 0:
             a, b = fit(SIZES, reduce_times)
             result["allreduce_seconds"] = reduce_times
@@ -127,7 +208,11 @@ def load_cluster(path: str, memory_per_rank: float = 0.0, ranks: int | None = No
         raise HybridPipeError(f"{path} is not a hybridpipe calibration (python -m hybridpipe.plan calibrate)")
     intra = data.get("intra_gbps") or data.get("allreduce_gbps") or 40.0
     latency = data.get("intra_latency_us", data.get("allreduce_alpha_us", 20.0))
+    # the allreduce's fixed cost beyond the ring steps the model counts (2(R−1) latencies)
+    overhead = max(0.0, data.get("allreduce_alpha_us", 0.0) - 2 * (int(data["ranks"]) - 1) * latency)
     return Cluster(ranks=ranks or int(data["ranks"]), ranks_per_host=int(data["ranks_per_host"]),
                    cores_per_host=int(data.get("cores_per_host", 0)), intra_host_gbps=float(intra),
                    inter_host_gbps=float(data.get("inter_gbps") or intra), latency_us=float(latency),
-                   memory_per_rank=memory_per_rank)
+                   memory_per_rank=memory_per_rank, action_overhead_us=float(data.get("action_overhead_us", 0.0)),
+                   allreduce_overhead_us=overhead,
+                   transfer_overhead_us=float(data.get("transfer_overhead_us", 0.0)))

@@ -7,20 +7,34 @@ Design reasons:
   time with each chunk's forward / backward time (from the profile, scaled to the micro-batch) and
   each transfer's time (latency + bytes / bandwidth, inside or between hosts by where the two ranks
   sit). Nothing about a schedule's shape is re-derived by formula.
-* The data-parallel allreduce of a rank's gradients starts when its last backward ends (the engine
-  overlaps it with the rest of the drain) and costs a ring's ``2(D−1)/D`` of the bytes plus
-  ``2(D−1)`` latencies; the step ends when the slowest rank's reduction does, or at the makespan.
+* The data-parallel allreduce overlaps the last micro-batch's backward, as the engine does: a
+  parameter's gradient is final when its layer's part of that backward is done (the optimizer's
+  hook queues it then), gradients are fused into buckets of ``fusion_bytes`` in the order they
+  become final, and the buckets are reduced one after another. Inside a host a bucket costs a
+  ring's ``2(D−1)`` steps of ``bytes/D``; a group spanning hosts with one rank per host is a flat
+  ring over the links between hosts, with several it is hierarchical (reduce-scatter inside each
+  host, an allreduce of each rank's share between hosts, allgather inside), and the stages whose
+  groups reduce at once share a host's network. The step ends when the slowest rank's last bucket
+  does, or at the makespan. Then each rank steps its optimizer (the profile's time per MiB of
+  parameters), after one tiny allreduce that agrees on which gradients exist.
+* ``action_overhead_us`` is the framework's own time per pipeline action (bookkeeping, autograd),
+  added to every F, B, I and W, and ``transfer_overhead_us`` a rank's own time per transfer it
+  sends or receives (the hand-offs to and from the communication thread), added to the actions
+  that transfer; ``calibrate`` measures both, and the allreduce's fixed cost
+  (``allreduce_overhead_us``), on the job's own ranks.
 * Ranks sharing cores: compute times are multiplied by ranks per host ÷ cores per host when
   there are more ranks than cores (the 2-core machine runs 4 ranks at half speed each).
 * Memory per rank: parameters, gradients, optimizer state (``optimizer_state_factor`` × the
   parameter bytes: 0 for plain SGD, 1 with momentum, 2 for Adam), the activations of the most
   micro-batches the schedule holds at once on that rank (``schedule.peak_in_flight``) — or, when
-  re-materializing, their inputs plus one micro-batch's activations — and the asynchronous
-  schedules' extra weight versions.
+  re-materializing, their inputs plus one micro-batch's activations — or the optimizer step's
+  temporaries if larger (a synchronous step's activations are freed before the optimizer runs),
+  and the asynchronous schedules' extra weight versions.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -28,7 +42,8 @@ from hybridpipe.errors import HybridPipeError
 from hybridpipe.pipeline import schedule as sched
 from hybridpipe.plan.profile import Profile
 
-__all__ = ["Cluster", "Candidate", "Prediction", "predict", "allreduce_seconds"]
+__all__ = ["Cluster", "Candidate", "Prediction", "predict", "allreduce_seconds", "chunk_seconds",
+           "step_lower_bound", "memory_per_rank", "schedule_of", "held_micro_batches"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +59,13 @@ class Cluster:
         inter_host_gbps: Between hosts, Gbit/s.
         latency_us: One message's latency, microseconds (a hop of a pipeline, a ring step).
         memory_per_rank: Bytes a rank may use (0: no limit).
+        action_overhead_us: The framework's own time per pipeline action (F, B, I, W), microseconds.
+        fusion_bytes: Gradient bucket size of the data-parallel reduction (``HYBRIDPIPE_FUSION_THRESHOLD``).
+        allreduce_overhead_us: A fixed cost per allreduce beyond its ring steps (the engine's negotiation
+            and cycle, the hand-offs to the communication thread), microseconds.
+        transfer_overhead_us: A rank's own time per pipeline transfer it sends or receives (handing it to
+            and taking it from the communication thread), microseconds: added to the action that sends
+            or receives, beside the transfer's latency on the way.
     """
 
     ranks: int
@@ -53,6 +75,10 @@ class Cluster:
     inter_host_gbps: float = 10.0
     latency_us: float = 20.0
     memory_per_rank: float = 0.0
+    action_overhead_us: float = 0.0
+    fusion_bytes: float = 4 * 2**20
+    allreduce_overhead_us: float = 0.0
+    transfer_overhead_us: float = 0.0
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
@@ -60,8 +86,12 @@ class Cluster:
         for name in ("intra_host_gbps", "inter_host_gbps"):
             if getattr(self, name) <= 0:
                 raise HybridPipeError(f"{name} must be > 0 (got {getattr(self, name)})")
-        if self.latency_us < 0 or self.memory_per_rank < 0 or self.ranks_per_host < 0 or self.cores_per_host < 0:
-            raise HybridPipeError("latency_us, memory_per_rank, ranks_per_host and cores_per_host must be >= 0")
+        negative = {name: getattr(self, name) for name in ("latency_us", "memory_per_rank", "ranks_per_host",
+                                                           "cores_per_host", "action_overhead_us", "fusion_bytes",
+                                                           "allreduce_overhead_us", "transfer_overhead_us")
+                    if getattr(self, name) < 0}
+        if negative:
+            raise HybridPipeError(f"cluster values must be >= 0 (got {negative})")
 
     @property
     def per_host(self) -> int:
@@ -83,16 +113,39 @@ class Cluster:
         return self.latency_us * 1e-6 + nbytes * 8 / (gbps * 1e9)
 
 
-def allreduce_seconds(nbytes: float, ranks: list[int], cluster: Cluster) -> float:
-    """A ring allreduce of ``nbytes`` over ``ranks``: ``2(D−1)`` steps of ``nbytes / D`` each, over the
-    slowest link the ring crosses (between hosts when the ranks span hosts)."""
+def allreduce_seconds(nbytes: float, ranks: list[int], cluster: Cluster, concurrent_groups: int = 1) -> float:
+    """An allreduce of ``nbytes`` over ``ranks``.
+
+    Inside one host: a ring, ``2(D−1)`` steps of ``nbytes / D``. Across hosts with one of the ranks
+    per host: the same ring over the links between hosts. Across hosts with ``g > 1`` of the ranks
+    on a host (the engine's hierarchical path): a ring inside each host (reduce-scatter, then
+    allgather: ``2(g−1)`` steps of ``nbytes / g``) around a ring between the ``H`` hosts in which each
+    of the ``g`` ranks carries its share (``2(H−1)`` steps of ``nbytes / (g·H)``, the ``g`` shares
+    sharing the host's network). ``concurrent_groups`` groups with ranks on the same hosts reduce at
+    the same time and share each host's network too. Each allreduce also pays the cluster's
+    ``allreduce_overhead_us``.
+    """
     count = len(ranks)
     if count < 2 or nbytes <= 0:
         return 0.0
-    spans_hosts = len({cluster.host_of(rank) for rank in ranks}) > 1
-    gbps = cluster.inter_host_gbps if spans_hosts else cluster.intra_host_gbps
-    steps = 2 * (count - 1)
-    return steps * (cluster.latency_us * 1e-6 + (nbytes / count) * 8 / (gbps * 1e9))
+    return cluster.allreduce_overhead_us * 1e-6 + _ring_seconds(nbytes, ranks, cluster, concurrent_groups)
+
+
+def _ring_seconds(nbytes: float, ranks: list[int], cluster: Cluster, concurrent_groups: int) -> float:
+    count = len(ranks)
+    latency = cluster.latency_us * 1e-6
+    per_host: dict[int, int] = {}
+    for rank in ranks:
+        per_host[cluster.host_of(rank)] = per_host.get(cluster.host_of(rank), 0) + 1
+    if len(per_host) == 1:
+        return 2 * (count - 1) * (latency + (nbytes / count) * 8 / (cluster.intra_host_gbps * 1e9))
+    hosts, local = len(per_host), max(per_host.values())
+    network = cluster.inter_host_gbps * 1e9 / max(1, concurrent_groups)  # bits/s this group gets of a host's
+    if local == 1:
+        return 2 * (count - 1) * (latency + (nbytes / count) * 8 / network)
+    inside = 2 * (local - 1) * (latency + (nbytes / local) * 8 / (cluster.intra_host_gbps * 1e9))
+    between = 2 * (hosts - 1) * (latency + local * (nbytes / (local * hosts)) * 8 / network)
+    return inside + between
 
 
 @dataclass(frozen=True)
@@ -119,7 +172,7 @@ class Prediction:
     samples_per_second: float
     pipeline_seconds: float          # the schedule's makespan (or steady-state step, asynchronous)
     allreduce_seconds: float         # the slowest rank's gradient allreduce
-    exposed_allreduce_seconds: float  # the part of it not hidden behind the drain
+    exposed_allreduce_seconds: float  # what the step takes beyond the makespan: unhidden reduction, optimizer
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -130,6 +183,129 @@ class Prediction:
 def _chunk_layers(balance: tuple[int, ...]) -> list[range]:
     starts = [sum(balance[:c]) for c in range(len(balance))]
     return [range(start, start + count) for start, count in zip(starts, balance)]
+
+
+@functools.lru_cache(maxsize=512)
+def schedule_of(name: str, stages: int, micro_batches: int, virtual_stages: int = 1) -> sched.Schedule:
+    """The schedule's action lists (cached: the search asks for the same ones many times; do not mutate).
+    Asynchronous schedules: four steps without the flush (their steady state is costed)."""
+    if name in sched.ASYNCHRONOUS:
+        return sched.async_schedule(name, stages, micro_batches, steps=4, flush=False)
+    return sched.get_schedule(name, stages, micro_batches, virtual_stages)
+
+
+@functools.lru_cache(maxsize=512)
+def held_micro_batches(name: str, stages: int, micro_batches: int, virtual_stages: int = 1) -> tuple[int, ...]:
+    """Per rank, the most micro-batches whose activations the schedule holds at once."""
+    return tuple(sched.peak_in_flight(actions) for actions in schedule_of(name, stages, micro_batches, virtual_stages))
+
+
+def chunk_seconds(profile: Profile, cluster: Cluster, candidate: Candidate, micro: float) -> tuple[list[float], list[float]]:
+    """Each chunk's forward and backward time (compute only) for one micro-batch of ``micro`` samples,
+    with the loss on the last chunk, re-materialization and ranks sharing cores counted."""
+    slow = cluster.compute_slowdown
+    layers = _chunk_layers(candidate.balance)
+    forward = [sum(profile.layers[i].forward_seconds(micro) for i in chunk) * slow for chunk in layers]
+    backward = [sum(profile.layers[i].backward_seconds(micro) for i in chunk) * slow for chunk in layers]
+    backward[-1] += profile.loss_ms * micro * slow / 1e3
+    if candidate.checkpoint != "never":  # every backward re-runs its forward first ("except_last": counted as all)
+        backward = [b + f for b, f in zip(backward, forward)]
+    return forward, backward
+
+
+def step_lower_bound(profile: Profile, cluster: Cluster, candidate: Candidate, global_batch: int) -> float:
+    """A step time no run of ``candidate`` can beat (cheap: no simulation), to order and prune the search.
+
+    Per rank: its compute and overheads (``M`` forwards and backwards of its chunks), after the first
+    micro-batch's forwards through the chunks before it; with one chunk per rank and whole backwards
+    (GPipe, 1F1B), also the backwards through those chunks after its last one."""
+    p, m = candidate.stages, candidate.micro_batches
+    micro = global_batch / candidate.replicas / m
+    forward, backward = chunk_seconds(profile, cluster, candidate, micro)
+    overhead = cluster.action_overhead_us * 1e-6
+    split = candidate.schedule == "zb-h1"
+    hand_off = cluster.transfer_overhead_us * 1e-6
+    transfers = [(c > 0) + (c < len(forward) - 1) for c in range(len(forward))]
+    forward = [f + overhead + hand_off * k for f, k in zip(forward, transfers)]
+    backward = [b + (2 if split else 1) * overhead + hand_off * k for b, k in zip(backward, transfers)]
+    chain = candidate.virtual_stages == 1 and candidate.schedule not in sched.ASYNCHRONOUS
+    bound = 0.0
+    for r in range(p):
+        work = m * sum(forward[c] + backward[c] for c in range(r, len(forward), p))
+        if chain:
+            work += sum(forward[:r]) + (0.0 if split else sum(backward[:r]))
+        bound = max(bound, work)
+    return bound
+
+
+def memory_per_rank(profile: Profile, candidate: Candidate, global_batch: int,
+                    optimizer_state_factor: float = 2.0) -> list[float]:
+    """Each pipeline rank's peak bytes: parameters, gradients, optimizer state, the asynchronous schedules'
+    weight versions, and the larger of the activations of the micro-batches the schedule holds at once
+    (re-materializing: their inputs and one micro-batch's activations) and the optimizer step's
+    temporaries (the activations are freed by then)."""
+    p, v = candidate.stages, candidate.virtual_stages
+    chunks = p * v
+    micro = global_batch / candidate.replicas / candidate.micro_batches
+    layers = _chunk_layers(candidate.balance)
+    parameter_bytes = [sum(profile.layers[i].parameter_bytes for c in range(r, chunks, p) for i in layers[c])
+                       for r in range(p)]
+    activation = [sum(profile.layers[i].activation_bytes for i in chunk) * micro for chunk in layers]
+    inputs = [(profile.input_bytes if c == 0 else profile.layers[layers[c][0] - 1].output_bytes) * micro
+              for c in range(chunks)]
+    held_per_rank = held_micro_batches(candidate.schedule, p, candidate.micro_batches, v)
+    memory = []
+    for r in range(p):
+        held = held_per_rank[r]
+        own = list(range(r, chunks, p))
+        per_micro = max(activation[c] for c in own)
+        if candidate.checkpoint != "never":
+            acts = held * max(inputs[c] for c in own) + per_micro
+        else:
+            acts = held * per_micro
+        versions = 0.0
+        if candidate.schedule == "pipedream":
+            versions = (p - r) * parameter_bytes[r]
+        elif candidate.schedule == "2bw":
+            versions = 2 * parameter_bytes[r]
+        # a synchronous step's activations are gone when the optimizer steps: the larger of the two is
+        # the peak; an asynchronous one updates while micro-batches are in flight
+        largest = max((profile.layers[i].parameter_bytes for c in own for i in layers[c]), default=0)
+        temporaries = max(parameter_bytes[r] * profile.update_temporary_factor,
+                          largest * profile.update_temporary_per_tensor)  # a layer's bytes bound its largest tensor
+        held_then = acts + temporaries if candidate.schedule in sched.ASYNCHRONOUS else max(acts, temporaries)
+        memory.append(parameter_bytes[r] * (2 + optimizer_state_factor) + versions + held_then)
+    return memory
+
+
+def _reduction_end(items: list[sched.TimedAction], chunks_here: list[int], layers: list[range], profile: Profile,
+                   micro: float, group: list[int], cluster: Cluster, concurrent: int) -> tuple[float, float]:
+    """When this rank's last gradient bucket is reduced, and the reductions' total time.
+
+    A layer's gradient is final when its share of its chunk's last backward (``B``, or ``W`` when split)
+    is done; the layers of a chunk finish in reverse order, each after its own backward time."""
+    ready: list[tuple[float, float]] = []
+    for c in chunks_here:
+        last = max((t for t in items if t.action.stage == c and t.action.kind in (
+            sched.ActionKind.BACKWARD, sched.ActionKind.BACKWARD_WEIGHT)), key=lambda t: t.end, default=None)
+        if last is None:
+            continue
+        order = list(reversed(layers[c]))
+        weights = [profile.layers[i].backward_seconds(micro) for i in order]
+        total, done = sum(weights), 0.0
+        for i, weight in zip(order, weights):
+            done += weight
+            fraction = done / total if total > 0 else 1.0
+            if profile.layers[i].parameter_bytes:
+                ready.append((last.start + (last.end - last.start) * fraction, profile.layers[i].parameter_bytes))
+    ready.sort()
+    end = busy = bucket = 0.0
+    for index, (time, nbytes) in enumerate(ready):
+        bucket += nbytes
+        if bucket >= cluster.fusion_bytes or index == len(ready) - 1:
+            cost = allreduce_seconds(bucket, group, cluster, concurrent)
+            end, busy, bucket = max(end, time) + cost, busy + cost, 0.0
+    return end, busy
 
 
 def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_batch: int,
@@ -151,14 +327,9 @@ def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_bat
         raise HybridPipeError(f"global batch {global_batch} does not split evenly over {d} replicas")
     per_replica = global_batch // d
     micro = per_replica / m
-    slow = cluster.compute_slowdown
     layers = _chunk_layers(candidate.balance)
-    forward = [sum(profile.layers[i].forward_seconds(micro) for i in chunk) * slow for chunk in layers]
-    backward = [sum(profile.layers[i].backward_seconds(micro) for i in chunk) * slow for chunk in layers]
-    backward[-1] += profile.loss_ms * micro * slow / 1e3
-    recompute = candidate.checkpoint != "never"
-    if recompute:  # every backward re-runs its forward first ("except_last": all but one, counted as all)
-        backward = [b + f for b, f in zip(backward, forward)]
+    forward, backward = chunk_seconds(profile, cluster, candidate, micro)
+    overhead = cluster.action_overhead_us * 1e-6
     output = [profile.layers[chunk[-1]].output_bytes * micro for chunk in layers]
 
     def rank_of(stage: int) -> int:  # replica 0's pipeline; others are the same shifted by host
@@ -170,51 +341,49 @@ def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_bat
             return cluster.link_seconds(output[source], rank_of(source), rank_of(action.stage))
         return cluster.link_seconds(output[action.stage], rank_of(action.stage + 1), rank_of(action.stage))
 
-    duration = dict(forward_time=lambda a: forward[a.stage], backward_time=lambda a: backward[a.stage],
-                    transfer_time=transfer)
+    # each action's own overhead, plus the hand-off of each transfer it receives or sends (a forward of a
+    # middle chunk both); of a split backward (the simulator times I as backward − W) each half pays the
+    # overhead, the I the hand-offs
+    hand_off = cluster.transfer_overhead_us * 1e-6
+    transfers = [(c > 0) + (c < chunks - 1) for c in range(chunks)]
+    duration = dict(forward_time=lambda a: forward[a.stage] + overhead + hand_off * transfers[a.stage],
+                    backward_time=lambda a: (backward[a.stage] + hand_off * transfers[a.stage]
+                                             + (2 if a.kind is sched.ActionKind.BACKWARD_INPUT else 1) * overhead),
+                    weight_time=lambda a: backward[a.stage] / 2 + overhead, transfer_time=transfer)
     asynchronous = candidate.schedule in sched.ASYNCHRONOUS
-    if asynchronous:
-        plan = sched.async_schedule(candidate.schedule, p, m, steps=4, flush=False)
-        one = sched.simulate(sched.async_schedule(candidate.schedule, p, m, steps=1, flush=False), **duration).makespan
-        pipeline = (sched.simulate(plan, **duration).makespan - one) / 3  # steady state: steps 2-4
-    else:
-        plan = sched.get_schedule(candidate.schedule, p, m, v)
-        timeline = sched.simulate(plan, **duration)
-        pipeline = timeline.makespan
-    # gradients: each rank's parameters, reduced over its stage's replicas after its last backward
+    plan = schedule_of(candidate.schedule, p, m, v)
     parameter_bytes = [sum(profile.layers[i].parameter_bytes for c in range(r, chunks, p) for i in layers[c])
                        for r in range(p)]
-    reduce = [allreduce_seconds(parameter_bytes[r], [replica * p + r for replica in range(d)], cluster)
-              for r in range(p)]
-    if asynchronous:  # an update per micro-batch (pipedream) or per step (2bw), not hidden
+    groups = [[replica * p + r for replica in range(d)] for r in range(p)]
+    spans_hosts = d > 1 and cluster.host_of(groups[0][-1]) != cluster.host_of(groups[0][0])
+    concurrent = min(p, cluster.per_host) if spans_hosts else 1  # stages of a host reducing at once
+    slow = cluster.compute_slowdown
+    update = [profile.update_ms_per_mb * parameter_bytes[r] / 2**20 / 1e3 * slow for r in range(p)]
+    flags = allreduce_seconds(64, groups[0], cluster, concurrent)  # step(): which gradients exist, agreed
+    if asynchronous:  # steady state: steps 2-4 of the stream; an update per micro-batch (pipedream) or step (2bw)
+        one = sched.simulate(sched.async_schedule(candidate.schedule, p, m, steps=1, flush=False), **duration).makespan
+        pipeline = (sched.simulate(plan, **duration).makespan - one) / 3
+        reduce = [allreduce_seconds(parameter_bytes[r], groups[r], cluster, concurrent) for r in range(p)]
         updates = m if candidate.schedule == "pipedream" else 1
-        exposed = max(reduce) * updates
+        exposed = max(r + u for r, u in zip(reduce, update)) * updates
         step = pipeline + exposed
+        slowest_reduction = max(reduce)
     else:
-        last_backward = [max((t.end for t in items if t.action.kind in (
-            sched.ActionKind.BACKWARD, sched.ActionKind.BACKWARD_WEIGHT)), default=0.0)
-            for items in timeline.stages]
-        step = max([pipeline] + [end + r for end, r in zip(last_backward, reduce)])
+        timeline = sched.simulate(plan, **duration)
+        pipeline = timeline.makespan
+        ends = [_reduction_end(timeline.stages[r], list(range(r, chunks, p)), layers, profile, micro, groups[r],
+                               cluster, concurrent) if d > 1 else (0.0, 0.0) for r in range(p)]
+        # each rank's optimizer step: after its own actions and its gradients' reduction
+        finished = [max(items[-1].end if items else 0.0, end) + (flags if d > 1 else 0.0) + u
+                    for items, (end, _), u in zip(timeline.stages, ends, update)]
+        step = max([pipeline] + finished)
         exposed = step - pipeline
-    # memory per rank
-    activation = [sum(profile.layers[i].activation_bytes for i in chunk) * micro for chunk in layers]
-    inputs = [(profile.input_bytes if c == 0 else profile.layers[layers[c][0] - 1].output_bytes) * micro
-              for c in range(chunks)]
-    memory = []
-    for r in range(p):
-        held = sched.peak_in_flight(plan[r])
-        own = list(range(r, chunks, p))
-        per_micro = max(activation[c] for c in own)
-        acts = held * max(inputs[c] for c in own) + per_micro if recompute else held * per_micro
-        versions = 0.0
-        if candidate.schedule == "pipedream":
-            versions = (p - r) * parameter_bytes[r]
-        elif candidate.schedule == "2bw":
-            versions = 2 * parameter_bytes[r]
-        memory.append(parameter_bytes[r] * (2 + optimizer_state_factor) + acts + versions)
+        slowest_reduction = max(busy for _, busy in ends)
+    memory = memory_per_rank(profile, candidate, global_batch, optimizer_state_factor)
     notes = []
-    if slow > 1:
-        notes.append(f"compute × {slow:g}: {cluster.per_host} ranks share {cluster.cores_per_host} cores per host")
+    if cluster.compute_slowdown > 1:
+        notes.append(f"compute × {cluster.compute_slowdown:g}: {cluster.per_host} ranks share "
+                     f"{cluster.cores_per_host} cores per host")
     return Prediction(step_seconds=step, memory_bytes_per_rank=memory,
                       samples_per_second=global_batch / step if step > 0 else math.inf, pipeline_seconds=pipeline,
-                      allreduce_seconds=max(reduce), exposed_allreduce_seconds=exposed, notes=notes)
+                      allreduce_seconds=slowest_reduction, exposed_allreduce_seconds=exposed, notes=notes)

@@ -21,12 +21,14 @@ import json
 import os
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridpipe.errors import HybridPipeError
 from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
@@ -80,6 +82,12 @@ class Profile:
         loss_ms: The loss function's forward + backward per sample.
         device: Where it was measured (e.g. ``"cpu"``).
         note: Free text (how it was made).
+        update_ms_per_mb: The optimizer's step per MiB of parameters (0: not measured).
+        update_temporary_factor: Bytes of temporaries the optimizer's step allocates per byte of all the
+            parameters it steps (an optimizer that steps them together, e.g. torch's foreach Adam: 1).
+        update_temporary_per_tensor: The same per byte of one tensor stepped alone (one that steps tensor
+            by tensor needs this times its largest tensor, e.g. torch's single-tensor Adam: 0.75).
+            Both 0: not measured (plain SGD: 0).
     """
 
     layers: list[LayerCost]
@@ -89,6 +97,9 @@ class Profile:
     device: str = "cpu"
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    update_ms_per_mb: float = 0.0
+    update_temporary_factor: float = 0.0
+    update_temporary_per_tensor: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **asdict(self)}, indent=1)
@@ -111,7 +122,9 @@ class Profile:
             return cls(layers=layers, sample_batch=int(data["sample_batch"]),
                        input_bytes=float(data.get("input_bytes", 0.0)), loss_ms=float(data.get("loss_ms", 0.0)),
                        device=str(data.get("device", "cpu")), note=str(data.get("note", "")),
-                       extra=dict(data.get("extra", {})))
+                       extra=dict(data.get("extra", {})), update_ms_per_mb=float(data.get("update_ms_per_mb", 0.0)),
+                       update_temporary_factor=float(data.get("update_temporary_factor", 0.0)),
+                       update_temporary_per_tensor=float(data.get("update_temporary_per_tensor", 0.0)))
         except (KeyError, TypeError) as error:
             raise HybridPipeError(f"profile is missing or has a bad field: {error}") from None
 
@@ -133,8 +146,72 @@ def _bytes(value: Any) -> int:
     return sum(t.numel() * t.element_size() for t in iter_tensors(value))
 
 
+class _TemporaryBytes(TorchDispatchMode):
+    """Counts the bytes of the tensors that torch operations create while it is active, and their peak
+    (a tensor's bytes count until its last reference goes; outputs that alias an input are not new)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+
+    def _release(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in iter_tensors((args, kwargs or {}))}
+        for tensor in iter_tensors(result):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in inputs or not storage.nbytes():
+                continue
+            inputs.add(storage.data_ptr())
+            self.live += storage.nbytes()
+            weakref.finalize(tensor, self._release, storage.nbytes())
+        self.peak = max(self.peak, self.live)
+        return result
+
+
+def _temporary_bytes(copies: list[nn.Parameter], optimizer: Callable[[list[nn.Parameter]], Any]) -> int:
+    """Peak bytes of the tensors one step of ``optimizer`` over ``copies`` creates, after a first step
+    has made its state."""
+    for copy in copies:
+        copy.grad = torch.full_like(copy, 1e-3)
+    stepper = optimizer(copies)
+    stepper.step()
+    counter = _TemporaryBytes()
+    with counter:
+        stepper.step()
+    return counter.peak
+
+
+def _update_costs(parameters: list[torch.Tensor], optimizer: Callable[[list[nn.Parameter]], Any],
+                  repeats: int, warmup: int) -> tuple[float, float, float]:
+    """The optimizer's step on copies of the parameters (the model's are not touched): its time per MiB,
+    and its temporaries per parameter byte over all of them and for the largest tensor alone (an
+    optimizer that steps tensor by tensor needs the latter, one that steps them together the former)."""
+    copies = [nn.Parameter(torch.zeros_like(p)) for p in parameters if p.is_floating_point()]
+    total = sum(p.numel() * p.element_size() for p in copies)
+    if not copies or not total:
+        return 0.0, 0.0, 0.0
+    largest = max(copies, key=lambda p: p.numel() * p.element_size())
+    largest_bytes = largest.numel() * largest.element_size()
+    per_tensor = _temporary_bytes([nn.Parameter(torch.zeros_like(largest))], optimizer) / largest_bytes
+    together = _temporary_bytes(copies, optimizer) / total
+    for copy in copies:
+        copy.grad = torch.full_like(copy, 1e-3)
+    stepper = optimizer(copies)
+    runs = []
+    for run in range(warmup + repeats + 1):
+        started = time.perf_counter()
+        stepper.step()
+        if run > warmup:  # the first made the state
+            runs.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(runs) / (total / 2**20), together, per_tensor
+
+
 def profile(layers: nn.Sequential | Sequence[nn.Module], sample_input: Any, loss_fn: Callable[[Any, Any], Any],
-            sample_target: Any = None, repeats: int = 5, warmup: int = 2) -> Profile:
+            sample_target: Any = None, repeats: int = 5, warmup: int = 2,
+            optimizer: Callable[[list[nn.Parameter]], Any] | None = None) -> Profile:
     """Measures every layer on ``sample_input`` (one micro-batch) and the loss on its output.
 
     Args:
@@ -144,6 +221,9 @@ def profile(layers: nn.Sequential | Sequence[nn.Module], sample_input: Any, loss
         sample_target: The micro-batch's targets (default: the loss is not timed).
         repeats: Timed runs per layer (medians are kept).
         warmup: Untimed runs per layer first.
+        optimizer: ``optimizer(params)`` → the torch optimizer training will use; its step is timed, and
+            its temporaries measured, on copies of the parameters (``Profile.update_ms_per_mb``,
+            ``Profile.update_temporary_factor``). None: neither.
 
     Returns:
         The :class:`Profile`, per sample.
@@ -152,6 +232,8 @@ def profile(layers: nn.Sequential | Sequence[nn.Module], sample_input: Any, loss
     batch = next(iter_tensors(sample_input)).shape[0] if any(True for _ in iter_tensors(sample_input)) else 0
     if batch < 1:
         raise HybridPipeError("sample_input needs a tensor with a batch dimension (dim 0) of at least 1")
+    # own copies: a slice of a larger tensor (x[:32]) would be counted with its whole storage
+    sample_input = map_tensors(sample_input, lambda t: t.clone(memory_format=torch.contiguous_format))
     timings = profile_layers(layer_list, sample_input, repeats=repeats, warmup=warmup)
     small = max(1, batch // 4)
     if small < batch:  # a second size for the fixed cost per call
@@ -194,7 +276,13 @@ def profile(layers: nn.Sequential | Sequence[nn.Module], sample_input: Any, loss
                 runs.append((time.perf_counter() - started) * 1e3)
         loss_ms = statistics.median(runs) / batch
     device = next((str(t.device) for t in iter_tensors(sample_input)), "cpu")
+    update, together, per_tensor = 0.0, 0.0, 0.0
+    if optimizer is not None:
+        update, together, per_tensor = _update_costs(
+            [p.detach() for layer in layer_list for p in layer.parameters()], optimizer, repeats, warmup)
     return Profile(layers=costs, sample_batch=batch, input_bytes=_bytes(sample_input) / batch, loss_ms=loss_ms,
+                   update_ms_per_mb=update, update_temporary_factor=together,
+                   update_temporary_per_tensor=per_tensor,
                    device=device, note=f"measured by hybridpipe.plan.profile on {batch} samples, "
                                        f"and {small}, {repeats} repeats after {warmup} warm-up runs, "
                                        f"{torch.get_num_threads()} torch threads")

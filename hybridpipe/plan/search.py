@@ -12,19 +12,30 @@ Design reasons:
   micro-batch's activations within the limit).
 * Each candidate is costed by :func:`hybridpipe.plan.cost.predict` (the schedule simulated); those
   over the memory limit are dropped with the reason kept for ``--explain``.
+* Fast enough for a thousand ranks without giving up exactness (under the cost model): candidates
+  are costed in the order of a cheap lower bound of their step time (the busiest rank's work, fill
+  and drain)
+  and the search stops once that bound passes the fastest few found; a re-materialization mode is
+  costed only where the one before it does not fit (recomputing is never faster); a stage count
+  whose weights and optimizer state alone exceed the limit is skipped; the partitioner is
+  ``O(L² log L)`` per stage count and its balances are shared by all candidates of that count.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
+import math
 from dataclasses import dataclass, field
 
 from hybridpipe.errors import HybridPipeError, PartitionError, ScheduleError
 from hybridpipe.pipeline import schedule as sched
 from hybridpipe.pipeline.partition import partition_by_weights
-from hybridpipe.plan.cost import Candidate, Cluster, Prediction, predict
+from hybridpipe.plan.cost import (Candidate, Cluster, Prediction, held_micro_batches, memory_per_rank, predict,
+                                  step_lower_bound)
 from hybridpipe.plan.profile import Profile
 
-__all__ = ["Plan", "plan", "SYNCHRONOUS_CHOICES", "CHECKPOINT_CHOICES"]
+__all__ = ["Plan", "plan", "format_bytes", "SYNCHRONOUS_CHOICES", "CHECKPOINT_CHOICES"]
 
 SYNCHRONOUS_CHOICES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 CHECKPOINT_CHOICES = ("never", "except_last", "always")
@@ -44,6 +55,7 @@ class Plan:
         memory_bytes_per_rank: predicted peak of the busiest rank.
         global_batch: the batch it was planned for.
         alternatives: the next best candidates, each with why it lost (``explain``).
+        prediction: the cost model's details (pipeline makespan, allreduce, memory per rank), when searched.
     """
 
     stages: int
@@ -58,6 +70,7 @@ class Plan:
     global_batch: int
     virtual_stages: int = 1
     alternatives: list[tuple[str, str]] = field(default_factory=list)
+    prediction: Prediction | None = field(default=None, repr=False, compare=False)
 
     def model_arguments(self) -> dict:
         """Keyword arguments of ``hp.PipelineModel`` that build this plan."""
@@ -79,11 +92,8 @@ def _memory_balance(profile: Profile, cluster: Cluster, candidate: Candidate, pe
     activations the schedule holds within the memory limit (partition.py's memory-aware partitioner),
     or None when no balance of this candidate fits."""
     micro = per_replica / candidate.micro_batches
-    plan_ = (sched.async_schedule(candidate.schedule, candidate.stages, candidate.micro_batches)
-             if candidate.schedule in sched.ASYNCHRONOUS
-             else sched.get_schedule(candidate.schedule, candidate.stages, candidate.micro_batches,
-                                     candidate.virtual_stages))
-    held = max(sched.peak_in_flight(actions) for actions in plan_)
+    held = max(held_micro_batches(candidate.schedule, candidate.stages, candidate.micro_batches,
+                                  candidate.virtual_stages))
     if candidate.checkpoint != "never":
         held = 1  # inputs only, plus one micro-batch being recomputed: bounded by one micro-batch's activations
     memory = [layer.parameter_bytes * (2 + optimizer_state_factor) + layer.activation_bytes * micro * held
@@ -97,6 +107,14 @@ def _memory_balance(profile: Profile, cluster: Cluster, candidate: Candidate, pe
                      candidate.schedule, candidate.checkpoint, candidate.virtual_stages)
 
 
+def format_bytes(count: float) -> str:
+    """``count`` bytes in the largest binary unit that keeps it >= 1 (e.g. ``"7.6 MiB"``)."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count:.0f} B"
+
+
 def _label(candidate: Candidate) -> str:
     return (f"{candidate.stages}×{candidate.replicas} {candidate.schedule}"
             + (f" v={candidate.virtual_stages}" if candidate.virtual_stages > 1 else "")
@@ -104,13 +122,49 @@ def _label(candidate: Candidate) -> str:
 
 
 def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+    return sorted(set(small + [n // k for k in small]))
+
+
+def _candidates(profile: Profile, cluster: Cluster, global_batch: int, schedules: tuple[str, ...],
+                max_micro_batches: int | None, balances: dict[int, tuple[int, ...]],
+                time_per_layer: list[float]) -> list[Candidate]:
+    """Every (stages, replicas, schedule, micro-batches) the schedules allow, balanced by time, with
+    checkpoint="never" (the other modes are tried only where this one does not fit)."""
+    layers = len(profile.layers)
+    found = []
+    for p in _divisors(cluster.ranks):
+        d = cluster.ranks // p
+        if p > layers or global_batch % d:
+            continue
+        per_replica = global_batch // d
+        for schedule in schedules:
+            v = INTERLEAVED_CHUNKS if schedule == "interleaved-1f1b" else 1
+            if (p == 1 and schedule != "1f1b") or p * v > layers:
+                continue  # one stage: every schedule is the same gradient accumulation
+            if p * v not in balances:
+                balances[p * v] = tuple(partition_by_weights(time_per_layer, p * v))
+            for m in _divisors(per_replica):
+                if m > (max_micro_batches or max(64, 4 * p)):
+                    break
+                if schedule == "interleaved-1f1b" and m % p:
+                    continue  # Megatron's grouping (schedule.interleaved_one_f_one_b)
+                if schedule == "2bw" and m < p - 1:
+                    continue
+                found.append(Candidate(p, d, balances[p * v], m, schedule, "never", v))
+    return found
 
 
 def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tuple[str, ...] = SYNCHRONOUS_CHOICES,
-         checkpoints: tuple[str, ...] = CHECKPOINT_CHOICES, max_micro_batches: int = 64,
+         checkpoints: tuple[str, ...] = CHECKPOINT_CHOICES, max_micro_batches: int | None = None,
          optimizer_state_factor: float = 2.0, explain: int = 5) -> Plan:
     """The fastest configuration of ``cluster.ranks`` ranks for ``profile`` that fits the memory.
+
+    The search is exact for the cost model but does not cost every candidate: candidates are taken in
+    the order of a lower bound of their step time (the busiest rank's compute), and it stops when that
+    bound exceeds the ``explain + 1``-th fastest step found; a re-materialization mode is tried only for
+    candidates that do not fit without it (it is never faster in the model); and a stage count whose
+    parameters and optimizer state alone exceed the memory limit is not tried at all.
 
     Args:
         profile: Per-layer costs (:func:`hybridpipe.plan.profile`, or loaded from JSON).
@@ -118,79 +172,95 @@ def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tu
         global_batch: Samples per step over all replicas.
         schedules: Schedules to consider (add ``"pipedream"`` / ``"2bw"`` to allow asynchronous ones).
         checkpoints: Re-materialization modes to consider.
-        max_micro_batches: Largest micro-batch count tried.
+        max_micro_batches: Largest micro-batch count tried (default: 64, or 4 per stage for deeper
+            pipelines, whose bubble needs more).
         optimizer_state_factor: Optimizer state bytes per parameter byte (SGD 0, momentum 1, Adam 2).
         explain: How many runners-up to keep, with why each lost.
 
     Raises:
         HybridPipeError: no configuration is possible (the message says why, and what would fit).
     """
-    layers = len(profile.layers)
     if global_batch < 1:
         raise HybridPipeError(f"global batch must be >= 1 (got {global_batch})")
     unknown = [s for s in schedules if s not in sched.SCHEDULE_NAMES or s == "forward"]
     if unknown:
         raise HybridPipeError(f"unknown schedules {unknown} (use some of {', '.join(SYNCHRONOUS_CHOICES)}, "
                               "pipedream, 2bw)")
-    costed: list[tuple[float, Candidate, Prediction]] = []
-    rejected: list[tuple[Candidate, str]] = []
-    time_per_layer = [layer.forward_ms + layer.backward_ms for layer in profile.layers]
+    bad_modes = [c for c in checkpoints if c not in CHECKPOINT_CHOICES]
+    if bad_modes or not checkpoints:
+        raise HybridPipeError(f"checkpoint modes {list(checkpoints)}: use some of {', '.join(CHECKPOINT_CHOICES)}")
+    layers = len(profile.layers)
     factorizations = [(p, cluster.ranks // p) for p in _divisors(cluster.ranks) if p <= layers]
-    usable = [(p, d) for p, d in factorizations if global_batch % d == 0]
-    if not usable:
+    if not any(global_batch % d == 0 for _, d in factorizations):
         replicas = sorted({d for _, d in factorizations})
+        fitting = [d for d in replicas if global_batch % d == 0]
         raise HybridPipeError(f"global batch {global_batch} does not split evenly over any possible replica count "
-                              f"{replicas} of {cluster.ranks} ranks: use a multiple of {min(replicas)}")
-    for p, d in usable:
-        per_replica = global_batch // d
-        for schedule in schedules:
-            v = INTERLEAVED_CHUNKS if schedule == "interleaved-1f1b" else 1
-            if p == 1 and schedule != "1f1b":
-                continue  # one stage: every schedule is the same gradient accumulation
-            if p * v > layers:
+                              f"{replicas} of {cluster.ranks} ranks (a model of {layers} layers has at most "
+                              f"{layers} stages): use a multiple of {min(replicas)}" + (
+                                  f" or {fitting}" if fitting else ""))
+    time_per_layer = [layer.forward_ms + layer.backward_ms for layer in profile.layers]
+    balances: dict[int, tuple[int, ...]] = {}
+    rejected: list[tuple[Candidate, float]] = []
+    limit = cluster.memory_per_rank
+    static = profile.parameter_bytes * (2 + optimizer_state_factor)
+    candidates = []
+    for candidate in _candidates(profile, cluster, global_batch, schedules, max_micro_batches, balances,
+                                 time_per_layer):
+        if limit and static / candidate.stages > limit:  # even a perfect split of the weights is too big
+            rejected.append((candidate, static / candidate.stages))
+            continue
+        candidates.append((step_lower_bound(profile, cluster, candidate, global_batch), candidate))
+    candidates.sort(key=lambda item: (item[0], item[1].stages, item[1].micro_batches))
+    costed: list[tuple[float, Candidate, Prediction]] = []
+    keep = explain + 1
+    best_steps: list[float] = []  # the `keep` fastest step times so far, as a max-heap (negated)
+    modes = [c for c in CHECKPOINT_CHOICES if c in checkpoints]
+    for bound, candidate in candidates:
+        if len(best_steps) >= keep and bound > -best_steps[0]:
+            break  # every remaining candidate is slower than the `keep` fastest found
+        per_replica = global_batch // candidate.replicas
+        for checkpoint in modes:
+            trial = dataclasses.replace(candidate, checkpoint=checkpoint)
+            try:
+                memory = max(memory_per_rank(profile, trial, global_batch, optimizer_state_factor))
+            except ScheduleError:  # a size the schedule does not take
+                break
+            if limit and memory > limit:  # the memory is cheap to know: simulate only what fits
+                balanced = _memory_balance(profile, cluster, trial, per_replica, time_per_layer,
+                                           optimizer_state_factor)
+                if balanced is not None:
+                    trial = balanced
+                    memory = max(memory_per_rank(profile, trial, global_batch, optimizer_state_factor))
+            if limit and memory > limit:
+                rejected.append((trial, memory))
                 continue
-            balance = tuple(partition_by_weights(time_per_layer, p * v))
-            for m in _divisors(per_replica):
-                if m > max_micro_batches:
-                    break
-                try:
-                    if schedule in sched.ASYNCHRONOUS:
-                        if schedule == "2bw" and m < p - 1:
-                            continue
-                    else:
-                        sched.get_schedule(schedule, p, m, v)
-                except ScheduleError:
-                    continue
-                for checkpoint in checkpoints:
-                    candidate = Candidate(p, d, balance, m, schedule, checkpoint, v)
-                    prediction = predict(profile, cluster, candidate, global_batch, optimizer_state_factor)
-                    if cluster.memory_per_rank and prediction.memory_bytes > cluster.memory_per_rank:
-                        balanced = _memory_balance(profile, cluster, candidate, per_replica, time_per_layer,
-                                                   optimizer_state_factor)
-                        if balanced is not None:
-                            candidate = balanced
-                            prediction = predict(profile, cluster, candidate, global_batch, optimizer_state_factor)
-                    if cluster.memory_per_rank and prediction.memory_bytes > cluster.memory_per_rank:
-                        rejected.append((candidate, prediction.memory_bytes))
-                        continue
-                    costed.append((prediction.step_seconds, candidate, prediction))
+            prediction = predict(profile, cluster, trial, global_batch, optimizer_state_factor)
+            costed.append((prediction.step_seconds, trial, prediction))
+            heapq.heappush(best_steps, -prediction.step_seconds)
+            if len(best_steps) > keep:
+                heapq.heappop(best_steps)
+            break  # a slower re-materialization mode cannot win where this one fits
     if not costed:
-        smallest = min((memory for _, memory in rejected), default=None)
-        fits = f" (the smallest needs {smallest / 2**20:.1f} MiB per rank)" if smallest is not None else ""
+        smallest = min(rejected, key=lambda item: item[1], default=None)
+        needs = ""
+        if smallest is not None:
+            needs = (f": the smallest needs {format_bytes(smallest[1])} per rank ({_label(smallest[0])}; the "
+                     f"weights, gradients and optimizer state alone are {format_bytes(static)} over all stages)")
+        fixes = ([f"raise the limit to at least {format_bytes(smallest[1])}"] if smallest is not None else []) + [
+            "use more ranks"] + (["allow checkpoint='always'"] if "always" not in checkpoints else [])
         raise HybridPipeError(f"no configuration of {cluster.ranks} ranks fits memory_per_rank "
-                              f"{cluster.memory_per_rank / 2**20:.1f} MiB{fits}: raise the limit, use more ranks, or "
-                              "allow checkpoint='always'")
+                              f"{format_bytes(limit)}{needs}: {', '.join(fixes)}")
     # fastest first; ties: less memory, then fewer stages
     costed.sort(key=lambda item: (round(item[0], 12), item[2].memory_bytes, item[1].stages))
     step, best, prediction = costed[0]
     alternatives = [(_label(c), f"{pr.step_seconds / step:.3f}× the step time"
                      + (f", {pr.memory_bytes / prediction.memory_bytes:.2f}× the memory" if prediction.memory_bytes else ""))
                     for _, c, pr in costed[1:1 + explain]]
-    alternatives += [(_label(c), f"needs {memory / 2**20:.1f} MiB per rank, over the "
-                                 f"{cluster.memory_per_rank / 2**20:.1f} MiB limit")
+    alternatives += [(_label(c), f"needs {format_bytes(memory)} per rank, over the "
+                                 f"{format_bytes(limit)} limit")
                      for c, memory in sorted(rejected, key=lambda item: item[1])[:max(0, explain - len(alternatives))]]
     return Plan(stages=best.stages, replicas=best.replicas, balance=list(best.balance),
                 micro_batches=best.micro_batches, schedule=best.schedule, checkpoint=best.checkpoint,
                 step_seconds=step, samples_per_second=prediction.samples_per_second,
                 memory_bytes_per_rank=prediction.memory_bytes, global_batch=global_batch,
-                virtual_stages=best.virtual_stages, alternatives=alternatives)
+                virtual_stages=best.virtual_stages, alternatives=alternatives, prediction=prediction)

@@ -1,7 +1,13 @@
 """The planner under mpirun: hp.auto plans for the running job, re-makes the grid as planned, and the model
-and optimizer it returns train like one process on the global batch; calibrate measures the job's links."""
+and optimizer it returns train like one process on the global batch; calibrate measures the job's links; the
+memory estimates match the bytes each stage really has in use."""
 
 from __future__ import annotations
+
+import ctypes
+import gc
+import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -83,3 +89,90 @@ def test_calibrate_measures_the_links_and_the_planner_reads_them(tmp_path_factor
     assert cluster.ranks == 8 and cluster.ranks_per_host == result["ranks_per_host"]
     assert cluster.intra_host_gbps == pytest.approx(result["intra_gbps"])
     assert cluster.latency_us == pytest.approx(result["intra_latency_us"])
+
+
+class _MallocInfo(ctypes.Structure):  # glibc's struct mallinfo2
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _malloc_in_use() -> Callable[[], int]:
+    """Bytes the process has malloc'ed and not freed (heap and mmapped blocks): the tensors alive on the
+    CPU, without the resident pages of MPI's shared memory or of freed heap."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallocInfo
+    except (OSError, AttributeError):
+        pytest.skip("needs glibc >= 2.33 (mallinfo2)")
+
+    def in_use() -> int:
+        info = libc.mallinfo2()
+        return info.uordblks + info.hblkhd
+    return in_use
+
+
+class _Wide(nn.Module):
+    """Linear + Tanh, wide enough that its weights and activations dwarf everything else."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_memory_estimates_are_within_20_percent_of_measured_peaks(schedule):
+    """Each stage's peak of bytes in use over two Adam steps (sampled every half millisecond, from before
+    the model is built) against the planner's estimate: parameters, gradients, Adam's moments, and the
+    larger of the activations the schedule holds and the optimizer step's temporaries."""
+    from hybridpipe.plan import Candidate, Cluster, predict, profile
+
+    in_use = _malloc_in_use()
+    width, batch, micro_batches = 1024, 1024, 8
+    adam = lambda params: torch.optim.Adam(params, lr=1e-4)  # noqa: E731
+    hp.shutdown()
+    hp.init(pipeline_stages=2)
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(batch, width, generator=generator)
+    targets = torch.randn(batch, width, generator=generator)
+    measured_profile = profile([_Wide(width) for _ in range(4)], inputs[:batch // micro_batches], nn.MSELoss(),
+                               targets[:batch // micro_batches], repeats=1, warmup=0, optimizer=adam)
+    predicted = predict(measured_profile, Cluster(ranks=2), Candidate(2, 1, (2, 2), micro_batches, schedule),
+                        batch).memory_bytes_per_rank[hp.grid().stage]
+    def build() -> hp.PipelineModel:
+        return hp.PipelineModel([hp.LayerSpec(_Wide, width) for _ in range(4)], nn.MSELoss(),
+                                micro_batches=micro_batches, balance=[2, 2], schedule=schedule, seed_layers=0)
+
+    warm = build()  # the runtime's own buffers (MPI's free lists grow with the first messages) come first
+    warm.train_step(inputs, targets)
+    warm.close()
+    del warm
+    gc.collect()
+    peak, sampling = [0], threading.Event()
+
+    def sample() -> None:
+        while not sampling.wait(0.0005):
+            peak[0] = max(peak[0], in_use())
+
+    before = in_use()
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    model = build()
+    try:
+        optimizer = adam(list(model.parameters()))
+        for _ in range(3):
+            optimizer.zero_grad(set_to_none=False)
+            model.train_step(inputs, targets)
+            optimizer.step()
+        sampling.set()
+        sampler.join()
+        measured = max(peak[0], in_use()) - before
+    finally:
+        sampling.set()
+        model.close()
+        hp.shutdown()
+        hp.init()
+    assert abs(predicted - measured) <= 0.2 * measured, (
+        f"stage {hp.rank()}: predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")

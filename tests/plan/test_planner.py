@@ -142,7 +142,8 @@ def test_search_errors_say_what_would_fit():
     with pytest.raises(HybridPipeError, match=r"global batch 3 does not split evenly .* use a multiple of 2"):
         hplan.plan(one_layer, Cluster(ranks=2, **FREE), global_batch=3)
     profile = uniform_profile(layers=4, parameters=10**6)
-    with pytest.raises(HybridPipeError, match=r"fits memory_per_rank 0.0 MiB \(the smallest needs [0-9.]+ MiB"):
+    with pytest.raises(HybridPipeError, match=r"fits memory_per_rank 1.0 KiB: the smallest needs [0-9.]+ MiB per rank .*"
+                       r"raise the limit to at least [0-9.]+ MiB, use more ranks"):
         hplan.plan(profile, Cluster(ranks=2, memory_per_rank=1024, **FREE), global_batch=4)
 
 

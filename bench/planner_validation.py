@@ -1,0 +1,366 @@
+"""Planner validation: the cost model's predicted step times against step times measured under mpirun.
+
+Usage:
+    python bench/planner_validation.py [--models mlp,lm] [--ranks 2,4] [--steps 8] [--warmup 3]
+                                       [--no-calibrate] [--markdown] [--json FILE] [--quick]
+
+Run plainly, this script is the driver:
+
+1. It profiles each model once in this process, one thread (``hybridpipe.plan.profile``, what
+   ``hp.auto`` does on world rank 0): the MLP of ``examples/plan_mlp.py`` (``--mlp-width`` ×
+   ``--mlp-depth``, MSE, SGD) and the byte-level GPT of ``examples/train_lm.py`` (``--lm-*`` sizes,
+   AdamW).
+2. For each rank count it measures the machine with ``python -m hybridpipe.plan calibrate`` under
+   mpirun (the pipeline's hop through the communication thread, the allreduce, the framework's
+   time per pipeline action, the cores the ranks share); ``--no-calibrate`` keeps the planner's
+   defaults instead, to show what calibration buys.
+3. Every configuration of its list (stages × replicas, micro-batches, schedule; the planner's own
+   choice for each model and rank count is added when it is not listed) runs in its own
+   ``mpirun -n R ... --worker`` launch: ``--warmup`` steps, then ``--steps`` timed steps, each
+   after a barrier, a step's time being the slowest rank's (zero_grad + train_step + the
+   optimizer's step); the measured step time is their median.
+4. It prints predicted against measured, the error of each (predicted − measured, % of measured),
+   the median and largest error, and for each model and rank count whether the planner's choice is
+   within 10 % of the fastest configuration measured.
+
+Every configuration uses the balance the planner would give it (the optimal partition of the
+profiled layer times) and ``checkpoint="never"``. The issue's targets: every prediction within
+20 %, the median within 10 %, the planner's choice within 10 % of the fastest.
+
+Run it on a quiet machine: other work on the cores changes the measured times, not the predicted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(ROOT))  # hybridpipe from this checkout when it is not installed
+sys.path.insert(2, str(ROOT / "examples"))
+
+from _common import command_line, int_list, progress, render  # noqa: E402
+
+VIRTUAL_STAGES = 2  # interleaved-1f1b, as the planner tries it
+
+
+@dataclass
+class Config:
+    """One measured configuration."""
+
+    model: str
+    ranks: int
+    stages: int
+    micro_batches: int
+    schedule: str
+    virtual_stages: int = 1
+    chosen: bool = False            # the planner's choice for this model and rank count
+    balance: list[int] = field(default_factory=list)
+    predicted_s: float = 0.0
+    measured_s: list[float] = field(default_factory=list)
+
+    @property
+    def replicas(self) -> int:
+        return self.ranks // self.stages
+
+    @property
+    def key(self) -> tuple:
+        return (self.model, self.ranks, self.stages, self.micro_batches, self.schedule, self.virtual_stages)
+
+    @property
+    def label(self) -> str:
+        chunks = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return f"{self.model} {self.stages}×{self.replicas} {self.schedule}{chunks} M={self.micro_batches}"
+
+
+# (ranks, stages, micro-batches, schedule) per model: pure data parallelism, hybrids, deep pipelines
+CONFIGS = {
+    "mlp": [(2, 1, 1, "1f1b"), (2, 1, 4, "1f1b"), (2, 2, 4, "1f1b"), (2, 2, 8, "gpipe"), (2, 2, 8, "zb-h1"),
+            (4, 1, 1, "1f1b"), (4, 2, 4, "1f1b"), (4, 4, 8, "1f1b"), (4, 4, 8, "interleaved-1f1b"),
+            (4, 4, 8, "zb-h1")],
+    "lm": [(2, 1, 1, "1f1b"), (2, 2, 4, "1f1b"), (2, 2, 8, "gpipe"), (4, 1, 1, "1f1b"), (4, 2, 4, "1f1b"),
+           (4, 4, 8, "1f1b")],
+}
+QUICK = {"mlp": [(2, 1, 1, "1f1b"), (2, 2, 4, "1f1b")]}
+
+
+# ------------------------------------------------------------------------------------------ models
+
+def model_parts(name: str, args: argparse.Namespace) -> tuple[list[Any], Any, Any, Any]:
+    """``(layers, loss_fn, batch(n, seed) -> (inputs, targets), optimizer factory)``, the same on every rank."""
+    import torch
+
+    if name == "mlp":
+        import plan_mlp
+
+        layers, loss_fn, _ = plan_mlp.build(args.mlp_width, args.mlp_depth)
+
+        def batch(n: int, seed: int) -> tuple[Any, Any]:
+            generator = torch.Generator().manual_seed(seed)
+            return (torch.randn(n, args.mlp_width, generator=generator),
+                    torch.randn(n, args.mlp_width, generator=generator).clamp_(-0.9, 0.9))
+
+        return layers, loss_fn, batch, lambda params: torch.optim.SGD(params, lr=0.01)
+    import train_lm
+
+    lm_args = train_lm.parse_args(["--dim", str(args.lm_dim), "--layers", str(args.lm_layers), "--heads",
+                                   str(args.lm_heads), "--seq-len", str(args.lm_seq_len)])
+    corpus = train_lm.load_corpus(None, 400_000)
+
+    def lm_batch(n: int, seed: int) -> tuple[Any, Any]:
+        return train_lm.sample_batch(corpus, n, args.lm_seq_len, seed)
+
+    return (train_lm.build_layers(lm_args), train_lm.lm_loss, lm_batch,
+            lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01))
+
+
+def global_batch(name: str, args: argparse.Namespace) -> int:
+    return args.mlp_batch if name == "mlp" else args.lm_batch
+
+
+# ------------------------------------------------------------------------------------------ worker
+
+def worker_main(args: argparse.Namespace) -> int:
+    import torch
+
+    import hybridpipe as hp
+
+    torch.set_num_threads(1)
+    config = Config(**json.loads(args.config))
+    grid = hp.init(pipeline_stages=config.stages)
+    try:
+        layers, loss_fn, batch, optimizer = model_parts(config.model, args)
+        chunks = {"virtual_stages": config.virtual_stages} if config.virtual_stages > 1 else {}
+        model = hp.PipelineModel(layers, loss_fn, micro_batches=config.micro_batches, balance=config.balance,
+                                 schedule=config.schedule, checkpoint="never", seed_layers=0, **chunks)
+        opt = hp.DistributedOptimizer(optimizer(list(model.parameters())), named_parameters=model.named_parameters())
+        inputs, targets = batch(global_batch(config.model, args) // grid.data_replicas, 1000 + grid.replica)
+        times = []
+        for _ in range(args.warmup + args.steps):
+            hp.barrier()
+            started = time.perf_counter()
+            opt.zero_grad()
+            model.train_step(inputs, targets)
+            opt.step()
+            times.append(time.perf_counter() - started)
+        slowest = hp.allreduce(torch.tensor(times[args.warmup:], dtype=torch.float64), op=hp.Max)
+        if grid.rank == 0:
+            Path(args.result).write_text(json.dumps({"step_seconds": slowest.tolist()}))
+        model.close()
+    finally:
+        hp.shutdown()
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ driver
+
+def profile_model(name: str, args: argparse.Namespace):
+    import torch
+
+    from hybridpipe.plan import profile
+    from hybridpipe.plan.auto import _built
+
+    torch.set_num_threads(1)
+    layers, loss_fn, batch, optimizer = model_parts(name, args)
+    inputs, targets = batch(max(1, global_batch(name, args) // 2), 7)
+    return profile(_built(layers), inputs, loss_fn, targets, optimizer=optimizer)
+
+
+def launch_env(ranks: int) -> dict[str, str]:
+    from hybridpipe.launch import available_cores
+
+    env = {"OMP_NUM_THREADS": "1"}
+    env.update({k: v for k, v in os.environ.items() if k.startswith("HYBRIDPIPE_") and k != "HYBRIDPIPE_MPIRUN"})
+    if ranks > available_cores():
+        env["OMPI_MCA_mpi_yield_when_idle"] = "1"
+    return env
+
+
+def run(command: list[str], timeout: float) -> None:
+    completed = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=sys.stderr, timeout=timeout, check=False)
+    if completed.returncode != 0:
+        raise SystemExit(f"bench: {' '.join(command[:6])} ... failed (exit status {completed.returncode}); "
+                         "its output is above")
+
+
+def cluster_for(ranks: int, args: argparse.Namespace, folder: Path):
+    """The planner's cluster for ``ranks`` ranks on this machine: calibrated, or the defaults."""
+    from hybridpipe.launch import available_cores, mpirun_command
+    from hybridpipe.plan import Cluster
+    from hybridpipe.plan.calibrate import load_cluster
+
+    if args.no_calibrate:
+        return Cluster(ranks=ranks, ranks_per_host=ranks, cores_per_host=available_cores()), {}
+    path = folder / f"cluster-{ranks}.json"
+    command = mpirun_command(ranks, [sys.executable, "-m", "hybridpipe.plan", "calibrate", "--output", str(path),
+                                     "--repeats", str(args.calibrate_repeats)], env=launch_env(ranks))
+    progress(f"calibrate {ranks} ranks")
+    run(command, args.timeout)
+    measured = json.loads(path.read_text())
+    return load_cluster(str(path), ranks=ranks), measured
+
+
+def measure(config: Config, args: argparse.Namespace, folder: Path, index: int) -> None:
+    from hybridpipe.launch import mpirun_command
+
+    result = folder / f"result-{index}.json"
+    worker = [sys.executable, str(Path(__file__).resolve()), "--worker", "--result", str(result), "--config",
+              json.dumps(asdict(config)), *model_flags(args), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    progress(f"{config.label} on {config.ranks} ranks")
+    run(mpirun_command(config.ranks, worker, env=launch_env(config.ranks)), args.timeout)
+    config.measured_s = json.loads(result.read_text())["step_seconds"]
+    progress(f"  measured {statistics.median(config.measured_s) * 1e3:.1f} ms, predicted {config.predicted_s * 1e3:.1f}")
+
+
+def model_flags(args: argparse.Namespace) -> list[str]:
+    return ["--mlp-width", str(args.mlp_width), "--mlp-depth", str(args.mlp_depth), "--mlp-batch", str(args.mlp_batch),
+            "--lm-dim", str(args.lm_dim), "--lm-layers", str(args.lm_layers), "--lm-heads", str(args.lm_heads),
+            "--lm-seq-len", str(args.lm_seq_len), "--lm-batch", str(args.lm_batch)]
+
+
+def configurations(args: argparse.Namespace, profiles: dict, clusters: dict) -> list[Config]:
+    """The listed configurations, balanced and predicted, plus the planner's choice per model and rank count."""
+    from hybridpipe.pipeline.partition import partition_by_weights
+    from hybridpipe.plan import Candidate, plan, predict
+
+    table = QUICK if args.quick else CONFIGS
+    configs: list[Config] = []
+    for name in args.models:
+        profile = profiles[name]
+        times = [layer.forward_ms + layer.backward_ms for layer in profile.layers]
+        batch = global_batch(name, args)
+        for ranks in args.ranks:
+            cluster = clusters[ranks]
+            listed = [Config(name, r, p, m, s, VIRTUAL_STAGES if s == "interleaved-1f1b" else 1)
+                      for r, p, m, s in table.get(name, []) if r == ranks]
+            best = plan(profile, cluster, batch)
+            choice = Config(name, ranks, best.stages, best.micro_batches, best.schedule, best.virtual_stages,
+                            chosen=True, balance=list(best.balance))
+            same = [c for c in listed if c.key == choice.key]
+            if same:
+                same[0].chosen = True
+            else:
+                listed.append(choice)
+            for config in listed:
+                if not config.balance:
+                    config.balance = partition_by_weights(times, config.stages * config.virtual_stages)
+                candidate = Candidate(config.stages, config.replicas, tuple(config.balance), config.micro_batches,
+                                      config.schedule, "never", config.virtual_stages)
+                config.predicted_s = predict(profile, cluster, candidate, batch).step_seconds
+            configs += listed
+    return configs
+
+
+def report(configs: list[Config], args: argparse.Namespace, calibrations: dict, started: str, seconds: float) -> str:
+    header = ["configuration", "ranks", "planner", "predicted ms", "measured ms", "min–max ms", "error %"]
+    rows, errors = [], []
+    for config in configs:
+        measured = statistics.median(config.measured_s)
+        error = (config.predicted_s - measured) / measured * 100
+        errors.append(abs(error))
+        rows.append([config.label, str(config.ranks), "chosen" if config.chosen else "",
+                     f"{config.predicted_s * 1e3:.1f}", f"{measured * 1e3:.1f}",
+                     f"{min(config.measured_s) * 1e3:.1f}–{max(config.measured_s) * 1e3:.1f}", f"{error:+.1f}"])
+    lines = [f"Command: `{command_line()}`", f"Setup: {started}; {args.steps} timed steps after {args.warmup} "
+             f"warm-up per configuration, one thread per rank; {seconds:.0f} s in all"]
+    for ranks, measured in sorted(calibrations.items()):
+        if measured:
+            lines.append(f"calibrated on {ranks} ranks: " + ", ".join(
+                f"{key} {measured[key]:.3g}" for key in ("intra_latency_us", "intra_gbps", "allreduce_gbps",
+                                                         "action_overhead_us", "cores_per_host") if key in measured))
+    lines += ["", render(header, rows, args.markdown, left=1), ""]
+    within = sum(error <= 20 for error in errors)
+    lines.append(f"median |error| {statistics.median(errors):.1f} % (target <= 10 %), largest {max(errors):.1f} %, "
+                 f"{within} of {len(errors)} within 20 %")
+    for name in args.models:
+        for ranks in args.ranks:
+            group = [c for c in configs if c.model == name and c.ranks == ranks]
+            if not group:
+                continue
+            fastest = min(group, key=lambda c: statistics.median(c.measured_s))
+            chosen = next(c for c in group if c.chosen)
+            ratio = statistics.median(chosen.measured_s) / statistics.median(fastest.measured_s)
+            lines.append(f"{name} on {ranks} ranks: the planner chose {chosen.label} ({ratio:.3f}× the fastest "
+                         f"measured, {fastest.label}): {'within' if ratio <= 1.10 else 'NOT within'} 10 %")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="mlp,lm", help="mlp and/or lm (default both)")
+    parser.add_argument("--ranks", default="2,4", help="rank counts (default 2,4)")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per configuration (default 8)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    parser.add_argument("--quick", action="store_true",
+                        help="the smallest check: the MLP on 2 ranks, two configurations and the planner's choice")
+    parser.add_argument("--no-calibrate", action="store_true", help="predict with the planner's default links")
+    parser.add_argument("--calibrate-repeats", type=int, default=7)
+    parser.add_argument("--mlp-width", type=int, default=512)
+    parser.add_argument("--mlp-depth", type=int, default=8)
+    parser.add_argument("--mlp-batch", type=int, default=128, help="MLP global batch (default 128)")
+    parser.add_argument("--lm-dim", type=int, default=96)
+    parser.add_argument("--lm-layers", type=int, default=4, help="LM transformer blocks (default 4)")
+    parser.add_argument("--lm-heads", type=int, default=4)
+    parser.add_argument("--lm-seq-len", type=int, default=64)
+    parser.add_argument("--lm-batch", type=int, default=32, help="LM global batch in sequences (default 32)")
+    parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--json", help="also write every configuration's numbers here")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per launch (default 600)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in args.models if m not in CONFIGS]
+    if unknown or not args.models:
+        parser.error(f"--models: unknown {unknown} (use mlp and/or lm)")
+    try:
+        args.ranks = int_list(args.ranks, "--ranks")
+    except argparse.ArgumentTypeError as error:
+        parser.error(str(error))
+    if args.quick:
+        args.models, args.ranks = ["mlp"], [2]
+        args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error(f"--steps must be >= 1 and --warmup >= 0 (got {args.steps}, {args.warmup})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+    started_clock = time.perf_counter()
+    started = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    profiles = {}
+    for name in args.models:
+        progress(f"profile {name}")
+        profiles[name] = profile_model(name, args)
+    with tempfile.TemporaryDirectory(prefix="hybridpipe-planner-") as folder:
+        clusters, calibrations = {}, {}
+        for ranks in args.ranks:
+            clusters[ranks], calibrations[ranks] = cluster_for(ranks, args, Path(folder))
+        configs = configurations(args, profiles, clusters)
+        for index, config in enumerate(configs):
+            measure(config, args, Path(folder), index)
+    print(report(configs, args, calibrations, started, time.perf_counter() - started_clock))
+    if args.json:
+        Path(args.json).write_text(json.dumps([{**asdict(c), "label": c.label} for c in configs], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
