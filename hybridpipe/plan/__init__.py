@@ -6,11 +6,13 @@ Example:
     >>> cluster = hp.plan.Cluster(ranks=8, ranks_per_host=4, inter_host_gbps=10)
     >>> best = hp.plan.plan(profile, cluster, global_batch=256)
     >>> model = hp.PipelineModel(layers, loss_fn, **best.model_arguments())      # under mpirun -n 8
+    >>> opt = hp.DistributedOptimizer(torch.optim.AdamW(model.parameters()), **best.optimizer_arguments())
 """
 
-from hybridpipe.plan.cost import Candidate, Cluster, Prediction, allreduce_seconds, predict
+from hybridpipe.plan.cost import (Candidate, Cluster, Prediction, allgather_seconds, allreduce_seconds, memory_per_rank,
+                                  predict, reducescatter_seconds)
 from hybridpipe.plan.profile import LayerCost, Profile, profile
 from hybridpipe.plan.search import Plan, plan
 
-__all__ = ["Candidate", "Cluster", "LayerCost", "Plan", "Prediction", "Profile", "allreduce_seconds", "plan",
-           "predict", "profile"]
+__all__ = ["Candidate", "Cluster", "LayerCost", "Plan", "Prediction", "Profile", "allgather_seconds",
+           "allreduce_seconds", "memory_per_rank", "plan", "predict", "profile", "reducescatter_seconds"]

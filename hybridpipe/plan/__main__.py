@@ -4,7 +4,7 @@ Usage:
     python -m hybridpipe.plan MODULE:FACTORY --sample-batch 32 --global-batch 256 --ranks 8 \\
         [--ranks-per-host 4] [--cores-per-host 0] [--intra-host-gbps 40] [--inter-host-gbps 10] \\
         [--latency-us 20] [--memory-per-rank 16GiB] [--optimizer-state-factor 2] [--asynchronous] \\
-        [--save-profile profile.json] [--explain]
+        [--zero auto|0|1|2] [--precision fp32|bf16|fp16] [--save-profile profile.json] [--explain]
     python -m hybridpipe.plan --profile profile.json --global-batch 256 --ranks 8 ...
     python -m hybridpipe.plan ... --cluster cluster.json        # links as measured by calibrate
     python -m hybridpipe.plan --model gpt3-1.3b --gpu h100 --ranks 64      # a built-in model, from its FLOPs
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from hybridpipe.config import parse_bytes
 from hybridpipe.errors import HybridPipeError
-from hybridpipe.plan.cost import Cluster
+from hybridpipe.plan.cost import PRECISION_BYTES, ZERO_LEVELS, Cluster
 from hybridpipe.plan.profile import Profile, profile
 from hybridpipe.plan import models
 from hybridpipe.plan.models import ACCELERATORS, MODELS
@@ -71,6 +71,9 @@ def render(best: Plan, args: argparse.Namespace) -> str:
         f"  hybridpipe-run -np {args.ranks} --stages {best.stages} python YOUR_SCRIPT.py",
         f"  model = hp.PipelineModel(layers, loss_fn, **{best.model_arguments()!r})",
     ]
+    if best.zero:
+        lines.append(f"  opt = hp.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), "
+                     f"zero={best.zero})")
     if args.explain and best.alternatives:
         lines += ["", "next best, and why each lost:"]
         width = max(len(label) for label, _ in best.alternatives)
@@ -156,7 +159,8 @@ def simulate_main(args: argparse.Namespace, model_profile: Profile, memory: floa
     started = time.perf_counter()
     rows = scaling(model_profile, cluster, sizes, args.global_batch, weak=args.scaling == "weak",
                    schedules=schedules, checkpoints=CHECKPOINT_CHOICES,
-                   optimizer_state_factor=args.optimizer_state_factor)
+                   optimizer_state_factor=args.optimizer_state_factor, zero_levels=zero_levels(args.zero),
+                   precision=args.precision)
     elapsed = time.perf_counter() - started
     source = (f"{args.model} on {args.gpu} at {args.efficiency:g} of its peak" if args.model
               else f"the profile {args.profile or args.factory} (measured on {model_profile.device})")
@@ -170,6 +174,11 @@ def simulate_main(args: argparse.Namespace, model_profile: Profile, memory: floa
         plot_scaling({args.model or "profile": rows}, args.plot, f"{source}; {batch}", sample)
         lines.append(f"plot: {args.plot}")
     return "\n".join(lines)
+
+
+def zero_levels(choice: str) -> tuple[int, ...]:
+    """``--zero``: "auto" lets the planner choose among 0, 1 and 2; a level forces it where there are replicas."""
+    return ZERO_LEVELS if choice == "auto" else (int(choice),)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="optimizer state bytes per parameter byte: SGD 0, momentum 1, Adam 2 (default 2; "
                              "--model in 16 bits: 6, Adam's fp32 master weights and moments)")
     parser.add_argument("--asynchronous", action="store_true", help="also consider pipedream and 2bw")
+    parser.add_argument("--zero", choices=["auto", "0", "1", "2"], default="auto",
+                        help="ZeRO level of hp.DistributedOptimizer where a stage has replicas: auto (default) "
+                             "lets the planner choose (0 unless sharding is faster or needed to fit)")
+    parser.add_argument("--precision", choices=list(PRECISION_BYTES), default=None,
+                        help="hp.PipelineModel(precision=): bf16 / fp16 halve the activations stored and sent "
+                             "(default: the profile's, fp32 when measured; --model: the model's)")
     parser.add_argument("--explain", action="store_true", help="list the next best candidates and why they lost")
     args = parser.parse_args(argv)
     sources = [name for name, given in (("MODULE:FACTORY", args.factory), ("--profile", args.profile),
@@ -264,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         cluster = _build_cluster(args, args.ranks, memory)
         best = plan(model_profile, cluster, args.global_batch, schedules=schedules, checkpoints=CHECKPOINT_CHOICES,
-                    optimizer_state_factor=args.optimizer_state_factor)
+                    optimizer_state_factor=args.optimizer_state_factor, zero_levels=zero_levels(args.zero),
+                    precision=args.precision)
     except (HybridPipeError, ValueError, OSError) as error:
         print(f"hybridpipe.plan: {error}", file=sys.stderr)
         return 2

@@ -11,6 +11,10 @@ Design reasons:
   ``hp.auto`` before building other communicators on the grid.
 * Only the synchronous schedules are chosen unless ``asynchronous=True``: they train exactly like
   one process on the same global batch; PipeDream and 2BW train differently.
+* The plan's ZeRO level goes to the ``hp.DistributedOptimizer`` it builds; ``precision`` (passed on
+  to ``hp.PipelineModel``) goes to the search too, which halves the activation bytes for bf16 / fp16.
+  ZeRO shards CPU parameters only (hybridpipe/zero.py), so a model placed on another device is
+  planned with ``zero=0``.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from torch import nn
 from hybridpipe import runtime
 from hybridpipe.comm.engine import call
 from hybridpipe.errors import HybridPipeError
-from hybridpipe.plan.cost import Cluster
+from hybridpipe.plan.cost import ZERO_LEVELS, Cluster
 from hybridpipe.plan.profile import Profile, profile
 from hybridpipe.plan.search import CHECKPOINT_CHOICES, SYNCHRONOUS_CHOICES, Plan, plan as search
 
@@ -85,7 +89,7 @@ def _built(layers: Sequence[Any]) -> list[nn.Module]:
 def auto(layers: nn.Sequential | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any], global_batch: int,
          optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None, plan: Plan | None = None,
          asynchronous: bool = False, memory_per_rank: float = 0.0, optimizer_state_factor: float = 2.0,
-         cluster: Cluster | None = None, **model_options: Any) -> tuple[Any, Any]:
+         cluster: Cluster | None = None, zero: int | None = None, **model_options: Any) -> tuple[Any, Any]:
     """Plans for this job, then builds ``hp.PipelineModel`` and its optimizer; every rank calls it.
 
     Args:
@@ -103,21 +107,35 @@ def auto(layers: nn.Sequential | Sequence[Any], loss_fn: Any, sample: tuple[Any,
         memory_per_rank: Bytes a rank may use (0: no limit).
         optimizer_state_factor: Optimizer state bytes per parameter byte (SGD 0, momentum 1, Adam 2).
         cluster: The cluster to plan for (default: :func:`cluster_of_this_job`).
-        model_options: Passed on to ``hp.PipelineModel`` (e.g. ``seed_layers``, ``device``).
+        zero: The ZeRO level to use (0, 1 or 2); None (default) lets the planner choose among them (0 unless
+            sharding is faster or needed to fit ``memory_per_rank``).
+        model_options: Passed on to ``hp.PipelineModel`` (e.g. ``seed_layers``, ``device``, ``precision``:
+            planned for too).
 
     Feed each replica its own ``global_batch / model.plan.replicas`` samples per step (``hp.grid().replica``
     says which), as with a hand-built hybrid model.
 
     Returns:
         ``(model, opt)``: the ``PipelineModel`` (its ``.plan`` is the :class:`Plan`) and a
-        ``hp.DistributedOptimizer`` over the stage's parameters, averaged over its replicas — used as a
-        hand-built pair (``opt`` is None when ``optimizer`` is). For an asynchronous plan, ``opt`` is the pipeline's own optimizer, whose
+        ``hp.DistributedOptimizer(..., zero=plan.zero)`` over the stage's parameters, averaged over its
+        replicas — used as a hand-built pair (``opt`` is None when ``optimizer`` is: then pass
+        ``**model.plan.optimizer_arguments()`` to your own ``hp.DistributedOptimizer``). For an asynchronous plan, ``opt`` is the pipeline's own optimizer, whose
         ``step()`` does nothing (the pipeline steps it; it warns once).
     """
     import hybridpipe as hp
 
     state = runtime._require("auto")
     grid = state.grid
+    if zero is not None and (isinstance(zero, bool) or zero not in ZERO_LEVELS):
+        raise HybridPipeError(f"hp.auto: zero must be 0, 1, 2 or None to let the planner choose (got {zero!r})")
+    device = model_options.get("device")
+    if zero is None:
+        zero_levels = ZERO_LEVELS if device is None or torch.device(device).type == "cpu" else (0,)
+    elif zero and device is not None and torch.device(device).type != "cpu":
+        raise HybridPipeError(f"hp.auto: zero={zero} shards CPU parameters only (device={device!r}): use zero=0 "
+                              "or None")
+    else:
+        zero_levels = (zero,)
     if plan is None:
         measured: Any = None
         if grid.rank == 0:
@@ -132,28 +150,30 @@ def auto(layers: nn.Sequential | Sequence[Any], loss_fn: Any, sample: tuple[Any,
         schedules = SYNCHRONOUS_CHOICES + (("pipedream", "2bw") if asynchronous else ())
         plan = search(Profile.from_json(measured), cluster or cluster_of_this_job(memory_per_rank), global_batch,
                       schedules=schedules, checkpoints=CHECKPOINT_CHOICES,
-                      optimizer_state_factor=optimizer_state_factor)
+                      optimizer_state_factor=optimizer_state_factor, zero_levels=zero_levels,
+                      precision=model_options.get("precision"))
     if plan.stages * plan.replicas != grid.size:
         raise HybridPipeError(f"hp.auto: the plan is for {plan.stages * plan.replicas} ranks, this job has {grid.size}")
     if grid.pipeline_stages != plan.stages:
         hp.shutdown()
         hp.init(pipeline_stages=plan.stages)
-    arguments = plan.model_arguments()
+    arguments = {**plan.model_arguments(), **model_options}  # the caller's precision, device, ... win
     if optimizer is None and plan.schedule in ("pipedream", "2bw"):
         raise HybridPipeError(f"hp.auto: the plan's {plan.schedule} schedule applies the optimizer inside the "
                               "pipeline: pass optimizer=<factory of a torch optimizer>")
     if optimizer is None:
-        model = hp.PipelineModel(layers, loss_fn, **arguments, **model_options)
+        model = hp.PipelineModel(layers, loss_fn, **arguments)
         model.plan = plan
         return model, None
     if plan.schedule in ("pipedream", "2bw"):
-        model = hp.PipelineModel(layers, loss_fn, optimizer=optimizer, **arguments, **model_options)
+        model = hp.PipelineModel(layers, loss_fn, optimizer=optimizer, **arguments)
         opt: Any = _PipelineDriven(model.optimizer)
     else:
-        model = hp.PipelineModel(layers, loss_fn, **arguments, **model_options)
+        model = hp.PipelineModel(layers, loss_fn, **arguments)
         parameters = list(model.parameters())
         if parameters:
-            opt = hp.DistributedOptimizer(optimizer(parameters), named_parameters=model.named_parameters())
+            opt = hp.DistributedOptimizer(optimizer(parameters), named_parameters=model.named_parameters(),
+                                          **plan.optimizer_arguments())
         else:  # a stage of parameter-free layers: nothing to step (its replicas agree: same layers)
             opt = _PipelineDriven(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0))
             opt._warned = True

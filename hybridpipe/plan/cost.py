@@ -42,8 +42,13 @@ from hybridpipe.errors import HybridPipeError
 from hybridpipe.pipeline import schedule as sched
 from hybridpipe.plan.profile import Profile
 
-__all__ = ["Cluster", "Candidate", "Prediction", "predict", "allreduce_seconds", "chunk_seconds",
-           "step_lower_bound", "memory_per_rank", "schedule_of", "held_micro_batches"]
+__all__ = ["Cluster", "Candidate", "Prediction", "predict", "allreduce_seconds", "reducescatter_seconds",
+           "allgather_seconds", "chunk_seconds", "step_lower_bound", "memory_per_rank", "schedule_of",
+           "held_micro_batches", "activation_factor", "profile_precision", "check_zero", "ZERO_LEVELS",
+           "PRECISION_BYTES"]
+
+ZERO_LEVELS = (0, 1, 2)
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes of an activation element
 
 
 @dataclass(frozen=True)
@@ -131,6 +136,54 @@ def allreduce_seconds(nbytes: float, ranks: list[int], cluster: Cluster, concurr
     return cluster.allreduce_overhead_us * 1e-6 + _ring_seconds(nbytes, ranks, cluster, concurrent_groups)
 
 
+def reducescatter_seconds(nbytes: float, ranks: list[int], cluster: Cluster, concurrent_groups: int = 1) -> float:
+    """A reduce-scatter of ``nbytes`` over ``ranks`` (ZeRO's gradients): the first half of
+    :func:`allreduce_seconds`' ring (``D−1`` steps of ``nbytes / D`` inside a host, likewise
+    hierarchically), plus the allreduce's fixed cost."""
+    if len(ranks) < 2 or nbytes <= 0:
+        return 0.0
+    return cluster.allreduce_overhead_us * 1e-6 + _ring_seconds(nbytes, ranks, cluster, concurrent_groups) / 2
+
+
+def allgather_seconds(nbytes: float, ranks: list[int], cluster: Cluster, concurrent_groups: int = 1) -> float:
+    """An allgather of ``nbytes`` in all (ZeRO's updated parameters): the second half of the ring, as
+    :func:`reducescatter_seconds`."""
+    return reducescatter_seconds(nbytes, ranks, cluster, concurrent_groups)
+
+
+def profile_precision(profile: Profile) -> str:
+    """The precision the profile's activations were measured (or modelled) in: ``profile.extra["precision"]``,
+    else fp32."""
+    return str(profile.extra.get("precision", "fp32"))
+
+
+def activation_factor(profile: Profile, precision: str | None) -> float:
+    """Bytes of an activation in ``precision`` per byte of one in the profile's (:func:`profile_precision`):
+    0.5 for a bf16 / fp16 pipeline planned from an fp32 profile; 1 for ``None`` (as profiled).
+
+    Raises:
+        HybridPipeError: an unknown precision (the valid ones named).
+    """
+    made = profile_precision(profile)
+    precision = made if precision is None else precision
+    for value, what in ((precision, "precision"), (made, "the profile's precision")):
+        if value not in PRECISION_BYTES:
+            raise HybridPipeError(f"unknown {what} {value!r}: use one of {', '.join(map(repr, PRECISION_BYTES))}")
+    return PRECISION_BYTES[precision] / PRECISION_BYTES[made]
+
+
+def check_zero(zero: int, replicas: int, schedule: str) -> None:
+    """Raises :class:`HybridPipeError` unless ``zero`` is a ZeRO level this candidate can use."""
+    if isinstance(zero, bool) or zero not in ZERO_LEVELS:
+        raise HybridPipeError(f"zero must be 0, 1 or 2 (got {zero!r})")
+    if zero and schedule in sched.ASYNCHRONOUS:
+        raise HybridPipeError(f"zero={zero} shards hp.DistributedOptimizer's state; the {schedule} schedule steps "
+                              "its own optimizer inside the pipeline: use zero=0 or a synchronous schedule")
+    if zero and replicas < 2:
+        raise HybridPipeError(f"zero={zero} shards over the data replicas, but there is {replicas}: use zero=0 "
+                              "or more replicas")
+
+
 def _ring_seconds(nbytes: float, ranks: list[int], cluster: Cluster, concurrent_groups: int) -> float:
     count = len(ranks)
     latency = cluster.latency_us * 1e-6
@@ -152,7 +205,7 @@ def _ring_seconds(nbytes: float, ranks: list[int], cluster: Cluster, concurrent_
 class Candidate:
     """One configuration: ``stages`` × ``replicas`` ranks, a balance (one entry per chunk), the
     micro-batches per replica, the schedule (with ``virtual_stages`` chunks per rank) and the
-    re-materialization mode."""
+    re-materialization mode, and the ZeRO level of its ``hp.DistributedOptimizer`` (0: none)."""
 
     stages: int
     replicas: int
@@ -161,6 +214,7 @@ class Candidate:
     schedule: str
     checkpoint: str = "never"
     virtual_stages: int = 1
+    zero: int = 0
 
 
 @dataclass
@@ -171,7 +225,7 @@ class Prediction:
     memory_bytes_per_rank: list[float]
     samples_per_second: float
     pipeline_seconds: float          # the schedule's makespan (or steady-state step, asynchronous)
-    allreduce_seconds: float         # the slowest rank's gradient allreduce
+    allreduce_seconds: float         # the slowest rank's gradient allreduce (ZeRO: reduce-scatter + allgather)
     exposed_allreduce_seconds: float  # what the step takes beyond the makespan: unhidden reduction, optimizer
     notes: list[str] = field(default_factory=list)
 
@@ -239,19 +293,23 @@ def step_lower_bound(profile: Profile, cluster: Cluster, candidate: Candidate, g
 
 
 def memory_per_rank(profile: Profile, candidate: Candidate, global_batch: int,
-                    optimizer_state_factor: float = 2.0) -> list[float]:
+                    optimizer_state_factor: float = 2.0, precision: str | None = None) -> list[float]:
     """Each pipeline rank's peak bytes: parameters, gradients, optimizer state, the asynchronous schedules'
     weight versions, and the larger of the activations of the micro-batches the schedule holds at once
     (re-materializing: their inputs and one micro-batch's activations) and the optimizer step's
-    temporaries (the activations are freed by then)."""
-    p, v = candidate.stages, candidate.virtual_stages
+    temporaries (the activations are freed by then). With ZeRO (``candidate.zero``): the state, a flat
+    shard of the parameters and its gradient ``/D``, and the buffers the sharded optimizer holds (see the
+    module docstring). ``precision``: activations in bf16 / fp16 (:func:`activation_factor`)."""
+    p, v, d = candidate.stages, candidate.virtual_stages, candidate.replicas
+    check_zero(candidate.zero, d, candidate.schedule)
+    scale = activation_factor(profile, precision)
     chunks = p * v
     micro = global_batch / candidate.replicas / candidate.micro_batches
     layers = _chunk_layers(candidate.balance)
     parameter_bytes = [sum(profile.layers[i].parameter_bytes for c in range(r, chunks, p) for i in layers[c])
                        for r in range(p)]
-    activation = [sum(profile.layers[i].activation_bytes for i in chunk) * micro for chunk in layers]
-    inputs = [(profile.input_bytes if c == 0 else profile.layers[layers[c][0] - 1].output_bytes) * micro
+    activation = [sum(profile.layers[i].activation_bytes for i in chunk) * micro * scale for chunk in layers]
+    inputs = [(profile.input_bytes if c == 0 else profile.layers[layers[c][0] - 1].output_bytes * scale) * micro
               for c in range(chunks)]
     held_per_rank = held_micro_batches(candidate.schedule, p, candidate.micro_batches, v)
     memory = []
@@ -270,17 +328,30 @@ def memory_per_rank(profile: Profile, candidate: Candidate, global_batch: int,
             versions = 2 * parameter_bytes[r]
         # a synchronous step's activations are gone when the optimizer steps: the larger of the two is
         # the peak; an asynchronous one updates while micro-batches are in flight
+        weights = parameter_bytes[r]
         largest = max((profile.layers[i].parameter_bytes for c in own for i in layers[c]), default=0)
-        temporaries = max(parameter_bytes[r] * profile.update_temporary_factor,
+        if candidate.zero:  # the optimizer steps one flat shard per param group: its largest tensor
+            shard = weights / d
+            temporaries = max(shard * profile.update_temporary_factor, shard * profile.update_temporary_per_tensor,
+                              weights)  # ... then the allgather's buffers, every bucket's at once
+            static = weights + shard * (2 + optimizer_state_factor)  # parameters; shard, its gradient, state
+            if candidate.zero == 1:  # .grad kept, and copied into the reduce-scatter's buffers (<= temporaries)
+                memory.append(static + weights + max(acts, temporaries))
+            else:  # gradients accumulate before the last micro-batch; one: freed as the activations are
+                pipeline = acts + weights if candidate.micro_batches > 1 else max(acts, weights)
+                memory.append(static + max(pipeline, temporaries))
+            continue
+        temporaries = max(weights * profile.update_temporary_factor,
                           largest * profile.update_temporary_per_tensor)  # a layer's bytes bound its largest tensor
         held_then = acts + temporaries if candidate.schedule in sched.ASYNCHRONOUS else max(acts, temporaries)
-        memory.append(parameter_bytes[r] * (2 + optimizer_state_factor) + versions + held_then)
+        memory.append(weights * (2 + optimizer_state_factor) + versions + held_then)
     return memory
 
 
 def _reduction_end(items: list[sched.TimedAction], chunks_here: list[int], layers: list[range], profile: Profile,
-                   micro: float, group: list[int], cluster: Cluster, concurrent: int) -> tuple[float, float]:
-    """When this rank's last gradient bucket is reduced, and the reductions' total time.
+                   micro: float, group: list[int], cluster: Cluster, concurrent: int,
+                   zero: int = 0) -> tuple[float, float]:
+    """When this rank's last gradient bucket is reduced (ZeRO: reduce-scattered), and the reductions' total time.
 
     A layer's gradient is final when its share of its chunk's last backward (``B``, or ``W`` when split)
     is done; the layers of a chunk finish in reverse order, each after its own backward time."""
@@ -303,19 +374,36 @@ def _reduction_end(items: list[sched.TimedAction], chunks_here: list[int], layer
     for index, (time, nbytes) in enumerate(ready):
         bucket += nbytes
         if bucket >= cluster.fusion_bytes or index == len(ready) - 1:
-            cost = allreduce_seconds(bucket, group, cluster, concurrent)
+            cost = (reducescatter_seconds if zero else allreduce_seconds)(bucket, group, cluster, concurrent)
             end, busy, bucket = max(end, time) + cost, busy + cost, 0.0
     return end, busy
 
 
+def _gather_seconds(layer_bytes: list[int], group: list[int], cluster: Cluster, concurrent: int) -> float:
+    """ZeRO's allgather of a rank's updated parameters after its step, bucket after bucket (the buckets of
+    the reduce-scatter: layers in the backward's order until one reaches ``fusion_bytes``)."""
+    total = bucket = 0.0
+    for index, nbytes in enumerate(layer_bytes):
+        bucket += nbytes
+        if bucket >= cluster.fusion_bytes or index == len(layer_bytes) - 1:
+            total, bucket = total + allgather_seconds(bucket, group, cluster, concurrent), 0.0
+    return total
+
+
 def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_batch: int,
-            optimizer_state_factor: float = 2.0) -> Prediction:
+            optimizer_state_factor: float = 2.0, precision: str | None = None) -> Prediction:
     """Step time and memory per rank of ``candidate`` for a global batch of ``global_batch`` samples.
 
+    ``precision`` is the pipeline's (``hp.PipelineModel(precision=...)``; None: the profile's): in bf16 / fp16
+    the activations stored and sent take half the bytes of fp32 (:func:`activation_factor`).
+
     Raises:
-        HybridPipeError: the candidate does not fit the profile or the cluster (named).
+        HybridPipeError: the candidate does not fit the profile or the cluster, or its ZeRO level or the
+            precision is not one it can use (named).
     """
     p, d, m = candidate.stages, candidate.replicas, candidate.micro_batches
+    check_zero(candidate.zero, d, candidate.schedule)
+    scale = activation_factor(profile, precision)
     v = candidate.virtual_stages
     chunks = p * v
     if p * d != cluster.ranks:
@@ -330,7 +418,7 @@ def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_bat
     layers = _chunk_layers(candidate.balance)
     forward, backward = chunk_seconds(profile, cluster, candidate, micro)
     overhead = cluster.action_overhead_us * 1e-6
-    output = [profile.layers[chunk[-1]].output_bytes * micro for chunk in layers]
+    output = [profile.layers[chunk[-1]].output_bytes * micro * scale for chunk in layers]
 
     def rank_of(stage: int) -> int:  # replica 0's pipeline; others are the same shifted by host
         return sched.stage_to_rank(stage, p)
@@ -355,11 +443,18 @@ def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_bat
     parameter_bytes = [sum(profile.layers[i].parameter_bytes for c in range(r, chunks, p) for i in layers[c])
                        for r in range(p)]
     groups = [[replica * p + r for replica in range(d)] for r in range(p)]
+    layer_bytes = [[profile.layers[i].parameter_bytes for c in reversed(range(r, chunks, p))
+                    for i in reversed(layers[c]) if profile.layers[i].parameter_bytes] for r in range(p)]
     spans_hosts = d > 1 and cluster.host_of(groups[0][-1]) != cluster.host_of(groups[0][0])
     concurrent = min(p, cluster.per_host) if spans_hosts else 1  # stages of a host reducing at once
     slow = cluster.compute_slowdown
-    update = [profile.update_ms_per_mb * parameter_bytes[r] / 2**20 / 1e3 * slow for r in range(p)]
-    flags = allreduce_seconds(64, groups[0], cluster, concurrent)  # step(): which gradients exist, agreed
+    zero = candidate.zero
+    # the optimizer's step (ZeRO: on 1/D of the parameters, then their allgather)
+    update = [profile.update_ms_per_mb * parameter_bytes[r] / (d if zero else 1) / 2**20 / 1e3 * slow
+              + (_gather_seconds(layer_bytes[r], groups[r], cluster, concurrent) if zero else 0.0)
+              for r in range(p)]
+    # step(): which gradients exist, agreed (ZeRO's step reduce-scatters every bucket instead)
+    flags = allreduce_seconds(64, groups[0], cluster, concurrent) if d > 1 and not zero else 0.0
     if asynchronous:  # steady state: steps 2-4 of the stream; an update per micro-batch (pipedream) or step (2bw)
         one = sched.simulate(sched.async_schedule(candidate.schedule, p, m, steps=1, flush=False), **duration).makespan
         pipeline = (sched.simulate(plan, **duration).makespan - one) / 3
@@ -372,14 +467,15 @@ def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_bat
         timeline = sched.simulate(plan, **duration)
         pipeline = timeline.makespan
         ends = [_reduction_end(timeline.stages[r], list(range(r, chunks, p)), layers, profile, micro, groups[r],
-                               cluster, concurrent) if d > 1 else (0.0, 0.0) for r in range(p)]
+                               cluster, concurrent, zero) if d > 1 else (0.0, 0.0) for r in range(p)]
         # each rank's optimizer step: after its own actions and its gradients' reduction
-        finished = [max(items[-1].end if items else 0.0, end) + (flags if d > 1 else 0.0) + u
+        finished = [max(items[-1].end if items else 0.0, end) + flags + u
                     for items, (end, _), u in zip(timeline.stages, ends, update)]
         step = max([pipeline] + finished)
         exposed = step - pipeline
-        slowest_reduction = max(busy for _, busy in ends)
-    memory = memory_per_rank(profile, candidate, global_batch, optimizer_state_factor)
+        slowest_reduction = max(busy + (_gather_seconds(w, g, cluster, concurrent) if zero else 0.0)
+                                for (_, busy), w, g in zip(ends, layer_bytes, groups))
+    memory = memory_per_rank(profile, candidate, global_batch, optimizer_state_factor, precision)
     notes = []
     if cluster.compute_slowdown > 1:
         notes.append(f"compute × {cluster.compute_slowdown:g}: {cluster.per_host} ranks share "

@@ -19,6 +19,11 @@ Design reasons:
   costed only where the one before it does not fit (recomputing is never faster); a stage count
   whose weights and optimizer state alone exceed the limit is skipped; the partitioner is
   ``O(L² log L)`` per stage count and its balances are shared by all candidates of that count.
+* ZeRO levels (``zero`` 1 and 2, where there are replicas and the schedule is synchronous) are
+  costed beside ``zero=0`` for every candidate: sharding can be faster as well as smaller (the
+  optimizer steps ``1/D`` of the parameters). ``zero=0`` keeps the win unless a sharded plan is
+  faster by more than ``ZERO_MARGIN`` (the sharded step's own copies are not modelled), so a plan
+  changes only for a real gain or to fit the memory.
 """
 
 from __future__ import annotations
@@ -31,15 +36,16 @@ from dataclasses import dataclass, field
 from hybridpipe.errors import HybridPipeError, PartitionError, ScheduleError
 from hybridpipe.pipeline import schedule as sched
 from hybridpipe.pipeline.partition import partition_by_weights
-from hybridpipe.plan.cost import (Candidate, Cluster, Prediction, held_micro_batches, memory_per_rank, predict,
-                                  step_lower_bound)
+from hybridpipe.plan.cost import (ZERO_LEVELS, Candidate, Cluster, Prediction, activation_factor,
+                                  held_micro_batches, memory_per_rank, predict, profile_precision, step_lower_bound)
 from hybridpipe.plan.profile import Profile
 
-__all__ = ["Plan", "plan", "format_bytes", "SYNCHRONOUS_CHOICES", "CHECKPOINT_CHOICES"]
+__all__ = ["Plan", "plan", "format_bytes", "SYNCHRONOUS_CHOICES", "CHECKPOINT_CHOICES", "ZERO_MARGIN"]
 
 SYNCHRONOUS_CHOICES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 CHECKPOINT_CHOICES = ("never", "except_last", "always")
 INTERLEAVED_CHUNKS = 2
+ZERO_MARGIN = 0.02  # a sharded plan must be this much faster than the best unsharded one to win
 
 
 @dataclass
@@ -50,6 +56,8 @@ class Plan:
         stages, replicas, balance, micro_batches, schedule, checkpoint: what to build
             (``balance`` has one entry per chunk: ``virtual_stages × stages`` entries).
         virtual_stages: chunks per rank (``interleaved-1f1b``), else 1.
+        zero: the ZeRO level of the stage's ``hp.DistributedOptimizer(..., zero=)`` (0: unsharded).
+        precision: the pipeline's precision it was planned for (``hp.PipelineModel(precision=)``).
         step_seconds: predicted time of one step (one global batch).
         samples_per_second: ``global_batch / step_seconds``.
         memory_bytes_per_rank: predicted peak of the busiest rank.
@@ -69,6 +77,8 @@ class Plan:
     memory_bytes_per_rank: float
     global_batch: int
     virtual_stages: int = 1
+    zero: int = 0
+    precision: str = "fp32"
     alternatives: list[tuple[str, str]] = field(default_factory=list)
     prediction: Prediction | None = field(default=None, repr=False, compare=False)
 
@@ -78,16 +88,25 @@ class Plan:
                      "checkpoint": self.checkpoint}
         if self.virtual_stages > 1:
             arguments["virtual_stages"] = self.virtual_stages
+        if self.precision != "fp32":
+            arguments["precision"] = self.precision
         return arguments
+
+    def optimizer_arguments(self) -> dict:
+        """Keyword arguments of ``hp.DistributedOptimizer`` that this plan assumes (beyond the optimizer and
+        ``named_parameters``): ``{"zero": level}`` when it shards, else none."""
+        return {"zero": self.zero} if self.zero else {}
 
     def describe(self) -> str:
         return (f"{self.stages} stages × {self.replicas} replicas, {self.schedule}"
                 + (f" (v={self.virtual_stages})" if self.virtual_stages > 1 else "")
+                + (f", zero={self.zero}" if self.zero else "")
+                + (f", {self.precision}" if self.precision != "fp32" else "")
                 + f", M={self.micro_batches}, checkpoint={self.checkpoint}, balance {list(self.balance)}")
 
 
 def _memory_balance(profile: Profile, cluster: Cluster, candidate: Candidate, per_replica: int,
-                    time_per_layer: list[float], optimizer_state_factor: float) -> Candidate | None:
+                    time_per_layer: list[float], optimizer_state_factor: float, scale: float) -> Candidate | None:
     """The fastest balance whose every chunk keeps its parameters, gradients, optimizer state and the
     activations the schedule holds within the memory limit (partition.py's memory-aware partitioner),
     or None when no balance of this candidate fits."""
@@ -96,15 +115,23 @@ def _memory_balance(profile: Profile, cluster: Cluster, candidate: Candidate, pe
                                   candidate.virtual_stages))
     if candidate.checkpoint != "never":
         held = 1  # inputs only, plus one micro-batch being recomputed: bounded by one micro-batch's activations
-    memory = [layer.parameter_bytes * (2 + optimizer_state_factor) + layer.activation_bytes * micro * held
-              for layer in profile.layers]
+    d, zero = candidate.replicas, candidate.zero
+    memory = []
+    for layer in profile.layers:  # per layer, as memory_per_rank counts a rank (ZeRO's buffers: at most its weights)
+        weights, acts = layer.parameter_bytes, layer.activation_bytes * micro * held * scale
+        if zero == 0:
+            memory.append(weights * (2 + optimizer_state_factor) + acts)
+        elif zero == 1:
+            memory.append(weights * (2 + (2 + optimizer_state_factor) / d) + max(acts, weights))
+        else:
+            memory.append(weights * (1 + (2 + optimizer_state_factor) / d)
+                          + max(acts + (weights if candidate.micro_batches > 1 else 0), weights))
     try:
         balance = partition_by_weights(time_per_layer, len(candidate.balance), memory=memory,
                                        memory_limit=cluster.memory_per_rank)
     except PartitionError:
         return None
-    return Candidate(candidate.stages, candidate.replicas, tuple(balance), candidate.micro_batches,
-                     candidate.schedule, candidate.checkpoint, candidate.virtual_stages)
+    return dataclasses.replace(candidate, balance=tuple(balance))
 
 
 def format_bytes(count: float) -> str:
@@ -118,6 +145,7 @@ def format_bytes(count: float) -> str:
 def _label(candidate: Candidate) -> str:
     return (f"{candidate.stages}×{candidate.replicas} {candidate.schedule}"
             + (f" v={candidate.virtual_stages}" if candidate.virtual_stages > 1 else "")
+            + (f" zero={candidate.zero}" if candidate.zero else "")
             + f" M={candidate.micro_batches} checkpoint={candidate.checkpoint}")
 
 
@@ -157,14 +185,18 @@ def _candidates(profile: Profile, cluster: Cluster, global_batch: int, schedules
 
 def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tuple[str, ...] = SYNCHRONOUS_CHOICES,
          checkpoints: tuple[str, ...] = CHECKPOINT_CHOICES, max_micro_batches: int | None = None,
-         optimizer_state_factor: float = 2.0, explain: int = 5) -> Plan:
+         optimizer_state_factor: float = 2.0, explain: int = 5, zero_levels: tuple[int, ...] = ZERO_LEVELS,
+         precision: str | None = None) -> Plan:
     """The fastest configuration of ``cluster.ranks`` ranks for ``profile`` that fits the memory.
 
     The search is exact for the cost model but does not cost every candidate: candidates are taken in
     the order of a lower bound of their step time (the busiest rank's compute), and it stops when that
     bound exceeds the ``explain + 1``-th fastest step found; a re-materialization mode is tried only for
     candidates that do not fit without it (it is never faster in the model); and a stage count whose
-    parameters and optimizer state alone exceed the memory limit is not tried at all.
+    parameters and optimizer state alone exceed the memory limit is not tried at all. Every ZeRO level of
+    ``zero_levels`` is costed for the candidates with replicas and a synchronous schedule; a sharded one
+    wins only when it is faster than the best unsharded one by more than ``ZERO_MARGIN``, or when no
+    unsharded one fits.
 
     Args:
         profile: Per-layer costs (:func:`hybridpipe.plan.profile`, or loaded from JSON).
@@ -176,6 +208,11 @@ def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tu
             pipelines, whose bubble needs more).
         optimizer_state_factor: Optimizer state bytes per parameter byte (SGD 0, momentum 1, Adam 2).
         explain: How many runners-up to keep, with why each lost.
+        zero_levels: ZeRO levels of ``hp.DistributedOptimizer(zero=)`` to consider where a stage has replicas
+            and the schedule is synchronous (``(0,)``: never shard; ``(1,)``: always ZeRO-1 there). One
+            replica is never sharded.
+        precision: The pipeline's precision (``hp.PipelineModel(precision=)``; None: the profile's): "bf16" /
+            "fp16" halve the activation bytes stored and sent (against an fp32 profile).
 
     Raises:
         HybridPipeError: no configuration is possible (the message says why, and what would fit).
@@ -186,6 +223,12 @@ def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tu
     if unknown:
         raise HybridPipeError(f"unknown schedules {unknown} (use some of {', '.join(SYNCHRONOUS_CHOICES)}, "
                               "pipedream, 2bw)")
+    bad_levels = [z for z in zero_levels if isinstance(z, bool) or z not in ZERO_LEVELS]
+    if bad_levels or not zero_levels:
+        raise HybridPipeError(f"zero levels {list(zero_levels)}: use some of {list(ZERO_LEVELS)} (e.g. (0,) never "
+                              "to shard, (1,) to always shard where there are replicas)")
+    scale = activation_factor(profile, precision)  # names an unknown precision
+    precision = profile_precision(profile) if precision is None else precision
     bad_modes = [c for c in checkpoints if c not in CHECKPOINT_CHOICES]
     if bad_modes or not checkpoints:
         raise HybridPipeError(f"checkpoint modes {list(checkpoints)}: use some of {', '.join(CHECKPOINT_CHOICES)}")
@@ -203,43 +246,63 @@ def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tu
     rejected: list[tuple[Candidate, float]] = []
     limit = cluster.memory_per_rank
     static = profile.parameter_bytes * (2 + optimizer_state_factor)
+    sharded = tuple(sorted(z for z in set(zero_levels) if z))
+    margin = ZERO_MARGIN if sharded and 0 in zero_levels else 0.0  # prefer zero=0 unless sharding clearly wins
+    shard_levels = tuple(sorted(set(zero_levels)))  # where there are replicas; one replica: 0
     candidates = []
     for candidate in _candidates(profile, cluster, global_batch, schedules, max_micro_batches, balances,
                                  time_per_layer):
-        if limit and static / candidate.stages > limit:  # even a perfect split of the weights is too big
-            rejected.append((candidate, static / candidate.stages))
+        shards = bool(sharded) and candidate.replicas > 1 and candidate.schedule not in sched.ASYNCHRONOUS
+        # the least a rank can hold: parameters and gradients whole, or ZeRO-2's parameters and shard
+        least = (profile.parameter_bytes * (1 + (2 + optimizer_state_factor) / candidate.replicas) if shards
+                 else static)
+        if limit and least / candidate.stages > limit:  # even a perfect split of the weights is too big
+            rejected.append((candidate, least / candidate.stages))
             continue
         candidates.append((step_lower_bound(profile, cluster, candidate, global_batch), candidate))
     candidates.sort(key=lambda item: (item[0], item[1].stages, item[1].micro_batches))
     costed: list[tuple[float, Candidate, Prediction]] = []
     keep = explain + 1
     best_steps: list[float] = []  # the `keep` fastest step times so far, as a max-heap (negated)
+    fastest = math.inf
     modes = [c for c in CHECKPOINT_CHOICES if c in checkpoints]
     for bound, candidate in candidates:
-        if len(best_steps) >= keep and bound > -best_steps[0]:
-            break  # every remaining candidate is slower than the `keep` fastest found
+        if len(best_steps) >= keep and bound > max(-best_steps[0], fastest * (1 + margin)):
+            break  # every remaining candidate is slower than the `keep` fastest found (and than the margin)
         per_replica = global_batch // candidate.replicas
-        for checkpoint in modes:
-            trial = dataclasses.replace(candidate, checkpoint=checkpoint)
-            try:
-                memory = max(memory_per_rank(profile, trial, global_batch, optimizer_state_factor))
-            except ScheduleError:  # a size the schedule does not take
-                break
-            if limit and memory > limit:  # the memory is cheap to know: simulate only what fits
-                balanced = _memory_balance(profile, cluster, trial, per_replica, time_per_layer,
-                                           optimizer_state_factor)
-                if balanced is not None:
-                    trial = balanced
-                    memory = max(memory_per_rank(profile, trial, global_batch, optimizer_state_factor))
-            if limit and memory > limit:
-                rejected.append((trial, memory))
-                continue
-            prediction = predict(profile, cluster, trial, global_batch, optimizer_state_factor)
-            costed.append((prediction.step_seconds, trial, prediction))
-            heapq.heappush(best_steps, -prediction.step_seconds)
-            if len(best_steps) > keep:
-                heapq.heappop(best_steps)
-            break  # a slower re-materialization mode cannot win where this one fits
+        levels = shard_levels if candidate.replicas > 1 and candidate.schedule not in sched.ASYNCHRONOUS else (0,)
+        sharded_times: dict[tuple, Prediction] = {}  # zero=1 and zero=2 take the same time: simulate once
+        for level in levels:
+            for checkpoint in modes:
+                trial = dataclasses.replace(candidate, checkpoint=checkpoint, zero=level)
+                try:
+                    memory = max(memory_per_rank(profile, trial, global_batch, optimizer_state_factor, precision))
+                except ScheduleError:  # a size the schedule does not take
+                    break
+                if limit and memory > limit:  # the memory is cheap to know: simulate only what fits
+                    balanced = _memory_balance(profile, cluster, trial, per_replica, time_per_layer,
+                                               optimizer_state_factor, scale)
+                    if balanced is not None:
+                        trial = balanced
+                        memory = max(memory_per_rank(profile, trial, global_batch, optimizer_state_factor,
+                                                     precision))
+                if limit and memory > limit:
+                    rejected.append((trial, memory))
+                    continue
+                same = sharded_times.get((trial.checkpoint, trial.balance)) if level else None
+                if same is not None:
+                    prediction = dataclasses.replace(same, memory_bytes_per_rank=memory_per_rank(
+                        profile, trial, global_batch, optimizer_state_factor, precision))
+                else:
+                    prediction = predict(profile, cluster, trial, global_batch, optimizer_state_factor, precision)
+                    if level:
+                        sharded_times[(trial.checkpoint, trial.balance)] = prediction
+                costed.append((prediction.step_seconds, trial, prediction))
+                fastest = min(fastest, prediction.step_seconds)
+                heapq.heappush(best_steps, -prediction.step_seconds)
+                if len(best_steps) > keep:
+                    heapq.heappop(best_steps)
+                break  # a slower re-materialization mode cannot win where this one fits
     if not costed:
         smallest = min(rejected, key=lambda item: item[1], default=None)
         needs = ""
@@ -247,15 +310,23 @@ def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tu
             needs = (f": the smallest needs {format_bytes(smallest[1])} per rank ({_label(smallest[0])}; the "
                      f"weights, gradients and optimizer state alone are {format_bytes(static)} over all stages)")
         fixes = ([f"raise the limit to at least {format_bytes(smallest[1])}"] if smallest is not None else []) + [
-            "use more ranks"] + (["allow checkpoint='always'"] if "always" not in checkpoints else [])
+            "use more ranks"] + (["allow checkpoint='always'"] if "always" not in checkpoints else []) + (
+            ["allow zero=2 (shard over the replicas)"] if 2 not in zero_levels else [])
         raise HybridPipeError(f"no configuration of {cluster.ranks} ranks fits memory_per_rank "
                               f"{format_bytes(limit)}{needs}: {', '.join(fixes)}")
-    # fastest first; ties: less memory, then fewer stages
-    costed.sort(key=lambda item: (round(item[0], 12), item[2].memory_bytes, item[1].stages))
+    # fastest first; ties: unsharded, then less memory, then fewer stages
+    costed.sort(key=lambda item: (round(item[0], 12), item[1].zero, item[2].memory_bytes, item[1].stages))
+    if costed[0][1].zero and margin:  # sharding wins only by more than the margin the model cannot see
+        unsharded = next((i for i, item in enumerate(costed) if not item[1].zero), None)
+        if unsharded is not None and costed[unsharded][0] <= costed[0][0] * (1 + margin):
+            costed.insert(0, costed.pop(unsharded))
     step, best, prediction = costed[0]
-    alternatives = [(_label(c), f"{pr.step_seconds / step:.3f}× the step time"
-                     + (f", {pr.memory_bytes / prediction.memory_bytes:.2f}× the memory" if prediction.memory_bytes else ""))
-                    for _, c, pr in costed[1:1 + explain]]
+    def why(pr: Prediction) -> str:
+        return (f"{pr.step_seconds / step:.3f}× the step time"
+                + (f", {pr.memory_bytes / prediction.memory_bytes:.2f}× the memory" if prediction.memory_bytes else "")
+                + (f" (sharded, faster by less than the {ZERO_MARGIN:.0%} margin)" if pr.step_seconds < step else ""))
+
+    alternatives = [(_label(c), why(pr)) for _, c, pr in costed[1:1 + explain]]
     alternatives += [(_label(c), f"needs {format_bytes(memory)} per rank, over the "
                                  f"{format_bytes(limit)} limit")
                      for c, memory in sorted(rejected, key=lambda item: item[1])[:max(0, explain - len(alternatives))]]
@@ -263,4 +334,5 @@ def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tu
                 micro_batches=best.micro_batches, schedule=best.schedule, checkpoint=best.checkpoint,
                 step_seconds=step, samples_per_second=prediction.samples_per_second,
                 memory_bytes_per_rank=prediction.memory_bytes, global_batch=global_batch,
-                virtual_stages=best.virtual_stages, alternatives=alternatives, prediction=prediction)
+                virtual_stages=best.virtual_stages, zero=best.zero, precision=precision, alternatives=alternatives,
+                prediction=prediction)

@@ -110,21 +110,22 @@ def _short_problem(problem: str) -> str:
 
 
 def render_scaling(rows: list[ScalingRow], markdown: bool = False, sample: str = "samples") -> str:
-    """The table: ranks, grid, micro-batches, schedule, step time, throughput, efficiency, memory."""
+    """The table: ranks, grid, micro-batches, schedule, re-materialization, ZeRO level, step time, throughput,
+    efficiency, memory."""
     base = next((row for row in rows if row.plan is not None), None)
     base_label = f"vs {base.ranks} × linear" if base is not None else "vs linear"
-    header = ["GPUs", "stages", "replicas", "micro-batches", "schedule", "checkpoint", "global batch", "step s",
+    header = ["GPUs", "stages", "replicas", "micro-batches", "schedule", "checkpoint", "zero", "global batch", "step s",
               f"{sample}/s", f"efficiency {base_label}", "GiB per GPU"]
     table = []
     for row in rows:
         if row.plan is None:
-            table.append([str(row.ranks), "-", "-", "-", _short_problem(row.problem), "", str(row.global_batch),
+            table.append([str(row.ranks), "-", "-", "-", _short_problem(row.problem), "", "", str(row.global_batch),
                           "", "", "", ""])
             continue
         best = row.plan
         schedule = best.schedule + (f" v={best.virtual_stages}" if best.virtual_stages > 1 else "")
         table.append([str(row.ranks), str(best.stages), str(best.replicas), str(best.micro_batches), schedule,
-                      best.checkpoint, str(row.global_batch), f"{best.step_seconds:.3f}",
+                      best.checkpoint, str(best.zero), str(row.global_batch), f"{best.step_seconds:.3f}",
                       f"{best.samples_per_second:,.1f}", f"{row.efficiency:.3f}",
                       f"{best.memory_bytes_per_rank / 2**30:.1f}"])
     if markdown:
@@ -136,7 +137,7 @@ def render_scaling(rows: list[ScalingRow], markdown: bool = False, sample: str =
              "  ".join("-" * width for width in widths)]
     for cells in table:
         if cells[1] == "-":  # no plan: the reason spans the columns
-            lines.append(f"{cells[0].rjust(widths[0])}  {cells[4]} (global batch {cells[6]})")
+            lines.append(f"{cells[0].rjust(widths[0])}  {cells[4]} (global batch {cells[7]})")
         else:
             lines.append("  ".join(cell.rjust(width) for cell, width in zip(cells, widths)))
     return "\n".join(lines)

@@ -40,23 +40,31 @@ def global_batches(steps: int = 3, size: int = 8) -> list[tuple[torch.Tensor, to
             for _ in range(steps)]
 
 
-@pytest.mark.parametrize("given", [None, "pipeline"])
+@pytest.mark.parametrize("given", [None, "pipeline", "zero=2 plan", "zero=1 search"])
 def test_auto_builds_what_it_planned_and_trains_like_one_process(given):
-    plan = None
+    plan, zero = None, None
     if given == "pipeline":
         plan = Plan(stages=2, replicas=1, balance=[2, 3], micro_batches=4, schedule="1f1b", checkpoint="never",
                     step_seconds=0.0, samples_per_second=0.0, memory_bytes_per_rank=0.0, global_batch=8)
+    elif given == "zero=2 plan":
+        plan = Plan(stages=1, replicas=2, balance=[5], micro_batches=2, schedule="1f1b", checkpoint="never",
+                    step_seconds=0.0, samples_per_second=0.0, memory_bytes_per_rank=0.0, global_batch=8, zero=2)
+    elif given == "zero=1 search":
+        zero = 1  # every plan with replicas shards at ZeRO-1
     sample = (torch.randn(4, 8), torch.randint(0, 4, (4,)))
     model, opt = auto(layers(), nn.CrossEntropyLoss(), sample, global_batch=8,
-                      optimizer=lambda params: torch.optim.SGD(params, lr=0.1), plan=plan)
+                      optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), plan=plan, zero=zero)
     try:
         grid = hp.grid()
         assert (grid.pipeline_stages, grid.data_replicas) == (model.plan.stages, model.plan.replicas)
         assert model.balance == model.plan.balance and model.micro_batches == model.plan.micro_batches
+        assert getattr(opt, "zero", 0) == model.plan.zero  # the optimizer shards as planned
         if plan is not None:
-            assert model.plan is plan and grid.pipeline_stages == 2
+            assert model.plan is plan and grid.pipeline_stages == plan.stages
+        if zero is not None:
+            assert model.plan.zero == (zero if model.plan.replicas > 1 else 0)
         reference = nn.Sequential(*layers())
-        reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
         for inputs, targets in global_batches():
             shard = slice(grid.replica * 8 // grid.data_replicas, (grid.replica + 1) * 8 // grid.data_replicas)
             opt.zero_grad()

@@ -3,6 +3,7 @@ closed forms, profiles as JSON, the search's choices and errors, the command lin
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import subprocess
@@ -175,3 +176,83 @@ def test_calibration_fit_recovers_latency_and_bandwidth():
     latency, per_byte = 50e-6, 1 / 2.5e9
     assert fit(SIZES, [latency + size * per_byte for size in SIZES]) == pytest.approx((latency, per_byte))
     assert fit([1, 2], [3.0, 3.0]) == pytest.approx((3.0, 0.0), abs=1e-12)  # flat: all latency
+
+
+def test_zero_lowers_the_memory_per_rank_by_what_it_shards():
+    """Per rank W parameter bytes, Adam (2 W of state), D replicas, activations A >= W: zero=0 holds
+    W + W + 2W + A; zero=1 the parameters and their gradients whole, the state and a flat shard of the
+    parameters and of its gradient /D, and A; zero=2 frees the whole gradients too (one micro-batch)."""
+    profile = uniform_profile(layers=4, parameters=1000, activation=1000.0)
+    weights, acts = 4 * 1000, 4 * 1000.0 * 4  # four layers; 4 samples per replica, one micro-batch
+    for replicas in (2, 4, 8):
+        memory = {zero: hplan.memory_per_rank(profile, Candidate(1, replicas, (4,), 1, "1f1b", zero=zero),
+                                              4 * replicas, optimizer_state_factor=2)
+                  for zero in (0, 1, 2)}
+        shard = weights * (2 + 2) / replicas  # the shard's parameters, gradient and two Adam moments
+        assert memory[0] == [weights * 4 + acts]
+        assert memory[1] == [weights + weights + shard + acts]
+        assert memory[2] == [weights + shard + acts]
+        assert memory[0][0] - memory[1][0] == pytest.approx(2 * weights * (1 - 1 / replicas) - 2 * weights / replicas)
+    # several micro-batches: the gradients accumulate whole before the last one, so zero=2 holds them then
+    accumulating = hplan.memory_per_rank(profile, Candidate(1, 4, (4,), 2, "1f1b", zero=2), 16)
+    assert accumulating == [weights + weights * 4 / 4 + weights + acts / 2]
+    with pytest.raises(HybridPipeError, match=r"zero=1 shards over the data replicas, but there is 1: use zero=0"):
+        predict(profile, Cluster(ranks=1), Candidate(1, 1, (4,), 1, "1f1b", zero=1), 4)
+    with pytest.raises(HybridPipeError, match=r"zero must be 0, 1 or 2 \(got 3\)"):
+        hplan.memory_per_rank(profile, Candidate(1, 2, (4,), 1, "1f1b", zero=3), 4)
+
+
+def test_zero_time_is_a_reduce_scatter_an_allgather_and_a_step_on_the_shard():
+    profile = uniform_profile(layers=4, parameters=10**6)
+    profile.update_ms_per_mb = 2.0
+    cluster = Cluster(ranks=4, latency_us=0.0, intra_host_gbps=8.0)  # 4 MB of gradients: one bucket, at the end
+    group = [0, 1, 2, 3]
+    assert hplan.reducescatter_seconds(4e6, group, cluster) + hplan.allgather_seconds(4e6, group, cluster) == \
+        pytest.approx(allreduce_seconds(4e6, group, cluster))  # each half a ring
+    update = 2.0 * 4e6 / 2**20 / 1e3
+    unsharded = predict(profile, cluster, Candidate(1, 4, (4,), 1, "1f1b"), 4)
+    sharded = predict(profile, cluster, Candidate(1, 4, (4,), 1, "1f1b", zero=1), 4)
+    flags = allreduce_seconds(64, group, cluster)  # zero=0's agreement on which gradients exist
+    assert unsharded.step_seconds == pytest.approx(4 * 3e-3 + allreduce_seconds(4e6, group, cluster) + flags + update)
+    assert sharded.step_seconds == pytest.approx(4 * 3e-3 + allreduce_seconds(4e6, group, cluster) + update / 4)
+
+
+def test_search_shards_exactly_when_unsharded_does_not_fit_and_prefers_zero_0_at_equal_time():
+    one_layer = Profile([LayerCost("Linear", 1.0, 2.0, 4.0, 1000.0, 10**5)], sample_batch=1, input_bytes=4.0)
+    cluster = Cluster(ranks=4, latency_us=20.0, intra_host_gbps=10.0)
+    options = dict(checkpoints=("never",), max_micro_batches=1)  # one candidate: 1 × 4, M=1, at three levels
+    need = {zero: hplan.memory_per_rank(one_layer, Candidate(1, 4, (1,), 1, "1f1b", zero=zero), 16)[0]
+            for zero in (0, 1, 2)}
+    assert need[0] > need[1] > need[2]
+    assert hplan.plan(one_layer, cluster, 16, **options).zero == 0  # no limit: sharding only costs time here
+    for limit in sorted({need[0] + 1, need[0], need[0] - 1, (need[0] + need[1]) / 2, need[1], need[1] - 1,
+                         need[2]}):
+        best = hplan.plan(one_layer, dataclasses.replace(cluster, memory_per_rank=limit), 16, **options)
+        assert (best.zero > 0) == (limit < need[0]), (limit, best)
+        assert best.zero == (0 if limit >= need[0] else 1 if limit >= need[1] else 2)
+        assert best.memory_bytes_per_rank == need[best.zero] <= limit
+    with pytest.raises(HybridPipeError, match="allow zero=2"):
+        hplan.plan(one_layer, dataclasses.replace(cluster, memory_per_rank=need[1] - 1), 16, zero_levels=(0, 1),
+                   **options)
+    # equal time (free links, no optimizer cost): zero=0; a sharded step clearly faster: sharded
+    free = Cluster(ranks=4, **FREE)
+    assert hplan.plan(one_layer, free, 16, **options).zero == 0
+    slow_step = dataclasses.replace(one_layer, update_ms_per_mb=1e4)
+    best = hplan.plan(slow_step, free, 16, **options)
+    assert best.zero == 1 and best.optimizer_arguments() == {"zero": 1} and "zero=1" in best.describe()
+
+
+def test_precision_halves_the_activations_stored_and_sent():
+    profile = uniform_profile(layers=4, parameters=1000, activation=100.0)
+    candidate = Candidate(2, 1, (2, 2), 8, "gpipe")
+    fp32 = predict(profile, Cluster(ranks=2, **FREE), candidate, 8)
+    bf16 = predict(profile, Cluster(ranks=2, **FREE), candidate, 8, precision="bf16")
+    assert [a - b for a, b in zip(fp32.memory_bytes_per_rank, bf16.memory_bytes_per_rank)] == [8 * 200.0 / 2] * 2
+    slow_link = Cluster(ranks=2, latency_us=0.0, intra_host_gbps=8e-6, inter_host_gbps=8e-6)  # 1 byte per ms
+    saved = (predict(profile, slow_link, candidate, 8).step_seconds
+             - predict(profile, slow_link, candidate, 8, precision="fp16").step_seconds)
+    assert saved == pytest.approx(2 * 2.0 * 1e-3)  # a 4-byte output, halved, on the fill and the drain
+    best = hplan.plan(profile, Cluster(ranks=2, **FREE), 8, precision="bf16")
+    assert best.precision == "bf16" and best.model_arguments()["precision"] == "bf16"
+    with pytest.raises(HybridPipeError, match=r"unknown precision 'fp8': use one of 'fp32', 'bf16', 'fp16'"):
+        hplan.plan(profile, Cluster(ranks=2), 8, precision="fp8")

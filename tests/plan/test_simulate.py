@@ -188,7 +188,7 @@ def test_simulate_prints_the_table_and_plots_it(tmp_path, capsys):
     assert "cluster: 8 per host, 4800 Gbit/s inside a host, 1600 Gbit/s between hosts" in out
     assert "weak scaling: global batch 64 at 8 GPUs" in out
     lines = [line.split() for line in out.splitlines() if line.strip()[:2] in ("8 ", "16", "32")]
-    assert [line[0] for line in lines] == ["8", "16", "32"] and [line[6] for line in lines] == ["64", "128", "256"]
+    assert [line[0] for line in lines] == ["8", "16", "32"] and [line[7] for line in lines] == ["64", "128", "256"]
     assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["--simulate", "--profile", str(save_profile(tmp_path)), "--global-batch", "16", "--sizes", "2,4",
                  "--scaling", "strong", "--markdown"]) == 0
@@ -228,3 +228,16 @@ def test_bad_flags_give_clear_errors(argv, message, tmp_path, capsys):
 
 def test_rates_take_products():
     assert rate("900*8") == 7200.0 and rate("400") == 400.0
+
+
+def test_command_line_prints_the_zero_level_and_takes_precision(tmp_path, capsys):
+    path = tmp_path / "one_layer.json"
+    uniform(1, parameters=10**5).save(path)  # one layer: the 2 ranks can only be replicas
+    assert main(["--profile", str(path), "--global-batch", "8", "--ranks", "2", "--zero", "2", "--precision",
+                 "bf16", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "1 stages × 2 replicas, 1f1b, zero=2, bf16, M=" in out
+    assert "opt = hp.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), zero=2)" in out
+    assert "'precision': 'bf16'" in out
+    assert main(["--profile", str(path), "--global-batch", "8", "--ranks", "2"]) == 0
+    assert "zero=" not in capsys.readouterr().out  # nothing to gain here: unsharded
