@@ -163,6 +163,9 @@ class ZeroMixin:
             self._hp_zero_submit(index)
 
     def _hp_zero_submit(self, index: int) -> None:
+        for handle in self._hp_zhandles.values():  # buckets already reduced: their flat copies go now
+            if handle.poll():
+                handle.wait()
         bucket = self._hp_buckets[index]
         shard = self._hp_shards[bucket.group]
         flat = torch.zeros(bucket.padded, dtype=shard.dtype)
@@ -226,11 +229,23 @@ class ZeroMixin:
                             item.parameter.detach().reshape(-1)[lo - item.offset:hi - item.offset])
 
     def _hp_zero_gather(self) -> None:
-        """Allgathers every bucket's updated pieces into the parameters (all buckets queued, then unpacked)."""
+        """Allgathers every bucket's updated pieces into the parameters: two buckets in flight at a time
+        (one gathering while the previous is copied out), so the full-size buffers held at once are two
+        buckets', not the whole stage's."""
         state = context.current("DistributedOptimizer")
         group_id = state.engine_group(self._hp_group, "DistributedOptimizer")
-        pending = []
+        pending: list = []
+
+        def unpack_oldest() -> None:
+            bucket, full, handle = pending.pop(0)
+            handle.wait()
+            with torch.no_grad():
+                for item in bucket.items:
+                    item.parameter.view(-1).copy_(full[item.offset:item.offset + item.numel])
+
         for bucket in self._hp_buckets:
+            if len(pending) == 2:
+                unpack_oldest()
             shard = self._hp_shards[bucket.group]
             piece = shard.detach()[bucket.shard_offset:bucket.shard_offset + bucket.piece]
             full = torch.empty(bucket.padded, dtype=shard.dtype)
@@ -243,11 +258,8 @@ class ZeroMixin:
                     group_id, name, kind, piece.data_ptr(), full.data_ptr(), counts, buffers.dtype_code(full)),
                 (piece, full), lambda: None)
             pending.append((bucket, full, handle))
-        with torch.no_grad():
-            for bucket, full, handle in pending:
-                handle.wait()
-                for item in bucket.items:
-                    item.parameter.view(-1).copy_(full[item.offset:item.offset + item.numel])
+        while pending:
+            unpack_oldest()
 
     def step(self, closure: Any = None) -> Any:  # noqa: D102 — torch's docstring applies
         if closure is not None:

@@ -38,6 +38,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+from hybridpipe.config import Config
 from hybridpipe.errors import HybridPipeError
 from hybridpipe.pipeline import schedule as sched
 from hybridpipe.plan.profile import Profile
@@ -170,6 +171,9 @@ def activation_factor(profile: Profile, precision: str | None) -> float:
         if value not in PRECISION_BYTES:
             raise HybridPipeError(f"unknown {what} {value!r}: use one of {', '.join(map(repr, PRECISION_BYTES))}")
     return PRECISION_BYTES[precision] / PRECISION_BYTES[made]
+
+
+ZERO_BUCKET_BYTES = Config().fusion_threshold_bytes  # the sharded optimizer's bucket (HYBRIDPIPE_FUSION_THRESHOLD)
 
 
 def check_zero(zero: int, replicas: int, schedule: str) -> None:
@@ -332,8 +336,10 @@ def memory_per_rank(profile: Profile, candidate: Candidate, global_batch: int,
         largest = max((profile.layers[i].parameter_bytes for c in own for i in layers[c]), default=0)
         if candidate.zero:  # the optimizer steps one flat shard per param group: its largest tensor
             shard = weights / d
+            # ... then the allgather's buffers: two buckets' at a time (zero.py gathers with a window of two);
+            # during the backward the flat copies of the buckets not yet reduce-scattered, as many at most
             temporaries = max(shard * profile.update_temporary_factor, shard * profile.update_temporary_per_tensor,
-                              weights)  # ... then the allgather's buffers, every bucket's at once
+                              min(weights, 2 * ZERO_BUCKET_BYTES))
             static = weights + shard * (2 + optimizer_state_factor)  # parameters; shard, its gradient, state
             if candidate.zero == 1:  # .grad kept, and copied into the reduce-scatter's buffers (<= temporaries)
                 memory.append(static + weights + max(acts, temporaries))
