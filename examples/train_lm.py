@@ -10,6 +10,10 @@ The corpus is real text available offline: by default the Python standard librar
 files on this machine (or ``--data FILE``), read as bytes (vocabulary 256). The first 90 % is for
 training, the last 10 % for validation.
 
+The output head's matrix is the token embedding's (``hp.TiedLayerSpec``): with several stages the
+first and the last each hold a copy, and their gradients are summed every step; ``--no-tie`` gives the
+head its own weight.
+
 Each step, every data replica draws its own random windows (seeded by step and replica), and the
 stages of one pipeline draw the same ones — so every stage sees the same batch and the replicas
 see different shards, without a sampler. The global batch is replicas × --batch-size sequences.
@@ -84,6 +88,8 @@ class Embedding(nn.Module):
         super().__init__()
         self.tokens = nn.Embedding(vocab, dim)
         self.positions = nn.Embedding(context, dim)
+        for table in (self.tokens, self.positions):  # GPT-2's scale: as the (tied) head, logits start near 0
+            nn.init.normal_(table.weight, std=0.02)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(ids.shape[1], device=ids.device)
@@ -120,10 +126,14 @@ class Head(nn.Module):
 
 
 def build_layers(args: argparse.Namespace) -> list[hp.LayerSpec]:
-    """The model as LayerSpecs: each rank builds only its own stage's layers."""
-    return ([hp.LayerSpec(Embedding, 256, args.dim, args.seq_len)]
-            + [hp.LayerSpec(Block, args.dim, args.heads, args.dropout) for _ in range(args.layers)]
-            + [hp.LayerSpec(Head, args.dim, 256)])
+    """The model as LayerSpecs: each rank builds only its own stage's layers. The output head's matrix
+    is the token embedding's (one weight, a copy on each of the two stages; --no-tie: two weights)."""
+    if getattr(args, "no_tie", False):
+        first, last = hp.LayerSpec(Embedding, 256, args.dim, args.seq_len), hp.LayerSpec(Head, args.dim, 256)
+    else:
+        first = hp.TiedLayerSpec("tokens", Embedding, 256, args.dim, args.seq_len, tied_weight_attr="tokens.weight")
+        last = hp.TiedLayerSpec("tokens", Head, args.dim, 256, tied_weight_attr="out.weight")
+    return [first] + [hp.LayerSpec(Block, args.dim, args.heads, args.dropout) for _ in range(args.layers)] + [last]
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -173,6 +183,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--layers", type=int, default=4, help="transformer blocks")
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout after attention and MLP")
+    parser.add_argument("--no-tie", action="store_true",
+                        help="give the output head its own weight (default: it is the token embedding's, tied "
+                             "across the first and last stage)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--data", help="a text file (default: the Python standard library sources)")

@@ -97,7 +97,7 @@ from .optimizer import (
     broadcast_parameters,
     clip_grad_norm_,
 )
-from .pipeline.model import LayerSpec, PipelineModel
+from .pipeline.model import LayerSpec, PipelineModel, TiedLayerSpec
 from .plan.auto import auto
 from .sync_batch_norm import SyncBatchNorm
 from . import elastic  # noqa: E402 — hvd.elastic.run / TorchState need the names above
@@ -125,7 +125,7 @@ __all__ = [
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built", "ccl_built",
     "ddl_built", "cuda_built", "rocm_built", "start_timeline", "stop_timeline",
     # pipeline
-    "PipelineModel", "LayerSpec", "auto",
+    "PipelineModel", "LayerSpec", "TiedLayerSpec", "auto",
     # data parallelism (Horovod-compatible names)
     "DistributedOptimizer", "Compression", "broadcast_parameters", "broadcast_optimizer_state",
     "broadcast_object", "allgather_object", "clip_grad_norm_", "SyncBatchNorm", "elastic", "LossScaler",

@@ -319,13 +319,16 @@ def _prepare(checkpoint: Path, manifest: dict, payloads: list[dict], model: Any,
     if getattr(optimizer, "_hp_zero", 0) > 0:  # keeps its own pieces of the whole tensors (any saved D / level)
         return {key: tensors[key] for key in own}, {"zero": (optimizer_state, groups)}
     names = {id(p): name for name, p in model.named_parameters()}
+    # a tied weight's state may be saved under another of its names (a grid where one rank held both)
+    aliases = {name: tie for tie in getattr(model, "tied_parameter_names", ()) for name in tie}
     current = optimizer.state_dict()
     position, state = 0, {}
     for index, group in enumerate(optimizer.param_groups):
         for parameter in group["params"]:
             name = names.get(id(parameter))
-            if name in optimizer_state:
-                state[position] = optimizer_state[name]
+            saved_as = next((alias for alias in (name, *aliases.get(name, ())) if alias in optimizer_state), None)
+            if saved_as is not None:
+                state[position] = optimizer_state[saved_as]
             position += 1
         if index < len(groups):  # hyper-parameters (lr after a scheduler, betas, ...)
             current["param_groups"][index].update(

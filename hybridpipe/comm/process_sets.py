@@ -26,8 +26,8 @@ from typing import Any, Iterable
 
 from ..errors import MismatchError
 
-__all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "data_process_set",
-           "pipe_process_set", "Registry", "SetEntry", "init_argument", "is_communicator"]
+__all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "find_process_set",
+           "data_process_set", "pipe_process_set", "Registry", "SetEntry", "init_argument", "is_communicator"]
 
 GLOBAL_ID, DATA_ID, PIPE_ID = 0, -1, -2
 _BUILTIN = {GLOBAL_ID: "world", DATA_ID: "data", PIPE_ID: "pipe"}
@@ -353,6 +353,18 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"hp.remove_process_set takes a hp.ProcessSet, got {type(process_set).__name__}")
     return context.current("remove_process_set").remove_process_set(process_set)
+
+
+def find_process_set(ranks: Iterable[int]) -> ProcessSet | None:
+    """The registered process set made of exactly these global ranks (:data:`global_process_set` for every
+    rank), or None. Only sets given as ranks count, so every rank gets the same answer.
+    """
+    registry = _registry("find_process_set")
+    wanted = sorted(int(r) for r in ranks)
+    for set_id, entry in registry.entries.items():
+        if (set_id == GLOBAL_ID or entry.given_as_ranks) and entry.ranks == wanted:
+            return global_process_set if set_id == GLOBAL_ID else entry.objects[0]
+    return None
 
 
 def data_process_set() -> ProcessSet:

@@ -17,20 +17,21 @@ Design reasons:
   Without ``sample_input`` the default balance falls back to "parameters" and the report says so.
 * All ranks of the grid check that they agree on the configuration (layer count, balance,
   micro-batches, schedule, checkpoint); a difference raises on every rank.
-* A parameter shared by layers on different stages (``head.weight = embedding.weight``) is
-  refused with ``PartitionError`` once the balance is known and before any layer is built, moved
-  or communicated with: each stage would otherwise train its own copy. The check needs no
-  communication (every rank finds the same from the same model); its result is part of the
-  agreement above, so ranks given different models raise ``MismatchError`` rather than some of
-  them waiting in a collective that the others left. LayerSpec layers are built on the meta
-  device for it, which keeps any Parameter their factory reuses.
+* Tied weights (``hybridpipe.pipeline.tied``): a parameter shared by layers on different ranks
+  (``head.weight = embedding.weight``), or the weight of one key's ``TiedLayerSpec`` layers, is
+  found once the balance is known and before any layer is built, moved or communicated with
+  (LayerSpec layers are built on the meta device for it, which keeps any Parameter their factory
+  reuses). Finding them needs no communication; the result is part of the agreement above, so
+  ranks given different models raise ``MismatchError`` rather than some of them waiting in a
+  collective that the others left. Each holding rank keeps a copy; ``train_step`` sums the
+  copies' gradients across them after the schedule ran. Asynchronous schedules refuse them.
 """
 
 from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -44,17 +45,17 @@ from hybridpipe.comm.collectives import Average, grouped_allreduce_
 from hybridpipe.comm.engine import call
 from hybridpipe.errors import HybridPipeError, MismatchError, PartitionError
 from hybridpipe.pipeline import microbatch
+from hybridpipe.pipeline.layers import LayerSpec, LazyLayers, TiedLayerSpec, build_layer, shapes_only
 from hybridpipe.pipeline.partition import (
     BALANCE_METHODS,
     BalanceReport,
     _check_stage_count,
-    find_shared_parameters,
     partition_by_weights,
     partition_uniform,
     profile_layers,
-    shared_parameters_error,
     validate_balance,
 )
+from hybridpipe.pipeline.tied import TiedWeights, check_schedule, find_ties, share_within_rank
 from hybridpipe.config import parse_bytes
 from hybridpipe.pipeline.schedule import (
     ASYNCHRONOUS,
@@ -68,71 +69,7 @@ from hybridpipe.pipeline.schedule import (
 from hybridpipe.pipeline.asynchronous import install_step_guard
 from hybridpipe.pipeline.stage import CHECKPOINT_MODES, StageExecutor, StepResult
 
-__all__ = ["LayerSpec", "PipelineModel"]
-
-
-class LayerSpec:
-    """A layer to build later: ``LayerSpec(nn.Linear, 1024, 1024, bias=False)``.
-
-    Only the rank that owns the layer's stage calls :meth:`build`.
-    """
-
-    def __init__(self, cls: type[nn.Module] | Any, *args: Any, **kwargs: Any) -> None:
-        if not callable(cls):
-            raise TypeError(f"LayerSpec needs a module class or factory as first argument, got {cls!r}")
-        self.cls, self.args, self.kwargs = cls, args, kwargs
-
-    def build(self) -> nn.Module:
-        """Constructs the layer."""
-        layer = self.cls(*self.args, **self.kwargs)
-        if not isinstance(layer, nn.Module):
-            raise TypeError(f"LayerSpec({getattr(self.cls, '__name__', self.cls)!r}) built a "
-                            f"{type(layer).__name__}, not an nn.Module")
-        return layer
-
-    def __repr__(self) -> str:
-        arguments = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
-        return f"LayerSpec({getattr(self.cls, '__name__', self.cls)}, {', '.join(arguments)})"
-
-
-def _shapes_only(layers: Sequence[nn.Module | LayerSpec]) -> Iterable[nn.Module]:
-    """Each layer as it is, or a LayerSpec built on PyTorch's meta device (no memory, no RNG),
-    one at a time. A Parameter the spec's factory reuses keeps its identity."""
-    for layer in layers:
-        if isinstance(layer, LayerSpec):
-            with torch.device("meta"):
-                yield layer.build()
-        else:
-            yield layer
-
-
-def _build(layer: nn.Module | LayerSpec, index: int, seed_layers: int | None) -> nn.Module:
-    if isinstance(layer, nn.Module):
-        return layer
-    if seed_layers is None:
-        return layer.build()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed_layers + index)
-        return layer.build()
-
-
-class _LazyLayers(Sequence):
-    """The layer list as a sequence whose LayerSpecs are built on access (one at a time)."""
-
-    def __init__(self, layers: list[nn.Module | LayerSpec], seed_layers: int | None) -> None:
-        self._layers, self._seed = layers, seed_layers
-
-    def __len__(self) -> int:
-        return len(self._layers)
-
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, slice):
-            raise TypeError("_LazyLayers does not slice")
-        return _build(self._layers[index], index, self._seed)
-
-    def __iter__(self) -> Iterator[nn.Module]:
-        for index in range(len(self._layers)):
-            yield self[index]
+__all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModel"]
 
 
 class _Stage(nn.Module):
@@ -153,9 +90,11 @@ class PipelineModel(nn.Module):
     """A model cut into ``P`` stages run by the ``P`` ranks of each pipeline of the grid.
 
     Args:
-        layers: ``nn.Sequential``, or a list of ``nn.Module`` / :class:`LayerSpec`. Each layer is
-            called with one argument, the previous layer's output (a tensor, or a tuple/list/dict
-            of tensors and other values).
+        layers: ``nn.Sequential``, or a list of ``nn.Module`` / :class:`LayerSpec` /
+            :class:`TiedLayerSpec`. Each layer is called with one argument, the previous layer's
+            output (a tensor, or a tuple/list/dict of tensors and other values). Layers on different
+            stages that share an ``nn.Parameter`` (a tied embedding and output head), or
+            ``TiedLayerSpec`` layers of one key, hold one weight: a copy per stage, kept identical.
         loss_fn: ``loss_fn(output, target)`` → scalar, a mean over the micro-batch (e.g.
             ``nn.CrossEntropyLoss()``). Needed by :meth:`train_step`.
         micro_batches: ``M``, micro-batches per mini-batch.
@@ -188,8 +127,8 @@ class PipelineModel(nn.Module):
 
     Raises:
         NotInitializedError: ``hp.init`` was not called.
-        PartitionError: bad balance (values named), more stages than layers, or a parameter shared
-            by layers on different stages (weight tying across stages is not supported yet).
+        PartitionError: bad balance (values named), more stages than layers, or weights tied across
+            stages under an asynchronous schedule (which updates each stage on its own).
         ScheduleError: unknown schedule, or sizes the schedule cannot run (named with the fix).
         HybridPipeError: ``optimizer`` given to a synchronous schedule or missing for an
             asynchronous one.
@@ -265,15 +204,18 @@ class PipelineModel(nn.Module):
         balance_list, report = self._choose_balance(layer_list, balance, sample_input, seed_layers, grid,
                                                     self.chunks, virtual_stages, memory_limit, held)
         # before any layer is built or moved, and before the pipeline communicator exists
-        shared = find_shared_parameters(_shapes_only(layer_list), balance_list) if self.chunks > 1 else []
-        self._agree(grid, len(layer_list), balance_list, tuple(s.layers for s in shared))
-        if shared:
-            raise shared_parameters_error(shared, balance_list)
+        ties = find_ties(layer_list, balance_list, stages)
+        self._agree(grid, len(layer_list), balance_list,
+                    tuple(tuple(i for i, _ in tie.places) for tie in ties if tie.across_ranks))
+        check_schedule(ties, balance_list, self.asynchronous, name)
         self.balance = balance_list
         self.balance_report = report
+        #: every tie's parameter names (``layers.0.weight``, ``layers.7.weight``): one weight, a copy per rank
+        self.tied_parameter_names: list[tuple[str, ...]] = [tie.names for tie in ties]
         own_chunks = list(range(self.stage, self.chunks, stages))
-        built = nn.ModuleDict({str(i): _build(layer_list[i], i, seed_layers)
+        built = nn.ModuleDict({str(i): build_layer(layer_list[i], i, seed_layers)
                                for chunk in own_chunks for i in self.layers_of_chunk(chunk)})
+        share_within_rank(ties, built)
         self.layers = built
         chunk_modules = {chunk: _Stage(nn.ModuleDict({str(i): built[str(i)] for i in self.layers_of_chunk(chunk)}))
                          for chunk in own_chunks}
@@ -289,6 +231,11 @@ class PipelineModel(nn.Module):
         self._executor = StageExecutor(chunk_modules, self.stage, stages, self._comm, self.device, virtual_stages)
         if name == "zb-h1":
             self._executor.split_backward()
+        # ties across ranks: sets of the holding ranks (collective over the grid), copies broadcast from the lowest
+        self._tied: TiedWeights | None = None
+        if any(tie.across_ranks for tie in ties):
+            self._tied = TiedWeights(ties, built, grid)
+            self._executor.defer_gradients(self._tied.parameters)
         if precision != "fp32":
             self._executor.autocast = torch.bfloat16 if precision == "bf16" else torch.float16
         # fp16: the dynamic loss scaler every rank agrees on (hybridpipe/amp.py); None otherwise
@@ -410,7 +357,7 @@ class PipelineModel(nn.Module):
         profiled = None
         if grid.rank == 0:
             try:
-                profiles = profile_layers(_LazyLayers(layers, seed_layers), copy.deepcopy(sample_input))
+                profiles = profile_layers(LazyLayers(layers, seed_layers), copy.deepcopy(sample_input))
                 # what a layer costs a stage: parameters and gradients, and the activations of `held`
                 # micro-batches (the schedule's most in flight at once)
                 memory = [2 * p.parameter_bytes + held * p.activation_bytes for p in profiles]
@@ -430,16 +377,16 @@ class PipelineModel(nn.Module):
 
     @staticmethod
     def _parameter_counts(layers: list, seed_layers: int | None) -> list[int]:
-        return [sum(p.numel() for p in module.parameters()) for module in _shapes_only(layers)]
+        return [sum(p.numel() for p in module.parameters()) for module in shapes_only(layers)]
 
     def _agree(self, grid: runtime.Grid, count: int, balance: list[int],
-               shared_across_stages: tuple[tuple[int, ...], ...]) -> None:
+               tied_across_stages: tuple[tuple[int, ...], ...]) -> None:
         mine = (count, tuple(balance), self.micro_batches, self.schedule_name, self.checkpoint,
-                self.virtual_stages, self.vertical_sync, self.precision, shared_across_stages)
+                self.virtual_stages, self.vertical_sync, self.precision, tied_across_stages)
         everyone = call(None, "PipelineModel", lambda: grid.world_comm.allgather(mine))
         if len(set(everyone)) > 1:
             names = ("layers", "balance", "micro_batches", "schedule", "checkpoint", "virtual_stages",
-                     "vertical_sync", "precision", "layers_sharing_parameters_across_stages")
+                     "vertical_sync", "precision", "layers_tied_across_stages")
             differ = [name for i, name in enumerate(names) if len({e[i] for e in everyone}) > 1]
             listing = "; ".join(f"rank {r}: " + ", ".join(f"{n}={e[names.index(n)]!r}" for n in differ)
                                 for r, e in enumerate(everyone))
@@ -494,8 +441,9 @@ class PipelineModel(nn.Module):
 
         Synchronous schedules: forward and backward of all ``M`` micro-batches; gradients accumulate
         into this stage's parameters' ``.grad`` (call ``optimizer.step()`` / ``zero_grad()`` as
-        usual). Returns the mini-batch mean loss (the micro-batch losses weighted by micro-batch
-        size) on every rank of the pipeline.
+        usual); a weight tied across stages gets the sum of every holder's gradient at the end (one
+        allreduce between the holders). Returns the mini-batch mean loss (the micro-batch losses
+        weighted by micro-batch size) on every rank of the pipeline.
 
         Asynchronous schedules ("pipedream", "2bw"): admits the ``M`` micro-batches into the
         pipeline and runs until the next forward would need a micro-batch not given yet; updates
@@ -516,8 +464,16 @@ class PipelineModel(nn.Module):
         weights = [size / total for size in sizes]
         if not self.asynchronous:
             self._executor.loss_scale = self.scaler.get_scale() if self.scaler is not None else 1.0
-            result = self._executor.run(self._schedule(self.schedule_name), self.micro_batches, chunks,
-                                        target_chunks, self.loss_fn, weights, self.checkpoint, train=True)
+            earlier = self._tied.set_aside() if self._tied is not None else None
+            try:
+                result = self._executor.run(self._schedule(self.schedule_name), self.micro_batches, chunks,
+                                            target_chunks, self.loss_fn, weights, self.checkpoint, train=True)
+            except BaseException:
+                if self._tied is not None:
+                    self._tied.put_back(earlier)
+                raise
+            if self._tied is not None:  # every send is done: no stage waits for a neighbour any more
+                self._tied.sum_gradients(earlier)
             self.last_step = result
             return result.loss
         first = self._next_micro_batch

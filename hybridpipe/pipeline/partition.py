@@ -15,10 +15,10 @@ Design reasons:
   :func:`partition_uniform` gives the extra layers to the last stages. Under 1F1B stage 0
   holds ``P`` micro-batches of activations and the last stage one, so early stages should
   be the lighter ones.
-* A parameter shared by layers on different stages (a tied embedding and output head) would
-  become one independent copy per stage, each trained on its own gradient: silently wrong.
-  :func:`find_shared_parameters` finds such parameters by object identity so that
-  ``PipelineModel`` can refuse them before anything is built; sharing within one stage is fine.
+* A parameter shared by layers on different stages (a tied embedding and output head) becomes
+  one copy per stage, which ``PipelineModel`` ties (``hybridpipe.pipeline.tied``: gradients summed
+  across the holding stages every step). :func:`find_shared_parameters` finds such parameters by
+  object identity before anything is built; sharing within one stage needs nothing.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ __all__ = [
     "SharedParameter",
     "find_shared_parameters",
     "shared_parameters_error",
-    "check_shared_parameters",
     "profile_layers",
     "balance_by",
 ]
@@ -229,9 +228,12 @@ class SharedParameter:
     Attributes:
         places: ``(layer index, name, stage)`` for each layer that holds it, in layer order; the
             name is qualified as seen in that layer, e.g. ``"layer 0 (Embedding).weight"``.
+        names: the parameter's name inside each of those layers (``"weight"``, ``"out.weight"``),
+            in the same order.
     """
 
     places: tuple[tuple[int, str, int], ...]
+    names: tuple[str, ...] = ()
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -267,19 +269,20 @@ def find_shared_parameters(layers: Iterable[nn.Module], balance: Sequence[int]) 
     """
     stage_of = [stage for stage, count in enumerate(balance) for _ in range(count)]
     # keyed by id(); the parameter itself is kept so that no id is reused by a later object
-    holders: dict[int, tuple[nn.Parameter, list[tuple[int, str, int]]]] = {}
+    holders: dict[int, tuple[nn.Parameter, list[tuple[int, str, int]], list[str]]] = {}
     count = 0
     for index, layer in enumerate(layers):
         count = index + 1
         if index >= len(stage_of):
             continue
         for name, parameter in layer.named_parameters():
-            places = holders.setdefault(id(parameter), (parameter, []))[1]
+            _, places, names = holders.setdefault(id(parameter), (parameter, [], []))
             places.append((index, f"layer {index} ({type(layer).__name__}).{name}", stage_of[index]))
+            names.append(name)
     if count != len(stage_of):
         raise PartitionError(f"balance {list(balance)} sums to {len(stage_of)} but there are {count} layers "
                              f"(pass one count per stage summing to {count})")
-    return [SharedParameter(tuple(places)) for _, places in holders.values()
+    return [SharedParameter(tuple(places), tuple(names)) for _, places, names in holders.values()
             if len({stage for _, _, stage in places}) > 1]
 
 
@@ -301,12 +304,22 @@ def _balance_keeping_together(spans: list[tuple[int, int]], num_layers: int, sta
     return balance
 
 
-def shared_parameters_error(shared: Sequence[SharedParameter], balance: Sequence[int]) -> PartitionError:
-    """The error for parameters shared across stages: each one's places, and the two fixes.
+def shared_parameters_error(shared: Sequence[SharedParameter], balance: Sequence[int],
+                            schedule: str) -> PartitionError:
+    """The error for parameters shared across stages under an asynchronous schedule, which cannot tie
+    them: each one's places, and the three fixes (a synchronous schedule, one stage, or untying).
 
     Args:
-        shared: What :func:`find_shared_parameters` found (not empty).
-        balance: The balance they were found under.
+        shared: the parameters held on more than one stage (not empty).
+        balance: the balance they were found under.
+        schedule: the asynchronous schedule's name.
+
+    Example:
+        >>> embedding, head = nn.Embedding(11, 8), nn.Linear(8, 11)
+        >>> head.weight = embedding.weight
+        >>> shared = find_shared_parameters([embedding, nn.Tanh(), head], [2, 1])
+        >>> print(shared_parameters_error(shared, [2, 1], "pipedream"))  # doctest: +ELLIPSIS
+        a parameter is shared by layers on different pipeline stages (layer 0 (Embedding).weight on stage 0, ...
     """
     shown = 4
     listing = "; ".join(str(s) for s in shared[:shown])
@@ -329,29 +342,13 @@ def shared_parameters_error(shared: Sequence[SharedParameter], balance: Sequence
         keep = f"keep {together} on one stage (no balance of {stages} stages can; {limit})"
     noun = "a parameter is" if len(shared) == 1 else f"{len(shared)} parameters are"
     return PartitionError(
-        f"{noun} shared by layers on different pipeline stages, so each stage would train its own copy "
-        f"({listing}; balance {list(balance)}): {keep}, or untie them (give each layer its own "
-        f"nn.Parameter: copy.deepcopy the layer, or assign nn.Parameter(weight.detach().clone())); "
-        f"weight tying across pipeline stages is not supported yet"
+        f"{noun} shared by layers on different pipeline stages ({listing}; balance {list(balance)}), and "
+        f"schedule {schedule!r} updates each stage on its own, at different times, so the copies on those "
+        f"stages would drift apart: use a synchronous schedule ('1f1b', 'gpipe', 'interleaved-1f1b' or "
+        f"'zb-h1'), which ties them (their gradients summed across the stages every step), or {keep}, or "
+        f"untie them (give each layer its own nn.Parameter: copy.deepcopy the layer, or assign "
+        f"nn.Parameter(weight.detach().clone()))"
     )
-
-
-def check_shared_parameters(layers: Iterable[nn.Module], balance: Sequence[int]) -> None:
-    """Refuse parameters shared by layers on different stages (see :func:`find_shared_parameters`).
-
-    Raises:
-        PartitionError: a parameter is held by layers on two or more stages; the message names
-            each layer's parameter and stage, a balance that keeps them together (if any), and
-            how to untie them.
-
-    Example:
-        >>> embedding, head = nn.Embedding(11, 8), nn.Linear(8, 11)
-        >>> head.weight = embedding.weight
-        >>> check_shared_parameters([embedding, nn.Tanh(), head], [3])  # one stage: fine
-    """
-    shared = find_shared_parameters(layers, balance)
-    if shared:
-        raise shared_parameters_error(shared, balance)
 
 
 @dataclass(frozen=True)

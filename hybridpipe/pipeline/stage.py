@@ -23,7 +23,9 @@ Design reasons:
   the run, the chunk's ``phase`` is ``"final"`` while it runs, else ``"partial"``.
   :func:`gradient_phase` reads it from a parameter, so ``hp.DistributedOptimizer``'s gradient
   hooks start a parameter's allreduce during the last micro-batch's backward and not before. It
-  is state of this executor's chunks, not of the process, so several pipelines can coexist.
+  is state of this executor's chunks, not of the process, so several pipelines can coexist. A
+  parameter whose gradient is completed after the run (a weight tied across stages, summed by
+  ``PipelineModel.train_step``; :meth:`StageExecutor.defer_gradients`) is always ``"partial"``.
 * Re-materialization: a micro-batch that is not stored runs its forward under ``no_grad`` and
   keeps only its input and the RNG state; its backward re-runs the forward with the RNG state
   restored (same dropout masks) and then back-propagates. Outputs of such a forward are marked
@@ -75,11 +77,14 @@ class PipelineBroken(HybridPipeError):
 
 def gradient_phase(parameter: torch.Tensor) -> str | None:
     """While a pipeline backward accumulates into ``parameter``: ``"partial"`` (more backwards of
-    this step follow) or ``"final"`` (its gradient is complete when this one ends); None when
-    ``parameter`` is not in a pipeline chunk or no backward runs."""
+    this step follow, or its gradient is completed after the run: a tied weight) or ``"final"``
+    (its gradient is complete when this one ends); None when ``parameter`` is not in a pipeline
+    chunk or no backward runs."""
     ref = getattr(parameter, _CHUNK_ATTRIBUTE, None)
     chunk = ref() if ref is not None else None
-    return chunk.phase if chunk is not None else None
+    if chunk is None or chunk.phase is None:
+        return None
+    return "partial" if id(parameter) in chunk.deferred else chunk.phase
 
 
 class _RngState:
@@ -131,6 +136,7 @@ class _Chunk:
         self.previous_rank = stage_to_rank(stage - 1, ranks)
         self.next_rank = stage_to_rank(stage + 1, ranks)
         self.phase: str | None = None        # see gradient_phase
+        self.deferred: set[int] = set()      # ids of parameters whose gradient is completed after the run
         self.stash: WeightStash | None = None  # asynchronous schedules
         self.splittable: list[nn.Module] = []  # split backward: layers whose W is deferred
         self.recording: list[tuple[nn.Module, list[torch.Tensor], list[int]]] | None = None
@@ -237,6 +243,12 @@ class StageExecutor:
             chunk.stash = WeightStash(chunk.module, policy, vertical_sync, micro_batches)
         self.carry_versions = vertical_sync
         self.carry_losses = True
+
+    def defer_gradients(self, parameters: Sequence[torch.Tensor]) -> None:
+        """These parameters' gradients are completed after each run (tied weights, summed across stages
+        by the caller): their backward phase is always ``"partial"``, see :func:`gradient_phase`."""
+        for chunk in self.chunks.values():
+            chunk.deferred.update(id(parameter) for parameter in parameters)
 
     def split_backward(self) -> None:
         """Zero-bubble schedules: defer the weight gradients of the splittable layers to ``W``."""
