@@ -10,7 +10,7 @@ DEMO_RANKS ?= 4
 DEMO_STAGES ?= 2
 MPIRUN_FLAGS := $(shell [ "$$(id -u)" = 0 ] && echo --allow-run-as-root) --oversubscribe
 
-.PHONY: setup build test test-long test-mpich demo demo-allreduce bench docs clean
+.PHONY: setup build test test-long test-mpich gpu-check demo demo-allreduce bench docs clean
 
 setup: $(STAMP)
 
@@ -67,6 +67,15 @@ $(MPICH_VENV)/.installed: requirements-dev.txt $(SOURCES)
 test-mpich: $(MPICH_VENV)/.installed
 	cd tests && PATH="$(CURDIR)/$(MPICH_VENV)/bin:$$PATH" HYBRIDPIPE_MPIRUN="$(CURDIR)/$(MPICH_VENV)/bin/mpirun" \
 	  ../$(MPICH_PY) -m pytest test_multihost.py -q -p no:cacheprovider --rootdir=$(CURDIR) -c $(CURDIR)/pyproject.toml
+
+# On a machine with a CUDA GPU (and a torch that sees it): the GPU tests (tests/gpu, skipped elsewhere), then
+# bench/gpu.py's table. GPU_PY=python3 uses that Python and builds the extension in place instead of .venv.
+GPU_PY ?= $(PY)
+gpu-check: $(if $(filter $(PY),$(GPU_PY)),$(STAMP),)
+	$(if $(filter $(PY),$(GPU_PY)),,$(GPU_PY) setup.py -q build_ext --inplace)
+	$(GPU_PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make gpu-check: torch sees no CUDA GPU')"
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(GPU_PY) -m pytest tests/gpu tests/comm/test_device.py -q -rs
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" mpirun $(MPIRUN_FLAGS) -n 2 $(GPU_PY) bench/gpu.py
 
 # The main example: a byte-level GPT trained on the Python standard library sources, 2 stages × 2 replicas.
 demo: $(STAMP)

@@ -11,6 +11,12 @@
 #include "p2p.h"
 #include "ring_allreduce.h"
 #include "shm_allreduce.h"
+#if defined(OPEN_MPI) && OPEN_MPI
+#include <mpi-ext.h>  // MPIX_CUDA_AWARE_SUPPORT, MPIX_Query_cuda_support
+#endif
+#if defined(HYBRIDPIPE_WITH_CUDA)
+#include "cuda/cuda_kernels.h"
+#endif
 
 namespace py = pybind11;
 using namespace hybridpipe;
@@ -53,6 +59,17 @@ std::shared_ptr<void> keep_alive(const py::object& object) {
 
 Buffer to_buffer(uintptr_t address, size_t count, int dtype) {
   return Buffer{reinterpret_cast<void*>(address), count, static_cast<DType>(dtype)};
+}
+
+// Whether the MPI library moves CUDA device memory itself: 1 yes, 0 no, -1 it cannot say (no query).
+int mpi_cuda_support() {
+#if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
+  return MPIX_Query_cuda_support();
+#elif defined(MPIX_CUDA_AWARE_SUPPORT)
+  return 0;  // Open MPI built without CUDA
+#else
+  return -1;
+#endif
 }
 
 py::dict mpi_build_info() {
@@ -502,6 +519,21 @@ PYBIND11_MODULE(_C, m) {
   m.def("mpi_build_info", &mpi_build_info, "The MPI implementation and version this module was compiled with.");
   m.def("mpi_library_version", &mpi_library_version, "MPI_Get_library_version() of the libmpi loaded now.");
   m.def("dtype_size", [](int dtype) { return dtype_size(static_cast<DType>(dtype)); });
+  m.def("mpi_cuda_support", &mpi_cuda_support,
+        "1 when the loaded MPI moves CUDA device memory itself, 0 when it does not, -1 when it cannot say.");
+#if defined(HYBRIDPIPE_WITH_CUDA)
+  m.def(
+      "cuda_reduce_into",
+      [](uintptr_t accumulator, uintptr_t incoming, size_t count, int dtype, int op, uintptr_t stream) {
+        py::gil_scoped_release release;
+        cuda_reduce_into(reinterpret_cast<void*>(accumulator), reinterpret_cast<const void*>(incoming), count,
+                         static_cast<DType>(dtype), static_cast<ReduceOp>(op), reinterpret_cast<void*>(stream));
+      },
+      py::arg("accumulator"), py::arg("incoming"), py::arg("count"), py::arg("dtype"), py::arg("op"),
+      py::arg("stream") = 0,
+      "accumulator = op(accumulator, incoming) on the GPU, queued on `stream` (a cudaStream_t; 0: the default).");
+  m.def("cuda_device_count", &cuda_device_count, "Visible CUDA devices (0 without a driver or GPU).");
+#endif
   m.attr("cuda_compiled") = py::bool_(
 #if defined(HYBRIDPIPE_WITH_CUDA)
       true

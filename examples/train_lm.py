@@ -137,7 +137,7 @@ def build_layers(args: argparse.Namespace) -> list[hp.LayerSpec]:
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).to(logits.device))
 
 
 def auto_model(args: argparse.Namespace, train_data: torch.Tensor) -> hp.PipelineModel:
@@ -193,6 +193,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--val-batches", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save", help="write the trained weights (one ordinary state_dict) to this file")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="where each stage computes: cuda = GPU local_rank mod GPUs (hp.init's placement), "
+                             "auto = that GPU where CUDA is available, else the CPU")
     parser.add_argument("--no-progress", action="store_true", help="print lines instead of a progress bar")
     parser.add_argument("--save-every", type=int, default=0, metavar="N",
                         help="write a sharded checkpoint to --checkpoint-dir every N steps (and at the end)")
@@ -207,6 +210,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.resume is None and os.environ.get(CHECKPOINT_DIR_ENV):
         args.resume = "auto"
     return args
+
+
+def stage_device(choice: str) -> torch.device | None:
+    """--device as PipelineModel's device= (None: hybridpipe's placement, a GPU where there is one)."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA GPU here (torch.cuda.is_available() is False)")
+    if choice == "cpu":
+        return torch.device("cpu")
+    return None
 
 
 def validation_loss(model: hp.PipelineModel, data: torch.Tensor, args: argparse.Namespace, grid: hp.Grid) -> float:
@@ -254,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model = hp.PipelineModel(build_layers(args), loss_fn=lm_loss, micro_batches=args.micro_batches,
                                  schedule=args.schedule, checkpoint=args.checkpoint, sample_input=sample,
-                                 seed_layers=args.seed, balance=balance, precision=args.precision)
+                                 seed_layers=args.seed, balance=balance, precision=args.precision,
+                                 device=stage_device(args.device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01) \
         if any(True for _ in model.parameters()) else None
     if optimizer is not None:

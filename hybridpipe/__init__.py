@@ -102,6 +102,16 @@ from .plan.auto import auto
 from .sync_batch_norm import SyncBatchNorm
 from . import elastic  # noqa: E402 — hvd.elastic.run / TorchState need the names above
 from .runtime import Grid, config, grid, init, is_initialized, local_rank, local_size, rank, shutdown, size
+from .comm.device import accepts_cupy as _accepts_cupy
+
+# cupy arrays are taken wherever torch tensors are (viewed through DLPack; hybridpipe/comm/device.py)
+for _name in ("allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "broadcast", "broadcast_",
+              "allgather", "grouped_allgather", "alltoall", "reducescatter", "grouped_reducescatter",
+              "allreduce_async", "allreduce_async_", "grouped_allreduce_async", "grouped_allreduce_async_",
+              "broadcast_async", "broadcast_async_", "allgather_async", "grouped_allgather_async", "alltoall_async",
+              "reducescatter_async", "grouped_reducescatter_async"):
+    globals()[_name] = _accepts_cupy(globals()[_name])
+del _name
 
 __version__ = "0.1.0"
 

@@ -147,6 +147,8 @@ class Config:
             (HYBRIDPIPE_AUTOTUNE_WARMUP_SAMPLES).
         autotune_steps_per_sample: steps timed per trial; a trial's time is the median
             (HYBRIDPIPE_AUTOTUNE_STEPS_PER_SAMPLE).
+        set_device: where CUDA is available, ``hp.init`` makes GPU ``local_rank mod visible GPUs`` torch's
+            current device and ``PipelineModel`` builds its stage there (HYBRIDPIPE_SET_DEVICE, 1 or 0).
     """
 
     fusion_threshold_bytes: int = 4 * 1024 * 1024
@@ -170,6 +172,7 @@ class Config:
     autotune_log: str = ""
     autotune_warmup_samples: int = 3
     autotune_steps_per_sample: int = 5
+    set_device: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Config":
@@ -200,6 +203,7 @@ class Config:
             ("HYBRIDPIPE_AUTOTUNE", "autotune", _switch),
             ("HYBRIDPIPE_AUTOTUNE_WARMUP_SAMPLES", "autotune_warmup_samples", parse_bytes),
             ("HYBRIDPIPE_AUTOTUNE_STEPS_PER_SAMPLE", "autotune_steps_per_sample", parse_bytes),
+            ("HYBRIDPIPE_SET_DEVICE", "set_device", _switch),
         ):
             if env.get(name, "").strip():
                 values[field] = parse(env[name], name)

@@ -189,6 +189,7 @@ def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | 
     from . import _trace as timeline
 
     try:
+        communication.device.set_device(local_comm.Get_rank(), _runtime.config.set_device)
         communication.start(_runtime.config, the_grid)
         if _runtime.config.timeline:
             timeline._start(_runtime.config.timeline, the_grid)

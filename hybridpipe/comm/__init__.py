@@ -5,7 +5,7 @@ The runtime starts and stops it (``hp.init`` / ``hp.shutdown``) through :func:`s
 through :func:`~hybridpipe.comm.context.current`.
 """
 
-from . import process_sets
+from . import device, process_sets
 from .context import CommContext, communicator, current, start, stop
 
-__all__ = ["CommContext", "communicator", "current", "start", "stop", "process_sets"]
+__all__ = ["CommContext", "communicator", "current", "start", "stop", "process_sets", "device"]

@@ -12,6 +12,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from . import device
+
 #: dtype codes of the C++ core (common.h DType)
 NUMPY_CODES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.float16): 2,
                np.dtype(np.int32): 4, np.dtype(np.int64): 5}
@@ -39,7 +41,9 @@ def is_tensor(x: Any) -> bool:
 
 def check_array(x: Any, function: str) -> None:
     if not (is_tensor(x) or isinstance(x, np.ndarray)):
-        raise TypeError(f"hp.{function} takes a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
+        raise TypeError(f"hp.{function} takes a torch.Tensor, numpy.ndarray or cupy array, got {type(x).__name__}")
+    if is_tensor(x):
+        device.route(x)  # a device no route reaches (meta, mps) is refused here, before the ranks agree
 
 
 def host(x: Any) -> Any:
@@ -47,7 +51,22 @@ def host(x: Any) -> Any:
     if isinstance(x, np.ndarray):
         return np.ascontiguousarray(x)
     x = x.detach()
-    return x.cpu().contiguous() if x.device.type != "cpu" else x.contiguous()
+    return _staged(x).contiguous() if x.device.type != "cpu" else x.contiguous()
+
+
+def _staged(x: Any) -> Any:
+    """A tensor off the host, copied into pinned host memory (the ``"staged"`` route of hybridpipe.comm.device).
+
+    Pinned (page-locked) memory is what the GPU copies at full speed, both ways: a pageable ``x.cpu()`` plus the
+    copy back are slower (docs/gpu.md has both measured on an H200). torch's caching host allocator keeps the
+    pinned blocks for the next call of that size. The copy is blocking: it waits for the work queued on the
+    current stream, so the tensor's producer has finished, and the host sees the values once it returns.
+    """
+    device.route(x)  # a device no route reaches is refused, naming it
+    device.note_staged(x)
+    staged = torch_module().empty(x.shape, dtype=x.dtype, pin_memory=True)
+    staged.copy_(x)
+    return staged
 
 
 def is_host_contiguous(x: Any) -> bool:
@@ -224,7 +243,7 @@ def host_contiguous(tensor: Any) -> Any:
     """The tensor's raw values in contiguous host memory (lazy conj/neg views materialized);
     contiguous CPU tensors are not copied."""
     staged = tensor.detach().resolve_conj().resolve_neg()
-    return staged.cpu().contiguous() if staged.device.type != "cpu" else staged.contiguous()
+    return _staged(staged).contiguous() if staged.device.type != "cpu" else staged.contiguous()
 
 
 @functools.lru_cache(maxsize=None)

@@ -42,6 +42,7 @@ from hybridpipe.amp import LossScaler
 from hybridpipe.pipeline.memory import ActivationMeter, MemoryReport
 from hybridpipe.pipeline.memory import report as memory_report
 from hybridpipe.comm.collectives import Average, grouped_allreduce_
+from hybridpipe.comm.device import compute_device
 from hybridpipe.comm.engine import call
 from hybridpipe.errors import HybridPipeError, MismatchError, PartitionError
 from hybridpipe.pipeline import microbatch
@@ -108,7 +109,9 @@ class PipelineModel(nn.Module):
             micro-batches but the last, GPipe's default) or "always".
         sample_input: one micro-batch of model input, for balance "time".
         seed_layers: build LayerSpec layer ``i`` under seed ``seed_layers + i``.
-        device: where this stage computes (default: where its first parameter is, else CPU).
+        device: where this stage computes (default: the GPU its first parameter is on, else this rank's GPU
+            where CUDA is available and HYBRIDPIPE_SET_DEVICE is not 0 (``local_rank`` mod visible GPUs), else
+            the CPU).
         virtual_stages: ``v`` chunks of layers per rank for "interleaved-1f1b" (rank ``r`` holds
             chunks ``r, r + P, …``; ``balance`` then has ``v·P`` entries, one per chunk).
         optimizer: asynchronous schedules: a callable that gets this rank's parameters and returns
@@ -221,9 +224,10 @@ class PipelineModel(nn.Module):
                          for chunk in own_chunks}
         object.__setattr__(self, "_chunk_modules", chunk_modules)  # same layers; not registered twice
         object.__setattr__(self, "_stage_module", chunk_modules[self.stage])
-        if device is None:
+        if device is None:  # the layers' own GPU, else this rank's (hp.init's placement), else the CPU
             first = next(iter(built.parameters()), None)
-            device = first.device if first is not None else torch.device("cpu")
+            device = first.device if first is not None and first.device.type != "cpu" else \
+                compute_device(runtime.local_rank(), runtime.config().set_device)
         self.device = torch.device(device)
         self.to(self.device)
         # private: our tags never meet anyone else's messages

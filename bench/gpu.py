@@ -1,0 +1,136 @@
+"""GPU allreduce benchmark: CUDA tensors through hybridpipe (the staged route: device → host → reduce → device)
+beside torch.distributed's gloo on the same CUDA tensors, the same hybridpipe allreduce on host tensors, and
+the device↔host copies alone, in one job.
+
+Usage (each rank uses GPU local_rank mod the visible GPUs; ranks may share one):
+    mpirun -n 2 python bench/gpu.py [--sizes 4KiB,256KiB,4MiB,64MiB,256MiB] [--repeats 10] [--markdown]
+
+How it measures: every repetition calls each implementation once, in a rotating order, after an MPI barrier;
+a repetition's time is the max over ranks, the reported time the median over repetitions (after a warm-up
+call that also checks the result: every rank holds rank + 1, the sum must be n(n+1)/2). busbw = bytes / time ·
+2(n−1)/n, GB = 10^9 bytes. "copies" is one device→host plus one host→device copy of the buffer, the least a
+staged allreduce adds to the host one: the "staged ceiling" is host allreduce + copies, and the last column
+is that ceiling's time over hybridpipe's staged time (1.0: staging costs nothing beyond the copies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import hybridpipe as hp  # noqa: E402
+from hybridpipe.config import parse_bytes  # noqa: E402
+
+
+def timed(function, comm: MPI.Comm) -> float:
+    comm.Barrier()
+    start = time.perf_counter()
+    function()
+    torch.cuda.synchronize()
+    return comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="4KiB,256KiB,4MiB,64MiB,256MiB")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args()
+    import warnings
+
+    warnings.filterwarnings("ignore", message="hybridpipe stages")
+    grid = hp.init()
+    comm, n, rank = MPI.COMM_WORLD, grid.size, grid.rank
+    gloo = None
+    try:
+        import torch.distributed as dist
+
+        port = comm.bcast(29500 + os.getpid() % 1000 if rank == 0 else None, root=0)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+        gloo = dist
+    except Exception as error:  # noqa: BLE001 — reported, the other columns still run
+        if rank == 0:
+            print(f"torch.distributed gloo unavailable: {error}")
+    expected = n * (n + 1) / 2
+    rows = []
+    for text in args.sizes.split(","):
+        size = parse_bytes(text)
+        count = size // 4
+        on_gpu = torch.full((count,), float(rank + 1), device="cuda")
+        on_host = torch.full((count,), float(rank + 1))
+        pinned = torch.empty(count, pin_memory=True)
+
+        def staged():
+            on_gpu.fill_(rank + 1)
+            hp.allreduce_(on_gpu, op=hp.Sum)
+
+        def host():
+            on_host.fill_(rank + 1)
+            hp.allreduce_(on_host, op=hp.Sum)
+
+        def copies():
+            pinned.copy_(on_gpu)
+            on_gpu.copy_(pinned)
+
+        def gloo_cuda():
+            on_gpu.fill_(rank + 1)
+            gloo.all_reduce(on_gpu)
+
+        columns = {"hybridpipe staged (cuda)": staged, "hybridpipe (host)": host, "copies d2h+h2d": copies}
+        if gloo is not None:
+            columns["torch gloo (cuda)"] = gloo_cuda
+        checks = {}
+        for name, function in columns.items():
+            function()
+            torch.cuda.synchronize()
+            if name != "copies d2h+h2d":
+                value = on_gpu if "cuda" in name else on_host
+                checks[name] = bool(torch.all(value == expected).item())
+        times: dict[str, list[float]] = {name: [] for name in columns}
+        names = list(columns)
+        for repeat in range(args.repeats):
+            for name in names[repeat % len(names):] + names[:repeat % len(names)]:
+                times[name].append(timed(columns[name], comm))
+        medians = {name: statistics.median(values) for name, values in times.items()}
+        rows.append((text, size, medians, checks))
+        del on_gpu, on_host, pinned
+    if rank == 0:
+        names = list(rows[0][2])
+        factor = 2 * (n - 1) / n
+        print(f"{n} ranks, {torch.cuda.device_count()} visible GPU(s) ({torch.cuda.get_device_name(0)}); "
+              f"{hp.comm.device.describe()}; median of {args.repeats}, busbw GB/s (ms)")
+        header = ["size", *names, "staged ceiling / staged"]
+        separator = " | " if args.markdown else "  "
+        lines = [header]
+        for text, size, medians, checks in rows:
+            cells = [text]
+            for name in names:
+                seconds = medians[name]
+                bandwidth = size / seconds / 1e9 * (1 if name.startswith("copies") else factor)
+                flag = "" if checks.get(name, True) else " WRONG"
+                cells.append(f"{bandwidth:.2f} ({seconds * 1e3:.2f}){flag}")
+            ceiling = medians["hybridpipe (host)"] + medians["copies d2h+h2d"]
+            cells.append(f"{ceiling / medians['hybridpipe staged (cuda)']:.2f}")
+            lines.append(cells)
+        widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+        for index, line in enumerate(lines):
+            text = separator.join(cell.ljust(width) for cell, width in zip(line, widths))
+            print(f"| {text} |" if args.markdown else text)
+            if args.markdown and index == 0:
+                print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+        print("copies column: bytes / time of one d2h + one h2d copy (pinned host buffer)")
+    if gloo is not None:
+        gloo.destroy_process_group()
+    hp.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""Where a buffer lives and how it travels: the one place that picks, per buffer, the route a collective, the
+engine's allreduce or a pipeline transfer takes, and which GPU a rank computes on.
+
+Routes, each with the rule that says when it applies (:data:`ROUTES`; the first that applies is taken):
+
+* ``"host"``: host memory (a CPU tensor, a numpy array). The C++ core reads and writes it where it is.
+* ``"staged"``: a CUDA tensor. It is copied to host memory (torch's copy waits for the work queued on the
+  tensor's stream, so its producer has finished), reduced or sent there, and the result is copied back.
+  The first staged buffer of a process warns once, naming the MPI library, whether it reports CUDA
+  support (``MPIX_Query_cuda_support``) and what a CUDA-aware route would need.
+
+Routes that keep device memory on the device (CUDA-aware MPI, NCCL) are not taken yet: every CUDA buffer is
+staged, whatever the MPI library reports; :func:`describe` says so.
+
+cupy arrays are accepted wherever torch tensors are (:func:`accepts_cupy`): they are viewed as torch tensors
+through DLPack (no copy), so an in-place collective writes into the cupy array's memory, and an out-of-place
+one returns a cupy array.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["ROUTES", "route", "note_staged", "mpi_cuda_support", "describe", "accepts_cupy", "is_cupy",
+           "compute_device", "set_device", "reduce_on_device"]
+
+
+def _is_cuda(x: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor) and x.device.type == "cuda"
+
+
+#: (name, applies) in order of preference: the first route whose rule holds for a buffer is its route.
+ROUTES: tuple[tuple[str, Callable[[Any], bool]], ...] = (
+    ("host", lambda x: not _is_cuda(x) and getattr(getattr(x, "device", None), "type", "cpu") == "cpu"),
+    ("staged", _is_cuda),
+)
+
+
+def route(x: Any) -> str:
+    """The route of one buffer: ``"host"`` or ``"staged"`` (see the module's text).
+
+    Raises:
+        TypeError: a tensor on a device hybridpipe cannot reach (e.g. ``meta``, ``mps``), naming the device.
+    """
+    for name, applies in ROUTES:
+        if applies(x):
+            return name
+    raise TypeError(f"hybridpipe cannot communicate a tensor on device {x.device} (use a CPU or CUDA tensor: "
+                    f"tensor.cpu() or tensor.cuda())")
+
+
+_warned = False
+
+
+def note_staged(x: Any) -> None:
+    """Called for every staged buffer: warns once per process that CUDA tensors go through host memory."""
+    global _warned
+    if _warned or not _is_cuda(x):
+        return
+    _warned = True
+    warnings.warn(f"hybridpipe stages CUDA tensors through host memory ({describe()}): every collective and "
+                  "pipeline transfer of a GPU tensor is copied to the host and back (silence with "
+                  "warnings.filterwarnings('ignore', message='hybridpipe stages'))", RuntimeWarning, stacklevel=3)
+
+
+@functools.lru_cache(maxsize=None)
+def mpi_cuda_support() -> int:
+    """1 when the loaded MPI library reports that it moves CUDA memory itself, 0 when it reports it does not,
+    -1 when it has no way to say (only Open MPI answers ``MPIX_Query_cuda_support``)."""
+    from .. import _ext
+
+    return int(_ext.core().mpi_cuda_support())
+
+
+def describe() -> str:
+    """One line: the MPI library, what it says of CUDA, and the route CUDA buffers take."""
+    from .. import _ext
+
+    library = _ext.core().mpi_library_version().splitlines()[0].strip()
+    support = {1: "reports CUDA support", 0: "reports no CUDA support", -1: "cannot report CUDA support"}
+    return (f"MPI: {library}, which {support[mpi_cuda_support()]}; CUDA buffers take the staged route "
+            "(the CUDA-aware and NCCL routes are not built yet)")
+
+
+def is_cupy(x: Any) -> bool:
+    """Whether ``x`` is a cupy array (checked without importing cupy)."""
+    return type(x).__module__.startswith("cupy") and hasattr(x, "__dlpack__")
+
+
+def _to_torch(x: Any) -> Any:
+    import torch
+
+    return torch.from_dlpack(x)
+
+
+def _convert(value: Any) -> tuple[Any, bool]:
+    if is_cupy(value):
+        return _to_torch(value), True
+    if isinstance(value, (list, tuple)) and any(is_cupy(item) for item in value):
+        return type(value)(_to_torch(item) if is_cupy(item) else item for item in value), True
+    return value, False
+
+
+def _back(result: Any, inputs: list) -> Any:
+    """torch results that are not the caller's own converted inputs, as cupy arrays (no copy)."""
+    torch = sys.modules["torch"]
+    if isinstance(result, torch.Tensor):
+        if any(result is item for item in inputs):
+            return result
+        import cupy
+
+        return cupy.from_dlpack(result) if result.device.type == "cuda" else result
+    if isinstance(result, (list, tuple)):
+        return type(result)(_back(item, inputs) for item in result)
+    return result
+
+
+def accepts_cupy(function: Callable) -> Callable:
+    """Decorator: a cupy array (or a list of them) as the first argument is viewed as a torch tensor on the
+    same memory; torch tensors in the result that are new come back as cupy arrays."""
+
+    @functools.wraps(function)
+    def wrapper(first: Any, *args: Any, **kwargs: Any) -> Any:
+        converted, was_cupy = _convert(first)
+        if not was_cupy:
+            return function(first, *args, **kwargs)
+        result = function(converted, *args, **kwargs)
+        inputs = list(converted) if isinstance(converted, (list, tuple)) else [converted]
+        originals = list(first) if isinstance(first, (list, tuple)) else [first]
+        if isinstance(result, (list, tuple)) and not isinstance(converted, (list, tuple)):
+            return _back(result, inputs)
+        if any(result is item for item in inputs):  # in place: hand back the caller's own array
+            return originals[[id(item) for item in inputs].index(id(result))]
+        if isinstance(result, (list, tuple)) and all(any(r is item for item in inputs) for r in result):
+            return type(result)(originals[[id(item) for item in inputs].index(id(r))] for r in result)
+        return _back(result, inputs)
+
+    return wrapper
+
+
+def compute_device(local_rank: int, enabled: bool) -> Any:
+    """The torch device this rank computes on: ``cuda:(local_rank mod visible GPUs)`` when CUDA is available
+    and placement is ``enabled`` (HYBRIDPIPE_SET_DEVICE), else the CPU."""
+    import torch
+
+    if enabled and torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def set_device(local_rank: int, enabled: bool) -> Any:
+    """Makes :func:`compute_device` torch's current CUDA device (hp.init does it) and returns it."""
+    device = compute_device(local_rank, enabled)
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
+    return device
+
+
+def reduce_on_device(accumulator: Any, incoming: Any, op: Any) -> Any:
+    """``accumulator = op(accumulator, incoming)`` by the extension's CUDA kernel, on the current stream
+    (the CUDA-aware ring's reduction step; float16 / bfloat16 are added in float32). ``hp.Average`` adds,
+    like the ring's reduction steps do; the division comes once at the end.
+
+    Raises:
+        BuildError: the extension was built without its CUDA kernels (no nvcc at build time).
+        TypeError: tensors not both contiguous CUDA tensors of one shape and a reducible dtype.
+    """
+    import torch
+
+    from .. import _ext
+    from ..errors import BuildError
+    from . import buffers
+
+    core = _ext.core()
+    if not hasattr(core, "cuda_reduce_into"):
+        raise BuildError("hybridpipe was built without its CUDA kernels (no nvcc at build time): rebuild with "
+                         "nvcc on PATH or CUDA_HOME set (HYBRIDPIPE_WITH_CUDA=1 makes a missing nvcc an error)")
+    for x in (accumulator, incoming):
+        if not (isinstance(x, torch.Tensor) and x.is_cuda and x.is_contiguous()):
+            raise TypeError(f"reduce_on_device takes contiguous CUDA tensors, got {buffers.describe(x)}")
+    if accumulator.shape != incoming.shape or accumulator.dtype != incoming.dtype:
+        raise TypeError(f"reduce_on_device: {buffers.describe(accumulator)} and {buffers.describe(incoming)} differ")
+    code = buffers.dtype_code(accumulator)
+    buffers.check_reducible([code], [accumulator], "reduce_on_device")
+    if int(op) > 3:
+        raise TypeError(f"reduce_on_device: op {op!r} is not Sum, Average, Min or Max")
+    with torch.cuda.device(accumulator.device):
+        core.cuda_reduce_into(accumulator.data_ptr(), incoming.data_ptr(), accumulator.numel(), code, int(op),
+                              torch.cuda.current_stream().cuda_stream)
+    return accumulator

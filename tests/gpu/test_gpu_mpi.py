@@ -1,0 +1,200 @@
+"""CUDA tensors through hybridpipe under a real mpirun (2 ranks; they share the GPU when there is one): every
+collective and dtype against numpy, the engine's allreduce, cupy arrays, the extension's CUDA reduction kernel,
+hp.init's device placement, and DistributedOptimizer and the pipeline (GPipe, 1F1B) on the GPU equal to one
+process. Marked ``cuda``: skipped where torch sees no GPU (``make gpu-check`` runs it on a GPU machine)."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import hybridpipe as hp
+from hybridpipe.comm import device
+
+pytestmark = [pytest.mark.mpi(ranks=[2], timeout=600), pytest.mark.cuda]
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
+OPS = {"Sum": (hp.Sum, np.sum), "Average": (hp.Average, np.mean), "Min": (hp.Min, np.min), "Max": (hp.Max, np.max)}
+
+
+@pytest.fixture(scope="module")
+def world():
+    grid = hp.init(pipeline_stages=1)
+    yield grid
+    hp.shutdown()
+
+
+def rank_values(rank: int, shape, dtype: torch.dtype) -> torch.Tensor:
+    """Rank-dependent values that every dtype holds exactly (small integers; halves of them)."""
+    generator = torch.Generator().manual_seed(1000 + rank)
+    values = torch.randint(-8, 9, shape, generator=generator).double() / (1 if not dtype.is_floating_point else 2)
+    return values.to(dtype)
+
+
+def everyone(shape, dtype: torch.dtype) -> np.ndarray:
+    return np.stack([rank_values(r, shape, dtype).double().numpy() for r in range(hp.size())])
+
+
+def test_hp_init_places_each_rank_on_its_gpu(world):
+    assert torch.cuda.current_device() == hp.local_rank() % torch.cuda.device_count()
+    assert device.compute_device(hp.local_rank(), True) == torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_allreduce_of_cuda_tensors_every_op_against_numpy(world, dtype):
+    for op_name, (op, reference) in OPS.items():
+        if op_name == "Average" and not dtype.is_floating_point:
+            continue
+        x = rank_values(hp.rank(), (1000, 3), dtype).cuda()
+        result = hp.allreduce(x, op=op, name=f"allreduce.{op_name}.{dtype}")
+        assert result.device == x.device and result.dtype == dtype
+        expected = reference(everyone((1000, 3), dtype), axis=0)
+        np.testing.assert_allclose(result.double().cpu().numpy(), expected, rtol=1e-2 if dtype.itemsize == 2 else 0)
+        in_place = x.clone()
+        assert hp.allreduce_(in_place, op=op) is in_place
+        assert torch.equal(in_place, result)
+
+
+def test_grouped_allreduce_broadcast_allgather_alltoall_reducescatter_on_cuda(world):
+    rank, size = hp.rank(), hp.size()
+    tensors = [rank_values(rank, (n,), torch.float32).cuda() for n in (1, 333, 70_000)]
+    hp.grouped_allreduce_(tensors, op=hp.Sum)
+    for tensor, n in zip(tensors, (1, 333, 70_000)):
+        np.testing.assert_array_equal(tensor.cpu().numpy(), everyone((n,), torch.float32).sum(0))
+        assert tensor.is_cuda
+
+    root = torch.full((5, 4), float(rank), device="cuda")
+    hp.broadcast_(root, root_rank=size - 1)
+    assert root.is_cuda and torch.equal(root.cpu(), torch.full((5, 4), float(size - 1)))
+
+    rows = torch.full((rank + 1, 3), float(rank), device="cuda")  # uneven first dimension
+    gathered = hp.allgather(rows)
+    assert gathered.is_cuda
+    expected = torch.cat([torch.full((r + 1, 3), float(r)) for r in range(size)])
+    assert torch.equal(gathered.cpu(), expected)
+
+    send = torch.arange(size * 2, dtype=torch.float32, device="cuda") + 100 * rank
+    received = hp.alltoall(send)
+    expected = torch.cat([torch.arange(rank * 2, rank * 2 + 2, dtype=torch.float32) + 100 * r for r in range(size)])
+    assert received.is_cuda and torch.equal(received.cpu(), expected)
+
+    whole = rank_values(rank, (size * 4, 2), torch.float32).cuda()
+    mine = hp.reducescatter(whole, op=hp.Sum)
+    expected = everyone((size * 4, 2), torch.float32).sum(0)[rank * 4:(rank + 1) * 4]
+    assert mine.is_cuda and np.array_equal(mine.cpu().numpy(), expected)
+
+
+def test_engine_allreduce_async_of_many_cuda_gradients(world):
+    tensors = [rank_values(hp.rank(), (n,), torch.float32).cuda() for n in [7] * 50 + [300_000, 5]]
+    handles = [hp.allreduce_async_(t, name=f"grad.{i}", op=hp.Average) for i, t in enumerate(tensors)]
+    for handle, tensor in zip(handles, tensors):
+        assert hp.synchronize(handle) is tensor
+    for tensor in tensors:
+        np.testing.assert_allclose(tensor.cpu().numpy(), everyone(tensor.shape, torch.float32).mean(0), rtol=1e-6)
+
+
+def test_a_large_cuda_buffer_is_reduced_exactly(world):
+    count = 16 << 20  # 64 MiB of float32
+    x = torch.full((count,), float(hp.rank() + 1), device="cuda")
+    hp.allreduce_(x, op=hp.Sum)
+    expected = float(sum(range(1, hp.size() + 1)))
+    assert torch.all(x == expected).item()
+
+
+def test_staging_warns_once_naming_the_mpi_library(world):
+    device._warned = False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            hp.allreduce(torch.ones(4, device="cuda"))
+    staged = [w for w in caught if "stages CUDA tensors through host memory" in str(w.message)]
+    assert len(staged) == 1, [str(w.message) for w in caught]
+    assert "MPI: " in str(staged[0].message) and "CUDA support" in str(staged[0].message)
+
+
+def test_cupy_arrays_are_accepted_in_and_out_of_place(world):
+    cupy = pytest.importorskip("cupy")
+    a = cupy.full((6,), hp.rank() + 1, dtype=cupy.float32)
+    total = hp.allreduce(a, op=hp.Sum)
+    assert isinstance(total, cupy.ndarray)
+    assert cupy.asnumpy(total).tolist() == [float(sum(range(1, hp.size() + 1)))] * 6
+    assert hp.allreduce_(a, op=hp.Max) is a
+    assert cupy.asnumpy(a).tolist() == [float(hp.size())] * 6
+    gathered = hp.allgather(cupy.full((1, 2), hp.rank(), dtype=cupy.int64))
+    assert isinstance(gathered, cupy.ndarray) and cupy.asnumpy(gathered)[:, 0].tolist() == list(range(hp.size()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_the_extensions_cuda_reduction_kernel_against_torch(world, dtype):
+    assert hp.cuda_built(), "the extension was built without its CUDA kernels (nvcc missing at build time?)"
+    a, b = rank_values(0, (100_003,), dtype).cuda(), rank_values(1, (100_003,), dtype).cuda()
+    for op, expected in ((hp.Sum, a + b), (hp.Average, a + b), (hp.Min, torch.minimum(a, b)),
+                         (hp.Max, torch.maximum(a, b))):
+        accumulator = a.clone()
+        device.reduce_on_device(accumulator, b, op)
+        torch.cuda.synchronize()
+        assert torch.equal(accumulator, expected), (op, dtype)
+
+
+def test_distributed_optimizer_on_the_gpu_equals_one_process(world):
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).cuda()
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).cuda()
+    model.load_state_dict(reference.state_dict())
+    optimizer = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                        named_parameters=model.named_parameters())
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        x, y = torch.randn(8 * hp.size(), 16, generator=generator), torch.randn(8 * hp.size(), 4, generator=generator)
+        x, y = x.cuda(), y.cuda()
+        mine = slice(8 * hp.rank(), 8 * (hp.rank() + 1))
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        optimizer.step()
+        reference_optimizer.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        reference_optimizer.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.is_cuda
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda text: f"{name}: {text}")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_on_the_gpu_equals_one_process(schedule):
+    hp.shutdown()  # the module's 1-stage grid; these come last in the file
+    hp.init(pipeline_stages=2)
+    try:
+        torch.manual_seed(0)
+        layers = [nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 5)]
+        reference = nn.Sequential(*[nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 5)])
+        reference.load_state_dict(nn.Sequential(*layers).state_dict())
+        reference = reference.cuda()
+        model = hp.PipelineModel(nn.Sequential(*layers), loss_fn=nn.CrossEntropyLoss(), micro_batches=4,
+                                 schedule=schedule, balance=[3, 2])
+        assert model.device.type == "cuda"  # hybridpipe's placement: the layers came on the CPU
+        assert all(p.is_cuda for p in model.parameters())
+        optimizer = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                            named_parameters=model.named_parameters())
+        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+        generator = torch.Generator().manual_seed(5)
+        for _ in range(3):
+            x, y = torch.randn(16, 12, generator=generator), torch.randint(0, 5, (16,), generator=generator)
+            optimizer.zero_grad()
+            loss = model.train_step(x, y)
+            optimizer.step()
+            reference_optimizer.zero_grad()
+            expected = nn.functional.cross_entropy(reference(x.cuda()), y.cuda())
+            expected.backward()
+            reference_optimizer.step()
+            assert loss == pytest.approx(expected.item(), rel=1e-5)
+        reference_parameters = dict(reference.named_parameters())
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p, reference_parameters[name.removeprefix("layers.")], rtol=1e-5, atol=1e-6)
+        model.close()
+    finally:
+        hp.shutdown()
