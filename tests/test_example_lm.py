@@ -59,6 +59,7 @@ def test_train_lm_learns_and_saves_loadable_weights(tmp_path, ranks, stages):
     assert loss < before - 0.8
 
 
+@LONG  # resharding on load to another grid: tests/test_checkpoint_mpi.py in make test
 def test_train_lm_checkpoints_and_resumes_on_another_grid(tmp_path):
     def launch(ranks, stages, *extra):
         command = mpirun_command(ranks, [sys.executable, str(ROOT / "examples" / "train_lm.py"), "--stages",

@@ -41,7 +41,7 @@ def is_tensor(x: Any) -> bool:
 
 def check_array(x: Any, function: str) -> None:
     if not (is_tensor(x) or isinstance(x, np.ndarray)):
-        raise TypeError(f"hp.{function} takes a torch.Tensor, numpy.ndarray or cupy array, got {type(x).__name__}")
+        raise TypeError(f"hp.{function} takes a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
     if is_tensor(x):
         device.route(x)  # a device no route reaches (meta, mps) is refused here, before the ranks agree
 

@@ -29,14 +29,19 @@ __all__ = ["ROUTES", "route", "note_staged", "mpi_cuda_support", "describe", "ac
            "compute_device", "set_device", "reduce_on_device"]
 
 
+def _device_type(x: Any) -> str:
+    """``x``'s torch device type; ``"cpu"`` for anything that is not a torch tensor (numpy arrays)."""
+    torch = sys.modules.get("torch")  # torch is imported by whoever made a tensor
+    return x.device.type if torch is not None and isinstance(x, torch.Tensor) else "cpu"
+
+
 def _is_cuda(x: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor) and x.device.type == "cuda"
+    return _device_type(x) == "cuda"
 
 
 #: (name, applies) in order of preference: the first route whose rule holds for a buffer is its route.
 ROUTES: tuple[tuple[str, Callable[[Any], bool]], ...] = (
-    ("host", lambda x: not _is_cuda(x) and getattr(getattr(x, "device", None), "type", "cpu") == "cpu"),
+    ("host", lambda x: _device_type(x) == "cpu"),
     ("staged", _is_cuda),
 )
 
@@ -106,23 +111,27 @@ def _convert(value: Any) -> tuple[Any, bool]:
     return value, False
 
 
-def _back(result: Any, inputs: list) -> Any:
-    """torch results that are not the caller's own converted inputs, as cupy arrays (no copy)."""
+def _back(result: Any, converted: list, originals: list) -> Any:
+    """The result with the caller's converted inputs replaced by their cupy originals (in-place forms) and
+    other CUDA torch tensors viewed as cupy arrays (out-of-place forms); lists and tuples walked."""
     torch = sys.modules["torch"]
     if isinstance(result, torch.Tensor):
-        if any(result is item for item in inputs):
+        for tensor, original in zip(converted, originals):
+            if result is tensor:
+                return original
+        if result.device.type != "cuda":
             return result
         import cupy
 
-        return cupy.from_dlpack(result) if result.device.type == "cuda" else result
+        return cupy.from_dlpack(result)
     if isinstance(result, (list, tuple)):
-        return type(result)(_back(item, inputs) for item in result)
+        return type(result)(_back(item, converted, originals) for item in result)
     return result
 
 
 def accepts_cupy(function: Callable) -> Callable:
     """Decorator: a cupy array (or a list of them) as the first argument is viewed as a torch tensor on the
-    same memory; torch tensors in the result that are new come back as cupy arrays."""
+    same memory; the result comes back in cupy arrays (the caller's own arrays for in-place forms)."""
 
     @functools.wraps(function)
     def wrapper(first: Any, *args: Any, **kwargs: Any) -> Any:
@@ -130,15 +139,8 @@ def accepts_cupy(function: Callable) -> Callable:
         if not was_cupy:
             return function(first, *args, **kwargs)
         result = function(converted, *args, **kwargs)
-        inputs = list(converted) if isinstance(converted, (list, tuple)) else [converted]
-        originals = list(first) if isinstance(first, (list, tuple)) else [first]
-        if isinstance(result, (list, tuple)) and not isinstance(converted, (list, tuple)):
-            return _back(result, inputs)
-        if any(result is item for item in inputs):  # in place: hand back the caller's own array
-            return originals[[id(item) for item in inputs].index(id(result))]
-        if isinstance(result, (list, tuple)) and all(any(r is item for item in inputs) for r in result):
-            return type(result)(originals[[id(item) for item in inputs].index(id(r))] for r in result)
-        return _back(result, inputs)
+        many = isinstance(first, (list, tuple))
+        return _back(result, list(converted) if many else [converted], list(first) if many else [first])
 
     return wrapper
 
