@@ -126,6 +126,14 @@ def test_cupy_arrays_are_accepted_in_and_out_of_place(world):
     assert cupy.asnumpy(a).tolist() == [float(hp.size())] * 6
     gathered = hp.allgather(cupy.full((1, 2), hp.rank(), dtype=cupy.int64))
     assert isinstance(gathered, cupy.ndarray) and cupy.asnumpy(gathered)[:, 0].tolist() == list(range(hp.size()))
+    pair = [cupy.ones(3, dtype=cupy.float32), cupy.full((2, 2), hp.rank(), dtype=cupy.float64)]
+    summed = hp.grouped_allreduce_(pair, op=hp.Sum)
+    assert summed[0] is pair[0] and summed[1] is pair[1]  # the caller's own arrays, reduced in place
+    assert cupy.asnumpy(pair[0]).tolist() == [float(hp.size())] * 3
+    assert cupy.asnumpy(pair[1]).sum() == 4 * sum(range(hp.size()))
+    handle = hp.allreduce_async_(pair[0], op=hp.Sum, name="cupy.async")
+    hp.synchronize(handle)  # the torch view of pair[0]'s memory
+    assert cupy.asnumpy(pair[0]).tolist() == [float(hp.size() ** 2)] * 3
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
