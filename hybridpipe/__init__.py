@@ -98,6 +98,7 @@ from .optimizer import (
     clip_grad_norm_,
 )
 from .pipeline.model import LayerSpec, PipelineModel, TiedLayerSpec
+from .pipeline.skip import pop, skippable, stash
 from .plan.auto import auto
 from .sync_batch_norm import SyncBatchNorm
 from . import elastic  # noqa: E402 — hvd.elastic.run / TorchState need the names above
@@ -135,7 +136,7 @@ __all__ = [
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built", "ccl_built",
     "ddl_built", "cuda_built", "rocm_built", "start_timeline", "stop_timeline",
     # pipeline
-    "PipelineModel", "LayerSpec", "TiedLayerSpec", "auto",
+    "PipelineModel", "LayerSpec", "TiedLayerSpec", "auto", "skippable", "stash", "pop",
     # data parallelism (Horovod-compatible names)
     "DistributedOptimizer", "Compression", "broadcast_parameters", "broadcast_optimizer_state",
     "broadcast_object", "allgather_object", "clip_grad_norm_", "SyncBatchNorm", "elastic", "LossScaler",

@@ -56,6 +56,7 @@ from hybridpipe.pipeline.partition import (
     profile_layers,
     validate_balance,
 )
+from hybridpipe.pipeline.skip import skip_routes
 from hybridpipe.pipeline.tied import TiedWeights, check_schedule, find_ties, share_within_rank
 from hybridpipe.config import parse_bytes
 from hybridpipe.pipeline.schedule import (
@@ -212,6 +213,9 @@ class PipelineModel(nn.Module):
                     tuple(tuple(i for i, _ in tie.places) for tie in ties if tie.across_ranks))
         check_schedule(ties, balance_list, self.asynchronous, name)
         self.balance = balance_list
+        #: skip connections (``hp.skippable``): name -> SkipRoute (stashing and popping layer and chunk)
+        self.skip_routes = skip_routes(layer_list, [chunk for chunk in range(self.chunks)
+                                                    for _ in self.layers_of_chunk(chunk)])
         self.balance_report = report
         #: every tie's parameter names (``layers.0.weight``, ``layers.7.weight``): one weight, a copy per rank
         self.tied_parameter_names: list[tuple[str, ...]] = [tie.names for tie in ties]
@@ -233,6 +237,7 @@ class PipelineModel(nn.Module):
         # private: our tags never meet anyone else's messages
         self._comm = call("pipe", "PipelineModel", grid.pipe_comm.Dup)
         self._executor = StageExecutor(chunk_modules, self.stage, stages, self._comm, self.device, virtual_stages)
+        self._executor.use_skips(self.skip_routes)
         if name == "zb-h1":
             self._executor.split_backward()
         # ties across ranks: sets of the holding ranks (collective over the grid), copies broadcast from the lowest

@@ -62,12 +62,15 @@ from hybridpipe.errors import HybridPipeError
 from hybridpipe.pipeline.asynchronous import WeightStash
 from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
 from hybridpipe.pipeline.schedule import Action, ActionKind, stage_to_rank
+from hybridpipe.pipeline.skip import SkipContext, SkipRoute, skip_context
 
 __all__ = ["CHECKPOINT_MODES", "PipelineBroken", "StageExecutor", "StepResult", "gradient_phase"]
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
 _TAG_PERIOD = 4096
 _RESULT_TAG = 4 * _TAG_PERIOD  # loss / predict output from the last stage to every stage
+_SKIP_TAG_BASE = _RESULT_TAG + 4  # skip connections: 4 tags (value, its gradient; header and payload each) per slot
+_SKIP_SLOTS = 3900  # (name, micro-batch) slots below p2p.ERROR_TAG: micro-batch ids modulo 3900 // names
 _CHUNK_ATTRIBUTE = "_hybridpipe_chunk"
 
 
@@ -165,6 +168,8 @@ class _Stored:
     loss: float | None = None       # last chunk: the micro-batch's mean loss
     version: int | None = None      # asynchronous: the weight version the forward used
     weights: dict[str, torch.Tensor] | None = None
+    skips_in: dict[str, Any] = field(default_factory=dict)   # skip connections received from earlier chunks
+    skips_out: dict[str, Any] = field(default_factory=dict)  # stashed here for later chunks (with their graph)
     calls: list[tuple[nn.Module, list[torch.Tensor], list[int]]] = field(default_factory=list)  # split backward
 
 
@@ -182,6 +187,8 @@ class _Step:
     result: StepResult = field(default_factory=StepResult)
     forward_in: dict[tuple[int, int], p2p.Receive] = field(default_factory=dict)
     backward_in: dict[tuple[int, int], p2p.Receive] = field(default_factory=dict)
+    skip_in: dict[tuple[str, int], p2p.Receive] = field(default_factory=dict)       # (name, m): the value
+    skip_grad_in: dict[tuple[str, int], p2p.Receive] = field(default_factory=dict)  # (name, m): its gradient
     outputs: dict[int, Any] = field(default_factory=dict)
 
 
@@ -219,6 +226,8 @@ class StageExecutor:
         self.carry_losses = False  # asynchronous: gradients carry their micro-batch's loss
         self.autocast: torch.dtype | None = None  # mixed precision: forwards (and losses) under torch.autocast
         self.loss_scale = 1.0  # fp16: each loss is multiplied by it before its backward (the scaler's scale)
+        self.skips: dict[str, SkipRoute] = {}  # skip connections (hybridpipe.pipeline.skip), see use_skips
+        self._skip_period = _SKIP_SLOTS
 
     # ------------------------------------------------------------------ set-up
 
@@ -243,6 +252,26 @@ class StageExecutor:
             chunk.stash = WeightStash(chunk.module, policy, vertical_sync, micro_batches)
         self.carry_versions = vertical_sync
         self.carry_losses = True
+
+    def use_skips(self, routes: Mapping[str, SkipRoute]) -> None:
+        """Skip connections: each route's tensor goes from its stashing chunk's rank straight to its popping
+        chunk's, and its gradient straight back (tags of their own, one slot per name and micro-batch)."""
+        self.skips = dict(routes)
+        if routes:
+            self._skip_period = _SKIP_SLOTS // len(routes)
+            if self._skip_period < 64:
+                raise HybridPipeError(f"{len(routes)} skip connections are more than a pipeline carries "
+                                      f"(at most {_SKIP_SLOTS // 64}); stash fewer names (e.g. a tuple under one)")
+
+    def _skips_into(self, chunk: int) -> list[SkipRoute]:
+        return [r for r in self.skips.values() if r.pop_chunk == chunk and r.stash_chunk != chunk]
+
+    def _skips_from(self, chunk: int) -> list[SkipRoute]:
+        return [r for r in self.skips.values() if r.stash_chunk == chunk and r.pop_chunk != chunk]
+
+    def _skip_tag(self, route: SkipRoute, micro_batch: int, gradient: bool) -> int:
+        return _SKIP_TAG_BASE + 4 * (route.index * self._skip_period + micro_batch % self._skip_period) + \
+            (2 if gradient else 0)
 
     def defer_gradients(self, parameters: Sequence[torch.Tensor]) -> None:
         """These parameters' gradients are completed after each run (tied weights, summed across stages
@@ -399,6 +428,14 @@ class StageExecutor:
             elif action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT) and not chunk.last:
                 step.backward_in[(action.stage, m)] = self._receive(
                     chunk.next_rank, self._tag(action.stage, m, True), False)
+            if action.kind is ActionKind.FORWARD:
+                for route in self._skips_into(action.stage):
+                    step.skip_in[(route.name, m)] = self._receive(
+                        stage_to_rank(route.stash_chunk, self.ranks), self._skip_tag(route, m, False), step.train)
+            elif action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
+                for route in self._skips_from(action.stage):
+                    step.skip_grad_in[(route.name, m)] = self._receive(
+                        stage_to_rank(route.pop_chunk, self.ranks), self._skip_tag(route, m, True), False)
 
     def _progress(self, step: _Step) -> None:
         # Post payload receives for headers that arrived meanwhile. Headers open in posting order,
@@ -452,8 +489,10 @@ class StageExecutor:
             x = self._wait(step.forward_in.pop((chunk.stage, m)), f"activation {m}")
             if self.carry_versions:
                 carried, x = x
-        start = time.monotonic()
         stored = _Stored(x)
+        for route in self._skips_into(chunk.stage):
+            stored.skips_in[route.name] = self._wait(step.skip_in.pop((route.name, m)), f"skip {route.name} {m}")
+        start = time.monotonic()
         forward = chunk.module
         if chunk.stash is not None and step.train:
             stored.version = chunk.stash.forward_version(m, carried)
@@ -461,7 +500,7 @@ class StageExecutor:
             forward = chunk.stash.call(stored.weights)
         if not step.train:
             with torch.no_grad():
-                y = self._call(forward, x)
+                y = self._call(forward, x, chunk, stored)
             if chunk.last:
                 step.outputs[m] = y
             else:
@@ -470,7 +509,7 @@ class StageExecutor:
         elif (chunk.stage, m) in step.keep_graph:
             chunk.recording = stored.calls if chunk.splittable else None
             try:
-                y = self._call(forward, x)
+                y = self._call(forward, x, chunk, stored)
             finally:
                 chunk.recording = None
             if chunk.last:
@@ -483,11 +522,19 @@ class StageExecutor:
         else:
             stored.recompute, stored.saved = True, _RngState(self.device)
             with torch.no_grad():
-                y = self._call(forward, x)
+                y = self._call(forward, x, chunk, stored)
                 if chunk.last:
                     stored.loss = float(self._loss(step, y, m))
             if not chunk.last:
                 self._send_forward(chunk, m, stored, self._boundary(y), marked=True)
+        for route in self._skips_from(chunk.stage):  # straight to the popping chunk's rank
+            value = stored.skips_out[route.name]
+            if stored.recompute:  # stashed without a graph: the popping chunk must still return its gradient
+                value = map_tensors(value, lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t)
+            self._sends.append(p2p.send(value, stage_to_rank(route.pop_chunk, self.ranks),
+                                        self._skip_tag(route, m, False), self.comm))
+        if stored.recompute or not step.train:
+            stored.skips_out = {}  # the backward's recompute stashes them again, with their graph
         if step.train:
             if chunk.last and not self.carry_losses:
                 step.result.losses[m] = stored.loss
@@ -496,12 +543,22 @@ class StageExecutor:
         timeline.record(f"F{m}", "forward", "compute", start, time.monotonic(),
                         {"stage": chunk.stage, "micro_batch": m})
 
-    def _call(self, forward: Callable[[Any], Any], x: Any) -> Any:
-        """A chunk's forward, under autocast when the pipeline runs in mixed precision."""
-        if self.autocast is None:
-            return forward(x)
-        with torch.autocast(self.device.type, dtype=self.autocast):
-            return forward(x)
+    def _call(self, forward: Callable[[Any], Any], x: Any, chunk: _Chunk, stored: _Stored) -> Any:
+        """A chunk's forward, under autocast when the pipeline runs in mixed precision, with its skip
+        connections: ``hp.pop`` finds ``stored.skips_in``, ``hp.stash`` for a later chunk fills ``stored.skips_out``."""
+        context = SkipContext(routes=self.skips, chunk=chunk.stage, incoming=stored.skips_in)
+        with skip_context(context):
+            if self.autocast is None:
+                y = forward(x)
+            else:
+                with torch.autocast(self.device.type, dtype=self.autocast):
+                    y = forward(x)
+        missing = [r.name for r in self._skips_from(chunk.stage) if r.name not in context.outgoing]
+        if missing:
+            raise HybridPipeError(f"chunk {chunk.stage}'s forward did not hp.stash {missing} (declared by "
+                                  "@hp.skippable on its layers): stash every declared name on every call")
+        stored.skips_out = context.outgoing
+        return y
 
     def _loss(self, step: _Step, y: Any, m: int) -> torch.Tensor:
         target = self._move(step.targets[m])
@@ -530,7 +587,7 @@ class StageExecutor:
         try:
             with timeline.span(f"R{m}", "recompute", stage=chunk.stage, micro_batch=m), stored.saved.replay(), \
                     torch.enable_grad():
-                y = self._call(forward, stored.x)
+                y = self._call(forward, stored.x, chunk, stored)
                 return self._loss(step, y, m) * (step.weights[m] * self.loss_scale) if chunk.last else self._boundary(y)
         finally:
             chunk.recording = None
@@ -555,7 +612,15 @@ class StageExecutor:
                 if grad is not None and tensor.requires_grad:
                     roots.append(tensor)
                     root_grads.append(grad)
-        inputs = [t for t in iter_tensors(stored.x) if t.requires_grad]
+        for route in self._skips_from(chunk.stage):  # the popping chunk's gradient of what was stashed here
+            [grad] = self._wait(step.skip_grad_in.pop((route.name, m)), f"skip gradient {route.name} {m}")
+            tensor = stored.skips_out[route.name]
+            if grad is not None and tensor.requires_grad:
+                roots.append(tensor)
+                root_grads.append(grad)
+        popped = [stored.skips_in[route.name] for route in self._skips_into(chunk.stage)]
+        inputs = [t for t in iter_tensors(stored.x) if t.requires_grad] + \
+            [t for t in iter_tensors(popped) if t.requires_grad]
         if roots:
             if action.kind is ActionKind.BACKWARD:
                 with chunk.in_phase("final" if step.final.get(chunk.stage) == index else "partial"):
@@ -567,6 +632,11 @@ class StageExecutor:
                         {"stage": chunk.stage, "micro_batch": m})
         if self.carry_losses:  # the loss of m travels back with its gradients
             step.result.losses[m] = loss
+        for route in self._skips_into(chunk.stage):  # straight back to the stashing chunk's rank
+            tensor = stored.skips_in[route.name]
+            grad = tensor.grad if isinstance(tensor, torch.Tensor) and tensor.requires_grad else None
+            self._sends.append(p2p.send([grad], stage_to_rank(route.stash_chunk, self.ranks),
+                                        self._skip_tag(route, m, True), self.comm))
         if not chunk.first:
             input_grads = [t.grad if t.requires_grad else None for t in iter_tensors(stored.x)]
             self._send((loss, input_grads) if self.carry_losses else input_grads, chunk.stage - 1, m,
