@@ -598,8 +598,8 @@ class PipelineModel(nn.Module):
         if executor is not None:
             executor.close()
             self._executor = None
-            if runtime.is_initialized():
-                self._comm.Free()
+            if runtime.is_initialized():  # on the communication thread, which may still be withdrawing receives on it
+                call("pipe", "PipelineModel.close", self._comm.Free)
 
     def __repr__(self) -> str:
         return (f"PipelineModel(stage {self.stage} of {self.stages}, layers {list(self.layers_of_stage(self.stage))}, "
