@@ -20,7 +20,10 @@ pytestmark = pytest.mark.mpi(ranks=[2, 4], long_ranks=[3], timeout=300)  # P = 3
 
 torch.set_num_threads(1)
 WORLD = int(os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE") or 1)
-GRIDS = {2: [2], 3: [3], 4: [4, 2]}.get(WORLD, [WORLD])  # pipeline stages; the rest are replicas
+LONG = os.environ.get("HYBRIDPIPE_LONG_TESTS") == "1"
+# pipeline stages; the rest are replicas (the 2 × 2 grid in make test-long: test_pipeline_mpi, test_tied_mpi and
+# test_zero_mpi train on it in make test)
+GRIDS = {2: [2], 3: [3], 4: [4, 2] if LONG else [4]}.get(WORLD, [WORLD])
 
 
 @pytest.fixture(scope="module", params=GRIDS, ids=lambda p: f"P{p}")
