@@ -17,7 +17,7 @@ setup: $(STAMP)
 $(VENV)/.requirements: requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements-dev.txt
+	$(PY) -m pip install --quiet --no-compile -r requirements-dev.txt
 	touch $@
 
 # --no-build-isolation: the extension must be compiled with the mpicxx of the MPI that mpi4py
@@ -42,7 +42,7 @@ test-long: $(STAMP)
 	  tests/comm/test_collectives.py tests/comm/test_shared_memory.py tests/comm/test_engine.py tests/comm/test_p2p.py \
 	  tests/pipeline/test_pipeline_mpi.py tests/pipeline/test_schedules_mpi.py tests/test_optimizer_mpi.py \
 	  tests/test_runtime.py tests/test_example_lm.py tests/test_harness.py tests/comm/test_horovod_api.py tests/test_faults.py \
-	  tests/pipeline/test_skip_mpi.py tests/test_example_dp.py \
+	  tests/pipeline/test_skip_mpi.py tests/test_example_dp.py tests/test_examples_horovod.py \
 	  -q -p no:cacheprovider
 	for i in $$(seq 1 $(MULTIHOST_REPEATS)); do \
 	  echo "multi-host run $$i of $(MULTIHOST_REPEATS)"; \
