@@ -17,7 +17,7 @@ setup: $(STAMP)
 $(VENV)/.requirements: requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-compile -r requirements-dev.txt
+	$(PY) -m pip install --quiet -r requirements-dev.txt
 	touch $@
 
 # --no-build-isolation: the extension must be compiled with the mpicxx of the MPI that mpi4py
