@@ -123,6 +123,7 @@ extension = Pybind11Extension(
     include_dirs=[str(CSRC)],
     cxx_std=17,
     extra_compile_args=["-O3", "-fno-fast-math"],
+    libraries=["dl"],  # dlopen of the CUDA driver for ready events (common.cpp); part of libc on glibc >= 2.34
 )
 
 setup(ext_modules=[extension], cmdclass={"build_ext": MPIBuildExt})

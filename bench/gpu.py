@@ -1,6 +1,7 @@
-"""GPU allreduce benchmark: CUDA tensors through hybridpipe (the staged route: device → host → reduce → device)
-beside torch.distributed's gloo on the same CUDA tensors, the same hybridpipe allreduce on host tensors, and
-the device↔host copies alone, in one job.
+"""GPU allreduce benchmark: CUDA tensors through hybridpipe (the staged route: device → host → reduce → device,
+in segments whose copies overlap the reduction; and, where the MPI library moves device memory, the cuda-aware
+route) beside torch.distributed's gloo on the same CUDA tensors, the same hybridpipe allreduce on host tensors,
+and the device↔host copies alone, in one job.
 
 Usage (each rank uses GPU local_rank mod the visible GPUs; ranks may share one):
     mpirun -n 2 python bench/gpu.py [--sizes 4KiB,256KiB,4MiB,64MiB,256MiB] [--repeats 10] [--markdown]
@@ -10,12 +11,15 @@ a repetition's time is the max over ranks, the reported time the median over rep
 call that also checks the result: every rank holds rank + 1, the sum must be n(n+1)/2). busbw = bytes / time ·
 2(n−1)/n, GB = 10^9 bytes. "copies" is one device→host plus one host→device copy of the buffer, the least a
 staged allreduce adds to the host one: the "staged ceiling" is host allreduce + copies, and the last column
-is that ceiling's time over hybridpipe's staged time (1.0: staging costs nothing beyond the copies).
+is that ceiling's time over hybridpipe's staged time (1.0: staging costs nothing beyond the copies; above 1.0:
+the copies overlap the reduction).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import os
 import statistics
 import sys
@@ -27,6 +31,20 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import hybridpipe as hp  # noqa: E402
 from hybridpipe.config import parse_bytes  # noqa: E402
+
+
+@contextlib.contextmanager
+def route(cuda_aware_mpi: str):
+    """Runs the block with HYBRIDPIPE_CUDA_AWARE_MPI set to ``cuda_aware_mpi`` (1: cuda-aware, 0: staged)."""
+    from hybridpipe.comm import context
+
+    ctx = context.current("bench")
+    saved = ctx.config
+    ctx.config = dataclasses.replace(saved, cuda_aware_mpi=cuda_aware_mpi)
+    try:
+        yield
+    finally:
+        ctx.config = saved
 
 
 def timed(function, comm: MPI.Comm) -> float:
@@ -69,7 +87,13 @@ def main() -> int:
 
         def staged():
             on_gpu.fill_(rank + 1)
-            hp.allreduce_(on_gpu, op=hp.Sum)
+            with route("0"):
+                hp.allreduce_(on_gpu, op=hp.Sum)
+
+        def cuda_aware():
+            on_gpu.fill_(rank + 1)
+            with route("1"):
+                hp.allreduce_(on_gpu, op=hp.Sum)
 
         def host():
             on_host.fill_(rank + 1)
@@ -84,6 +108,8 @@ def main() -> int:
             gloo.all_reduce(on_gpu)
 
         columns = {"hybridpipe staged (cuda)": staged, "hybridpipe (host)": host, "copies d2h+h2d": copies}
+        if hp.comm.device.mpi_cuda_support() == 1:
+            columns["hybridpipe cuda-aware (cuda)"] = cuda_aware
         if gloo is not None:
             columns["torch gloo (cuda)"] = gloo_cuda
         checks = {}

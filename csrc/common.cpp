@@ -5,11 +5,30 @@
 #include <mpi-ext.h>
 #endif
 
+#include <dlfcn.h>
+
 #include <sstream>
 
 namespace hybridpipe {
 
 thread_local ProgressHook progress_hook;
+
+bool cuda_event_done(uintptr_t event) {
+  using Query = int (*)(void*);
+  static const Query query = [] {
+    void* driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    return driver ? reinterpret_cast<Query>(dlsym(driver, "cuEventQuery")) : nullptr;
+  }();
+  if (!query) {
+    throw std::runtime_error("a CUDA ready event was passed, but the CUDA driver (libcuda.so.1, cuEventQuery) "
+                             "cannot be loaded in this process");
+  }
+  constexpr int kSuccess = 0, kNotReady = 600;  // CUDA_SUCCESS, CUDA_ERROR_NOT_READY
+  const int status = query(reinterpret_cast<void*>(event));
+  if (status == kSuccess) return true;
+  if (status == kNotReady) return false;
+  throw std::runtime_error("cuEventQuery of a tensor's ready event failed with CUDA error " + std::to_string(status));
+}
 
 size_t dtype_size(DType dtype) {
   switch (dtype) {

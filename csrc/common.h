@@ -28,6 +28,10 @@ size_t dtype_size(DType dtype);
 const char* dtype_name(DType dtype);
 const char* op_name(ReduceOp op);
 bool is_half(DType dtype);  // float16 / bfloat16: accumulated in float32
+// Whether the CUDA event `event` (a CUevent / cudaEvent_t, e.g. torch.cuda.Event.cuda_event) has completed:
+// cuEventQuery of the driver, loaded at first use (libcuda.so.1), so that the core needs no CUDA at build
+// time. Throws std::runtime_error when no driver can be loaded or the event reports an error.
+bool cuda_event_done(uintptr_t event);
 
 struct Buffer {
   void* data = nullptr;

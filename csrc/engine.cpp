@@ -232,17 +232,28 @@ uint64_t Engine::submit_refusal(int group_id, const std::string& name, const std
 }
 
 uint64_t Engine::submit(int group_id, const std::string& name, const Buffer& buffer, ReduceOp op, int device,
-                        const Buffer& output) {
+                        const Buffer& output, uintptr_t ready_event) {
   if (output.data && (output.count != buffer.count || output.dtype != buffer.dtype)) {
     throw std::invalid_argument("submit: the output of '" + name + "' differs from its input in count or dtype");
   }
+  if (ready_event) cuda_event_done(ready_event);  // a driver that cannot be loaded fails here, in the caller
   return enqueue(group_id, name, buffer, op, nullptr, "", false, device, false,
-                 output.data != buffer.data ? output : Buffer{});
+                 output.data != buffer.data ? output : Buffer{}, ready_event);
+}
+
+std::vector<Engine::Entry> Engine::ready_entries(Group& group) {
+  std::vector<Entry> ready;
+  ready.reserve(group.pending.size());
+  for (Entry& entry : group.pending) {
+    if (entry.ready_event && cuda_event_done(entry.ready_event)) entry.ready_event = 0;
+    if (!entry.ready_event) ready.push_back(entry);
+  }
+  return ready;
 }
 
 uint64_t Engine::enqueue(int group_id, const std::string& name, const Buffer& buffer, ReduceOp op,
                          std::function<void()> job, const std::string& refusal, bool detached, int device,
-                         bool join, const Buffer& output) {
+                         bool join, const Buffer& output, uintptr_t ready_event) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!fatal_.empty()) throw std::runtime_error("the background engine stopped after an error: " + fatal_);
   if (stop_requested_) throw std::runtime_error("hybridpipe is shutting down: no new allreduce_async");
@@ -263,7 +274,7 @@ uint64_t Engine::enqueue(int group_id, const std::string& name, const Buffer& bu
   }
   const uint64_t handle = next_handle_++;
   group.pending.push_back(Entry{handle, name, buffer, op, Clock::now(), false, std::move(job), refusal, detached, device, join, 0,
-                                      nullptr, output});
+                                      nullptr, output, ready_event});
   handles_[handle] = HandleState{group_id, false, "", ErrorKind::None};
   wake_.notify_one();
   return handle;
@@ -571,8 +582,10 @@ void Engine::cycle_single(Group& group) {  // an allreduce over one rank is the 
   std::vector<Entry> ready;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    ready.swap(group.pending);
-    if (ready.empty() && stop_requested_) group.finished = true;
+    ready = ready_entries(group);
+    auto taken = [&](const Entry& entry) { return !entry.ready_event; };
+    group.pending.erase(std::remove_if(group.pending.begin(), group.pending.end(), taken), group.pending.end());
+    if (ready.empty() && group.pending.empty() && stop_requested_) group.finished = true;
   }
   group.stats.tensors += ready.size();
   for (const Entry& entry : ready) {
@@ -875,8 +888,8 @@ void Engine::start_negotiation(Group& group) {
   bool stop;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    group.snapshot = group.pending;
-    stop = stop_requested_;
+    group.snapshot = ready_entries(group);
+    stop = stop_requested_ && group.snapshot.size() == group.pending.size();
   }
   const auto now = Clock::now();
   const auto stall = std::chrono::duration<double>(options_.stall_check_seconds);

@@ -131,8 +131,11 @@ class Engine {
   // caller's tensor lives (0 host, 1 CUDA, 2 another accelerator; `buffer` is host memory either way):
   // ranks must agree on it, as on count, dtype and op.
   // `output`: where the result goes (data == nullptr: into `buffer`, in place); `buffer` is then only read.
+  // `ready_event`: a CUDA event (CUevent, e.g. torch.cuda.Event.cuda_event) recorded after the copy that fills
+  // `buffer`; the tensor is announced to the other ranks only once it has completed (polled each cycle with
+  // cuEventQuery, never waited on), as Horovod's ready events. 0: ready now.
   uint64_t submit(int group, const std::string& name, const Buffer& buffer, ReduceOp op, int device = 0,
-                  const Buffer& output = Buffer{});
+                  const Buffer& output = Buffer{}, uintptr_t ready_event = 0);
   // Queues `job`, to be run by the communication thread once every rank of `group` has queued a call
   // under `name` with the same `kind`, at the same point of the thread's sequence on each of them: a
   // blocking collective made this way is ordered with the engine's own operations on every rank, and
@@ -199,6 +202,7 @@ class Engine {
     int contributors = 0;       // ran while ranks had joined: how many ranks contributed (0: all)
     std::shared_ptr<std::vector<unsigned char>> zeros;  // a joined rank's stand-in buffer
     Buffer output;              // out of place (submit's output); data == nullptr: in place, into `buffer`
+    uintptr_t ready_event = 0;  // see submit(); cleared once the event has completed
     const Buffer& result() const { return output.data ? output : buffer; }
   };
   struct CacheEntry {
@@ -254,7 +258,7 @@ class Engine {
 
   uint64_t enqueue(int group, const std::string& name, const Buffer& buffer, ReduceOp op, std::function<void()> job,
                    const std::string& refusal = "", bool detached = false, int device = 0, bool join = false,
-                   const Buffer& output = Buffer{});
+                   const Buffer& output = Buffer{}, uintptr_t ready_event = 0);
   struct Failure {
     Entry entry;
     std::string error;
@@ -300,6 +304,9 @@ class Engine {
   void finish_negotiation(Group& group);
   // Returns "" or, when a name waited past stall_shutdown_seconds, the message the group stops with.
   std::string slow_round(Group& group, std::vector<Entry>& ready, std::vector<Failure>& failed);
+  // The pending entries of `group` whose ready events have completed (caller holds mutex_): those a cycle
+  // may announce; the others wait in `pending` for a later cycle.
+  std::vector<Entry> ready_entries(Group& group);
   void execute(Group& group, std::vector<Entry>& ready);
   void complete(const std::vector<Entry>& entries, const std::string& error, double started = 0,
                 ErrorKind kind = ErrorKind::None);

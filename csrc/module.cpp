@@ -399,14 +399,15 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "submit",
           [](Engine& engine, int group, const std::string& name, uintptr_t address, size_t count, int dtype, int op,
-             int device, uintptr_t output) {
+             int device, uintptr_t output, uintptr_t ready_event) {
             return engine.submit(group, name, to_buffer(address, count, dtype), static_cast<ReduceOp>(op), device,
-                                 output ? to_buffer(output, count, dtype) : Buffer{});
+                                 output ? to_buffer(output, count, dtype) : Buffer{}, ready_event);
           },
           py::arg("group"), py::arg("name"), py::arg("address"), py::arg("count"), py::arg("dtype"), py::arg("op"),
-          py::arg("device") = 0, py::arg("output") = 0,
+          py::arg("device") = 0, py::arg("output") = 0, py::arg("ready_event") = 0,
           "Queues an allreduce of the buffer at `address`; with `output`, the result is written there and the "
-          "input only read (out of place).")
+          "input only read (out of place). With `ready_event` (a CUDA event handle), the buffer is reduced only "
+          "after that event has completed (polled by the engine thread, never waited on).")
       .def(
           "submit_call",
           [](Engine& engine, int group, const std::string& name, int kind, py::function function) {

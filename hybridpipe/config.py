@@ -149,6 +149,11 @@ class Config:
             (HYBRIDPIPE_AUTOTUNE_STEPS_PER_SAMPLE).
         set_device: where CUDA is available, ``hp.init`` makes GPU ``local_rank mod visible GPUs`` torch's
             current device and ``PipelineModel`` builds its stage there (HYBRIDPIPE_SET_DEVICE, 1 or 0).
+        staging_segment_bytes: a CUDA buffer taking the staged route is copied to pinned host memory and back
+            in segments of this size, two in flight, so that the copies overlap the transfer
+            (HYBRIDPIPE_STAGING_SEGMENT_BYTES, e.g. ``4MiB``).
+        cuda_aware_mpi: whether CUDA buffers go to the MPI library as device memory: "auto" when it reports
+            CUDA support (``MPIX_Query_cuda_support``), "1" always, "0" never (HYBRIDPIPE_CUDA_AWARE_MPI).
     """
 
     fusion_threshold_bytes: int = 4 * 1024 * 1024
@@ -173,6 +178,8 @@ class Config:
     autotune_warmup_samples: int = 3
     autotune_steps_per_sample: int = 5
     set_device: bool = True
+    staging_segment_bytes: int = 4 * 1024 * 1024
+    cuda_aware_mpi: str = "auto"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Config":
@@ -204,6 +211,8 @@ class Config:
             ("HYBRIDPIPE_AUTOTUNE_WARMUP_SAMPLES", "autotune_warmup_samples", parse_bytes),
             ("HYBRIDPIPE_AUTOTUNE_STEPS_PER_SAMPLE", "autotune_steps_per_sample", parse_bytes),
             ("HYBRIDPIPE_SET_DEVICE", "set_device", _switch),
+            ("HYBRIDPIPE_STAGING_SEGMENT_BYTES", "staging_segment_bytes", parse_bytes),
+            ("HYBRIDPIPE_CUDA_AWARE_MPI", "cuda_aware_mpi", _auto_switch),
         ):
             if env.get(name, "").strip():
                 values[field] = parse(env[name], name)
@@ -224,6 +233,10 @@ class Config:
                                   "(e.g. 128KiB)")
         if self.stall_shutdown_seconds < 0:
             raise HybridPipeError(f"stall_shutdown_seconds={self.stall_shutdown_seconds} must be >= 0 (0: off)")
+        if self.staging_segment_bytes < 4096:
+            raise HybridPipeError(f"staging_segment_bytes={self.staging_segment_bytes} must be >= 4096 (e.g. 4MiB)")
+        if self.cuda_aware_mpi not in ("auto", "1", "0"):
+            raise HybridPipeError(f"cuda_aware_mpi={self.cuda_aware_mpi!r} must be 'auto', '1' or '0'")
         if self.hierarchical not in ("auto", "1", "0"):
             raise HybridPipeError(f"hierarchical={self.hierarchical!r} must be 'auto', '1' or '0'")
         if self.timeout_seconds < 0:

@@ -27,7 +27,7 @@ import numpy as np
 
 from .._ext import core
 from ..errors import MismatchError, NotSupportedError
-from . import buffers, context
+from . import buffers, context, device, staging
 from .buffers import check_array, copy_into, describe, host, is_tensor
 from .context import check_name, refusing, resolve_group
 
@@ -198,17 +198,157 @@ def _allreduce_into(source: Any, target: Any, op: ReduceOp, comm: Any, function:
         _mismatch(comm, function, description, _SAME_TENSOR)
 
 
+#: dtype code -> the MPI datatype's name, for reductions a CUDA-aware MPI runs on device memory
+_MPI_DEVICE_TYPES = {0: "FLOAT", 1: "DOUBLE", 4: "INT32_T", 5: "INT64_T"}
+
+
+def device_buffer(tensor: Any, datatype: str = "BYTE") -> list:
+    """A contiguous CUDA tensor as an mpi4py buffer specification on its device memory (for a CUDA-aware MPI)."""
+    from mpi4py import MPI
+
+    memory = MPI.buffer.fromaddress(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+    return [memory, getattr(MPI, datatype)]
+
+
+def _device_allreduce(source: Any, target: Any, op: ReduceOp, comm: Any) -> None:
+    """MPI_Allreduce of device memory (the cuda-aware route); Average is a sum divided on the device."""
+    from mpi4py import MPI
+
+    datatype = _MPI_DEVICE_TYPES[buffers.dtype_code(source)]
+    mpi_op = {Sum: MPI.SUM, Average: MPI.SUM, Min: MPI.MIN, Max: MPI.MAX}[op]
+    if source is target:
+        comm.Allreduce(MPI.IN_PLACE, device_buffer(target, datatype), op=mpi_op)
+    else:
+        comm.Allreduce(device_buffer(source, datatype), device_buffer(target, datatype), op=mpi_op)
+    if op == Average:
+        target.div_(comm.Get_size())
+
+
+def _staged_allreduce(tensors: Sequence[Any], op: ReduceOp, name: str | None, prescale: float, postscale: float,
+                      comm: Any, function: str, in_place: bool, ready: Any, agreed: bool = False) -> list:
+    """Allreduce of CUDA tensors (the routes of hybridpipe.comm.device), in the order of the list.
+
+    The tensors of one dtype are packed into one device buffer by one kernel (``torch.cat``), reduced, and
+    unpacked by one kernel (``torch._foreach_copy_``): a bucket of many small gradients costs two copy
+    kernels, not a copy per tensor. A lone contiguous tensor is its own buffer. On the cuda-aware route the
+    buffer goes to MPI_Allreduce as device memory (dtypes MPI reduces: float32/64, int32/64; int Average and
+    halves are staged); on the staged route it is reduced through pinned host memory segment by segment, the
+    copies overlapping the reduction (hybridpipe.comm.staging). ``agreed``: the
+    ranks already agreed on the list (grouped calls); else they agree on the one tensor here, before any data
+    moves, so that a rank with a different count never waits for a segment the others do not send.
+    """
+    import torch
+
+    from . import staging
+
+    ctx = context.current(function)
+    stream = torch.cuda.current_stream(tensors[0].device)
+    if ready is not None:
+        stream.wait_event(ready)  # the packing and scaling below run after the tensors' producer
+    if not agreed:
+        t = tensors[0]
+        header = [1, buffers.count(t), buffers.dtype_code(t), int(op),
+                  digest(str(tuple(t.shape)) + buffers.device_tag(t) + ("" if name is None else f"|{name}"))]
+        agree(comm, function, header, lambda: f"{describe(t)} op={op.name}{named(name)}", _SAME_TENSOR)
+    results: list[Any] = [None] * len(tensors)
+    by_dtype: dict[Any, list[int]] = {}
+    for index, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(index)
+    for indices in by_dtype.values():
+        members = [tensors[i].detach().resolve_conj().resolve_neg() for i in indices]
+        lone = len(members) == 1 and members[0].is_contiguous()
+        if not lone:
+            packed = output = torch.cat([m.reshape(-1) for m in members])  # one kernel; the copy is ours
+        elif in_place:
+            packed = output = members[0]  # the caller's memory holds the result afterwards
+        else:
+            packed, output = members[0], torch.empty_like(members[0])
+            if prescale != 1.0:
+                packed = output  # scale a copy, never the caller's input
+                output.copy_(members[0])
+        buffers.scale_(packed, prescale)
+        code = buffers.dtype_code(packed)
+
+        def transfer(_: int, segment: Any, code: int = code) -> None:
+            core().allreduce(segment.data_ptr(), segment.data_ptr(), segment.numel(), code, int(op), comm.py2f(),
+                             ctx.allreduce_options())
+
+        mark = torch.cuda.Event()  # after the packing and scaling, on this thread's stream
+        mark.record(stream)
+        if device.route(packed) == "cuda-aware" and code in _MPI_DEVICE_TYPES and not (op == Average and code > 3):
+            mark.synchronize()  # MPI knows no streams: the buffer must be written before it reads it
+            _device_allreduce(packed, output, op, comm)
+        else:
+            staging.run(packed, output, transfer, ready=mark, segment_bytes=ctx.config.staging_segment_bytes)
+        if postscale != 1.0:
+            buffers.scale_(output, postscale)
+        if lone:
+            if in_place:
+                results[indices[0]] = tensors[indices[0]]
+            else:
+                results[indices[0]] = output.view(tensors[indices[0]].shape)
+            continue
+        pieces = [piece.view(m.shape) for piece, m in zip(output.split([m.numel() for m in members]), members)]
+        targets = [tensors[i].detach() for i in indices] if in_place else [torch.empty_like(m) for m in members]
+        torch._foreach_copy_(targets, pieces)
+        for i, target in zip(indices, targets):
+            results[i] = target
+    stream.synchronize()  # the caller may be another thread on another stream: the results are final on return
+    return results
+
+
+def _staged_broadcast(tensor: Any, root: int, comm: Any, in_place: bool, ready: Any, segment_bytes: int) -> Any:
+    """Broadcast of a CUDA tensor: MPI_Bcast of its device memory on the cuda-aware route; on the staged route
+    the root copies its segments down (and nothing back), the others copy theirs up (and nothing down),
+    double-buffered as in _staged_allreduce."""
+    import torch
+    from mpi4py import MPI
+
+    from . import staging
+
+    stream = torch.cuda.current_stream(tensor.device)
+    if ready is not None:
+        stream.wait_event(ready)
+    source = tensor.detach().resolve_conj().resolve_neg()
+    dense = source if source.is_contiguous() else source.contiguous()
+    am_root = comm.Get_rank() == root
+    if am_root:
+        target = None
+        result = tensor if in_place else dense.clone()
+    else:
+        target = dense if in_place else torch.empty_like(dense)
+        result = tensor if in_place else target
+
+    def transfer(_: int, segment: Any) -> None:
+        comm.Bcast([buffers.byte_view(segment), MPI.BYTE], root=root)
+
+    mark = torch.cuda.Event()
+    mark.record(stream)
+    if device.route(dense) == "cuda-aware":
+        mark.synchronize()  # MPI knows no streams
+        comm.Bcast(device_buffer(dense if am_root else target), root=root)
+    else:
+        staging.run(dense, target, transfer, ready=mark, segment_bytes=segment_bytes, fetch=am_root)
+    if in_place and not am_root and dense.data_ptr() != tensor.data_ptr():
+        tensor.detach().copy_(dense)  # a non-contiguous tensor: the received values go back into its layout
+    stream.synchronize()
+    return result
+
+
 def _on_engine(group: Any, function: str, work: Callable[[], Any], collective: str) -> Any:
     """Runs a blocking collective on the engine's communication thread (see context.call)."""
     return context.call(group, function, work, collective)
 
 
 def allreduce_here(tensor: Any, op: ReduceOp, name: str | None, prescale: float, postscale: float, group: Any,
-                   function: str, in_place: bool) -> Any:
+                   function: str, in_place: bool, ready: Any = None) -> Any:
     """One allreduce, run on the communication thread: the body of allreduce / allreduce_ and of the
-    asynchronous ones the engine cannot run itself (Product)."""
+    asynchronous ones the engine cannot run itself (Product). ``ready``: for a CUDA tensor, the event its
+    producer's stream recorded when the call was made (staging.ready_event)."""
     check_array(tensor, function)
     comm = context.communicator(group, function)
+    if op in CORE_OPS and device.route(tensor) != "host" and buffers.dtype_code(tensor) != buffers.UNSUPPORTED:
+        return _staged_allreduce([tensor], op, name, prescale, postscale, comm, function, in_place, ready)[0]
     source = host(tensor)
     target = source if in_place else buffers.clone(source)
     if prescale != 1.0:
@@ -268,9 +408,10 @@ def _allreduce(tensor: Any, average: Any, name: str | None, op: Any, prescale: A
         group = resolve_group(group, process_set, function)
         check_tensors([tensor], group, function)
         buffers.check_reducible([buffers.dtype_code(tensor)], [tensor], function)
+    ready = staging.ready_event(tensor)  # a CUDA tensor is read once what this thread queued has written it
     try:
         return _on_engine(group, function, lambda: allreduce_here(tensor, op, name, prescale, postscale, group,
-                                                                  function, in_place), "allreduce")
+                                                                  function, in_place, ready), "allreduce")
     except context.RanksJoined:
         if op not in CORE_OPS:
             raise
@@ -280,16 +421,19 @@ def _allreduce(tensor: Any, average: Any, name: str | None, op: Any, prescale: A
 
 
 def grouped_allreduce_here(tensors: Sequence[Any], op: ReduceOp, name: str | None, prescale: float, postscale: float,
-                           group: Any, function: str, in_place: bool) -> list:
-    """A grouped allreduce, run on the communication thread (sync and async forms)."""
+                           group: Any, function: str, in_place: bool, ready: Any = None) -> list:
+    """A grouped allreduce, run on the communication thread (sync and async forms). ``ready``: for CUDA
+    tensors, the event the caller's stream recorded when the call was made (staging.ready_event)."""
     tensors = list(tensors)
     for t in tensors:
         check_array(t, function)
     ctx = context.current(function)
     comm = ctx.communicator(group, function)
-    works = [host(t) for t in tensors]
-    targets = works if in_place else [buffers.clone(w) for w in works]
-    if prescale != 1.0:
+    staged = bool(tensors) and op in CORE_OPS and all(device.route(t) != "host" for t in tensors) \
+        and len({t.device for t in tensors}) == 1
+    works = tensors if staged else [host(t) for t in tensors]
+    targets = works if in_place or staged else [buffers.clone(w) for w in works]
+    if prescale != 1.0 and not staged:
         works = targets
         for target in targets:
             buffers.scale_(target, prescale)
@@ -299,6 +443,8 @@ def grouped_allreduce_here(tensors: Sequence[Any], op: ReduceOp, name: str | Non
            lambda: (op.name + named(name), entries),
            "every rank must pass the same list of tensors (same order, shapes and dtypes), op and name", _explain_lists)
     buffers.check_reducible(codes, works, function)
+    if staged:  # packed on the device, one buffer per dtype (see _staged_allreduce)
+        return _staged_allreduce(tensors, op, name, prescale, postscale, comm, function, in_place, ready, agreed=True)
     if op in CORE_OPS:
         order = sorted(range(len(works)), key=lambda i: codes[i])  # stable: one dtype's buckets in list order
         counts = [buffers.count(works[i]) for i in order]
@@ -344,9 +490,11 @@ def _grouped(tensors: Sequence[Any], average: Any, name: str | None, op: Any, pr
         group = resolve_group(group, process_set, function)
         tensors = check_tensors(tensors, group, function)
         buffers.check_reducible([buffers.dtype_code(t) for t in tensors], tensors, function)
+    ready = staging.ready_event(tensors[0]) if tensors else None
     try:
         return _on_engine(group, function, lambda: grouped_allreduce_here(tensors, op, name, prescale, postscale,
-                                                                          group, function, in_place), "grouped_allreduce")
+                                                                          group, function, in_place, ready),
+                          "grouped_allreduce")
     except context.RanksJoined:
         if op not in CORE_OPS:
             raise
@@ -389,13 +537,15 @@ def grouped_allreduce_(tensors: Sequence[Any], average: Any = None, name: str | 
 # ------------------------------------------------------------------ broadcast
 
 
-def broadcast_here(tensor: Any, root_rank: int, name: str | None, group: Any, function: str, in_place: bool) -> Any:
-    """One broadcast on the communication thread (sync and async forms)."""
+def broadcast_here(tensor: Any, root_rank: int, name: str | None, group: Any, function: str, in_place: bool,
+                   ready: Any = None) -> Any:
+    """One broadcast on the communication thread (sync and async forms). ``ready``: see allreduce_here."""
     check_array(tensor, function)
     ctx = context.current(function)
     comm = ctx.communicator(group, function)
     set_ranks = ctx.set_ranks(group, function)
-    work = host(tensor) if in_place else buffers.clone(host(tensor))
+    staged = device.route(tensor) != "host"
+    work = None if staged else host(tensor) if in_place else buffers.clone(host(tensor))
     agree(comm, function, [3, int(root_rank), digest(describe(tensor) + named(name))],
            lambda: f"root_rank={root_rank} {describe(tensor)}{named(name)}",
            "every rank must pass the same root_rank, shape, dtype and name")
@@ -411,6 +561,8 @@ def broadcast_here(tensor: Any, root_rank: int, name: str | None, group: Any, fu
                              f"(use 0..{comm.Get_size() - 1})")
     from mpi4py import MPI
 
+    if staged:
+        return _staged_broadcast(tensor, root, comm, in_place, ready, ctx.config.staging_segment_bytes)
     comm.Bcast([buffers.byte_view(work), MPI.BYTE], root=root)
     if in_place:
         copy_into(tensor, work)
@@ -426,8 +578,10 @@ def _broadcast_call(tensor: Any, root_rank: int, name: str | None, process_set: 
         check_tensors([tensor], group, function)
         root_rank = check_root(root_rank, function)
 
+    ready = staging.ready_event(tensor)
+
     def work() -> Any:
-        return broadcast_here(tensor, root_rank, name, group, function, in_place)
+        return broadcast_here(tensor, root_rank, name, group, function, in_place, ready)
 
     if asynchronous:
         return context.submit(group, function, name, work, "broadcast")

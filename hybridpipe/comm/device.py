@@ -4,13 +4,17 @@ engine's allreduce or a pipeline transfer takes, and which GPU a rank computes o
 Routes, each with the rule that says when it applies (:data:`ROUTES`; the first that applies is taken):
 
 * ``"host"``: host memory (a CPU tensor, a numpy array). The C++ core reads and writes it where it is.
-* ``"staged"``: a CUDA tensor. It is copied to host memory (torch's copy waits for the work queued on the
-  tensor's stream, so its producer has finished), reduced or sent there, and the result is copied back.
-  The first staged buffer of a process warns once, naming the MPI library, whether it reports CUDA
-  support (``MPIX_Query_cuda_support``) and what a CUDA-aware route would need.
-
-Routes that keep device memory on the device (CUDA-aware MPI, NCCL) are not taken yet: every CUDA buffer is
-staged, whatever the MPI library reports; :func:`describe` says so.
+* ``"cuda-aware"``: a CUDA tensor, when the MPI library moves device memory itself: it says so
+  (``MPIX_Query_cuda_support``, Open MPI built ``--with-cuda``) and HYBRIDPIPE_CUDA_AWARE_MPI is ``auto``
+  (the default), or that setting is ``1``. Device pointers go straight to MPI, after the tensor's producer
+  has finished: the blocking collectives (allreduce of float32/64 and int32/64, grouped allreduce, broadcast)
+  and the pipeline's point-to-point transfers. float16 / bfloat16 reductions (MPI has no type for them) and
+  the engine's fused allreduce (its fusion buffer is host memory) take the staged route.
+* ``"staged"``: any other CUDA tensor. It is copied to pinned host memory, reduced or sent there, and the
+  result is copied back, a segment at a time with the copies overlapping the transfer
+  (hybridpipe.comm.staging), after the work queued on the caller's stream when the call was made. The first
+  staged buffer of a process warns once, naming the MPI library, whether it reports CUDA support and how to
+  get the CUDA-aware route.
 
 cupy arrays are accepted wherever torch tensors are (:func:`accepts_cupy`): they are viewed as torch tensors
 through DLPack (no copy), so an in-place collective writes into the cupy array's memory, and an out-of-place
@@ -25,7 +29,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ROUTES", "route", "note_staged", "mpi_cuda_support", "describe", "accepts_cupy", "is_cupy",
+__all__ = ["ROUTES", "route", "cuda_aware", "note_staged", "mpi_cuda_support", "describe", "accepts_cupy", "is_cupy",
            "compute_device", "set_device", "reduce_on_device"]
 
 
@@ -39,15 +43,30 @@ def _is_cuda(x: Any) -> bool:
     return _device_type(x) == "cuda"
 
 
+def cuda_aware() -> bool:
+    """Whether CUDA buffers go to the MPI library as device memory (the ``"cuda-aware"`` route): the setting
+    HYBRIDPIPE_CUDA_AWARE_MPI (``Config.cuda_aware_mpi``) when it is ``1`` or ``0``, else (``auto``) whether
+    the library reports CUDA support."""
+    from ..config import Config
+    from . import context
+
+    running = context.current_or_none()
+    setting = (running.config if running is not None else Config.from_env()).cuda_aware_mpi
+    if setting != "auto":
+        return setting == "1"
+    return mpi_cuda_support() == 1
+
+
 #: (name, applies) in order of preference: the first route whose rule holds for a buffer is its route.
 ROUTES: tuple[tuple[str, Callable[[Any], bool]], ...] = (
     ("host", lambda x: _device_type(x) == "cpu"),
+    ("cuda-aware", lambda x: _is_cuda(x) and cuda_aware()),
     ("staged", _is_cuda),
 )
 
 
 def route(x: Any) -> str:
-    """The route of one buffer: ``"host"`` or ``"staged"`` (see the module's text).
+    """The route of one buffer: ``"host"``, ``"cuda-aware"`` or ``"staged"`` (see the module's text).
 
     Raises:
         TypeError: a tensor on a device hybridpipe cannot reach (e.g. ``meta``, ``mps``), naming the device.
@@ -63,13 +82,15 @@ _warned = False
 
 
 def note_staged(x: Any) -> None:
-    """Called for every staged buffer: warns once per process that CUDA tensors go through host memory."""
+    """Called for every staged buffer: warns once per process that CUDA tensors go through host memory (not
+    where the MPI library moves device memory: what is staged then is staged by choice, see the module)."""
     global _warned
-    if _warned or not _is_cuda(x):
+    if _warned or not _is_cuda(x) or cuda_aware():
         return
     _warned = True
-    warnings.warn(f"hybridpipe stages CUDA tensors through host memory ({describe()}): every collective and "
-                  "pipeline transfer of a GPU tensor is copied to the host and back (silence with "
+    warnings.warn(f"hybridpipe stages CUDA tensors through host memory ({describe()}): collectives and "
+                  "pipeline transfers of GPU tensors are copied to the host and back (an MPI built with CUDA, "
+                  "e.g. Open MPI configured --with-cuda, moves device memory itself; silence with "
                   "warnings.filterwarnings('ignore', message='hybridpipe stages'))", RuntimeWarning, stacklevel=3)
 
 
@@ -88,8 +109,9 @@ def describe() -> str:
 
     library = _ext.core().mpi_library_version().splitlines()[0].strip()
     support = {1: "reports CUDA support", 0: "reports no CUDA support", -1: "cannot report CUDA support"}
-    return (f"MPI: {library}, which {support[mpi_cuda_support()]}; CUDA buffers take the staged route "
-            "(the CUDA-aware and NCCL routes are not built yet)")
+    taken = ("the cuda-aware route (the engine's fused allreduce and half-precision reductions: staged)"
+             if cuda_aware() else "the staged route")
+    return f"MPI: {library}, which {support[mpi_cuda_support()]}; CUDA buffers take {taken}"
 
 
 def is_cupy(x: Any) -> bool:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from . import buffers, context
+from . import buffers, context, staging
 from .collectives import CORE_OPS, Average, allreduce_here, check_tensors, grouped_allreduce_here, resolve_op, scale_factor
 from .context import Handle, call, check_name, refusing, resolve_group, unnamed
 
@@ -47,7 +47,10 @@ def _submit(tensor: Any, average: Any, name: str | None, op: Any, prescale: Any,
     if name is None:
         name = unnamed(function)
     source: Any = None  # out of place on host memory: the engine reads `tensor` and writes a fresh output
-    if not in_place and prescale == 1.0 and buffers.is_host_contiguous(tensor):
+    ready: Any = None  # a CUDA tensor's copy to the host, still running: the engine waits for this event
+    if buffers.device_code(tensor) == 1:
+        result, work, ready = _stage_down(tensor, in_place, prescale)
+    elif not in_place and prescale == 1.0 and buffers.is_host_contiguous(tensor):
         source = tensor.detach() if buffers.is_tensor(tensor) else tensor
         result = work = state.outputs.take(source)
     else:
@@ -63,7 +66,10 @@ def _submit(tensor: Any, average: Any, name: str | None, op: Any, prescale: Any,
         if contributors and op == Average:  # ranks had joined: the engine summed; average over the contributors
             buffers.scale_(work, 1.0 / contributors)
         buffers.scale_(work, postscale)
-        buffers.copy_into(result, work)
+        if ready is not None:  # back up on the waiting thread's stream; the pinned block stays ours until then
+            result.detach().copy_(work, non_blocking=True)
+        else:
+            buffers.copy_into(result, work)
         if source is not None:
             state.outputs.offer(result)
         return result
@@ -71,12 +77,40 @@ def _submit(tensor: Any, average: Any, name: str | None, op: Any, prescale: Any,
     def submit() -> int:
         if source is None:
             return state.engine.submit(group_id, name, buffers.address(work), buffers.count(work), code, int(op),
-                                       buffers.device_code(tensor))
+                                       buffers.device_code(tensor), 0, 0 if ready is None else ready.cuda_event)
         return state.engine.submit(group_id, name, buffers.address(source), buffers.count(work), code, int(op),
                                    buffers.device_code(tensor), buffers.address(work))
 
-    submitted.append(context.queue(state, group_id, name, function, submit, (result, work, source), finish))
+    submitted.append(context.queue(state, group_id, name, function, submit, (result, work, source, ready), finish))
     return submitted[0]
+
+
+def _stage_down(tensor: Any, in_place: bool, prescale: float) -> tuple[Any, Any, Any]:
+    """A CUDA tensor's engine allreduce: ``(result, work, ready)``. ``work`` is pinned host memory that a copy on
+    the device's side stream fills after the work queued so far on the caller's stream (prescaled there);
+    ``ready`` is the event recorded after that copy, which the engine polls before announcing the tensor, so
+    that neither this thread nor the engine's waits for the copy (Horovod's ready events). The result goes back
+    up on the stream of the thread that waits for the handle."""
+    import torch
+
+    from . import device
+
+    device.note_staged(tensor)
+    caller = torch.cuda.current_stream(tensor.device)
+    value = tensor.detach()
+    result = tensor if in_place else torch.empty_like(value)
+    if prescale != 1.0:
+        value = value.clone()
+        buffers.scale_(value, prescale)
+    work = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+    down, _ = staging.copy_streams(tensor.device)
+    with torch.cuda.stream(down):
+        down.wait_stream(caller)
+        work.copy_(value, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(down)
+    value.record_stream(down)  # the caching allocator keeps its memory until the copy has read it
+    return result, work, ready
 
 
 def allreduce_async_(tensor: Any, average: Any = None, name: str | None = None, op: Any = None,
@@ -118,8 +152,9 @@ def _grouped_submit(tensors: Sequence[Any], average: Any, name: str | None, op: 
         postscale = scale_factor(postscale, "postscale_factor", function)
         group = resolve_group(group, process_set, function)
         tensors = check_tensors(tensors, group, function)
+    ready = staging.ready_event(tensors[0]) if tensors else None
     return context.submit(group, function, name, lambda: grouped_allreduce_here(
-        tensors, op, name, prescale, postscale, group, function, in_place), "grouped_allreduce")
+        tensors, op, name, prescale, postscale, group, function, in_place, ready), "grouped_allreduce")
 
 
 def grouped_allreduce_async(tensors: Sequence[Any], average: Any = None, name: str | None = None, op: Any = None,

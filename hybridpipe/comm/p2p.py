@@ -38,6 +38,7 @@ from ..config import Config
 from ..errors import HybridPipeError
 from .._ext import core
 from . import context
+from . import device as devices
 from .buffers import host_contiguous, raw_bytes
 
 __all__ = ["HEADER_CAPACITY", "ERROR_TAG", "RemoteError", "Send", "Receive", "send", "send_error",
@@ -174,8 +175,15 @@ def send(value: Any, dest: int, tag: int, comm: Any) -> Send:
         if len(message) <= HEADER_CAPACITY:
             return Send([_post_header(message, dest, tag, comm_f)])
     requests = [_post_header(pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL), dest, tag, comm_f)]
+    synchronized: set = set()
     for tensor in tensors:
-        host = host_contiguous(tensor)
+        if devices.route(tensor) == "cuda-aware":  # device memory straight to MPI, once it is written
+            host = tensor.detach().resolve_conj().resolve_neg().contiguous()
+            if host.device not in synchronized:
+                torch.cuda.current_stream(host.device).synchronize()
+                synchronized.add(host.device)
+        else:
+            host = host_contiguous(tensor)
         nbytes = host.numel() * host.element_size()
         requests.append(core().isend(host.data_ptr(), nbytes, dest, tag + 1, comm_f, host))
     return Send(requests)
@@ -260,8 +268,11 @@ class Receive:
             self._tensors = [_from_raw(data, leaf) for data, leaf in zip(skeleton[2], _leaves(skeleton[1]))]
             return
         self._skeleton = skeleton
+        # a CUDA-aware MPI receives into device memory; otherwise into host memory, copied over in wait()
+        land = self._device if self._device is not None and torch.device(self._device).type == "cuda" \
+            and devices.cuda_aware() else "cpu"
         for leaf in _leaves(skeleton):
-            tensor = torch.empty(leaf.shape, dtype=leaf.dtype)
+            tensor = torch.empty(leaf.shape, dtype=leaf.dtype, device=land)
             self._tensors.append(tensor)
             nbytes = tensor.numel() * tensor.element_size()
             self._payload_requests.append(

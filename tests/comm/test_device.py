@@ -45,7 +45,9 @@ def test_the_mpi_library_is_asked_about_cuda():
         built = "mpi_built_with_cuda_support:value:true" in info
         assert support == (1 if built else 0)
     text = device.describe()
-    assert text.startswith("MPI: ") and "CUDA buffers take the staged route" in text
+    assert text.startswith("MPI: ")
+    assert ("CUDA buffers take the cuda-aware route" if device.cuda_aware() else "CUDA buffers take the staged route") \
+        in text
     assert {1: "reports CUDA support", 0: "reports no CUDA support", -1: "cannot report"}[support] in text
 
 
@@ -80,3 +82,25 @@ def test_is_cupy_looks_at_the_type_not_at_duck_typing():
     cupy = pytest.importorskip("cupy")  # only where cupy is installed (tests/gpu checks the collectives)
     if torch.cuda.is_available():
         assert device.is_cupy(cupy.ones(1))
+
+
+def test_the_cuda_aware_route_follows_its_setting_or_the_library(monkeypatch):
+    """HYBRIDPIPE_CUDA_AWARE_MPI: 1 forces device pointers to MPI, 0 forces staging, auto asks the library."""
+    assert Config().cuda_aware_mpi == "auto"
+    monkeypatch.setenv("HYBRIDPIPE_CUDA_AWARE_MPI", "1")
+    assert device.cuda_aware() is True
+    monkeypatch.setenv("HYBRIDPIPE_CUDA_AWARE_MPI", "0")
+    assert device.cuda_aware() is False
+    monkeypatch.setenv("HYBRIDPIPE_CUDA_AWARE_MPI", "auto")
+    assert device.cuda_aware() is (device.mpi_cuda_support() == 1)
+    assert device.route(torch.ones(2)) == "host"  # host memory never asks
+    with pytest.raises(HybridPipeError, match=r"HYBRIDPIPE_CUDA_AWARE_MPI='sometimes' is not auto, 1 or 0"):
+        Config.from_env({"HYBRIDPIPE_CUDA_AWARE_MPI": "sometimes"})
+    assert Config.from_env({"HYBRIDPIPE_STAGING_SEGMENT_BYTES": "1MiB"}).staging_segment_bytes == 1 << 20
+    with pytest.raises(HybridPipeError, match=r"staging_segment_bytes=100 must be >= 4096"):
+        Config.from_env({"HYBRIDPIPE_STAGING_SEGMENT_BYTES": "100"})
+    if torch.cuda.is_available():
+        monkeypatch.setenv("HYBRIDPIPE_CUDA_AWARE_MPI", "1")
+        assert device.route(torch.ones(2, device="cuda")) == "cuda-aware"
+        monkeypatch.setenv("HYBRIDPIPE_CUDA_AWARE_MPI", "0")
+        assert device.route(torch.ones(2, device="cuda")) == "staged"

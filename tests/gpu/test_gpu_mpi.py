@@ -105,13 +105,162 @@ def test_a_large_cuda_buffer_is_reduced_exactly(world):
     assert torch.all(x == expected).item()
 
 
-def test_staging_warns_once_naming_the_mpi_library(world):
+@pytest.fixture
+def small_segments(world):
+    """The staged route (whatever the MPI library) with segments of 64 KiB (the default is 4 MiB), so that the
+    tensors below take many of them."""
+    import dataclasses
+
+    from hybridpipe.comm import context
+
+    ctx = context.current("small_segments")
+    saved = ctx.config
+    ctx.config = dataclasses.replace(saved, staging_segment_bytes=64 << 10, cuda_aware_mpi="0")
+    yield
+    ctx.config = saved
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64],
+                         ids=lambda d: str(d).removeprefix("torch."))
+def test_staged_allreduce_in_many_segments_against_numpy(small_segments, dtype):
+    shape = (333, 257)  # 85,581 elements: many 64 KiB segments and a short last one
+    x = rank_values(hp.rank(), shape, dtype).cuda()
+    expected = everyone(shape, dtype).sum(0)
+    out = hp.allreduce(x, op=hp.Sum)
+    assert out.is_cuda and out.dtype == dtype and out.shape == shape
+    np.testing.assert_array_equal(out.double().cpu().numpy(), expected)
+    assert torch.equal(x.cpu(), rank_values(hp.rank(), shape, dtype))  # out of place: the input is left alone
+    scaled = hp.allreduce(x, op=hp.Sum, prescale_factor=2, postscale_factor=0.5)
+    np.testing.assert_array_equal(scaled.double().cpu().numpy(), expected)
+    assert torch.equal(x.cpu(), rank_values(hp.rank(), shape, dtype))
+    view = rank_values(hp.rank(), shape[::-1], dtype).cuda().t()  # non-contiguous, reduced in place
+    assert hp.allreduce_(view, op=hp.Sum) is view
+    np.testing.assert_array_equal(view.double().cpu().numpy(), everyone(shape[::-1], dtype).sum(0).T)
+
+
+def test_a_tensor_written_on_a_side_stream_is_reduced_after_its_producer(small_segments):
+    """The producer is still running on another stream when the call is made: the copies down wait for the
+    event the call recorded on that stream (without it they would read zeros)."""
+    expected = float(hp.size() * (hp.size() + 1) // 2)
+    busy = torch.randn(2048, 2048, device="cuda")
+    x = torch.zeros(1 << 20, device="cuda")
+    y = torch.zeros(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for _ in range(30):  # some milliseconds of work queued before the values are written
+            busy = torch.tanh(busy @ busy)
+        x.fill_(hp.rank() + 1.0)
+        y.fill_(hp.rank() + 1.0)
+        out = hp.allreduce(x, op=hp.Sum, name="side.sync")
+        handle = hp.allreduce_async(y, op=hp.Sum, name="side.async", prescale_factor=2.0, postscale_factor=0.5)
+        done = hp.synchronize(handle)
+        grouped = hp.grouped_allreduce([x, y], op=hp.Sum, name="side.grouped")
+    side.synchronize()
+    assert torch.all(out == expected).item() and torch.all(done == expected).item()
+    assert all(torch.all(t == expected).item() for t in grouped)
+
+
+def test_grouped_allreduce_packs_many_small_tensors_on_the_device(small_segments):
+    rank = hp.rank()
+    shapes = [(3,), (40, 5), (1,), (7, 7, 7), (100_000,), (2, 3)]
+    dtypes = [torch.float32, torch.float16, torch.float32, torch.float16, torch.float32, torch.int32]
+    tensors = [rank_values(rank, shape, dtype).cuda() for shape, dtype in zip(shapes, dtypes)]
+    outs = hp.grouped_allreduce(tensors, op=hp.Sum, name="packed")
+    for out, tensor, shape, dtype in zip(outs, tensors, shapes, dtypes):
+        assert out.is_cuda and out.dtype == dtype and tuple(out.shape) == shape
+        np.testing.assert_array_equal(out.double().cpu().numpy(), everyone(shape, dtype).sum(0))
+        assert torch.equal(tensor.cpu(), rank_values(rank, shape, dtype))
+    floats = [t for t in tensors if t.is_floating_point()]
+    handle = hp.grouped_allreduce_async_(floats, op=hp.Average, name="packed.async")
+    assert hp.synchronize(handle) == floats
+    for tensor, shape, dtype in [(t, s, d) for t, s, d in zip(tensors, shapes, dtypes) if d.is_floating_point]:
+        np.testing.assert_allclose(tensor.double().cpu().numpy(), everyone(shape, dtype).mean(0), rtol=1e-3)
+
+
+def test_staged_broadcast_in_many_segments_from_every_root(small_segments):
+    rank = hp.rank()
+    for root in range(hp.size()):
+        x = rank_values(rank, (300, 301), torch.float32).cuda()
+        out = hp.broadcast(x, root_rank=root, name=f"bcast.{root}")
+        assert out.is_cuda and torch.equal(out.cpu(), rank_values(root, (300, 301), torch.float32))
+        assert torch.equal(x.cpu(), rank_values(rank, (300, 301), torch.float32))
+        view = rank_values(rank, (301, 300), torch.float16).cuda().t()
+        assert hp.broadcast_(view, root_rank=root) is view
+        assert torch.equal(view.cpu(), rank_values(root, (301, 300), torch.float16).t())
+        flags = torch.arange(100_000, device="cuda") % (rank + 2) == 0
+        hp.broadcast_(flags, root_rank=root)
+        assert torch.equal(flags.cpu(), torch.arange(100_000) % (root + 2) == 0)
+
+
+@pytest.fixture(params=["staged", "cuda-aware"])
+def gpu_route(world, request):
+    """Each CUDA route in turn (HYBRIDPIPE_CUDA_AWARE_MPI=0 / 1); the cuda-aware one where the MPI library moves
+    device memory (an Open MPI built --with-cuda: MPIX_Query_cuda_support() = 1)."""
+    import dataclasses
+
+    from hybridpipe.comm import context
+
+    if request.param == "cuda-aware" and device.mpi_cuda_support() != 1:
+        pytest.skip(f"this MPI does not move CUDA memory (MPIX_Query_cuda_support: {device.mpi_cuda_support()})")
+    ctx = context.current("gpu_route")
+    saved = ctx.config
+    ctx.config = dataclasses.replace(saved, cuda_aware_mpi="1" if request.param == "cuda-aware" else "0")
+    yield request.param
+    ctx.config = saved
+
+
+def test_each_route_reduces_broadcasts_and_sends_cuda_tensors_exactly(gpu_route):
+    from mpi4py import MPI
+
+    from hybridpipe.comm import p2p
+
+    rank, size = hp.rank(), hp.size()
+    assert device.route(torch.ones(1, device="cuda")) == gpu_route
+    for dtype in DTYPES:
+        for op_name, (op, reference) in OPS.items():
+            if op_name == "Average" and not dtype.is_floating_point:
+                continue
+            x = rank_values(rank, (2000, 3), dtype).cuda()
+            result = hp.allreduce(x, op=op, name=f"{gpu_route}.{op_name}.{dtype}")
+            np.testing.assert_allclose(result.double().cpu().numpy(), reference(everyone((2000, 3), dtype), axis=0),
+                                       rtol=1e-2 if dtype.itemsize == 2 else 1e-7)
+    mixed = [rank_values(rank, (n,), dtype).cuda() for n, dtype in [(5, torch.float32), (77, torch.float64),
+                                                                     (9, torch.int64), (300, torch.float32)]]
+    hp.grouped_allreduce_(mixed, op=hp.Sum)
+    for tensor, (n, dtype) in zip(mixed, [(5, torch.float32), (77, torch.float64), (9, torch.int64),
+                                          (300, torch.float32)]):
+        np.testing.assert_array_equal(tensor.double().cpu().numpy(), everyone((n,), dtype).sum(0))
+    view = rank_values(rank, (30, 40), torch.float32).cuda().t()
+    hp.broadcast_(view, root_rank=size - 1)
+    assert torch.equal(view.cpu(), rank_values(size - 1, (30, 40), torch.float32).t())
+
+    comm = MPI.COMM_WORLD.Dup()
+    try:
+        value = {"activation": rank_values(0, (64, 1000), torch.float32).cuda(),
+                 "extra": [rank_values(0, (3000,), torch.bfloat16).cuda().view(60, 50).t()]}  # non-contiguous
+        if rank == 0:
+            p2p.send(value, 1, 40, comm).wait()
+        elif rank == 1:
+            received = p2p.Receive(0, 40, comm, device="cuda").wait()
+            assert received["activation"].is_cuda and received["extra"][0].is_cuda
+            assert torch.equal(received["activation"].cpu(), value["activation"].cpu())
+            assert torch.equal(received["extra"][0].cpu(), value["extra"][0].cpu())
+        comm.Barrier()
+    finally:
+        comm.Free()
+
+
+def test_staging_warns_once_naming_the_mpi_library(gpu_route):
     device._warned = False
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
             hp.allreduce(torch.ones(4, device="cuda"))
     staged = [w for w in caught if "stages CUDA tensors through host memory" in str(w.message)]
+    if gpu_route == "cuda-aware":  # float32 goes to MPI as device memory: nothing is staged
+        assert not staged, [str(w.message) for w in caught]
+        return
     assert len(staged) == 1, [str(w.message) for w in caught]
     assert "MPI: " in str(staged[0].message) and "CUDA support" in str(staged[0].message)
 
