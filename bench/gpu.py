@@ -1,7 +1,7 @@
 """GPU allreduce benchmark: CUDA tensors through hybridpipe (the staged route: device → host → reduce → device,
 in segments whose copies overlap the reduction; and, where the MPI library moves device memory, the cuda-aware
 route) beside torch.distributed's gloo on the same CUDA tensors, the same hybridpipe allreduce on host tensors,
-and the device↔host copies alone, in one job.
+and the device↔host copies alone, in one job (and MPI_Allreduce on device memory, where the library takes it).
 
 Usage (each rank uses GPU local_rank mod the visible GPUs; ranks may share one):
     mpirun -n 2 python bench/gpu.py [--sizes 4KiB,256KiB,4MiB,64MiB,256MiB] [--repeats 10] [--markdown]
@@ -108,8 +108,15 @@ def main() -> int:
             gloo.all_reduce(on_gpu)
 
         columns = {"hybridpipe staged (cuda)": staged, "hybridpipe (host)": host, "copies d2h+h2d": copies}
+        def library():
+            on_gpu.fill_(rank + 1)
+            torch.cuda.synchronize()
+            memory = MPI.buffer.fromaddress(on_gpu.data_ptr(), on_gpu.numel() * 4)
+            comm.Allreduce(MPI.IN_PLACE, [memory, MPI.FLOAT], op=MPI.SUM)
+
         if hp.comm.device.mpi_cuda_support() == 1:
             columns["hybridpipe cuda-aware (cuda)"] = cuda_aware
+            columns["MPI_Allreduce (cuda memory)"] = library
         if gloo is not None:
             columns["torch gloo (cuda)"] = gloo_cuda
         checks = {}

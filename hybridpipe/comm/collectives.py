@@ -198,30 +198,47 @@ def _allreduce_into(source: Any, target: Any, op: ReduceOp, comm: Any, function:
         _mismatch(comm, function, description, _SAME_TENSOR)
 
 
-#: dtype code -> the MPI datatype's name, for reductions a CUDA-aware MPI runs on device memory
-_MPI_DEVICE_TYPES = {0: "FLOAT", 1: "DOUBLE", 4: "INT32_T", 5: "INT64_T"}
-
-
-def device_buffer(tensor: Any, datatype: str = "BYTE") -> list:
-    """A contiguous CUDA tensor as an mpi4py buffer specification on its device memory (for a CUDA-aware MPI)."""
+def device_buffer(tensor: Any) -> list:
+    """A contiguous CUDA tensor as an mpi4py buffer specification (bytes) on its device memory, for a CUDA-aware
+    MPI."""
     from mpi4py import MPI
 
-    memory = MPI.buffer.fromaddress(tensor.data_ptr(), tensor.numel() * tensor.element_size())
-    return [memory, getattr(MPI, datatype)]
+    return [MPI.buffer.fromaddress(tensor.data_ptr(), tensor.numel() * tensor.element_size()), MPI.BYTE]
 
 
-def _device_allreduce(source: Any, target: Any, op: ReduceOp, comm: Any) -> None:
-    """MPI_Allreduce of device memory (the cuda-aware route); Average is a sum divided on the device."""
-    from mpi4py import MPI
+_RING_TAGS = (7101, 7102)  # the device ring's reduce-scatter and allgather (the C++ ring uses 7001, 7002)
 
-    datatype = _MPI_DEVICE_TYPES[buffers.dtype_code(source)]
-    mpi_op = {Sum: MPI.SUM, Average: MPI.SUM, Min: MPI.MIN, Max: MPI.MAX}[op]
-    if source is target:
-        comm.Allreduce(MPI.IN_PLACE, device_buffer(target, datatype), op=mpi_op)
-    else:
-        comm.Allreduce(device_buffer(source, datatype), device_buffer(target, datatype), op=mpi_op)
+
+def _device_ring_allreduce(buffer: Any, op: ReduceOp, comm: Any) -> None:
+    """Ring allreduce of a contiguous CUDA tensor, in place, over a CUDA-aware MPI: the chunks travel as device
+    memory (MPI_Sendrecv between GPUs: CUDA IPC between ranks of one host), and each reduce-scatter step is
+    reduced on the GPU by the extension's kernel (device.reduce_on_device; float16 / bfloat16 added in float32).
+
+    Not MPI_Allreduce on device memory: Open MPI reduces that on the host through its own unpinned staging
+    (64 MiB on an H100 shared by 2 ranks: 88 ms, against 17 ms staged here; docs/gpu.md).
+    """
+    import torch
+
+    size, rank = comm.Get_size(), comm.Get_rank()
+    flat = buffer.reshape(-1)
+    if size > 1:
+        base, extra = divmod(flat.numel(), size)
+        chunks = [flat[i * base + min(i, extra):(i + 1) * base + min(i + 1, extra)] for i in range(size)]
+        scratch = torch.empty(base + (1 if extra else 0), dtype=flat.dtype, device=flat.device)
+        right, left = (rank + 1) % size, (rank - 1) % size
+        stream = torch.cuda.current_stream(flat.device)
+        for step in range(size - 1):  # reduce-scatter: afterwards chunk rank + 1 is complete here
+            outgoing, incoming = chunks[(rank - step) % size], chunks[(rank - step - 1) % size]
+            received = scratch[:incoming.numel()]
+            comm.Sendrecv(device_buffer(outgoing), right, _RING_TAGS[0], device_buffer(received), left, _RING_TAGS[0])
+            if incoming.numel():
+                device.reduce_on_device(incoming, received, op)
+                stream.synchronize()  # MPI sends it next step: reduced before it is read
+        for step in range(size - 1):  # allgather of the complete chunks
+            outgoing, incoming = chunks[(rank + 1 - step) % size], chunks[(rank - step) % size]
+            comm.Sendrecv(device_buffer(outgoing), right, _RING_TAGS[1], device_buffer(incoming), left, _RING_TAGS[1])
     if op == Average:
-        target.div_(comm.Get_size())
+        flat.div_(size)
 
 
 def _staged_allreduce(tensors: Sequence[Any], op: ReduceOp, name: str | None, prescale: float, postscale: float,
@@ -231,9 +248,9 @@ def _staged_allreduce(tensors: Sequence[Any], op: ReduceOp, name: str | None, pr
     The tensors of one dtype are packed into one device buffer by one kernel (``torch.cat``), reduced, and
     unpacked by one kernel (``torch._foreach_copy_``): a bucket of many small gradients costs two copy
     kernels, not a copy per tensor. A lone contiguous tensor is its own buffer. On the cuda-aware route the
-    buffer goes to MPI_Allreduce as device memory (dtypes MPI reduces: float32/64, int32/64; int Average and
-    halves are staged); on the staged route it is reduced through pinned host memory segment by segment, the
-    copies overlapping the reduction (hybridpipe.comm.staging). ``agreed``: the
+    buffer is reduced by a ring of device-memory transfers and device reductions (_device_ring_allreduce; an
+    integer Average is staged); on the staged route it is reduced through pinned host memory segment by
+    segment, the copies overlapping the reduction (hybridpipe.comm.staging). ``agreed``: the
     ranks already agreed on the list (grouped calls); else they agree on the one tensor here, before any data
     moves, so that a rank with a different count never waits for a segment the others do not send.
     """
@@ -275,9 +292,11 @@ def _staged_allreduce(tensors: Sequence[Any], op: ReduceOp, name: str | None, pr
 
         mark = torch.cuda.Event()  # after the packing and scaling, on this thread's stream
         mark.record(stream)
-        if device.route(packed) == "cuda-aware" and code in _MPI_DEVICE_TYPES and not (op == Average and code > 3):
-            mark.synchronize()  # MPI knows no streams: the buffer must be written before it reads it
-            _device_allreduce(packed, output, op, comm)
+        if device.route(packed) == "cuda-aware" and not (op == Average and code > 3):  # int Average: staged
+            if output is not packed:
+                output.copy_(packed)
+            stream.synchronize()  # MPI knows no streams: the buffer must be written before it reads it
+            _device_ring_allreduce(output, op, comm)
         else:
             staging.run(packed, output, transfer, ready=mark, segment_bytes=ctx.config.staging_segment_bytes)
         if postscale != 1.0:
@@ -292,7 +311,7 @@ def _staged_allreduce(tensors: Sequence[Any], op: ReduceOp, name: str | None, pr
         targets = [tensors[i].detach() for i in indices] if in_place else [torch.empty_like(m) for m in members]
         torch._foreach_copy_(targets, pieces)
         for i, target in zip(indices, targets):
-            results[i] = target
+            results[i] = tensors[i] if in_place else target  # in place: the caller's own tensor objects
     stream.synchronize()  # the caller may be another thread on another stream: the results are final on return
     return results
 

@@ -7,9 +7,10 @@ Routes, each with the rule that says when it applies (:data:`ROUTES`; the first 
 * ``"cuda-aware"``: a CUDA tensor, when the MPI library moves device memory itself: it says so
   (``MPIX_Query_cuda_support``, Open MPI built ``--with-cuda``) and HYBRIDPIPE_CUDA_AWARE_MPI is ``auto``
   (the default), or that setting is ``1``. Device pointers go straight to MPI, after the tensor's producer
-  has finished: the blocking collectives (allreduce of float32/64 and int32/64, grouped allreduce, broadcast)
-  and the pipeline's point-to-point transfers. float16 / bfloat16 reductions (MPI has no type for them) and
-  the engine's fused allreduce (its fusion buffer is host memory) take the staged route.
+  has finished: the pipeline's point-to-point transfers, broadcast, and the blocking allreduce and grouped
+  allreduce, which run a ring of device-memory transfers reduced on the GPU by the extension's kernels
+  (half types added in float32). An integer Average and the engine's fused allreduce (its fusion buffer is
+  host memory) take the staged route.
 * ``"staged"``: any other CUDA tensor. It is copied to pinned host memory, reduced or sent there, and the
   result is copied back, a segment at a time with the copies overlapping the transfer
   (hybridpipe.comm.staging), after the work queued on the caller's stream when the call was made. The first
@@ -109,7 +110,7 @@ def describe() -> str:
 
     library = _ext.core().mpi_library_version().splitlines()[0].strip()
     support = {1: "reports CUDA support", 0: "reports no CUDA support", -1: "cannot report CUDA support"}
-    taken = ("the cuda-aware route (the engine's fused allreduce and half-precision reductions: staged)"
+    taken = ("the cuda-aware route (the engine's fused allreduce: staged)"
              if cuda_aware() else "the staged route")
     return f"MPI: {library}, which {support[mpi_cuda_support()]}; CUDA buffers take {taken}"
 
