@@ -206,6 +206,21 @@ def device_buffer(tensor: Any) -> list:
     return [MPI.buffer.fromaddress(tensor.data_ptr(), tensor.numel() * tensor.element_size()), MPI.BYTE]
 
 
+def _library_device_allreduce(source: Any, target: Any, op: ReduceOp, comm: Any) -> None:
+    """MPI_Allreduce of device memory (small CUDA buffers on the cuda-aware route); Average divides on the GPU."""
+    from mpi4py import MPI
+
+    datatype = getattr(MPI, device.MPI_DEVICE_TYPES[buffers.dtype_code(source)])
+    mpi_op = {Sum: MPI.SUM, Average: MPI.SUM, Min: MPI.MIN, Max: MPI.MAX}[op]
+    receive = [device_buffer(target)[0], datatype]
+    if source is target:
+        comm.Allreduce(MPI.IN_PLACE, receive, op=mpi_op)
+    else:
+        comm.Allreduce([device_buffer(source)[0], datatype], receive, op=mpi_op)
+    if op == Average:
+        target.div_(comm.Get_size())
+
+
 _RING_TAGS = (7101, 7102)  # the device ring's reduce-scatter and allgather (the C++ ring uses 7001, 7002)
 
 
@@ -214,8 +229,8 @@ def _device_ring_allreduce(buffer: Any, op: ReduceOp, comm: Any) -> None:
     memory (MPI_Sendrecv between GPUs: CUDA IPC between ranks of one host), and each reduce-scatter step is
     reduced on the GPU by the extension's kernel (device.reduce_on_device; float16 / bfloat16 added in float32).
 
-    Not MPI_Allreduce on device memory: Open MPI reduces that on the host through its own unpinned staging
-    (64 MiB on an H100 shared by 2 ranks: 88 ms, against 17 ms staged here; docs/gpu.md).
+    Not MPI_Allreduce on device memory above 1 MiB: Open MPI reduces that on the host through its own staging
+    (64 MiB on an H100 shared by 2 ranks: 94 ms, against 16 ms staged here and 2.8 ms by this ring; docs/gpu.md).
     """
     import torch
 
@@ -247,10 +262,11 @@ def _staged_allreduce(tensors: Sequence[Any], op: ReduceOp, name: str | None, pr
 
     The tensors of one dtype are packed into one device buffer by one kernel (``torch.cat``), reduced, and
     unpacked by one kernel (``torch._foreach_copy_``): a bucket of many small gradients costs two copy
-    kernels, not a copy per tensor. A lone contiguous tensor is its own buffer. On the cuda-aware route the
-    buffer is reduced by a ring of device-memory transfers and device reductions (_device_ring_allreduce; an
-    integer Average is staged); on the staged route it is reduced through pinned host memory segment by
-    segment, the copies overlapping the reduction (hybridpipe.comm.staging). ``agreed``: the
+    kernels, not a copy per tensor. A lone contiguous tensor is its own buffer. The buffer is then reduced by
+    the algorithm hybridpipe.comm.device.CUDA_ALLREDUCE picks: on the cuda-aware route MPI_Allreduce of device
+    memory (small buffers) or a ring of device-memory transfers and GPU reductions (_device_ring_allreduce);
+    otherwise through pinned host memory segment by segment, the copies overlapping the reduction
+    (hybridpipe.comm.staging). ``agreed``: the
     ranks already agreed on the list (grouped calls); else they agree on the one tensor here, before any data
     moves, so that a rank with a different count never waits for a segment the others do not send.
     """
@@ -292,10 +308,15 @@ def _staged_allreduce(tensors: Sequence[Any], op: ReduceOp, name: str | None, pr
 
         mark = torch.cuda.Event()  # after the packing and scaling, on this thread's stream
         mark.record(stream)
-        if device.route(packed) == "cuda-aware" and not (op == Average and code > 3):  # int Average: staged
+        algorithm = device.cuda_allreduce_algorithm(device.route(packed), packed.numel() * packed.element_size(),
+                                                    code, int(op))
+        if algorithm == "mpi-library":
+            stream.synchronize()  # MPI knows no streams: the buffer must be written before it reads it
+            _library_device_allreduce(packed, output, op, comm)
+        elif algorithm == "device-ring":
             if output is not packed:
                 output.copy_(packed)
-            stream.synchronize()  # MPI knows no streams: the buffer must be written before it reads it
+            stream.synchronize()
             _device_ring_allreduce(output, op, comm)
         else:
             staging.run(packed, output, transfer, ready=mark, segment_bytes=ctx.config.staging_segment_bytes)

@@ -8,9 +8,9 @@ Routes, each with the rule that says when it applies (:data:`ROUTES`; the first 
   (``MPIX_Query_cuda_support``, Open MPI built ``--with-cuda``) and HYBRIDPIPE_CUDA_AWARE_MPI is ``auto``
   (the default), or that setting is ``1``. Device pointers go straight to MPI, after the tensor's producer
   has finished: the pipeline's point-to-point transfers, broadcast, and the blocking allreduce and grouped
-  allreduce, which run a ring of device-memory transfers reduced on the GPU by the extension's kernels
-  (half types added in float32). An integer Average and the engine's fused allreduce (its fusion buffer is
-  host memory) take the staged route.
+  allreduce (:data:`CUDA_ALLREDUCE`: MPI_Allreduce of device memory below ``CUDA_RING_MIN_BYTES``, above it a
+  ring of device-memory transfers reduced on the GPU by the extension's kernels, half types added in
+  float32). An integer Average and the engine's fused allreduce (its fusion buffer is host memory) are staged.
 * ``"staged"``: any other CUDA tensor. It is copied to pinned host memory, reduced or sent there, and the
   result is copied back, a segment at a time with the copies overlapping the transfer
   (hybridpipe.comm.staging), after the work queued on the caller's stream when the call was made. The first
@@ -30,7 +30,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ROUTES", "route", "cuda_aware", "note_staged", "mpi_cuda_support", "describe", "accepts_cupy", "is_cupy",
+__all__ = ["ROUTES", "route", "cuda_aware", "CUDA_ALLREDUCE", "cuda_allreduce_algorithm", "note_staged", "mpi_cuda_support", "describe", "accepts_cupy", "is_cupy",
            "compute_device", "set_device", "reduce_on_device"]
 
 
@@ -64,6 +64,39 @@ ROUTES: tuple[tuple[str, Callable[[Any], bool]], ...] = (
     ("cuda-aware", lambda x: _is_cuda(x) and cuda_aware()),
     ("staged", _is_cuda),
 )
+
+
+#: Below this many bytes a CUDA buffer on the cuda-aware route is reduced by MPI_Allreduce on its device memory,
+#: from here on by the device ring: on an H100 shared by 2 ranks (Open MPI 4.1.4 --with-cuda, docs/gpu.md) the
+#: library took 0.5–0.6 ms up to 256 KiB and 6.9 ms at 4 MiB, the ring 2.0 ms at 4 KiB and 2.1 ms at 4 MiB.
+CUDA_RING_MIN_BYTES = 1 << 20
+
+#: dtype codes (buffers.dtype_code) MPI reduces as device memory, with their MPI datatypes' names
+MPI_DEVICE_TYPES = {0: "FLOAT", 1: "DOUBLE", 4: "INT32_T", 5: "INT64_T"}
+
+
+def _reducible_on_device(code: int, op: int) -> bool:
+    return not (op == 1 and code in (4, 5))  # an integer Average: the host core's rounding, so staged
+
+
+#: The allreduce algorithms of a CUDA buffer, in order of preference: (name, applies(route, nbytes, dtype code,
+#: op)); the first that applies is taken (:func:`cuda_allreduce_algorithm`).
+CUDA_ALLREDUCE: tuple[tuple[str, Callable[[str, int, int, int], bool]], ...] = (
+    ("mpi-library", lambda route, nbytes, code, op: route == "cuda-aware" and nbytes < CUDA_RING_MIN_BYTES
+     and code in MPI_DEVICE_TYPES and _reducible_on_device(code, op)),
+    ("device-ring", lambda route, nbytes, code, op: route == "cuda-aware" and _reducible_on_device(code, op)),
+    ("staged", lambda route, nbytes, code, op: True),
+)
+
+
+def cuda_allreduce_algorithm(route_name: str, nbytes: int, code: int, op: int) -> str:
+    """How a CUDA buffer of ``nbytes`` bytes on route ``route_name`` is allreduced: ``"mpi-library"``
+    (MPI_Allreduce of device memory), ``"device-ring"`` (device-memory ring, reduced by the GPU kernels) or
+    ``"staged"`` (through pinned host memory); see :data:`CUDA_ALLREDUCE`."""
+    for name, applies in CUDA_ALLREDUCE:
+        if applies(route_name, nbytes, code, op):
+            return name
+    raise AssertionError("the staged algorithm applies to every CUDA buffer")
 
 
 def route(x: Any) -> str:

@@ -14,12 +14,12 @@ from hybridpipe.comm import buffers, device
 from hybridpipe.errors import BuildError
 
 
-def test_host_buffers_take_the_host_route_and_cuda_tensors_the_staged_one():
+def test_host_buffers_take_the_host_route_and_cuda_tensors_a_cuda_route():
     assert device.route(torch.ones(3)) == "host"
     assert device.route(np.ones(3)) == "host"
     assert device.route(torch.ones(3, dtype=torch.bfloat16)[::2]) == "host"  # strided: copied, still host
     if torch.cuda.is_available():
-        assert device.route(torch.ones(3, device="cuda")) == "staged"
+        assert device.route(torch.ones(3, device="cuda")) == ("cuda-aware" if device.cuda_aware() else "staged")
 
 
 def test_a_device_no_route_reaches_is_refused_naming_it():
@@ -104,3 +104,21 @@ def test_the_cuda_aware_route_follows_its_setting_or_the_library(monkeypatch):
         assert device.route(torch.ones(2, device="cuda")) == "cuda-aware"
         monkeypatch.setenv("HYBRIDPIPE_CUDA_AWARE_MPI", "0")
         assert device.route(torch.ones(2, device="cuda")) == "staged"
+
+
+@pytest.mark.parametrize("route, nbytes, dtype, op, expected", [
+    ("cuda-aware", 4096, torch.float32, 0, "mpi-library"),  # op codes: 0 Sum, 1 Average, 2 Min, 3 Max
+    ("cuda-aware", (1 << 20) - 4, torch.float64, 3, "mpi-library"),
+    ("cuda-aware", 1 << 20, torch.float32, 0, "device-ring"),  # from CUDA_RING_MIN_BYTES on: the ring
+    ("cuda-aware", 4096, torch.float16, 0, "device-ring"),  # MPI has no half type: the GPU kernels add them
+    ("cuda-aware", 4096, torch.bfloat16, 1, "device-ring"),
+    ("cuda-aware", 4096, torch.int64, 1, "staged"),  # an integer Average rounds as the host core does
+    ("cuda-aware", 64 << 20, torch.int32, 1, "staged"),
+    ("cuda-aware", 4096, torch.int32, 2, "mpi-library"),
+    ("staged", 4096, torch.float32, 0, "staged"),
+    ("staged", 64 << 20, torch.float16, 0, "staged"),
+])
+def test_the_cuda_allreduce_algorithm_table(route, nbytes, dtype, op, expected):
+    code = buffers.torch_codes()[dtype]
+    assert device.cuda_allreduce_algorithm(route, nbytes, code, op) == expected
+    assert [name for name, _ in device.CUDA_ALLREDUCE] == ["mpi-library", "device-ring", "staged"]

@@ -225,6 +225,15 @@ def test_each_route_reduces_broadcasts_and_sends_cuda_tensors_exactly(gpu_route)
             result = hp.allreduce(x, op=op, name=f"{gpu_route}.{op_name}.{dtype}")
             np.testing.assert_allclose(result.double().cpu().numpy(), reference(everyone((2000, 3), dtype), axis=0),
                                        rtol=1e-2 if dtype.itemsize == 2 else 1e-7)
+    for dtype in (torch.float32, torch.bfloat16, torch.int32):  # 1.2 MiB and 600 KiB: the device ring
+        big = rank_values(rank, (300_000,), dtype).cuda()
+        for op_name, (op, reference) in OPS.items():
+            if op_name == "Average" and not dtype.is_floating_point:
+                continue
+            result = hp.allreduce(big, op=op, name=f"{gpu_route}.big.{op_name}.{dtype}")
+            np.testing.assert_allclose(result.double().cpu().numpy(), reference(everyone((300_000,), dtype), axis=0),
+                                       rtol=1e-2 if dtype.itemsize == 2 else 1e-7)
+        assert torch.equal(big.cpu(), rank_values(rank, (300_000,), dtype))
     mixed = [rank_values(rank, (n,), dtype).cuda() for n, dtype in [(5, torch.float32), (77, torch.float64),
                                                                      (9, torch.int64), (300, torch.float32)]]
     hp.grouped_allreduce_(mixed, op=hp.Sum)
