@@ -13,8 +13,47 @@
 
 #include "reduce.h"
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace hybridpipe {
 namespace {
+
+// memcpy with non-temporal (streaming) stores where the CPU has them: the destination's cache lines are
+// written without being read first. An out-of-place allreduce writes outputs nobody touched since their last
+// use; ordinary stores would read every line of them from memory before overwriting it (a third stream of
+// memory traffic that the in-place form does not have, its lines having been read a moment before).
+// The caller fences (streaming_fence) before it publishes the result.
+void copy_streaming(unsigned char* destination, const unsigned char* source, size_t bytes) {
+#if defined(__SSE2__)
+  size_t head = (16 - (reinterpret_cast<uintptr_t>(destination) & 15)) & 15;
+  head = std::min(head, bytes);
+  std::memcpy(destination, source, head);
+  destination += head;
+  source += head;
+  bytes -= head;
+  for (; bytes >= 64; bytes -= 64, source += 64, destination += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(destination), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(destination + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(destination + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(destination + 48), d);
+  }
+#endif
+  std::memcpy(destination, source, bytes);
+}
+
+void streaming_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();  // streaming stores are weakly ordered: complete them before anyone is told the result is in
+#endif
+}
+
+constexpr size_t kStreamingMinBytes = 1 << 20;  // smaller outputs are read soon: leave them in the cache
 
 enum CounterKind : int { kPacked = 0, kReduced = 1, kUnpacked = 2, kKinds = 3 };
 constexpr size_t kLine = 64;                      // one counter per cache line
@@ -46,9 +85,13 @@ class Stream {
       destination += take;
     });
   }
-  void write(size_t at, const unsigned char* source, size_t bytes) const {
+  void write(size_t at, const unsigned char* source, size_t bytes, bool streaming = false) const {
     walk(at, bytes, [&](unsigned char* data, size_t take) {
-      std::memcpy(data, source, take);
+      if (streaming) {
+        copy_streaming(data, source, take);
+      } else {
+        std::memcpy(data, source, take);
+      }
       source += take;
     });
   }
@@ -271,9 +314,13 @@ void SharedMemoryAllreduce::allreduce(const std::vector<Buffer>& inputs, const s
   }
   const Stream out(outputs);
   const size_t element = dtype_size(dtype);
+  bool out_of_place = false;
+  for (size_t i = 0; i < inputs.size(); ++i) out_of_place |= inputs[i].data != outputs[i].data;
+  const bool streaming = out_of_place && total * element >= kStreamingMinBytes;
   reduce_stream(inputs, total, op, policy, [&](size_t at, const unsigned char* source, size_t length) {
-    out.write(at * element, source, length * element);
+    out.write(at * element, source, length * element, streaming);
   });
+  if (streaming) streaming_fence();
 }
 
 void SharedMemoryAllreduce::reduce_scatter(const std::vector<Buffer>& inputs, const Buffer& output, size_t begin,

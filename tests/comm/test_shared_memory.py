@@ -177,6 +177,25 @@ def test_engine_buckets_go_through_the_segment():
     assert delta["shared_memory"] == delta["buckets"], delta
 
 
+def test_out_of_place_buckets_stream_their_outputs_at_any_alignment():
+    """Out of place and over 1 MiB, the segment's results are written with streaming stores: tensors of odd
+    lengths fused in one bucket put chunk and tensor boundaries at every 4-byte offset of the outputs."""
+    rank, n = hp.rank(), hp.size()
+    counts = [10_001 + 37 * i for i in range(30)] + [3, 1, 700_001]  # about 1.3 MiB fused, then 2.7 MiB alone
+    for dtype in ("float32", "float16", "int64"):
+        tensors = [[contribution(300 + i, count, dtype, r) for r in range(n)] for i, count in enumerate(counts)]
+        mine = [group[rank].clone() for group in tensors]
+        handles = [hp.allreduce_async(t, name=f"stream.{dtype}.{i}", op=hp.Sum) for i, t in enumerate(mine)]
+        for group, tensor, handle in zip(tensors, mine, handles):
+            got = hp.synchronize(handle)
+            check(got, reference(group, "sum", dtype), dtype, "sum")
+            assert torch.equal(tensor, group[rank])  # the input is only read
+        same_on_every_rank(MPI.COMM_WORLD, got)
+        big = contribution(400, 1_000_003, dtype, rank)
+        check(hp.allreduce(big, op=hp.Max), reference([contribution(400, 1_000_003, dtype, r) for r in range(n)],
+                                                      "max", dtype), dtype, "max")
+
+
 def test_switched_off_the_ring_runs_and_no_segment_is_made():
     hp.shutdown()
     hp.init(config=Config(shared_memory=False))
