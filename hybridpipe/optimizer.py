@@ -102,6 +102,24 @@ def _check_compression(compression: Any) -> None:
                         f"decompress() (as Horovod's compressors), got {compression!r}")
 
 
+def _cuda_buckets(named: list[tuple[str, torch.nn.Parameter]], bucket_bytes: int) -> list[list[str]]:
+    """Buckets of CUDA parameters for their gradients' allreduce, as DDP makes them: consecutive in reverse
+    model order (the order backward finishes them), each up to ``bucket_bytes`` (HYBRIDPIPE_FUSION_THRESHOLD)
+    or one larger parameter. A bucket is one grouped allreduce once its gradients are final: packed on the
+    device by one kernel and reduced as one buffer (the device ring with a CUDA-aware MPI, else staged), not
+    a device-to-host copy per gradient."""
+    buckets: list[list[str]] = []
+    size = 0
+    for name, parameter in reversed(named):
+        nbytes = parameter.numel() * parameter.element_size()
+        if not buckets or (size + nbytes > bucket_bytes and buckets[-1]):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(name)
+        size += nbytes
+    return buckets
+
+
 def _split_groups(names: list[str], by_id: dict[int, str], groups: Any, num_groups: Any) -> list[list[str]]:
     """Horovod's ``groups`` / ``num_groups`` as lists of parameter names (each list: one grouped allreduce)."""
     if groups is None and num_groups:
@@ -148,7 +166,7 @@ class _DistributedOptimizerMixin:
 
     def _hp_setup(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None, op: ReduceOp,
                   compression: Any, backward_passes_per_step: int, gradient_predivide_factor: float, groups: Any,
-                  num_groups: Any, sparse_as_dense: bool, group: Any) -> None:
+                  num_groups: Any, sparse_as_dense: bool, group: Any, auto_buckets: bool = True) -> None:
         in_groups = [p for group_ in self.param_groups for p in group_["params"]]  # type: ignore[attr-defined]
         if named_parameters is None:
             named = [(f"param.{i}", p) for i, p in enumerate(in_groups)]
@@ -196,6 +214,13 @@ class _DistributedOptimizerMixin:
         self._hp_counts: dict[str, int] = {}
         by_id = {id(p): name for name, p in self._hp_parameters}
         self._hp_groups = _split_groups([name for name, _ in self._hp_parameters], by_id, groups, num_groups)
+        trained = [(name, p) for name, p in named if p.requires_grad]
+        # CUDA gradients left ungrouped go in buckets (see _cuda_buckets); groups=0 keeps them one by one
+        self._hp_auto = auto_buckets and groups is None and not num_groups and bool(trained) \
+            and all(p.is_cuda for _, p in trained)
+        if self._hp_auto:
+            threshold = context.current("DistributedOptimizer").config.fusion_threshold_bytes
+            self._hp_groups = _cuda_buckets(trained, threshold)
         self._hp_group_of = {name: index for index, members in enumerate(self._hp_groups) for name in members}
         self._hp_ready: dict[int, set[str]] = {}
         self._hp_by_name = dict(self._hp_parameters)
@@ -245,6 +270,10 @@ class _DistributedOptimizerMixin:
                        group=self._hp_group)
         if len(names) == 1 and key == names[0] and members[0][2] is _SPARSE:
             handle = exchange.sparse_allreduce_async(members[0][1], name=key, op=self._hp_op, group=self._hp_group)
+        elif self._hp_auto and key != names[0] and any(ctx is _SPARSE for _, _, ctx in members):
+            for name in names:  # a bucket of our own making: its members go one by one, sparse ones as such
+                self._hp_submit(name, [name])
+            return
         elif any(ctx is _SPARSE for _, _, ctx in members):
             raise NotSupportedError("DistributedOptimizer: a group (groups= / num_groups=) holds a parameter with a "
                                     "sparse gradient; pass sparse_as_dense=True or leave it out of the groups")
@@ -384,7 +413,9 @@ def DistributedOptimizer(  # noqa: N802 — Horovod's spelling, a factory that r
         num_groups: split the parameters into this many groups, each reduced as one grouped allreduce once
             all its gradients are final (Horovod's older spelling of ``groups=int``).
         groups: an int (as ``num_groups``) or a list of lists of parameters, each list one grouped allreduce;
-            parameters in no list are reduced one by one.
+            parameters in no list are reduced one by one. Left unset for a model on the GPU, the gradients go
+            in buckets of HYBRIDPIPE_FUSION_THRESHOLD bytes in reverse model order, each packed on the device
+            and reduced as one buffer (``groups=0``: one by one through the engine, as on the CPU).
         sparse_as_dense: reduce sparse gradients (``nn.Embedding(sparse=True)``) as dense tensors.
         process_set: a hp.ProcessSet to average over (Horovod's keyword; default: ``group``).
         group: ``"data"`` (default: the replicas of my pipeline stage), ``"world"``, ``"pipe"``, a
@@ -414,7 +445,7 @@ def DistributedOptimizer(  # noqa: N802 — Horovod's spelling, a factory that r
     wrapped = cls.__new__(cls)
     wrapped.__dict__ = optimizer.__dict__  # shares param_groups, state, defaults and hooks
     wrapped._hp_setup(named_parameters, op, compression, backward_passes_per_step, gradient_predivide_factor, groups,
-                      num_groups, sparse_as_dense, group)
+                      num_groups, sparse_as_dense, group, auto_buckets=not level)
     if level:
         wrapped._hp_zero_setup(level)
     return wrapped

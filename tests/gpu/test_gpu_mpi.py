@@ -306,13 +306,16 @@ def test_the_extensions_cuda_reduction_kernel_against_torch(world, dtype):
         assert torch.equal(accumulator, expected), (op, dtype)
 
 
-def test_distributed_optimizer_on_the_gpu_equals_one_process(world):
+@pytest.mark.parametrize("groups", [None, 0], ids=["device-buckets", "one-by-one"])
+def test_distributed_optimizer_on_the_gpu_equals_one_process(world, groups):
     torch.manual_seed(0)
     reference = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).cuda()
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).cuda()
     model.load_state_dict(reference.state_dict())
     optimizer = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                        named_parameters=model.named_parameters())
+                                        named_parameters=model.named_parameters(), groups=groups)
+    # left unset on the GPU: buckets in reverse model order (one here: 700 floats); groups=0: the engine
+    assert optimizer._hp_groups == ([["2.bias", "2.weight", "0.bias", "0.weight"]] if groups is None else [])
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     generator = torch.Generator().manual_seed(3)
     for _ in range(4):
