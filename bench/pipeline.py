@@ -246,6 +246,77 @@ class SingleWorker(Worker):
         self.step_fns = {"-": step}
 
 
+class AloneWorker(Worker):
+    """The machine's ceiling for the sleep model: one process runs the actions of one pipeline rank (the last
+    stage's layers and the loss) for each schedule, back to back, with no communication and no other rank: per
+    micro-batch the forward of each of the rank's chunks (interleaved: v, each its own call on a detached
+    input, as between ranks), then the backward chunk by chunk (zb-h1: the input-gradient pass and the
+    weight-gradient pass as two autograd calls), and the SGD step after every micro-batch (pipedream) or once
+    per step (the others). What that costs beyond the sleeps is what torch and this machine charge per action;
+    no pipeline can take less."""
+
+    def build(self) -> None:
+        torch, args = self.torch, self.args
+        from torch import nn
+
+        from _pipeline_models import build_layer
+
+        per_stage = self.balance[-1]
+        first = args.layers - per_stage
+        xs = torch.tensor_split(self.inputs, args.micro_batches)
+        ys = torch.tensor_split(self.targets, args.micro_batches)
+        loss_fn = nn.MSELoss()
+        for schedule in args.schedules:
+            chunks = VIRTUAL_STAGES if schedule == "interleaved-1f1b" else 1
+            layers = [build_layer(first + i, SEED, self.layer_cls, self.layer_args) for i in range(per_stage)]
+            size = per_stage // chunks
+            parts = [nn.Sequential(*layers[c * size:(c + 1) * size if c < chunks - 1 else per_stage])
+                     for c in range(chunks)]
+            optimizer = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=LEARNING_RATE)
+
+            def step(parts: list = parts, optimizer: Any = optimizer, schedule: str = schedule) -> float:
+                total = 0.0
+                for x, y in zip(xs, ys):
+                    inputs, outputs, layer_outputs = [], [], []
+                    value = x
+                    for part in parts:
+                        value = value.detach().requires_grad_(True)
+                        inputs.append(value)
+                        layer_outputs.append([])
+                        for layer in part:
+                            value = layer(value)
+                            layer_outputs[-1].append(value)
+                        outputs.append(value)
+                    loss = loss_fn(value, y) / len(xs)
+                    total += float(loss.detach())
+                    grad = None
+                    for index in reversed(range(len(parts))):
+                        out = loss if grad is None else outputs[index]
+                        if schedule == "zb-h1":  # I: input gradients only; W: each layer's weight from its output
+                            inner = layer_outputs[index][:-1]
+                            found = torch.autograd.grad(out, [inputs[index], *inner], grad, retain_graph=True)
+                            grads = [*found[1:], grad if grad is not None else
+                                     torch.autograd.grad(out, layer_outputs[index][-1], retain_graph=True)[0]]
+                            for layer, layer_out, g in zip(parts[index], layer_outputs[index], grads):
+                                params = list(layer.parameters())
+                                for parameter, w in zip(params, torch.autograd.grad(layer_out, params, g,
+                                                                                     retain_graph=True)):
+                                    parameter.grad = w if parameter.grad is None else parameter.grad + w
+                            grad_in = found[0]
+                        else:
+                            out.backward(grad)
+                            grad_in = inputs[index].grad
+                        grad = grad_in
+                    if schedule == "pipedream":
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+                if schedule != "pipedream":
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                return total
+            self.step_fns[schedule] = step
+
+
 class MPIWorker(Worker):
     def __init__(self, args: argparse.Namespace) -> None:
         from mpi4py import MPI
@@ -414,7 +485,7 @@ class TorchPipeliningWorker(MPIWorker):
 
 
 def worker_main(args: argparse.Namespace) -> int:
-    worker_class = {"single": SingleWorker, "single-micro": SingleWorker,
+    worker_class = {"single": SingleWorker, "single-micro": SingleWorker, "alone": AloneWorker,
                     "single-micro-copies": ConcurrentCopiesWorker, "hybridpipe": HybridpipeWorker,
                     "torch": TorchPipeliningWorker}[args.variant]
     return run_worker(worker_class(args), args.result)
@@ -463,6 +534,7 @@ def plan(args: argparse.Namespace) -> list[Launch]:
                      layers=args.sleep_layers or VIRTUAL_STAGES * p)
         for variant in ("hybridpipe",) + (() if args.no_torch else ("torch",)):
             launches.append(Launch("sleep", variant, p, variant_schedules(variant, args), **sleep))
+        launches.append(Launch("sleep", "alone", p, variant_schedules("hybridpipe", args), **sleep))
     return launches
 
 
@@ -484,7 +556,7 @@ def run_launch(launch: Launch, args: argparse.Namespace, folder: Path, index: in
     env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     env.update({k: v for k, v in os.environ.items()
                 if k.startswith("HYBRIDPIPE_") and k != "HYBRIDPIPE_MPIRUN"})
-    if launch.variant in ("single", "single-micro"):
+    if launch.variant in ("single", "single-micro", "alone"):
         command = argv
         child_env = {**os.environ, **env}
     else:
@@ -564,7 +636,8 @@ def _loss(value: float | None) -> str:
 VARIANT_LABELS = {"single": "one process, whole batch",
                   "single-micro": "one process, M micro-batches (accumulated)",
                   "single-micro-copies": "independent one-process copies at once, M micro-batches (together)",
-                  "hybridpipe": "hybridpipe", "torch": "torch.distributed.pipelining"}
+                  "hybridpipe": "hybridpipe", "torch": "torch.distributed.pipelining",
+                  "alone": "one rank's actions alone (no communication)"}
 
 
 def mlp_rows(launches: list[Launch], args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
@@ -647,16 +720,29 @@ def _hop_ms(launches: list[Launch], kind: str) -> float | None:
 def sleep_rows(launches: list[Launch], args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
     header = ["framework", "P", "M", "schedule", "ms/step", "theory ms", "measured / theory", "M·(F+B) slept ms",
               "measured / M·(F+B) slept", "bubble measured", "bubble theory", "bubble ÷ hybridpipe 1F1B's",
-              "theory with hybridpipe's hop ms", "measured / that",
+              "theory with hybridpipe's hop ms", "measured / that", "machine ceiling ms", "measured / ceiling",
+              "ceiling / M·(F+B)", "ceiling bubble ÷ ceiling 1F1B's",
               "ms per action, input ready (median)", "ms per hop (median)", "CPU cores used"]
     rows = []
     sleep = [launch for launch in launches if launch.model == "sleep"]
     reference = next((x for x in sleep if x.variant == "hybridpipe" and "1f1b" in x.schedules), None)
     one_f_bubble = (1 - _slept_ms(reference, "1f1b") / (_step_seconds(reference, "1f1b") * 1e3)) if reference else None
+    alone = next((x for x in sleep if x.variant == "alone"), None)
+
+    def ceiling(schedule: str, p: int, m: int, f_ms: float, b_ms: float) -> tuple[float, float] | None:
+        """The step on this machine with a free network and framework: the schedule's theory with every
+        action as slow as it is in one process alone (theory × alone ms / M·(F+B)), and its bubble."""
+        if alone is None or schedule not in alone.schedules:
+            return None
+        alone_ms = _step_seconds(alone, schedule) * 1e3
+        step = _theory_ms(schedule, p, m, f_ms, b_ms) * alone_ms / (m * (f_ms + b_ms))
+        return step, 1 - _slept_ms(alone, schedule) / step
+
     for launch in sleep:
         p, m = launch.stages, launch.micro_batches
         per_stage = launch.layers / p
         f_ms, b_ms = (v * per_stage for v in args.sleep_ms)
+        base = ceiling("1f1b", p, m, f_ms, b_ms)
         for schedule in launch.schedules:
             step_ms = _step_seconds(launch, schedule) * 1e3
             theory = _theory_ms(schedule, p, m, f_ms, b_ms)
@@ -664,11 +750,18 @@ def sleep_rows(launches: list[Launch], args: argparse.Namespace) -> tuple[list[s
             bubble = 1 - slept / step_ms
             hop = _hop_ms(sleep, "hybridpipe")
             with_hop = _theory_ms(schedule, p, m, f_ms, b_ms, hop) if hop is not None else None
+            top = ceiling(schedule, p, m, f_ms, b_ms)
+            alone_row = launch.variant == "alone"
             rows.append([VARIANT_LABELS[launch.variant], str(p), str(m), schedule, f"{step_ms:.1f}",
                          f"{theory:.1f}", _ratio(step_ms, theory), f"{slept:.1f}", _ratio(step_ms, slept),
-                         f"{bubble:.3f}", f"{1 - m * (f_ms + b_ms) / theory:.3f}",
-                         f"{bubble / one_f_bubble:.2f}" if one_f_bubble else "n/a",
-                         f"{with_hop:.1f}" if with_hop else "n/a", _ratio(step_ms, with_hop) if with_hop else "n/a",
+                         "n/a" if alone_row else f"{bubble:.3f}", f"{1 - m * (f_ms + b_ms) / theory:.3f}",
+                         f"{bubble / one_f_bubble:.2f}" if one_f_bubble and not alone_row else "n/a",
+                         f"{with_hop:.1f}" if with_hop and not alone_row else "n/a",
+                         _ratio(step_ms, with_hop) if with_hop and not alone_row else "n/a",
+                         f"{top[0]:.1f}" if top else "n/a", _ratio(step_ms, top[0]) if top and not alone_row else "n/a",
+                         _ratio(top[0], m * (f_ms + b_ms)) if top else "n/a",
+                         f"{top[1] / base[1]:.2f}" if top and base and base[1] > 0 and schedule not in ASYNCHRONOUS
+                         else "n/a",
                          _gap(launch, schedule, "local"), _gap(launch, schedule, "hop"),
                          f"{_cpu_cores(launch, schedule):.2f}"])
     return header, rows
@@ -788,7 +881,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--variant",
-                        choices=("single", "single-micro", "single-micro-copies", "hybridpipe", "torch"),
+                        choices=("single", "single-micro", "single-micro-copies", "hybridpipe", "torch", "alone"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--model", choices=("mlp", "sleep"), default="mlp", help=argparse.SUPPRESS)
     parser.add_argument("--schedules", default="gpipe", help=argparse.SUPPRESS)
