@@ -107,7 +107,7 @@ def calibrate_main(argv: list[str]) -> int:
                 json.dump(result, file, indent=1)
             links = ", ".join(f"{key} {result[key]:.3g}" for key in (
                 "intra_latency_us", "intra_gbps", "inter_latency_us", "inter_gbps", "allreduce_alpha_us",
-                "allreduce_gbps", "action_overhead_us", "transfer_overhead_us") if key in result)
+                "allreduce_gbps", "action_overhead_us", "transfer_overhead_us", "compute_contention") if key in result)
             print(f"{result['ranks']} ranks, {result['ranks_per_host']} per host, {result['cores_per_host']} cores: "
                   f"{links} -> {args.output}")
     finally:

@@ -14,6 +14,9 @@ Design reasons:
   between world ranks 0 and 1 gives the inside-a-host link; between rank 0 and the first rank of
   another host, the link between hosts (when the job spans hosts).
 * The ring allreduce's fit (``time = a + bytes · b``) is kept too, for the group sizes in the job.
+* Compute contention (``compute_contention``): a fixed kernel's time on world rank 0 while as many of
+  its host's ranks as it has cores run it too, over its time alone. Profiles are made by one process;
+  under mpirun every core computes at once, and on a VM whose vCPUs share a core that is slower.
 * The framework's own time per pipeline action (``action_overhead_us``): every rank runs a
   one-stage ``PipelineModel`` of two tiny layers at once (so ranks sharing cores share them here
   too) with 16 and with 2 micro-batches; the difference of the step times over the 28 extra
@@ -103,6 +106,44 @@ def _tiny_steps(layers: int, repeats: int) -> dict[int, float]:
     return steps
 
 
+def _kernel_seconds(repeats: int) -> float:
+    """Median time of a fixed single-thread compute kernel (float32 matmuls and tanh, about the layers'
+    mix), after a warm-up."""
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(256, 256, generator=generator), torch.randn(256, 256, generator=generator)
+    runs = []
+    for run in range(repeats + 2):
+        started = time.perf_counter()
+        for _ in range(8):
+            a = torch.tanh(a @ b) * 0.5
+        if run >= 2:
+            runs.append(time.perf_counter() - started)
+    return statistics.median(runs)
+
+
+def compute_contention(comm: Any, repeats: int) -> float:
+    """How much slower a rank computes when the other ranks of its host compute at the same time, up to one
+    rank per core (a VM's vCPUs that are hyperthreads of one core, shared caches and memory bandwidth):
+    the median kernel time of world rank 0 with min(ranks per host, cores) of its host's ranks running
+    the kernel at once, over its time alone while the others sleep. 1.0 on a host with one rank or one core.
+    (More ranks than cores are counted apart, as ranks sharing cores.) Collective over ``comm``."""
+    from hybridpipe import runtime
+    from hybridpipe.comm.engine import call
+    from hybridpipe.plan.auto import host_cores
+
+    together = min(runtime.local_size(), host_cores())
+    rank, local = comm.Get_rank(), runtime.local_rank()
+    alone = busy = 0.0
+    call(None, "calibrate", comm.Barrier)
+    if rank == 0:
+        alone = _kernel_seconds(repeats)
+    call(None, "calibrate", comm.Barrier)  # the others were in it: the communication thread waits politely
+    if together > 1 and rank // runtime.local_size() == 0 and local < together:
+        busy = _kernel_seconds(repeats)  # rank 0 and its host's next ranks, at once
+    call(None, "calibrate", comm.Barrier)
+    return max(1.0, busy / alone) if rank == 0 and together > 1 and alone > 0 else 1.0
+
+
 def _action_overhead(repeats: int) -> float:
     """Seconds per pipeline action beyond the layers' compute (see the module docstring)."""
     steps = _tiny_steps(2, repeats)
@@ -184,6 +225,9 @@ def calibrate(repeats: int = 9) -> dict[str, Any]:
                 if run >= 2:
                     runs.append(time.perf_counter() - started)
             reduce_times.append(statistics.median(runs))
+        contention = compute_contention(comm, repeats)
+        if rank == 0:
+            result["compute_contention"] = contention
         if state.grid.pipeline_stages == 1:
             mine = _action_overhead(repeats)  # the pipeline's own work, not on the communication thread
             overheads = call(None, "calibrate", lambda: world.gather(mine, root=0))
@@ -215,4 +259,5 @@ def load_cluster(path: str, memory_per_rank: float = 0.0, ranks: int | None = No
                    inter_host_gbps=float(data.get("inter_gbps") or intra), latency_us=float(latency),
                    memory_per_rank=memory_per_rank, action_overhead_us=float(data.get("action_overhead_us", 0.0)),
                    allreduce_overhead_us=overhead,
-                   transfer_overhead_us=float(data.get("transfer_overhead_us", 0.0)))
+                   transfer_overhead_us=float(data.get("transfer_overhead_us", 0.0)),
+                   compute_contention=float(data.get("compute_contention", 1.0)))

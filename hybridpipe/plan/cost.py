@@ -23,7 +23,8 @@ Design reasons:
   that transfer; ``calibrate`` measures both, and the allreduce's fixed cost
   (``allreduce_overhead_us``), on the job's own ranks.
 * Ranks sharing cores: compute times are multiplied by ranks per host ÷ cores per host when
-  there are more ranks than cores (the 2-core machine runs 4 ranks at half speed each).
+  there are more ranks than cores (the 2-core machine runs 4 ranks at half speed each), and by the
+  measured contention of cores computing at once (``Cluster.compute_contention``).
 * Memory per rank: parameters, gradients, optimizer state (``optimizer_state_factor`` × the
   parameter bytes: 0 for plain SGD, 1 with momentum, 2 for Adam), the activations of the most
   micro-batches the schedule holds at once on that rank (``schedule.peak_in_flight``) — or, when
@@ -72,6 +73,8 @@ class Cluster:
         transfer_overhead_us: A rank's own time per pipeline transfer it sends or receives (handing it to
             and taking it from the communication thread), microseconds: added to the action that sends
             or receives, beside the transfer's latency on the way.
+        compute_contention: How much slower a rank computes while the other ranks of its host compute too
+            (up to one per core), against the one process the profile was made in; ``calibrate`` measures it.
     """
 
     ranks: int
@@ -85,6 +88,7 @@ class Cluster:
     fusion_bytes: float = 4 * 2**20
     allreduce_overhead_us: float = 0.0
     transfer_overhead_us: float = 0.0
+    compute_contention: float = 1.0
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
@@ -98,6 +102,8 @@ class Cluster:
                     if getattr(self, name) < 0}
         if negative:
             raise HybridPipeError(f"cluster values must be >= 0 (got {negative})")
+        if self.compute_contention < 1.0:
+            raise HybridPipeError(f"compute_contention must be >= 1 (got {self.compute_contention})")
 
     @property
     def per_host(self) -> int:
@@ -108,10 +114,11 @@ class Cluster:
 
     @property
     def compute_slowdown(self) -> float:
-        """How much slower each rank computes because ranks share a host's cores."""
+        """How much slower each rank computes than the profile's one process: ranks sharing a host's cores
+        (more ranks than cores) times the contention of cores computing at once."""
         if not self.cores_per_host:
-            return 1.0
-        return max(1.0, min(self.per_host, self.ranks) / self.cores_per_host)
+            return self.compute_contention
+        return max(1.0, min(self.per_host, self.ranks) / self.cores_per_host) * self.compute_contention
 
     def link_seconds(self, nbytes: float, a: int, b: int) -> float:
         """One message of ``nbytes`` from rank ``a`` to rank ``b``."""
@@ -484,8 +491,12 @@ def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_bat
     memory = memory_per_rank(profile, candidate, global_batch, optimizer_state_factor, precision)
     notes = []
     if cluster.compute_slowdown > 1:
-        notes.append(f"compute × {cluster.compute_slowdown:g}: {cluster.per_host} ranks share "
-                     f"{cluster.cores_per_host} cores per host")
+        reasons = []
+        if cluster.cores_per_host and min(cluster.per_host, cluster.ranks) > cluster.cores_per_host:
+            reasons.append(f"{cluster.per_host} ranks share {cluster.cores_per_host} cores per host")
+        if cluster.compute_contention > 1:
+            reasons.append(f"× {cluster.compute_contention:.3g} for cores computing at once")
+        notes.append(f"compute × {cluster.compute_slowdown:.3g}: {'; '.join(reasons)}")
     return Prediction(step_seconds=step, memory_bytes_per_rank=memory,
                       samples_per_second=global_batch / step if step > 0 else math.inf, pipeline_seconds=pipeline,
                       allreduce_seconds=slowest_reduction, exposed_allreduce_seconds=exposed, notes=notes)

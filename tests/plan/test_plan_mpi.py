@@ -97,6 +97,7 @@ def test_calibrate_measures_the_links_and_the_planner_reads_them(tmp_path_factor
     assert cluster.ranks == 8 and cluster.ranks_per_host == result["ranks_per_host"]
     assert cluster.intra_host_gbps == pytest.approx(result["intra_gbps"])
     assert cluster.latency_us == pytest.approx(result["intra_latency_us"])
+    assert result["compute_contention"] >= 1.0 and cluster.compute_contention == result["compute_contention"]
 
 
 class _MallocInfo(ctypes.Structure):  # glibc's struct mallinfo2

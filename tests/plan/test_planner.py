@@ -93,6 +93,22 @@ def test_transfers_and_the_allreduce_add_what_they_cost():
     assert step == pytest.approx(4 * 3e-3 + reduce)  # nothing to hide it behind with one stage
 
 
+def test_compute_contention_and_core_sharing_multiply_the_compute():
+    profile = uniform_profile(layers=4)
+    candidate = Candidate(4, 1, (1, 1, 1, 1), 4, "gpipe")
+    free = predict(profile, Cluster(ranks=4, **FREE), candidate, 4).step_seconds
+    contended = Cluster(ranks=4, compute_contention=1.25, **FREE)
+    assert contended.compute_slowdown == pytest.approx(1.25)
+    assert predict(profile, contended, candidate, 4).step_seconds == pytest.approx(1.25 * free)
+    shared = Cluster(ranks=4, ranks_per_host=4, cores_per_host=2, compute_contention=1.25, **FREE)
+    assert shared.compute_slowdown == pytest.approx(2 * 1.25)  # two ranks per core, both cores busy
+    prediction = predict(profile, shared, candidate, 4)
+    assert prediction.step_seconds == pytest.approx(2.5 * free)
+    assert any("× 1.25 for cores computing at once" in note for note in prediction.notes)
+    with pytest.raises(HybridPipeError, match=r"compute_contention must be >= 1 \(got 0.5\)"):
+        Cluster(ranks=2, compute_contention=0.5)
+
+
 def test_memory_counts_what_the_schedule_holds():
     profile = uniform_profile(layers=4, parameters=1000, activation=100.0)
     cluster = Cluster(ranks=2, **FREE)
