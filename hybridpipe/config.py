@@ -77,6 +77,13 @@ def _auto_switch(text: str, name: str) -> str:
     return "1" if value in ("1", "true", "yes", "on") else "0"
 
 
+def _gpu_allreduce(text: str, name: str) -> str:
+    value = text.strip().lower()
+    if value not in ("nccl", "mpi", "auto"):
+        raise HybridPipeError(f"{name}={text!r} is not nccl, mpi or auto")
+    return value
+
+
 def _non_negative_float(text: str, name: str) -> float:
     try:
         value = float(text)
@@ -154,6 +161,9 @@ class Config:
             (HYBRIDPIPE_STAGING_SEGMENT_BYTES, e.g. ``4MiB``).
         cuda_aware_mpi: whether CUDA buffers go to the MPI library as device memory: "auto" when it reports
             CUDA support (``MPIX_Query_cuda_support``), "1" always, "0" never (HYBRIDPIPE_CUDA_AWARE_MPI).
+        gpu_allreduce: who reduces CUDA buffers in blocking and grouped allreduces: "nccl" (NCCL through
+            cupy, an error where it cannot run), "mpi" (MPI: cuda-aware or staged), "auto" (NCCL where cupy
+            has it and every rank of the group has a GPU of its own, else MPI) (HYBRIDPIPE_GPU_ALLREDUCE).
     """
 
     fusion_threshold_bytes: int = 4 * 1024 * 1024
@@ -180,6 +190,7 @@ class Config:
     set_device: bool = True
     staging_segment_bytes: int = 4 * 1024 * 1024
     cuda_aware_mpi: str = "auto"
+    gpu_allreduce: str = "auto"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Config":
@@ -213,6 +224,7 @@ class Config:
             ("HYBRIDPIPE_SET_DEVICE", "set_device", _switch),
             ("HYBRIDPIPE_STAGING_SEGMENT_BYTES", "staging_segment_bytes", parse_bytes),
             ("HYBRIDPIPE_CUDA_AWARE_MPI", "cuda_aware_mpi", _auto_switch),
+            ("HYBRIDPIPE_GPU_ALLREDUCE", "gpu_allreduce", _gpu_allreduce),
         ):
             if env.get(name, "").strip():
                 values[field] = parse(env[name], name)
@@ -235,6 +247,8 @@ class Config:
             raise HybridPipeError(f"stall_shutdown_seconds={self.stall_shutdown_seconds} must be >= 0 (0: off)")
         if self.staging_segment_bytes < 4096:
             raise HybridPipeError(f"staging_segment_bytes={self.staging_segment_bytes} must be >= 4096 (e.g. 4MiB)")
+        if self.gpu_allreduce not in ("nccl", "mpi", "auto"):
+            raise HybridPipeError(f"gpu_allreduce={self.gpu_allreduce!r} must be 'nccl', 'mpi' or 'auto'")
         if self.cuda_aware_mpi not in ("auto", "1", "0"):
             raise HybridPipeError(f"cuda_aware_mpi={self.cuda_aware_mpi!r} must be 'auto', '1' or '0'")
         if self.hierarchical not in ("auto", "1", "0"):

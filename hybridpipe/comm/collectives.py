@@ -263,10 +263,10 @@ def _staged_allreduce(tensors: Sequence[Any], op: ReduceOp, name: str | None, pr
     The tensors of one dtype are packed into one device buffer by one kernel (``torch.cat``), reduced, and
     unpacked by one kernel (``torch._foreach_copy_``): a bucket of many small gradients costs two copy
     kernels, not a copy per tensor. A lone contiguous tensor is its own buffer. The buffer is then reduced by
-    the algorithm hybridpipe.comm.device.CUDA_ALLREDUCE picks: on the cuda-aware route MPI_Allreduce of device
-    memory (small buffers) or a ring of device-memory transfers and GPU reductions (_device_ring_allreduce);
-    otherwise through pinned host memory segment by segment, the copies overlapping the reduction
-    (hybridpipe.comm.staging). ``agreed``: the
+    the algorithm hybridpipe.comm.device.CUDA_ALLREDUCE picks: NCCL where the group agreed to use it (on the
+    stream the packing ran on); on the cuda-aware route MPI_Allreduce of device memory (small buffers) or a ring
+    of device-memory transfers and GPU reductions (_device_ring_allreduce); otherwise through pinned host memory
+    segment by segment, the copies overlapping the reduction (hybridpipe.comm.staging). ``agreed``: the
     ranks already agreed on the list (grouped calls); else they agree on the one tensor here, before any data
     moves, so that a rank with a different count never waits for a segment the others do not send.
     """
@@ -283,6 +283,10 @@ def _staged_allreduce(tensors: Sequence[Any], op: ReduceOp, name: str | None, pr
         header = [1, buffers.count(t), buffers.dtype_code(t), int(op),
                   digest(str(tuple(t.shape)) + buffers.device_tag(t) + ("" if name is None else f"|{name}"))]
         agree(comm, function, header, lambda: f"{describe(t)} op={op.name}{named(name)}", _SAME_TENSOR)
+    nccl_comm = None
+    if ctx.config.gpu_allreduce != "mpi":  # collective the first time on this group: every rank is here
+        index = tensors[0].device.index if tensors[0].device.index is not None else torch.cuda.current_device()
+        nccl_comm = device.nccl_communicator(comm, index, ctx.config.gpu_allreduce)
     results: list[Any] = [None] * len(tensors)
     by_dtype: dict[Any, list[int]] = {}
     for index, t in enumerate(tensors):
@@ -308,9 +312,17 @@ def _staged_allreduce(tensors: Sequence[Any], op: ReduceOp, name: str | None, pr
 
         mark = torch.cuda.Event()  # after the packing and scaling, on this thread's stream
         mark.record(stream)
+        nccl_type = getattr(device.nccl_module(), device.NCCL_TYPES.get(code, ""), None) if nccl_comm else None
         algorithm = device.cuda_allreduce_algorithm(device.route(packed), packed.numel() * packed.element_size(),
-                                                    code, int(op))
-        if algorithm == "mpi-library":
+                                                    code, int(op), nccl_type is not None)
+        if algorithm == "nccl":
+            nccl = device.nccl_module()
+            nccl_comm.allReduce(packed.data_ptr(), output.data_ptr(), packed.numel(), nccl_type,
+                                {Sum: nccl.NCCL_SUM, Average: nccl.NCCL_SUM, Min: nccl.NCCL_MIN,
+                                 Max: nccl.NCCL_MAX}[op], stream.cuda_stream)
+            if op == Average:
+                output.div_(comm.Get_size())
+        elif algorithm == "mpi-library":
             stream.synchronize()  # MPI knows no streams: the buffer must be written before it reads it
             _library_device_allreduce(packed, output, op, comm)
         elif algorithm == "device-ring":

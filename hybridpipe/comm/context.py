@@ -239,6 +239,9 @@ class CommContext:
         events = self.events()
         self.keep.clear()  # the thread has stopped: nothing it ran can still use these
         self.outputs.clear()
+        from . import device
+
+        device.forget_nccl()  # NCCL communicators of the groups about to be freed
         for entry in self._users.values():
             if entry.comm is not None:
                 entry.comm.Free()

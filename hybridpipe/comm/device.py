@@ -17,6 +17,12 @@ Routes, each with the rule that says when it applies (:data:`ROUTES`; the first 
   staged buffer of a process warns once, naming the MPI library, whether it reports CUDA support and how to
   get the CUDA-aware route.
 
+NCCL (``HYBRIDPIPE_GPU_ALLREDUCE=auto``, the default, or ``nccl``): where cupy brings NCCL on every rank of a
+group and each of its ranks has a GPU of its own, the group's blocking and grouped allreduces of CUDA buffers
+run ``ncclAllReduce`` on a communicator made once from the group's ranks (rank 0's unique id broadcast over
+MPI), whatever the route; ``mpi`` never uses it, ``nccl`` makes its absence an error. Every rank must use the
+same setting. The first such allreduce on a group decides, for all its ranks alike (:func:`nccl_decision`).
+
 cupy arrays are accepted wherever torch tensors are (:func:`accepts_cupy`): they are viewed as torch tensors
 through DLPack (no copy), so an in-place collective writes into the cupy array's memory, and an out-of-place
 one returns a cupy array.
@@ -30,7 +36,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ROUTES", "route", "cuda_aware", "CUDA_ALLREDUCE", "cuda_allreduce_algorithm", "note_staged", "mpi_cuda_support", "describe", "accepts_cupy", "is_cupy",
+__all__ = ["ROUTES", "route", "cuda_aware", "CUDA_ALLREDUCE", "cuda_allreduce_algorithm", "nccl_module",
+           "nccl_decision", "nccl_communicator", "forget_nccl", "note_staged", "mpi_cuda_support", "describe", "accepts_cupy", "is_cupy",
            "compute_device", "set_device", "reduce_on_device"]
 
 
@@ -79,24 +86,108 @@ def _reducible_on_device(code: int, op: int) -> bool:
     return not (op == 1 and code in (4, 5))  # an integer Average: the host core's rounding, so staged
 
 
+#: dtype codes NCCL reduces, with the names of cupy.cuda.nccl's constants
+NCCL_TYPES = {0: "NCCL_FLOAT32", 1: "NCCL_FLOAT64", 2: "NCCL_FLOAT16", 3: "NCCL_BFLOAT16", 4: "NCCL_INT32",
+              5: "NCCL_INT64"}
+
 #: The allreduce algorithms of a CUDA buffer, in order of preference: (name, applies(route, nbytes, dtype code,
-#: op)); the first that applies is taken (:func:`cuda_allreduce_algorithm`).
-CUDA_ALLREDUCE: tuple[tuple[str, Callable[[str, int, int, int], bool]], ...] = (
-    ("mpi-library", lambda route, nbytes, code, op: route == "cuda-aware" and nbytes < CUDA_RING_MIN_BYTES
+#: op, nccl)), ``nccl`` being whether the group agreed to use NCCL (:func:`nccl_decision`); the first that
+#: applies is taken (:func:`cuda_allreduce_algorithm`).
+CUDA_ALLREDUCE: tuple[tuple[str, Callable[[str, int, int, int, bool], bool]], ...] = (
+    ("nccl", lambda route, nbytes, code, op, nccl: nccl and code in NCCL_TYPES and _reducible_on_device(code, op)),
+    ("mpi-library", lambda route, nbytes, code, op, nccl: route == "cuda-aware" and nbytes < CUDA_RING_MIN_BYTES
      and code in MPI_DEVICE_TYPES and _reducible_on_device(code, op)),
-    ("device-ring", lambda route, nbytes, code, op: route == "cuda-aware" and _reducible_on_device(code, op)),
-    ("staged", lambda route, nbytes, code, op: True),
+    ("device-ring", lambda route, nbytes, code, op, nccl: route == "cuda-aware" and _reducible_on_device(code, op)),
+    ("staged", lambda route, nbytes, code, op, nccl: True),
 )
 
 
-def cuda_allreduce_algorithm(route_name: str, nbytes: int, code: int, op: int) -> str:
-    """How a CUDA buffer of ``nbytes`` bytes on route ``route_name`` is allreduced: ``"mpi-library"``
-    (MPI_Allreduce of device memory), ``"device-ring"`` (device-memory ring, reduced by the GPU kernels) or
-    ``"staged"`` (through pinned host memory); see :data:`CUDA_ALLREDUCE`."""
+def cuda_allreduce_algorithm(route_name: str, nbytes: int, code: int, op: int, nccl: bool = False) -> str:
+    """How a CUDA buffer of ``nbytes`` bytes on route ``route_name`` is allreduced: ``"nccl"`` (NCCL through
+    cupy, where the group agreed to), ``"mpi-library"`` (MPI_Allreduce of device memory), ``"device-ring"``
+    (device-memory ring, reduced by the GPU kernels) or ``"staged"`` (through pinned host memory); see
+    :data:`CUDA_ALLREDUCE`."""
     for name, applies in CUDA_ALLREDUCE:
-        if applies(route_name, nbytes, code, op):
+        if applies(route_name, nbytes, code, op, nccl):
             return name
     raise AssertionError("the staged algorithm applies to every CUDA buffer")
+
+
+@functools.lru_cache(maxsize=None)
+def nccl_module() -> Any:
+    """cupy's NCCL binding (``cupy.cuda.nccl``), or None where cupy or its NCCL is not installed."""
+    try:
+        from cupy.cuda import nccl
+
+        nccl.get_version()
+        return nccl
+    except Exception:  # noqa: BLE001 — no cupy, no NCCL library, no driver: NCCL is not available here
+        return None
+
+
+def nccl_decision(setting: str, ranks: list[tuple[bool, str, str]]) -> tuple[bool, str]:
+    """Whether a group uses NCCL for its CUDA allreduces, from every rank's ``(NCCL available, host, GPU)``
+    (gathered, so every rank decides the same): ``(use, why not)``. NCCL needs it on every rank and a GPU of
+    its own per rank (it refuses two ranks of one communicator on one GPU).
+
+    Raises:
+        HybridPipeError: ``setting`` is ``"nccl"`` and NCCL cannot run, naming the reason.
+    """
+    from ..errors import HybridPipeError
+
+    if setting == "mpi":
+        return False, "HYBRIDPIPE_GPU_ALLREDUCE=mpi"
+    missing = [rank for rank, (available, _, _) in enumerate(ranks) if not available]
+    places = [(host, gpu) for _, host, gpu in ranks]
+    shared = sorted({place for place in places if places.count(place) > 1})
+    reason = ""
+    if missing:
+        reason = (f"cupy with NCCL is not importable on rank(s) {missing} (pip install cupy-cuda12x or "
+                  "cupy-cuda13x, and nvidia-nccl-cu12 / -cu13)")
+    elif shared:
+        host, gpu = shared[0]
+        sharing = [rank for rank, place in enumerate(places) if place == shared[0]]
+        reason = (f"ranks {sharing} share GPU {gpu} on {host}, and NCCL allows one rank per GPU in a communicator "
+                  "(one rank per GPU: as many ranks per host as GPUs)")
+    if reason and setting == "nccl":
+        raise HybridPipeError(f"HYBRIDPIPE_GPU_ALLREDUCE=nccl, but NCCL cannot run: {reason}; or set it to auto")
+    return not reason, reason
+
+
+_nccl_groups: dict[tuple[int, int], Any] = {}  # (communicator handle, device index) -> NCCL communicator or None
+
+
+def nccl_communicator(comm: Any, device_index: int, setting: str) -> Any:
+    """The NCCL communicator of ``comm``'s ranks on this rank's GPU ``device_index`` (made once: rank 0's
+    unique id broadcast over MPI), or None where the group does not use NCCL (:func:`nccl_decision`).
+    Collective over ``comm`` the first time: every rank of it calls it for the same allreduce."""
+    key = (comm.py2f(), device_index)
+    if key in _nccl_groups:
+        return _nccl_groups[key]
+    import socket
+
+    import torch
+
+    nccl = nccl_module()
+    uuid = str(getattr(torch.cuda.get_device_properties(device_index), "uuid", device_index))
+    use, _ = nccl_decision(setting, comm.allgather((nccl is not None, socket.gethostname(), uuid)))
+    made = None
+    if use:
+        import cupy
+
+        unique = comm.bcast(nccl.get_unique_id() if comm.Get_rank() == 0 else None, root=0)
+        with cupy.cuda.Device(device_index):
+            made = nccl.NcclCommunicator(comm.Get_size(), unique, comm.Get_rank())
+    _nccl_groups[key] = made
+    return made
+
+
+def forget_nccl() -> None:
+    """Drops the NCCL communicators (hp.shutdown: their MPI communicators are freed)."""
+    for made in _nccl_groups.values():
+        if made is not None and hasattr(made, "destroy"):
+            made.destroy()
+    _nccl_groups.clear()
 
 
 def route(x: Any) -> str:

@@ -121,4 +121,40 @@ def test_the_cuda_aware_route_follows_its_setting_or_the_library(monkeypatch):
 def test_the_cuda_allreduce_algorithm_table(route, nbytes, dtype, op, expected):
     code = buffers.torch_codes()[dtype]
     assert device.cuda_allreduce_algorithm(route, nbytes, code, op) == expected
-    assert [name for name, _ in device.CUDA_ALLREDUCE] == ["mpi-library", "device-ring", "staged"]
+    assert [name for name, _ in device.CUDA_ALLREDUCE] == ["nccl", "mpi-library", "device-ring", "staged"]
+    # a group that agreed on NCCL takes it on either route, except for an integer Average
+    with_nccl = device.cuda_allreduce_algorithm(route, nbytes, code, op, nccl=True)
+    assert with_nccl == ("staged" if (op == 1 and not dtype.is_floating_point) else "nccl")
+
+
+def test_the_nccl_decision_is_the_same_for_every_rank_and_says_why_not():
+    everywhere = [(True, "a", "GPU-0"), (True, "a", "GPU-1"), (True, "b", "GPU-0")]
+    assert device.nccl_decision("auto", everywhere) == (True, "")
+    assert device.nccl_decision("nccl", everywhere) == (True, "")
+    assert device.nccl_decision("mpi", everywhere) == (False, "HYBRIDPIPE_GPU_ALLREDUCE=mpi")
+    use, why = device.nccl_decision("auto", [(True, "a", "GPU-0"), (False, "b", "GPU-0")])
+    assert not use and "cupy with NCCL is not importable on rank(s) [1]" in why
+    use, why = device.nccl_decision("auto", [(True, "a", "GPU-0"), (True, "a", "GPU-0"), (True, "a", "GPU-1")])
+    assert not use and "ranks [0, 1] share GPU GPU-0 on a" in why and "one rank per GPU" in why
+    with pytest.raises(HybridPipeError, match=r"HYBRIDPIPE_GPU_ALLREDUCE=nccl, but NCCL cannot run: ranks \[0, 1\] "
+                                              r"share GPU GPU-0 on a"):
+        device.nccl_decision("nccl", [(True, "a", "GPU-0"), (True, "a", "GPU-0")])
+
+
+def test_the_gpu_allreduce_setting():
+    assert Config().gpu_allreduce == "auto"
+    assert Config.from_env({"HYBRIDPIPE_GPU_ALLREDUCE": "NCCL"}).gpu_allreduce == "nccl"
+    assert Config.from_env({"HYBRIDPIPE_GPU_ALLREDUCE": "mpi"}).gpu_allreduce == "mpi"
+    with pytest.raises(HybridPipeError, match=r"HYBRIDPIPE_GPU_ALLREDUCE='gloo' is not nccl, mpi or auto"):
+        Config.from_env({"HYBRIDPIPE_GPU_ALLREDUCE": "gloo"})
+    assert (device.nccl_module() is not None) == _has_nccl()
+
+
+def _has_nccl() -> bool:
+    try:
+        from cupy.cuda import nccl
+
+        nccl.get_version()
+        return True
+    except Exception:  # noqa: BLE001
+        return False

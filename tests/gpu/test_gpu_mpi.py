@@ -260,6 +260,32 @@ def test_each_route_reduces_broadcasts_and_sends_cuda_tensors_exactly(gpu_route)
         comm.Free()
 
 
+def test_nccl_is_not_used_by_ranks_sharing_a_gpu_and_forcing_it_says_why(world):
+    """2 ranks on one GPU: NCCL refuses that, so auto falls back to MPI on both ranks; nccl is an error on both.
+    (tests/gpu/test_nccl_mpi.py runs NCCL itself.)"""
+    from mpi4py import MPI
+
+    from hybridpipe import HybridPipeError
+
+    shared = torch.cuda.device_count() < hp.size()
+    comm = MPI.COMM_WORLD.Dup()
+    try:
+        made = device.nccl_communicator(comm, torch.cuda.current_device(), "auto")
+        if shared or device.nccl_module() is None:
+            assert made is None
+            x = rank_values(hp.rank(), (1000,), torch.float32).cuda()
+            np.testing.assert_array_equal(hp.allreduce(x, op=hp.Sum).cpu().numpy(), everyone((1000,), torch.float32).sum(0))
+        forced = MPI.COMM_WORLD.Dup()
+        try:
+            if shared or device.nccl_module() is None:
+                with pytest.raises(HybridPipeError, match="HYBRIDPIPE_GPU_ALLREDUCE=nccl, but NCCL cannot run"):
+                    device.nccl_communicator(forced, torch.cuda.current_device(), "nccl")
+        finally:
+            forced.Free()
+    finally:
+        comm.Free()
+
+
 def test_staging_warns_once_naming_the_mpi_library(gpu_route):
     device._warned = False
     with warnings.catch_warnings(record=True) as caught:
