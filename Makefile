@@ -75,7 +75,7 @@ GPU_PY ?= $(PY)
 gpu-check: $(if $(filter $(PY),$(GPU_PY)),$(STAMP),)
 	$(if $(filter $(PY),$(GPU_PY)),,$(GPU_PY) setup.py -q build_ext --inplace)
 	$(GPU_PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make gpu-check: torch sees no CUDA GPU')"
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(GPU_PY) -m pytest tests/gpu tests/comm/test_device.py -q -rs
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(GPU_PY) -m pytest tests/gpu tests/comm/test_device.py tests/comm/test_staging.py tests/test_buckets.py -q -rs
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" mpirun $(MPIRUN_FLAGS) -n 2 $(GPU_PY) bench/gpu.py
 
 # The main example: a byte-level GPT trained on the Python standard library sources, 2 stages × 2 replicas.

@@ -55,8 +55,12 @@ def gloo_enabled() -> bool:
 
 
 def nccl_built() -> int:
-    """0 (Horovod's "not built"; it returns the NCCL version code otherwise): no NCCL data path."""
-    return 0
+    """The NCCL version code (e.g. 22809 for 2.28.9, as Horovod returns it) where cupy brings NCCL, which the CUDA
+    allreduces use (HYBRIDPIPE_GPU_ALLREDUCE, docs/gpu.md); 0 (Horovod's "not built") otherwise."""
+    from .comm.device import nccl_module
+
+    nccl = nccl_module()
+    return int(nccl.get_version()) if nccl is not None else 0
 
 
 def ccl_built() -> bool:

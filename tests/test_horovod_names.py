@@ -47,8 +47,12 @@ def test_compressors_have_horovods_interface():
 
 def test_build_queries_of_the_paths_hybridpipe_does_not_have():
     # mpi_built / cuda_built load the extension (and so MPI): tests/comm/test_horovod_api.py checks them
-    assert (hvd.gloo_built(), hvd.gloo_enabled(), hvd.nccl_built(), hvd.ccl_built(), hvd.ddl_built(),
-            hvd.rocm_built()) == (False, False, 0, False, False, False)
+    assert (hvd.gloo_built(), hvd.gloo_enabled(), hvd.ccl_built(), hvd.ddl_built(),
+            hvd.rocm_built()) == (False, False, False, False, False)
+    from hybridpipe.comm import device
+
+    nccl = device.nccl_module()  # NCCL comes with cupy where it is installed (tests/gpu/test_nccl_mpi.py)
+    assert hvd.nccl_built() == (nccl.get_version() if nccl is not None else 0)
 
 
 def test_error_classes():
