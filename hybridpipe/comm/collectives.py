@@ -256,7 +256,7 @@ def _device_ring_allreduce(buffer: Any, op: ReduceOp, comm: Any) -> None:
         flat.div_(size)
 
 
-def _staged_allreduce(tensors: Sequence[Any], op: ReduceOp, name: str | None, prescale: float, postscale: float,
+def _cuda_allreduce(tensors: Sequence[Any], op: ReduceOp, name: str | None, prescale: float, postscale: float,
                       comm: Any, function: str, in_place: bool, ready: Any, agreed: bool = False) -> list:
     """Allreduce of CUDA tensors (the routes of hybridpipe.comm.device), in the order of the list.
 
@@ -272,8 +272,6 @@ def _staged_allreduce(tensors: Sequence[Any], op: ReduceOp, name: str | None, pr
     """
     import torch
 
-    from . import staging
-
     ctx = context.current(function)
     stream = torch.cuda.current_stream(tensors[0].device)
     if ready is not None:
@@ -285,8 +283,8 @@ def _staged_allreduce(tensors: Sequence[Any], op: ReduceOp, name: str | None, pr
         agree(comm, function, header, lambda: f"{describe(t)} op={op.name}{named(name)}", _SAME_TENSOR)
     nccl_comm = None
     if ctx.config.gpu_allreduce != "mpi":  # collective the first time on this group: every rank is here
-        index = tensors[0].device.index if tensors[0].device.index is not None else torch.cuda.current_device()
-        nccl_comm = device.nccl_communicator(comm, index, ctx.config.gpu_allreduce)
+        gpu = tensors[0].device.index if tensors[0].device.index is not None else torch.cuda.current_device()
+        nccl_comm = device.nccl_communicator(comm, gpu, ctx.config.gpu_allreduce)
     results: list[Any] = [None] * len(tensors)
     by_dtype: dict[Any, list[int]] = {}
     for index, t in enumerate(tensors):
@@ -349,14 +347,12 @@ def _staged_allreduce(tensors: Sequence[Any], op: ReduceOp, name: str | None, pr
     return results
 
 
-def _staged_broadcast(tensor: Any, root: int, comm: Any, in_place: bool, ready: Any, segment_bytes: int) -> Any:
+def _cuda_broadcast(tensor: Any, root: int, comm: Any, in_place: bool, ready: Any, segment_bytes: int) -> Any:
     """Broadcast of a CUDA tensor: MPI_Bcast of its device memory on the cuda-aware route; on the staged route
     the root copies its segments down (and nothing back), the others copy theirs up (and nothing down),
-    double-buffered as in _staged_allreduce."""
+    double-buffered as in _cuda_allreduce."""
     import torch
     from mpi4py import MPI
-
-    from . import staging
 
     stream = torch.cuda.current_stream(tensor.device)
     if ready is not None:
@@ -400,7 +396,7 @@ def allreduce_here(tensor: Any, op: ReduceOp, name: str | None, prescale: float,
     check_array(tensor, function)
     comm = context.communicator(group, function)
     if op in CORE_OPS and device.route(tensor) != "host" and buffers.dtype_code(tensor) != buffers.UNSUPPORTED:
-        return _staged_allreduce([tensor], op, name, prescale, postscale, comm, function, in_place, ready)[0]
+        return _cuda_allreduce([tensor], op, name, prescale, postscale, comm, function, in_place, ready)[0]
     source = host(tensor)
     target = source if in_place else buffers.clone(source)
     if prescale != 1.0:
@@ -495,8 +491,8 @@ def grouped_allreduce_here(tensors: Sequence[Any], op: ReduceOp, name: str | Non
            lambda: (op.name + named(name), entries),
            "every rank must pass the same list of tensors (same order, shapes and dtypes), op and name", _explain_lists)
     buffers.check_reducible(codes, works, function)
-    if staged:  # packed on the device, one buffer per dtype (see _staged_allreduce)
-        return _staged_allreduce(tensors, op, name, prescale, postscale, comm, function, in_place, ready, agreed=True)
+    if staged:  # packed on the device, one buffer per dtype (see _cuda_allreduce)
+        return _cuda_allreduce(tensors, op, name, prescale, postscale, comm, function, in_place, ready, agreed=True)
     if op in CORE_OPS:
         order = sorted(range(len(works)), key=lambda i: codes[i])  # stable: one dtype's buckets in list order
         counts = [buffers.count(works[i]) for i in order]
@@ -614,7 +610,7 @@ def broadcast_here(tensor: Any, root_rank: int, name: str | None, group: Any, fu
     from mpi4py import MPI
 
     if staged:
-        return _staged_broadcast(tensor, root, comm, in_place, ready, ctx.config.staging_segment_bytes)
+        return _cuda_broadcast(tensor, root, comm, in_place, ready, ctx.config.staging_segment_bytes)
     comm.Bcast([buffers.byte_view(work), MPI.BYTE], root=root)
     if in_place:
         copy_into(tensor, work)
