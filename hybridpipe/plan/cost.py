@@ -278,6 +278,13 @@ def chunk_seconds(profile: Profile, cluster: Cluster, candidate: Candidate, micr
     return forward, backward
 
 
+def _weight_call_seconds(profile: Profile, layers: list[list[int]], cluster: Cluster) -> list[float]:
+    """Per chunk: the fixed backward call costs of its layers with weights, which a split backward's W pass pays
+    again (one autograd call per such layer)."""
+    return [sum(profile.layers[i].backward_call_ms for i in chunk if profile.layers[i].parameter_bytes) / 1e3
+            * cluster.compute_slowdown for chunk in layers]
+
+
 def step_lower_bound(profile: Profile, cluster: Cluster, candidate: Candidate, global_batch: int) -> float:
     """A step time no run of ``candidate`` can beat (cheap: no simulation), to order and prune the search.
 
@@ -293,6 +300,9 @@ def step_lower_bound(profile: Profile, cluster: Cluster, candidate: Candidate, g
     transfers = [(c > 0) + (c < len(forward) - 1) for c in range(len(forward))]
     forward = [f + overhead + hand_off * k for f, k in zip(forward, transfers)]
     backward = [b + (2 if split else 1) * overhead + hand_off * k for b, k in zip(backward, transfers)]
+    if split:
+        backward = [b + w for b, w in zip(backward, _weight_call_seconds(profile, _chunk_layers(candidate.balance),
+                                                                         cluster))]
     chain = candidate.virtual_stages == 1 and candidate.schedule not in sched.ASYNCHRONOUS
     bound = 0.0
     for r in range(p):
@@ -444,13 +454,18 @@ def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_bat
 
     # each action's own overhead, plus the hand-off of each transfer it receives or sends (a forward of a
     # middle chunk both); of a split backward (the simulator times I as backward − W) each half pays the
-    # overhead, the I the hand-offs
+    # overhead, the I the hand-offs, and the W one backward call per layer with weights (the executor asks
+    # autograd for each such layer's weight gradient apart, from its recorded output; added to the split's
+    # whole, as the simulator takes I as the whole minus W)
+    weight_calls = _weight_call_seconds(profile, layers, cluster)
     hand_off = cluster.transfer_overhead_us * 1e-6
     transfers = [(c > 0) + (c < chunks - 1) for c in range(chunks)]
     duration = dict(forward_time=lambda a: forward[a.stage] + overhead + hand_off * transfers[a.stage],
                     backward_time=lambda a: (backward[a.stage] + hand_off * transfers[a.stage]
-                                             + (2 if a.kind is sched.ActionKind.BACKWARD_INPUT else 1) * overhead),
-                    weight_time=lambda a: backward[a.stage] / 2 + overhead, transfer_time=transfer)
+                                             + ((2 * overhead + weight_calls[a.stage])
+                                                if a.kind is sched.ActionKind.BACKWARD_INPUT else overhead)),
+                    weight_time=lambda a: backward[a.stage] / 2 + overhead + weight_calls[a.stage],
+                    transfer_time=transfer)
     asynchronous = candidate.schedule in sched.ASYNCHRONOUS
     plan = schedule_of(candidate.schedule, p, m, v)
     parameter_bytes = [sum(profile.layers[i].parameter_bytes for c in range(r, chunks, p) for i in layers[c])

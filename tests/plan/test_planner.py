@@ -109,6 +109,27 @@ def test_compute_contention_and_core_sharing_multiply_the_compute():
         Cluster(ranks=2, compute_contention=0.5)
 
 
+def test_a_split_backward_pays_a_backward_call_per_layer_with_weights_again(monkeypatch):
+    """zb-h1's W pass asks autograd for each layer's weight gradient apart: each such layer's fixed backward call
+    cost is paid once more per micro-batch (two layers of 0.5 ms calls per chunk here), and only by zb-h1."""
+    from hybridpipe.plan import cost
+
+    plain = uniform_profile(layers=4)
+    calls = dataclasses.replace(plain, layers=[dataclasses.replace(layer, backward_call_ms=0.5)
+                                               for layer in plain.layers])
+    cluster = Cluster(ranks=2, **FREE)
+    zb, one_f = Candidate(2, 1, (2, 2), 4, "zb-h1"), Candidate(2, 1, (2, 2), 4, "1f1b")
+    # the bound: each of the 4 micro-batches' backward (1 ms of calls) and, split, its W pass (1 ms more)
+    assert (cost.step_lower_bound(calls, cluster, zb, 4) - cost.step_lower_bound(plain, cluster, zb, 4)
+            == pytest.approx(4 * 2e-3))
+    assert (cost.step_lower_bound(calls, cluster, one_f, 4) - cost.step_lower_bound(plain, cluster, one_f, 4)
+            == pytest.approx(4 * 1e-3 + 1e-3))  # and the first stage's backward chained before the last's
+    with_w = predict(calls, cluster, zb, 4).step_seconds
+    monkeypatch.setattr(cost, "_weight_call_seconds", lambda profile, layers, cluster: [0.0] * len(layers))
+    without_w = predict(calls, cluster, zb, 4).step_seconds
+    assert 0 < with_w - without_w <= 4 * 1e-3 + 1e-9  # some of it hides in the schedule's bubble
+
+
 def test_memory_counts_what_the_schedule_holds():
     profile = uniform_profile(layers=4, parameters=1000, activation=100.0)
     cluster = Cluster(ranks=2, **FREE)
