@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from . import _trace as timeline
-from .comm import collectives, context, engine, exchange
+from .comm import buffers, collectives, context, engine, exchange
 from . import zero as zero_module
 from .pipeline import stage
 from .comm.collectives import Average, ReduceOp, Sum
@@ -108,16 +108,9 @@ def _cuda_buckets(named: list[tuple[str, torch.nn.Parameter]], bucket_bytes: int
     or one larger parameter. A bucket is one grouped allreduce once its gradients are final: packed on the
     device by one kernel and reduced as one buffer (the device ring with a CUDA-aware MPI, else staged), not
     a device-to-host copy per gradient."""
-    buckets: list[list[str]] = []
-    size = 0
-    for name, parameter in reversed(named):
-        nbytes = parameter.numel() * parameter.element_size()
-        if not buckets or (size + nbytes > bucket_bytes and buckets[-1]):
-            buckets.append([])
-            size = 0
-        buckets[-1].append(name)
-        size += nbytes
-    return buckets
+    buckets = buffers.size_buckets(list(reversed(named)), lambda item: item[1].numel() * item[1].element_size(),
+                                   bucket_bytes)
+    return [[name for name, _ in bucket] for bucket in buckets]
 
 
 def _split_groups(names: list[str], by_id: dict[int, str], groups: Any, num_groups: Any) -> list[list[str]]:

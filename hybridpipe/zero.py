@@ -110,15 +110,8 @@ class ZeroMixin:
                 raise NotSupportedError(f"DistributedOptimizer(zero={level}): param group {gi} has dtype "
                                         f"{params[0].dtype}; sharding needs floating-point parameters")
             dtype = params[0].dtype if params else torch.float32
-            buckets: list[list[torch.nn.Parameter]] = []
-            size = 0
-            for p in reversed(params):  # the backward's order
-                nbytes = p.numel() * p.element_size()
-                if not buckets or (size > 0 and size + nbytes > threshold):
-                    buckets.append([])
-                    size = 0
-                buckets[-1].append(p)
-                size += nbytes
+            buckets = buffers.size_buckets(list(reversed(params)),  # the backward's order
+                                           lambda p: p.numel() * p.element_size(), threshold)
             shard_numel = 0
             for members in buckets:
                 items, offset = [], 0

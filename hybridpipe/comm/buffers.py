@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -144,6 +144,22 @@ class OutputPool:
     def clear(self) -> None:
         self._items.clear()
         self._bytes = 0
+
+
+def size_buckets(items: Sequence[Any], nbytes: Callable[[Any], int], limit: int) -> list[list[Any]]:
+    """``items`` in their order, cut into consecutive buckets of at most ``limit`` bytes each (``nbytes(item)``);
+    an item larger than ``limit`` is a bucket of its own, and items of no bytes join the bucket they come to.
+    (The gradient buckets of ZeRO and of DistributedOptimizer on the GPU, given in backward order.)"""
+    buckets: list[list[Any]] = []
+    size = 0
+    for item in items:
+        item_bytes = nbytes(item)
+        if not buckets or (size > 0 and size + item_bytes > limit):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(item)
+        size += item_bytes
+    return buckets
 
 
 def address(x: Any) -> int:
