@@ -107,8 +107,8 @@ def _tiny_steps(layers: int, repeats: int) -> dict[int, float]:
 
 
 def _kernel_seconds(repeats: int) -> float:
-    """Median time of a fixed single-thread compute kernel (float32 matmuls and tanh, about the layers'
-    mix), after a warm-up."""
+    """Median time of a fixed compute kernel (float32 matmuls and tanh, about the layers' mix) on this process's
+    torch threads (one under ``bench/planner_validation.py``, which sets OMP_NUM_THREADS=1), after a warm-up."""
     generator = torch.Generator().manual_seed(0)
     a, b = torch.randn(256, 256, generator=generator), torch.randn(256, 256, generator=generator)
     runs = []
