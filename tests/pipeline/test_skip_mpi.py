@@ -16,11 +16,11 @@ from hybridpipe.errors import HybridPipeError
 
 from skip_models import CLASSES, WIDTH, StashProjection, skip_model
 
-pytestmark = pytest.mark.mpi(ranks=[2, 4], timeout=240)
+pytestmark = pytest.mark.mpi(ranks=[2], long_ranks=[4], timeout=240)  # P = 4 and 2 × 2: make test-long
 
 torch.set_num_threads(1)
 WORLD = int(os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE") or 1)
-GRIDS = {2: [2], 4: [4, 2] if os.environ.get("HYBRIDPIPE_LONG_TESTS") == "1" else [4]}.get(WORLD, [WORLD])  # 2 × 2: make test-long
+GRIDS = {2: [2], 4: [4, 2]}.get(WORLD, [WORLD])
 BALANCE = {2: [3, 8], 4: [3, 2, 2, 4]}
 CASES = [("gpipe", "never", 1), ("1f1b", "except_last", 1), ("1f1b", "always", 1), ("zb-h1", "never", 1),
          ("interleaved-1f1b", "never", 2)]
