@@ -467,10 +467,13 @@ void Engine::run() {
         double sleep_us = 2.0;
         auto eager_since = Clock::now();
         bool eager = false;
+        // a transfer submitted while nothing is in flight ends the sleep too (its wake is a notify of
+        // wake_): it must not wait for the next cycle, up to idle_cycle_time_ms away
+        auto transfer_busy = [&] { return transfers && transfers->busy(); };
         while (!due()) {
-          if (!(transfers && transfers->busy())) {
-            wake_.wait_until(lock, next_cycle, due);
-            break;
+          if (!transfer_busy()) {
+            wake_.wait_until(lock, next_cycle, [&] { return due() || transfer_busy(); });
+            continue;  // due: the cycle runs; a transfer came: the polite poll below
           }
           lock.unlock();
           const bool moved = transfers->progress();
