@@ -1,0 +1,211 @@
+"""Point-to-point latency benchmark: hybridpipe's pipeline transport vs mpi4py vs torch.distributed gloo.
+
+A pipeline hop is one small message from a stage to its neighbour, usually after the neighbour has
+been computing for a while. This measures that: ranks 0 and 1 ping-pong a tensor, and after each
+reply rank 1 pauses (``--pause-ms``, a sleep standing in for compute) before it takes the next ping,
+so the ping waits for it as an activation waits for a busy stage.
+
+Usage:
+    python bench/p2p.py [--pause-ms 0,5] [--bytes 256,65536] [--iterations 200] [--markdown]
+
+Run plainly, this script is the driver: it starts itself under ``mpirun -n 2 ... --worker`` (the
+command comes from ``hybridpipe.launch.mpirun_command``) and prints one table from rank 0's JSON.
+
+How it measures (a shared, noisy 2-core machine is the expected case, so it never asserts speed):
+  * Implementations, all in the same job and interleaved in blocks of ``--iterations`` round trips
+    with a rotating order, so machine noise hits them alike:
+      - "hybridpipe": ``hybridpipe.comm.p2p.send`` / ``Receive`` after ``hp.init()``, as the pipeline
+        executor uses them (the engine's communication thread makes the MPI calls);
+      - "mpi4py": ``comm.Send`` / ``comm.Recv`` of the tensor's numpy view, on a communicator of its own
+        (the MPI library alone: the floor for MPI);
+      - "gloo": ``torch.distributed.send`` / ``recv`` over loopback TCP.
+  * Rank 0 times each round trip; rank 1 times each pause as it actually slept (``time.sleep``
+    overshoots). Reported: the median over the round trips of (round trip − the pause that fell inside
+    it), i.e. the cost of two hops, and each implementation's ratio to the fastest peer.
+  * The first block of each implementation is warm-up and not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import command_line, int_list, progress, render, run_worker, start_gloo  # noqa: E402
+
+IMPLEMENTATIONS = ("hybridpipe", "mpi4py", "gloo")
+
+
+class Worker:
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+        from mpi4py import MPI
+
+        import hybridpipe as hp
+
+        torch.set_num_threads(1)
+        self.args, self.torch, self.hp = args, torch, hp
+        hp.init()
+        self.world = MPI.COMM_WORLD
+        self.rank = self.world.Get_rank()
+        if self.world.Get_size() != 2:
+            raise SystemExit("bench/p2p.py runs on exactly 2 ranks")
+        self.mpi_comm = self.world.Dup()  # mpi4py's own messages
+        self.p2p_comm = self.world.Dup()  # hybridpipe's
+        self.dist, self.store = start_gloo(self.world)
+        self.tag = 0
+
+    def close(self) -> None:
+        self.dist.destroy_process_group()
+        self.mpi_comm.Free()
+        self.p2p_comm.Free()
+        self.hp.shutdown()
+
+    # one round trip from rank 0's side; rank 1 answers, then pauses
+    def exchange(self, name: str, tensor: Any) -> None:
+        from hybridpipe.comm import p2p
+
+        peer = 1 - self.rank
+        if name == "hybridpipe":
+            self.tag = (self.tag + 2) % 30000
+            if self.rank == 0:
+                p2p.send(tensor, peer, self.tag, self.p2p_comm)
+                p2p.Receive(peer, self.tag, self.p2p_comm).wait()
+            else:
+                got = p2p.Receive(peer, self.tag, self.p2p_comm).wait()
+                p2p.send(got, peer, self.tag, self.p2p_comm)
+        elif name == "mpi4py":
+            view = tensor.numpy()
+            if self.rank == 0:
+                self.mpi_comm.Send(view, dest=peer)
+                self.mpi_comm.Recv(view, source=peer)
+            else:
+                self.mpi_comm.Recv(view, source=peer)
+                self.mpi_comm.Send(view, dest=peer)
+        else:
+            if self.rank == 0:
+                self.dist.send(tensor, peer)
+                self.dist.recv(tensor, peer)
+            else:
+                self.dist.recv(tensor, peer)
+                self.dist.send(tensor, peer)
+
+    def block(self, name: str, tensor: Any, pause_s: float) -> list[float]:
+        """``iterations`` round trips; returns (rank 0) the round trips less the pause inside each."""
+        iterations = self.args.iterations
+        times, pauses = [], []
+        self.world.Barrier()
+        for _ in range(iterations):
+            start = time.perf_counter()
+            self.exchange(name, tensor)
+            if self.rank == 0:
+                times.append(time.perf_counter() - start)
+            elif pause_s:
+                slept = time.perf_counter()
+                time.sleep(pause_s)
+                pauses.append(time.perf_counter() - slept)
+            else:
+                pauses.append(0.0)
+        pauses = self.world.bcast(pauses, root=1)
+        # rank 1's pause after reply i delays round trip i + 1 (the first has none inside it)
+        return [t - p for t, p in zip(times[1:], pauses[:-1])] if self.rank == 0 else []
+
+    def run(self) -> dict[str, Any]:
+        results = []
+        for nbytes in self.args.bytes:
+            tensor = self.torch.zeros(max(1, nbytes // 4))
+            for pause_ms in self.args.pause_ms:
+                samples: dict[str, list[float]] = {name: [] for name in IMPLEMENTATIONS}
+                for round_index in range(self.args.blocks + 1):
+                    shift = round_index % len(IMPLEMENTATIONS)
+                    for name in IMPLEMENTATIONS[shift:] + IMPLEMENTATIONS[:shift]:
+                        got = self.block(name, tensor, pause_ms / 1e3)
+                        if round_index > 0:
+                            samples[name] += got
+                if self.rank == 0:
+                    medians = {name: statistics.median(values) for name, values in samples.items()}
+                    results.append({"bytes": nbytes, "pause_ms": pause_ms, "seconds": medians})
+                    shown = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in medians.items())
+                    progress(f"{nbytes} B, pause {pause_ms} ms: {shown}")
+        return {"cases": results}
+
+
+def launch(args: argparse.Namespace, result_path: Path) -> dict[str, Any]:
+    from hybridpipe.launch import mpirun_command
+
+    env = {"OMP_NUM_THREADS": "1"}
+    env.update({k: v for k, v in os.environ.items() if k.startswith("HYBRIDPIPE_") and k != "HYBRIDPIPE_MPIRUN"})
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--result", str(result_path),
+            "--pause-ms", ",".join(str(p) for p in args.pause_ms), "--bytes", ",".join(str(b) for b in args.bytes),
+            "--iterations", str(args.iterations), "--blocks", str(args.blocks)]
+    command = mpirun_command(2, argv, env=env)
+    progress(shlex.join(command))
+    completed = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=sys.stderr, timeout=args.timeout,
+                               check=False)
+    if completed.returncode != 0 or not result_path.exists():
+        raise SystemExit(f"bench: the run failed (mpirun exit status {completed.returncode}); its output is above")
+    return json.loads(result_path.read_text())
+
+
+def report(result: dict[str, Any], args: argparse.Namespace) -> str:
+    from hybridpipe._ext import describe
+
+    header = ["bytes", "pause ms", *(f"{name} ms" for name in IMPLEMENTATIONS),
+              "hybridpipe / mpi4py", "hybridpipe / gloo"]
+    rows = []
+    for case in result["cases"]:
+        s = case["seconds"]
+        rows.append([str(case["bytes"]), str(case["pause_ms"]), *(f"{s[name] * 1e3:.3f}" for name in IMPLEMENTATIONS),
+                     f"{s['hybridpipe'] / s['mpi4py']:.2f}", f"{s['hybridpipe'] / s['gloo']:.2f}"])
+    setup = (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {describe()}; "
+             f"{os.cpu_count()} CPU cores; 2 ranks; {args.iterations} round trips × {args.blocks} blocks per cell")
+    md = args.markdown
+    lines = [f"Command: `{command_line()}`" + ("  " if md else ""), f"Setup: {setup}" + ("  " if md else ""),
+             "Cells: median of (round trip − the pause inside it) = two hops; ratio > 1: hybridpipe is slower", "",
+             render(header, rows, md)]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pause-ms", default="0,5", type=lambda t: [float(v) for v in t.split(",") if v.strip()],
+                        help="rank 1's pause after each reply, in ms (default 0,5)")
+    parser.add_argument("--bytes", default="256,65536", type=lambda t: int_list(t, "--bytes"),
+                        help="message sizes in bytes (default 256,65536)")
+    parser.add_argument("--iterations", type=int, default=100, help="round trips per block (default 100)")
+    parser.add_argument("--blocks", type=int, default=3, help="timed blocks per implementation (default 3)")
+    parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for the mpirun (default 600)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if any(p < 0 for p in args.pause_ms) or not args.pause_ms:
+        parser.error(f"--pause-ms needs non-negative numbers (got {args.pause_ms})")
+    if args.iterations < 2 or args.blocks < 1:
+        parser.error(f"--iterations must be >= 2 and --blocks >= 1 (got {args.iterations}, {args.blocks})")
+    if args.worker and not args.result:
+        parser.error("--worker needs --result PATH")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return run_worker(Worker(args), args.result)
+    with tempfile.TemporaryDirectory(prefix="hybridpipe-bench-p2p-") as scratch:
+        result = launch(args, Path(scratch) / "result.json")
+    print(report(result, args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
