@@ -45,15 +45,40 @@ bool interpreter_finalizing() {
 #endif
 }
 
-// Holds a Python object for C++ (a transfer's buffer owner). The last reference may go on the
-// communication thread: it takes the GIL to release it (and leaks it once Python is finalizing).
+// Buffer owners whose last reference went on a thread without the GIL (the communication thread, as it
+// retires a finished transfer nobody holds any more, e.g. a dropped send). That thread must never wait for
+// the GIL: a Python thread that computes holds it for up to the switch interval (5 ms) at a time, and all MPI
+// progress (every hop of the pipeline, every collective) would wait with it. They are released by the next
+// call into this module that holds the GIL (starting or waiting for a transfer), or release_dropped_owners().
+std::mutex dropped_mutex;
+std::vector<py::object*>& dropped_owners() {
+  static auto* owners = new std::vector<py::object*>();  // never destroyed: threads may add at exit
+  return *owners;
+}
+
+size_t release_dropped_owners() {  // with the GIL
+  std::vector<py::object*> batch;
+  {
+    std::lock_guard<std::mutex> lock(dropped_mutex);
+    batch.swap(dropped_owners());
+  }
+  for (py::object* owner : batch) delete owner;
+  return batch.size();
+}
+
+// Holds a Python object for C++ (a transfer's buffer owner) until its last reference goes: at once on a
+// thread holding the GIL, else handed to release_dropped_owners (leaked once Python is finalizing).
 std::shared_ptr<void> keep_alive(const py::object& object) {
   if (object.is_none()) return nullptr;
   return std::shared_ptr<void>(new py::object(object), [](void* held) {
     auto* owned = static_cast<py::object*>(held);
     if (!Py_IsInitialized() || interpreter_finalizing()) return;
-    py::gil_scoped_acquire gil;
-    delete owned;
+    if (PyGILState_Check()) {
+      delete owned;
+      return;
+    }
+    std::lock_guard<std::mutex> lock(dropped_mutex);
+    dropped_owners().push_back(owned);
   });
 }
 
@@ -299,8 +324,11 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "wait",
           [](P2PRequest& request, const WaitPolicy& policy) {
-            py::gil_scoped_release no_gil;
-            request.wait(policy);
+            {
+              py::gil_scoped_release no_gil;
+              request.wait(policy);
+            }
+            release_dropped_owners();
           },
           py::arg("policy") = WaitPolicy{}, "Blocks (without the GIL) until the transfer completed.")
       .def("cancel", &P2PRequest::cancel, py::call_guard<py::gil_scoped_release>(),
@@ -314,6 +342,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "isend",
       [](uintptr_t address, size_t bytes, int dest, int tag, long long comm, py::object keep) {
+        release_dropped_owners();
         return isend(reinterpret_cast<const void*>(address), bytes, dest, tag, to_comm(comm), keep_alive(keep));
       },
       py::arg("address"), py::arg("bytes"), py::arg("dest"), py::arg("tag"), py::arg("comm"),
@@ -323,6 +352,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "irecv",
       [](uintptr_t address, size_t bytes, int source, int tag, long long comm, py::object keep) {
+        release_dropped_owners();
         return irecv(reinterpret_cast<void*>(address), bytes, source, tag, to_comm(comm), keep_alive(keep));
       },
       py::arg("address"), py::arg("bytes"), py::arg("source"), py::arg("tag"), py::arg("comm"),
@@ -331,10 +361,18 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "wait_any",
       [](const std::vector<P2PRequest*>& requests, const WaitPolicy& policy) {
-        py::gil_scoped_release no_gil;
-        return wait_any(requests, policy);
+        size_t index = 0;
+        {
+          py::gil_scoped_release no_gil;
+          index = wait_any(requests, policy);
+        }
+        release_dropped_owners();
+        return index;
       },
       py::arg("requests"), py::arg("policy") = WaitPolicy{}, "Blocks until one of the requests completed; returns its index.");
+  m.def("release_dropped_owners", &release_dropped_owners,
+        "Releases the buffer owners of finished transfers whose last reference went on the communication thread "
+        "(which never takes the GIL); starting or waiting for a transfer does it too. Returns how many.");
   m.def("orphaned_transfers", &orphaned_transfers,
         "Transfers dropped while in flight whose buffers MPI may still use (they are kept until it is done).");
   m.def(

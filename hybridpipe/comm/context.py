@@ -239,6 +239,7 @@ class CommContext:
         events = self.events()
         self.keep.clear()  # the thread has stopped: nothing it ran can still use these
         self.outputs.clear()
+        core().release_dropped_owners()  # buffers of transfers the thread retired without the GIL
         from . import device
 
         device.forget_nccl()  # NCCL communicators of the groups about to be freed

@@ -8,6 +8,7 @@ compares exactly.
 """
 
 import gc
+import sys
 import time
 from collections import namedtuple
 
@@ -404,6 +405,34 @@ def test_dropped_send_keeps_its_buffers_until_sent(comm):
         time.sleep(1e-3)
         exchange(comm, None, tag=122)
     assert not _ext.core().orphaned_transfers(), "the dropped send's buffers were never released"
+
+
+def test_transfers_progress_while_python_holds_the_gil(comm, request):
+    """The communication thread retires a dropped send's transfer, the last holder of its buffer (a Python
+    object). It used to take the GIL to release it, so while this rank's Python thread computed (holding the
+    GIL for up to the switch interval, here made endless) no transfer moved. Now the buffer is handed back at
+    the next call into the module that holds the GIL. Rank 0 drops a send to rank 1, which answers only once
+    it has it: rank 0 gets the answer inside a pure-Python loop that never lets the GIL go."""
+    if request.node.callspec.params["comm"] != "engine":
+        pytest.skip("without hp.init the calling thread makes the MPI calls itself")
+    if comm.rank == 1:
+        got = p2p.Receive(0, 124, comm).wait()
+        p2p.send(got * 2, 0, 126, comm).wait()
+    elif comm.rank == 0:
+        answer = p2p.Receive(1, 126, comm)
+        before = sys.getswitchinterval()
+        sys.setswitchinterval(1000.0)  # this thread keeps the GIL unless it blocks
+        try:
+            p2p.send(make(torch.float32, (64,), 0), 1, 124, comm)  # dropped: the thread retires it
+            deadline = time.monotonic() + 20
+            while not answer._header_request.done and time.monotonic() < deadline:
+                pass  # holds the GIL: only the communication thread can complete the receive
+            arrived = answer._header_request.done
+        finally:
+            sys.setswitchinterval(before)
+        assert arrived, "the answer did not arrive while Python held the GIL (the communication thread waited for it)"
+        assert_same(answer.wait(), make(torch.float32, (64,), 0) * 2)
+    comm.Barrier()
 
 
 # ------------------------------------------------------------------ errors
