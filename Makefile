@@ -42,7 +42,7 @@ test-long: $(STAMP)
 	  tests/comm/test_collectives.py tests/comm/test_shared_memory.py tests/comm/test_engine.py tests/comm/test_p2p.py \
 	  tests/pipeline/test_pipeline_mpi.py tests/pipeline/test_schedules_mpi.py tests/test_optimizer_mpi.py \
 	  tests/test_runtime.py tests/test_example_lm.py tests/test_harness.py tests/comm/test_horovod_api.py tests/test_faults.py \
-	  tests/pipeline/test_skip_mpi.py tests/pipeline/test_tied_mpi.py tests/test_example_dp.py tests/test_examples_horovod.py tests/test_timeline.py \
+	  tests/test_example_dp.py tests/test_examples_horovod.py tests/test_timeline.py \
 	  -q -p no:cacheprovider
 	for i in $$(seq 1 $(MULTIHOST_REPEATS)); do \
 	  echo "multi-host run $$i of $(MULTIHOST_REPEATS)"; \

@@ -1,7 +1,8 @@
 """pytest plugin that runs MPI test files under a real mpirun, one launch per rank count.
 
 A file opts in with ``pytestmark = pytest.mark.mpi(ranks=[2, 4])`` (optionally ``timeout=``
-seconds). The parent pytest never imports such a file (importing mpi4py.MPI would initialise
+seconds; ``shared=True`` runs it in one mpirun with the other shared files of the same rank count, see
+:class:`MpiItem`). The parent pytest never imports such a file (importing mpi4py.MPI would initialise
 MPI in it): it reads the marker with ``ast`` and collects one item per rank count, ``mpi[np2]``,
 whose run is ``mpirun -n 2 python -m pytest FILE``. Inside that launch (``HYBRIDPIPE_UNDER_MPIRUN=1``)
 every rank collects normally, sends its output to ``rank<r>.log`` and its results to
@@ -80,7 +81,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "mpi(ranks, timeout=300, long_ranks=()): module-level pytestmark; run the file under "
         "mpirun once per rank count in ranks (an int or a list of ints), and in long_ranks too when "
-        "HYBRIDPIPE_LONG_TESTS=1 (make test-long)"
+        "HYBRIDPIPE_LONG_TESTS=1 (make test-long); shared=True: in one mpirun with the other shared files "
+        "of that rank count"
     )
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skipped without one")
     config.stash[_SUMMARY] = []
@@ -105,6 +107,7 @@ class MpiSpec:
     bare_marks: frozenset[str]  # module-level marks given without arguments, e.g. "cuda"
     tests: tuple[frozenset[str], ...]  # per test: its function, class and mark names (for -k)
     long_ranks: tuple[int, ...] = ()  # launched only with HYBRIDPIPE_LONG_TESTS=1 (make test-long)
+    shared: bool = False  # runs in one mpirun with the other shared files of the same rank count
 
 
 def _mark_name(node: ast.expr) -> str | None:
@@ -115,17 +118,21 @@ def _mark_name(node: ast.expr) -> str | None:
     return None
 
 
-def _parse_mpi_call(call: ast.Call) -> tuple[tuple[int, ...], float, tuple[int, ...]]:
+def _parse_mpi_call(call: ast.Call) -> tuple[tuple[int, ...], float, tuple[int, ...], bool]:
     arguments = {keyword.arg: keyword.value for keyword in call.keywords}
-    if call.args or "ranks" not in arguments or set(arguments) - {"ranks", "timeout", "long_ranks"}:
+    if call.args or "ranks" not in arguments or set(arguments) - {"ranks", "timeout", "long_ranks", "shared"}:
         raise MarkerError("write it as pytest.mark.mpi(ranks=N or [N1, N2], timeout=SECONDS, "
-                          "long_ranks=[N3] (only in make test-long))")
+                          "long_ranks=[N3] (only in make test-long), shared=True (one mpirun with the other "
+                          "shared files))")
     try:
         ranks = ast.literal_eval(arguments["ranks"])
         timeout = ast.literal_eval(arguments.get("timeout", ast.Constant(DEFAULT_TIMEOUT_S)))
         long_ranks = ast.literal_eval(arguments.get("long_ranks", ast.Tuple(elts=[], ctx=ast.Load())))
+        shared = ast.literal_eval(arguments.get("shared", ast.Constant(False)))
     except ValueError:
-        raise MarkerError("ranks, timeout and long_ranks must be literals, not names or expressions") from None
+        raise MarkerError("ranks, timeout, long_ranks and shared must be literals, not names or expressions") from None
+    if not isinstance(shared, bool):
+        raise MarkerError(f"shared must be True or False (got {shared!r})")
     ranks = [ranks] if isinstance(ranks, int) else ranks
     long_ranks = [long_ranks] if isinstance(long_ranks, int) else long_ranks
     for name, value, allow_empty in (("ranks", ranks, False), ("long_ranks", long_ranks, True)):
@@ -135,7 +142,7 @@ def _parse_mpi_call(call: ast.Call) -> tuple[tuple[int, ...], float, tuple[int, 
             raise MarkerError(f"{name} must be a positive int or a list of them (got {value!r})")
     if not isinstance(timeout, (int, float)) or timeout <= 0:
         raise MarkerError(f"timeout must be a positive number of seconds (got {timeout!r})")
-    return tuple(ranks), float(timeout), tuple(long_ranks)
+    return tuple(ranks), float(timeout), tuple(long_ranks), shared
 
 
 def _test_names(tree: ast.Module, config: pytest.Config) -> tuple[frozenset[str], ...]:
@@ -183,9 +190,9 @@ def read_mpi_spec(path: Path, config: pytest.Config) -> MpiSpec | None:
             marks = value.elts if isinstance(value, (ast.List, ast.Tuple)) else [value]
             mpi_calls = [m for m in marks if isinstance(m, ast.Call) and _mark_name(m) == "mpi"]
             if mpi_calls:
-                ranks, timeout, long_ranks = _parse_mpi_call(mpi_calls[0])
+                ranks, timeout, long_ranks, shared = _parse_mpi_call(mpi_calls[0])
                 bare = {name for m in marks if not isinstance(m, ast.Call) and (name := _mark_name(m))}
-                return MpiSpec(ranks, timeout, frozenset(bare), _test_names(tree, config), long_ranks)
+                return MpiSpec(ranks, timeout, frozenset(bare), _test_names(tree, config), long_ranks, shared)
     return None
 
 
@@ -221,8 +228,19 @@ class MpiLaunchFailed(Exception):
     """An MPI launch failed; the message is the whole report."""
 
 
+_SHARED = pytest.StashKey[dict[int, "Launch"]]()
+
+
 class MpiItem(pytest.Item):
-    """One ``mpirun -n N python -m pytest FILE`` launch."""
+    """One ``mpirun -n N python -m pytest FILE`` launch.
+
+    A file marked ``shared=True`` runs instead in one launch with every other selected shared file of
+    the same rank count (``mpirun -n N python -m pytest FILE1 FILE2 ...``, made by the first of their
+    items to run): a launch costs 5-7 s of start-up here (MPI, then torch imported by every rank), more
+    than most files' tests. Each file's item still passes or fails on its own tests; a launch that times
+    out or loses a rank fails every file in it. Shared files must leave the process as they found it
+    (hybridpipe shut down by their fixtures, no environment changes).
+    """
 
     def __init__(self, *, ranks: int, spec: MpiSpec, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -243,11 +261,36 @@ class MpiItem(pytest.Item):
         return None
 
     def runtest(self) -> None:
+        config = self.config
+        if not self.spec.shared:
+            launch = self._launch([self])
+            only = None
+        else:
+            shared = config.stash.setdefault(_SHARED, {})
+            if self.ranks not in shared:  # the first shared file of this rank count launches them all
+                batch = [item for item in self.session.items
+                         if isinstance(item, MpiItem) and item.spec.shared and item.ranks == self.ranks]
+                shared[self.ranks] = self._launch(batch)
+            launch, only = shared[self.ranks], self.parent.nodeid
+        config.stash[_SUMMARY].append(launch.summary(only))
+        if launch.problems(only):
+            raise MpiLaunchFailed(launch.failure_report(only))
+        if only is None or only == launch.files[-1]:
+            shutil.rmtree(launch.report_dir, ignore_errors=True)
+        reason = launch.skip_reason(only)
+        if reason is not None:
+            pytest.skip(reason)
+
+    def _launch(self, items: list[MpiItem]) -> Launch:
+        """Runs the files of ``items`` (this rank count) in one mpirun; returns the finished launch."""
         from hybridpipe.launch import available_cores, mpirun_command  # plain runs skip hybridpipe
 
         config = self.config
         report_dir = Path(tempfile.mkdtemp(prefix=f"hybridpipe-np{self.ranks}-"))
-        argv = [sys.executable, "-m", "pytest", str(self.path), "-q", "-s", "-p", "no:cacheprovider"]
+        argv = [sys.executable, "-m", "pytest", *(str(item.path) for item in items), "-q", "-s",
+                "-p", "no:cacheprovider"]
+        if len(items) > 1:
+            argv.append("--continue-on-collection-errors")  # one file's import error leaves the others' verdicts
         argv.append(f"--rootdir={config.rootpath}")
         if config.inipath is not None:
             argv += ["-c", str(config.inipath)]
@@ -257,15 +300,10 @@ class MpiItem(pytest.Item):
         if self.ranks > available_cores():
             env["OMPI_MCA_mpi_yield_when_idle"] = "1"
         command = mpirun_command(self.ranks, argv, env=env)
-        launch = Launch(self.parent.nodeid, self.ranks, command, report_dir)
-        launch.run(self.timeout_s, cwd=config.invocation_params.dir)
-        config.stash[_SUMMARY].append(launch.summary())
-        if launch.problems():
-            raise MpiLaunchFailed(launch.failure_report())
-        shutil.rmtree(report_dir, ignore_errors=True)
-        reason = launch.skip_reason()
-        if reason is not None:
-            pytest.skip(reason)
+        launch = Launch(self.parent.nodeid, self.ranks, command, report_dir,
+                        files=[item.parent.nodeid for item in items])
+        launch.run(sum(item.timeout_s for item in items), cwd=config.invocation_params.dir)
+        return launch
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
         if isinstance(excinfo.value, MpiLaunchFailed):
@@ -316,7 +354,8 @@ def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 @dataclass
 class Launch:
-    """One mpirun of one test file: the command, what came back, and the verdict."""
+    """One mpirun of one test file (or of several shared ones): the command, what came back, and the
+    verdict. Methods taking ``only`` (a file's node id) judge that file's tests alone."""
 
     file: str
     ranks: int
@@ -326,6 +365,11 @@ class Launch:
     timed_out_after_s: float | None = None
     elapsed_s: float = 0.0
     reports: dict[int, dict[str, Any]] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
+
+    def _tests(self, report: dict[str, Any], only: str | None) -> list[dict[str, Any]]:
+        return [test for test in report["tests"]
+                if only is None or test["nodeid"] == only or test["nodeid"].startswith(only + "::")]
 
     def run(self, timeout_s: float, cwd: Path) -> None:
         start = time.monotonic()
@@ -347,20 +391,25 @@ class Launch:
             if path.exists():
                 self.reports[rank] = json.loads(path.read_text())
 
-    def problems(self) -> list[str]:
+    def problems(self, only: str | None = None) -> list[str]:
         found = []
         if self.timed_out_after_s is not None:
             found.append(f"timed out after {self.timed_out_after_s:g} s (the ranks got SIGTERM; "
                          "their Python stacks are at the end of their logs)")
-        if self.exit_code != 0:
-            found.append(f"mpirun exit code {self.exit_code}")
         missing = [rank for rank in range(self.ranks) if rank not in self.reports]
+        # in a shared launch, a failed test of another file makes pytest (and mpirun) exit 1: only a
+        # rank that did not end its tests normally concerns every file
+        tests_decide = only is not None and not missing and all(
+            report["exitstatus"] in (0, 1) for report in self.reports.values())
+        if self.exit_code != 0 and not tests_decide:
+            found.append(f"mpirun exit code {self.exit_code}")
         if missing:
             found.append(f"no report from ranks {missing} (crashed, killed, or pytest never ended)")
-        empty = [rank for rank, report in self.reports.items() if report["exitstatus"] == 5]
+        empty = [rank for rank, report in self.reports.items()
+                 if report["exitstatus"] == 5 or (only is not None and not self._tests(report, only))]
         if empty:
-            found.append(f"no tests collected on ranks {empty} (pytest exit code 5)")
-        outcomes = {rank: {t["nodeid"]: t["outcome"] for t in report["tests"]}
+            found.append(f"no tests collected on ranks {empty}" + (" (pytest exit code 5)" if only is None else ""))
+        outcomes = {rank: {t["nodeid"]: t["outcome"] for t in self._tests(report, only)}
                     for rank, report in self.reports.items()}
         for nodeid in sorted({nodeid for by_test in outcomes.values() for nodeid in by_test}):
             ranks_by_outcome: dict[str, list[int]] = {}
@@ -371,30 +420,36 @@ class Launch:
                 found.append(f"{nodeid}: {detail}")
         return found
 
-    def failure_report(self) -> str:
-        lines = [f"mpirun -n {self.ranks} {self.file} failed:"]
-        lines += [f"  - {problem}" for problem in self.problems()]
+    def failure_report(self, only: str | None = None) -> str:
+        files = " ".join(self.files) if len(self.files) > 1 else self.file
+        lines = [f"mpirun -n {self.ranks} {files} failed" + (f" for {only}:" if only and len(self.files) > 1 else ":")]
+        lines += [f"  - {problem}" for problem in self.problems(only)]
         lines += [f"command: {shlex.join(self.command)}", f"logs kept in: {self.report_dir}"]
         for rank in range(self.ranks):
             lines += [f"{'=' * 25} rank {rank} log {'=' * 25}", _tail(self.report_dir / f"rank{rank}.log")]
         lines += [f"{'=' * 25} mpirun output {'=' * 25}", _tail(self.report_dir / "mpirun.log")]
         return "\n".join(lines)
 
-    def skip_reason(self) -> str | None:
+    def skip_reason(self, only: str | None = None) -> str | None:
         """Why the launch counts as skipped (every test skipped on every rank), else None."""
-        tests = [test for report in self.reports.values() for test in report["tests"]]
+        tests = [test for report in self.reports.values() for test in self._tests(report, only)]
         if any(test["outcome"] != "skipped" for test in tests):
             return None
         reasons = "; ".join(sorted({test["longrepr"] for test in tests}))
         return f"every test skipped on all {self.ranks} ranks: {reasons}"
 
-    def summary(self) -> str:
-        head, elapsed = f"mpi[np{self.ranks}] {self.file}: ", f" ({self.elapsed_s:.1f} s)"
+    def summary(self, only: str | None = None) -> str:
+        head = f"mpi[np{self.ranks}] {only or self.file}: "
+        if only is not None:
+            took = sum(test["duration"] for test in self._tests(self.reports.get(0, {"tests": []}), only))
+            elapsed = f" ({took:.1f} s of a launch shared by {len(self.files)} files, {self.elapsed_s:.1f} s)"
+        else:
+            elapsed = f" ({self.elapsed_s:.1f} s)"
         if self.timed_out_after_s is not None:
             return f"{head}timed out after {self.timed_out_after_s:g} s"
         counts = {rank: "no report" for rank in range(self.ranks)}
         for rank, report in self.reports.items():
-            tally = Counter(test["outcome"] for test in report["tests"])
+            tally = Counter(test["outcome"] for test in self._tests(report, only))
             counts[rank] = ", ".join(f"{tally[o]} {o}" for o in OUTCOMES if tally[o]) or "no tests"
         if len(set(counts.values())) == 1:
             return f"{head}{counts[0]} on each of {self.ranks} ranks{elapsed}"

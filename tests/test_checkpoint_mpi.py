@@ -24,7 +24,7 @@ from hybridpipe import checkpoint as checkpoint_module
 from hybridpipe import rng_state
 from hybridpipe.checkpoint import CheckpointError, latest_checkpoint, saved_balance
 
-pytestmark = pytest.mark.mpi(ranks=[4], timeout=300)
+pytestmark = pytest.mark.mpi(ranks=[4], timeout=300, shared=True)
 
 torch.set_num_threads(1)
 WORLD = MPI.COMM_WORLD

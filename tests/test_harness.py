@@ -99,6 +99,22 @@ def test_failure_on_one_rank_fails_and_shows_every_rank_log():
     assert "tests/harness_cases/case_fail_rank1.py: rank 0: 1 passed; rank 1: 1 failed" in out
 
 
+def test_shared_files_run_in_one_launch_and_fail_on_their_own_tests():
+    result = run_pytest("case_shared_fail.py", str(CASES / "case_shared_pass.py"))
+    out = result.stdout
+    assert result.returncode == 1, out + result.stderr
+    # one mpirun for both files: the failure report's command names them both, and neither launches alone
+    command = next(line for line in out.splitlines() if line.startswith("command: "))
+    assert "case_shared_fail.py" in command and "case_shared_pass.py" in command, command
+    assert "test_fails_on_rank_one_in_a_shared_launch: passed on ranks [0], failed on ranks [1]" in out
+    assert "shared hello from rank 1" in out and "rank 1 fails on purpose" in out
+    assert "case_shared_fail.py: rank 0: 1 passed; rank 1: 1 failed" in out
+    assert "case_shared_pass.py: 1 passed on each of 2 ranks (" in out and "of a launch shared by 2 files" in out
+    assert "FAILED tests/harness_cases/case_shared_fail.py::mpi[np2]" in out
+    assert "FAILED tests/harness_cases/case_shared_pass.py" not in out  # its test passed: the other file's failure is not its own
+    assert "1 failed, 1 passed" in out
+
+
 @pytest.mark.skipif(os.environ.get("HYBRIDPIPE_LONG_TESTS") != "1",
                     reason="slow (12 s): set HYBRIDPIPE_LONG_TESTS=1 (make test-long)")
 def test_hang_times_out_with_stacks_and_leaves_no_process_behind():
@@ -118,5 +134,5 @@ def test_hang_times_out_with_stacks_and_leaves_no_process_behind():
 def test_unreadable_marker_is_a_collection_error_without_import():
     result = run_pytest("case_bad_marker.py")
     assert result.returncode == 2, result.stdout + result.stderr
-    assert "unreadable pytest.mark.mpi (ranks, timeout and long_ranks must be literals" in result.stdout
+    assert "unreadable pytest.mark.mpi (ranks, timeout, long_ranks and shared must be literals" in result.stdout
     assert "must not be collected" not in result.stdout

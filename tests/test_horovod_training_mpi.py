@@ -17,7 +17,7 @@ from torch import nn
 
 import hybridpipe as hvd
 
-pytestmark = pytest.mark.mpi(ranks=[2], timeout=240)
+pytestmark = pytest.mark.mpi(ranks=[2], timeout=240, shared=True)
 
 torch.set_num_threads(1)
 N, R = MPI.COMM_WORLD.size, MPI.COMM_WORLD.rank

@@ -13,7 +13,7 @@ from torch import nn
 import hybridpipe as hp
 from hybridpipe.errors import HybridPipeError
 
-pytestmark = pytest.mark.mpi(ranks=[2], long_ranks=[1, 4, 8], timeout=400)
+pytestmark = pytest.mark.mpi(ranks=[2], long_ranks=[1, 4, 8], timeout=400, shared=True)
 
 torch.set_num_threads(1)
 SIZE = MPI.COMM_WORLD.size

@@ -14,7 +14,7 @@ from torch import nn
 import hybridpipe as hp
 from hybridpipe.config import Config
 
-pytestmark = pytest.mark.mpi(ranks=[2, 4], timeout=300)
+pytestmark = pytest.mark.mpi(ranks=[2, 4], timeout=300, shared=True)
 
 torch.set_num_threads(1)
 SIZE = MPI.COMM_WORLD.size

@@ -15,7 +15,7 @@ import hybridpipe as hp
 from hybridpipe.comm import autotune, context
 from hybridpipe.config import Config
 
-pytestmark = pytest.mark.mpi(ranks=[2], timeout=180)
+pytestmark = pytest.mark.mpi(ranks=[2], timeout=180, shared=True)
 
 torch.set_num_threads(1)
 

@@ -10,7 +10,7 @@ import torch
 import hybridpipe as hp
 from hybridpipe.config import Config
 
-pytestmark = pytest.mark.mpi(ranks=[2], long_ranks=[3, 4, 8], timeout=600)
+pytestmark = pytest.mark.mpi(ranks=[2], long_ranks=[3, 4, 8], timeout=600, shared=True)
 
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int32", "int64"]
 OPS = [hp.Sum, hp.Average, hp.Min, hp.Max]

@@ -14,7 +14,7 @@ import hybridpipe as hp
 from hybridpipe.config import Config
 from hybridpipe.errors import HybridPipeError, MismatchError
 
-pytestmark = pytest.mark.mpi(ranks=[2], long_ranks=[4], timeout=300)
+pytestmark = pytest.mark.mpi(ranks=[2], long_ranks=[4], timeout=300, shared=True)
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.rank, WORLD.size

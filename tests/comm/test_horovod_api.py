@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 import hybridpipe as hvd
 
-pytestmark = pytest.mark.mpi(ranks=[2], long_ranks=[3], timeout=240)
+pytestmark = pytest.mark.mpi(ranks=[2], long_ranks=[3], timeout=240, shared=True)
 
 N, R = MPI.COMM_WORLD.size, MPI.COMM_WORLD.rank
 TRIANGLE = N * (N + 1) / 2  # sum over ranks of (rank + 1)

@@ -20,7 +20,7 @@ import hybridpipe as hp
 from hybridpipe import _ext
 from hybridpipe.comm import p2p
 
-pytestmark = pytest.mark.mpi(ranks=[2], long_ranks=[3], timeout=300)
+pytestmark = pytest.mark.mpi(ranks=[2], long_ranks=[3], timeout=300, shared=True)
 
 Pair = namedtuple("Pair", "left right")
 

@@ -9,7 +9,7 @@ from torch import nn
 
 import hybridpipe as hp
 
-pytestmark = pytest.mark.mpi(ranks=[2], timeout=120)
+pytestmark = pytest.mark.mpi(ranks=[2], timeout=120, shared=True)
 
 torch.set_num_threads(1)
 WIDTH, ROWS, MICRO = 64, 32, 4

@@ -15,7 +15,7 @@ from hybridpipe.pipeline.stage import PipelineBroken
 from training import (MODELS, assert_same_parameters, batches, build, mlp, sequence_loss,  # noqa: F401
                       train_pipeline, train_reference, uneven)
 
-pytestmark = pytest.mark.mpi(ranks=[2, 4], long_ranks=[1], timeout=300)
+pytestmark = pytest.mark.mpi(ranks=[2, 4], long_ranks=[1], timeout=300, shared=True)
 
 torch.set_num_threads(1)
 

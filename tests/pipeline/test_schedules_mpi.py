@@ -16,7 +16,7 @@ from hybridpipe.pipeline import microbatch
 from hybridpipe.pipeline import schedule as sched
 from training import Block, Embed, Head, batches, replay_asynchronous, sequence_loss, two_bw_reference
 
-pytestmark = pytest.mark.mpi(ranks=[2, 4], long_ranks=[3], timeout=300)  # P = 3 in make test-long
+pytestmark = pytest.mark.mpi(ranks=[2, 4], long_ranks=[3], timeout=300, shared=True)  # P = 3 in make test-long
 
 torch.set_num_threads(1)
 WORLD = int(os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE") or 1)

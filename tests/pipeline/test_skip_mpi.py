@@ -16,7 +16,7 @@ from hybridpipe.errors import HybridPipeError
 
 from skip_models import CLASSES, WIDTH, StashProjection, skip_model
 
-pytestmark = pytest.mark.mpi(ranks=[2], long_ranks=[4], timeout=240)  # P = 4 and 2 × 2: make test-long
+pytestmark = pytest.mark.mpi(ranks=[2, 4], timeout=240, shared=True)
 
 torch.set_num_threads(1)
 WORLD = int(os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE") or 1)

@@ -14,7 +14,7 @@ from torch import nn
 import hybridpipe as hp
 from hybridpipe.errors import MismatchError, PartitionError
 
-pytestmark = pytest.mark.mpi(ranks=[2], long_ranks=[4], timeout=240)  # 4 × 1 and 2 × 2: make test-long
+pytestmark = pytest.mark.mpi(ranks=[2, 4], timeout=240, shared=True)
 
 torch.set_num_threads(1)
 WORLD = int(os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE") or 1)

@@ -17,7 +17,7 @@ import hybridpipe as hp
 from hybridpipe.plan.auto import auto
 from hybridpipe.plan.search import Plan
 
-pytestmark = pytest.mark.mpi(ranks=[2], timeout=300)
+pytestmark = pytest.mark.mpi(ranks=[2], timeout=300, shared=True)
 
 torch.set_num_threads(1)
 
