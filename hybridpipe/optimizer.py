@@ -45,7 +45,6 @@ __all__ = ["Compression", "DistributedOptimizer", "broadcast_parameters", "broad
 
 _DEFAULT_GROUP = "data"
 _SPARSE = object()  # the ctx of a sparse gradient: reduced by sparse_allreduce_async, not compressed
-_optimizers_created = 0  # names the per-optimizer has-gradient agreement on the engine
 
 
 class Compression(enum.Enum):
@@ -217,11 +216,11 @@ class _DistributedOptimizerMixin:
         self._hp_group_of = {name: index for index, members in enumerate(self._hp_groups) for name in members}
         self._hp_ready: dict[int, set[str]] = {}
         self._hp_by_name = dict(self._hp_parameters)
-        global _optimizers_created
-        _optimizers_created += 1  # every rank creates its optimizers in the same order
-        self._hp_prefix = f"hybridpipe.DistributedOptimizer{_optimizers_created}"
+        running = context.current("DistributedOptimizer")
+        running.check_group(group, "DistributedOptimizer")
+        # names its has-gradient agreement on the engine: every rank creates its optimizers in the same order
+        self._hp_prefix = f"hybridpipe.DistributedOptimizer{running.sequence('optimizer') + 1}"
         self._hp_flags_name = f"{self._hp_prefix}.has_grad"
-        context.current("DistributedOptimizer").check_group(group, "DistributedOptimizer")
         self._hp_hooks = [parameter.register_post_accumulate_grad_hook(self._hp_hook(name))
                           for name, parameter in self._hp_parameters if parameter.requires_grad]
 

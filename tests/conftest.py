@@ -440,7 +440,7 @@ class Launch:
 
     def summary(self, only: str | None = None) -> str:
         head = f"mpi[np{self.ranks}] {only or self.file}: "
-        if only is not None:
+        if only is not None and len(self.files) > 1:
             took = sum(test["duration"] for test in self._tests(self.reports.get(0, {"tests": []}), only))
             elapsed = f" ({took:.1f} s of a launch shared by {len(self.files)} files, {self.elapsed_s:.1f} s)"
         else:

@@ -84,6 +84,10 @@ class CommContext:
         self._users: dict[int, _UserGroup] = {}
         self.process_sets = Registry(grid)
         self.in_flight: set[tuple[int, str]] = set()  # (engine group, name) submitted and not waited for
+        # numbers that name things every rank makes in the same order (unnamed calls, optimizers, tied
+        # models): counted from hp.init, so a process that shuts down and inits again (elastic, a test
+        # session) agrees with one that just started, whatever the earlier session did
+        self._sequences: dict[str, Iterator[int]] = {}
         self.joined_calls: dict[int, int] = {}  # per engine group: synchronous allreduces run while ranks joined
         self.outputs = buffers.OutputPool()  # outputs of out-of-place allreduce_async, reused once released
         # per engine handle: what its operation needs alive until it ran (a call's job, an allreduce's
@@ -232,6 +236,11 @@ class CommContext:
                        if entry.engine_id is not None})
         return {labels[gid]: self.engine.take_events(gid) for gid in sorted(labels)}
 
+    def sequence(self, kind: str) -> int:
+        """The next number of ``kind`` (0, 1, 2, … since hp.init): the same on every rank that makes the same
+        calls in the same order."""
+        return next(self._sequences.setdefault(kind, itertools.count()))
+
     def close(self) -> dict[str, list]:
         """Stops the engine (collective: every rank's engine agrees to stop), frees the user duplicates and
         the process sets' communicators; returns the engine's recorded events by group label (timeline)."""
@@ -291,13 +300,10 @@ def communicator(group: Any, function: str) -> Any:
 _on_engine_thread = threading.local()
 _Result = TypeVar("_Result")
 _CALL_NAME = "hybridpipe.collective"  # one at a time per group and process: the name can repeat
-_unnamed = itertools.count()
-
-
 def unnamed(function: str) -> str:
-    """The name of the next unnamed asynchronous call of this process (the n-th unnamed call: the same
-    on every rank that makes the same calls in the same order, as in Horovod)."""
-    return f"{function}.noname.{next(_unnamed)}"
+    """The name of the next unnamed asynchronous call since hp.init (the n-th unnamed call: the same on
+    every rank that makes the same calls in the same order, as in Horovod)."""
+    return f"{function}.noname.{current(function).sequence('unnamed')}"
 
 
 def check_name(name: Any, function: str) -> None:

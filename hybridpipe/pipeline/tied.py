@@ -32,7 +32,6 @@ Design reasons:
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,8 +46,6 @@ from hybridpipe.pipeline.layers import LayerSpec, share_parameter, shapes_only, 
 from hybridpipe.pipeline.partition import SharedParameter, find_shared_parameters, shared_parameters_error
 
 __all__ = ["Tie", "find_ties", "check_schedule", "share_within_rank", "TiedWeights"]
-
-_models = itertools.count()  # names the tied collectives: every rank builds its PipelineModels in the same order
 
 
 @dataclass(frozen=True)
@@ -203,7 +200,7 @@ class TiedWeights:
 
     def __init__(self, ties: Sequence[Tie], built: nn.ModuleDict, grid: Any) -> None:
         self.grid = grid
-        serial = next(_models)
+        serial = context.current("PipelineModel").sequence("tied")  # every rank builds its models in the same order
         by_ranks: dict[tuple[int, ...], list[Tie]] = {}
         for tie in ties:
             if tie.across_ranks:

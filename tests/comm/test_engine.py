@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from torch import nn
 from mpi4py import MPI
 
 import hybridpipe as hp
@@ -112,6 +113,32 @@ def test_unnamed_calls_get_deterministic_names(grid):
     handles = [hp.allreduce_async_(torch.full((2,), float(i)), op=hp.Sum) for i in range(3)]
     assert [h.wait()[0].item() for h in handles] == [0.0, SIZE * 1.0, SIZE * 2.0]
     assert all(h.name.startswith("allreduce_async_.noname.") for h in handles)
+
+
+def test_names_count_from_init_so_a_new_session_agrees_whatever_the_last_one_did(grid):
+    """Unnamed calls, DistributedOptimizers and tied models are named by their number in the session. A
+    session where rank 0 made one more of each (no communication needed to make them) used to leave every
+    later session's names one apart between the ranks, so their collectives waited for each other forever
+    (a test file run after such a file in the same process, an elastic re-init). Numbers now restart at
+    hp.init."""
+    from hybridpipe.comm import context
+
+    if RANK == 0:
+        context.unnamed("allreduce_async_")
+        hp.DistributedOptimizer(torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1))
+    hp.shutdown()
+    hp.init()
+    handle = hp.allreduce_async_(torch.ones(2), op=hp.Sum)
+    assert hp.allgather_object(handle.name) == [handle.name] * SIZE
+    assert torch.equal(handle.wait(), torch.full((2,), float(SIZE)))
+    torch.manual_seed(0)
+    model = nn.Linear(2, 1)
+    optimizer = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters())
+    model(torch.full((1, 2), float(RANK))).sum().backward()
+    optimizer.step()  # the ranks' has-gradient agreements carry the same name: it completes
+    assert hp.allgather_object(optimizer._hp_prefix) == [optimizer._hp_prefix] * SIZE
+    assert torch.allclose(model.weight.grad, torch.full((1, 2), (SIZE - 1) / 2))  # averaged over the ranks
 
 
 def test_stall_warning_names_the_missing_ranks(capfd):
