@@ -238,7 +238,7 @@ class MpiItem(pytest.Item):
     the same rank count (``mpirun -n N python -m pytest FILE1 FILE2 ...``, made by the first of their
     items to run): a launch costs 5-7 s of start-up here (MPI, then torch imported by every rank), more
     than most files' tests. Each file's item still passes or fails on its own tests; a launch that times
-    out or loses a rank fails every file in it. Shared files must leave the process as they found it
+    out (after the longest of the files' timeouts) or loses a rank fails every file in it. Shared files must leave the process as they found it
     (hybridpipe shut down by their fixtures, no environment changes).
     """
 
@@ -275,8 +275,8 @@ class MpiItem(pytest.Item):
         config.stash[_SUMMARY].append(launch.summary(only))
         if launch.problems(only):
             raise MpiLaunchFailed(launch.failure_report(only))
-        if only is None or only == launch.files[-1]:
-            shutil.rmtree(launch.report_dir, ignore_errors=True)
+        if only is None or (only == launch.files[-1] and not any(launch.problems(file) for file in launch.files)):
+            shutil.rmtree(launch.report_dir, ignore_errors=True)  # kept while a failure report points to it
         reason = launch.skip_reason(only)
         if reason is not None:
             pytest.skip(reason)
@@ -302,7 +302,9 @@ class MpiItem(pytest.Item):
         command = mpirun_command(self.ranks, argv, env=env)
         launch = Launch(self.parent.nodeid, self.ranks, command, report_dir,
                         files=[item.parent.nodeid for item in items])
-        launch.run(sum(item.timeout_s for item in items), cwd=config.invocation_params.dir)
+        # the longest of the files' own limits: each is generous for its file alone, and the shared files
+        # together take well under a minute here (summing them would let a hang run for an hour)
+        launch.run(max(item.timeout_s for item in items), cwd=config.invocation_params.dir)
         return launch
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:

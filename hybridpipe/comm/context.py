@@ -300,6 +300,8 @@ def communicator(group: Any, function: str) -> Any:
 _on_engine_thread = threading.local()
 _Result = TypeVar("_Result")
 _CALL_NAME = "hybridpipe.collective"  # one at a time per group and process: the name can repeat
+
+
 def unnamed(function: str) -> str:
     """The name of the next unnamed asynchronous call since hp.init (the n-th unnamed call: the same on
     every rank that makes the same calls in the same order, as in Horovod)."""
