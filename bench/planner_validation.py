@@ -19,7 +19,10 @@ Run plainly, this script is the driver:
    ``mpirun -n R ... --worker`` launch: ``--warmup`` steps, then ``--steps`` timed steps, each
    after a barrier, a step's time being the slowest rank's (zero_grad + train_step + the
    optimizer's step); the measured step time is their median.
-4. It prints predicted against measured, the error of each (predicted − measured, % of measured),
+4. It profiles each model again and predicts every configuration from that second profile too
+   ("predicted after"): on a VM whose speed moves, the two profiles differ, and a run where they
+   differ by more than 5 % is flagged as one whose errors measure the machine, not the model.
+5. It prints predicted against measured, the error of each (predicted − measured, % of measured),
    the median and largest error, and for each model and rank count whether the planner's choice is
    within 10 % of the fastest configuration measured.
 
@@ -70,6 +73,7 @@ class Config:
     balance: list[int] = field(default_factory=list)
     predicted_s: float = 0.0
     measured_s: list[float] = field(default_factory=list)
+    predicted_after_s: float = 0.0  # from the profile made again after every measurement (the machine's drift)
 
     @property
     def replicas(self) -> int:
@@ -94,6 +98,7 @@ CONFIGS = {
            (4, 4, 8, "1f1b")],
 }
 QUICK = {"mlp": [(2, 1, 1, "1f1b"), (2, 2, 4, "1f1b")]}
+DRIFT_LIMIT = 0.05  # a run whose two profiles of a model differ by more says more about the machine than the model
 
 
 # ------------------------------------------------------------------------------------------ models
@@ -233,7 +238,7 @@ def model_flags(args: argparse.Namespace) -> list[str]:
 def configurations(args: argparse.Namespace, profiles: dict, clusters: dict) -> list[Config]:
     """The listed configurations, balanced and predicted, plus the planner's choice per model and rank count."""
     from hybridpipe.pipeline.partition import partition_by_weights
-    from hybridpipe.plan import Candidate, plan, predict
+    from hybridpipe.plan import plan
 
     table = QUICK if args.quick else CONFIGS
     configs: list[Config] = []
@@ -256,22 +261,33 @@ def configurations(args: argparse.Namespace, profiles: dict, clusters: dict) -> 
             for config in listed:
                 if not config.balance:
                     config.balance = partition_by_weights(times, config.stages * config.virtual_stages)
-                candidate = Candidate(config.stages, config.replicas, tuple(config.balance), config.micro_batches,
-                                      config.schedule, "never", config.virtual_stages)
-                config.predicted_s = predict(profile, cluster, candidate, batch).step_seconds
+                config.predicted_s = predicted(config, profile, cluster, batch)
             configs += listed
     return configs
 
 
-def report(configs: list[Config], args: argparse.Namespace, calibrations: dict, started: str, seconds: float) -> str:
-    header = ["configuration", "ranks", "planner", "predicted ms", "measured ms", "min–max ms", "error %"]
+def predicted(config: Config, profile: Any, cluster: Any, batch: int) -> float:
+    """The cost model's step time for ``config`` (its balance fixed) from ``profile`` on ``cluster``."""
+    from hybridpipe.plan import Candidate, predict
+
+    candidate = Candidate(config.stages, config.replicas, tuple(config.balance), config.micro_batches,
+                          config.schedule, "never", config.virtual_stages)
+    return predict(profile, cluster, candidate, batch).step_seconds
+
+
+
+
+def report(configs: list[Config], args: argparse.Namespace, calibrations: dict, started: str, seconds: float,
+           drift: dict[str, float]) -> str:
+    header = ["configuration", "ranks", "planner", "predicted ms", "predicted after ms", "measured ms", "min–max ms",
+              "error %"]
     rows, errors = [], []
     for config in configs:
         measured = statistics.median(config.measured_s)
         error = (config.predicted_s - measured) / measured * 100
         errors.append(abs(error))
         rows.append([config.label, str(config.ranks), "chosen" if config.chosen else "",
-                     f"{config.predicted_s * 1e3:.1f}", f"{measured * 1e3:.1f}",
+                     f"{config.predicted_s * 1e3:.1f}", f"{config.predicted_after_s * 1e3:.1f}", f"{measured * 1e3:.1f}",
                      f"{min(config.measured_s) * 1e3:.1f}–{max(config.measured_s) * 1e3:.1f}", f"{error:+.1f}"])
     lines = [f"Command: `{command_line()}`", f"Setup: {started}; {args.steps} timed steps after {args.warmup} "
              f"warm-up per configuration, one thread per rank; {seconds:.0f} s in all"]
@@ -284,6 +300,11 @@ def report(configs: list[Config], args: argparse.Namespace, calibrations: dict, 
     within = sum(error <= 20 for error in errors)
     lines.append(f"median |error| {statistics.median(errors):.1f} % (target <= 10 %), largest {max(errors):.1f} %, "
                  f"{within} of {len(errors)} within 20 %")
+    for name, change in drift.items():
+        verdict = "steady" if abs(change) <= DRIFT_LIMIT * 100 else \
+            "DRIFTED: the machine changed speed during the run, so its errors do not measure the model"
+        lines.append(f"{name}: predicted from the profile made again after the measurements, the step times "
+                     f"move by {change:+.1f} % (median over its configurations): {verdict}")
     for name in args.models:
         for ranks in args.ranks:
             group = [c for c in configs if c.model == name and c.ranks == ranks]
@@ -356,7 +377,17 @@ def main(argv: list[str] | None = None) -> int:
         configs = configurations(args, profiles, clusters)
         for index, config in enumerate(configs):
             measure(config, args, Path(folder), index)
-    print(report(configs, args, calibrations, started, time.perf_counter() - started_clock))
+    drift = {}
+    for name in args.models:  # the same model profiled again: did the machine keep its speed?
+        progress(f"profile {name} again")
+        again = profile_model(name, args)
+        ratios = []
+        for config in configs:
+            if config.model == name:
+                config.predicted_after_s = predicted(config, again, clusters[config.ranks], global_batch(name, args))
+                ratios.append(config.predicted_after_s / config.predicted_s)
+        drift[name] = (statistics.median(ratios) - 1) * 100
+    print(report(configs, args, calibrations, started, time.perf_counter() - started_clock, drift))
     if args.json:
         Path(args.json).write_text(json.dumps([{**asdict(c), "label": c.label} for c in configs], indent=1))
     return 0
