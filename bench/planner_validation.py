@@ -19,6 +19,9 @@ Run plainly, this script is the driver:
    ``mpirun -n R ... --worker`` launch: ``--warmup`` steps, then ``--steps`` timed steps, each
    after a barrier, a step's time being the slowest rank's (zero_grad + train_step + the
    optimizer's step); the measured step time is their median.
+   By default each configuration's prediction comes from a profile of its model made just before its
+   launch (``--profile-once``: all from the first), since this VM's speed moves by tens of per cent
+   within minutes; the planner's choice and the "from the first profile" column use the first.
 4. It profiles each model again and predicts every configuration from that second profile too
    ("predicted after"): on a VM whose speed moves, the two profiles differ, and a run where they
    differ by more than 5 % is flagged as one whose errors measure the machine, not the model.
@@ -74,6 +77,7 @@ class Config:
     predicted_s: float = 0.0
     measured_s: list[float] = field(default_factory=list)
     predicted_after_s: float = 0.0  # from the profile made again after every measurement (the machine's drift)
+    predicted_first_s: float = 0.0  # from the run's first profile (the one the planner chose from)
 
     @property
     def replicas(self) -> int:
@@ -279,15 +283,16 @@ def predicted(config: Config, profile: Any, cluster: Any, batch: int) -> float:
 
 def report(configs: list[Config], args: argparse.Namespace, calibrations: dict, started: str, seconds: float,
            drift: dict[str, float]) -> str:
-    header = ["configuration", "ranks", "planner", "predicted ms", "predicted after ms", "measured ms", "min–max ms",
-              "error %"]
+    header = ["configuration", "ranks", "planner", "predicted ms", "from the first profile ms", "predicted after ms",
+              "measured ms", "min–max ms", "error %"]
     rows, errors = [], []
     for config in configs:
         measured = statistics.median(config.measured_s)
         error = (config.predicted_s - measured) / measured * 100
         errors.append(abs(error))
         rows.append([config.label, str(config.ranks), "chosen" if config.chosen else "",
-                     f"{config.predicted_s * 1e3:.1f}", f"{config.predicted_after_s * 1e3:.1f}", f"{measured * 1e3:.1f}",
+                     f"{config.predicted_s * 1e3:.1f}", f"{config.predicted_first_s * 1e3:.1f}",
+                     f"{config.predicted_after_s * 1e3:.1f}", f"{measured * 1e3:.1f}",
                      f"{min(config.measured_s) * 1e3:.1f}–{max(config.measured_s) * 1e3:.1f}", f"{error:+.1f}"])
     lines = [f"Command: `{command_line()}`", f"Setup: {started}; {args.steps} timed steps after {args.warmup} "
              f"warm-up per configuration, one thread per rank; {seconds:.0f} s in all"]
@@ -304,7 +309,7 @@ def report(configs: list[Config], args: argparse.Namespace, calibrations: dict, 
         verdict = "steady" if abs(change) <= DRIFT_LIMIT * 100 else \
             "DRIFTED: the machine changed speed during the run, so its errors do not measure the model"
         lines.append(f"{name}: predicted from the profile made again after the measurements, the step times "
-                     f"move by {change:+.1f} % (median over its configurations): {verdict}")
+                     f"move by {change:+.1f} % from the first profile's (median over its configurations): {verdict}")
     for name in args.models:
         for ranks in args.ranks:
             group = [c for c in configs if c.model == name and c.ranks == ranks]
@@ -328,6 +333,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="the smallest check: the MLP on 2 ranks, two configurations and the planner's choice")
     parser.add_argument("--no-calibrate", action="store_true", help="predict with the planner's default links")
+    parser.add_argument("--profile-once", dest="profile_each", action="store_false",
+                        help="predict every configuration from the run's first profile (default: from a profile "
+                             "made just before its measurement, since this machine's speed moves)")
     parser.add_argument("--calibrate-repeats", type=int, default=7)
     parser.add_argument("--mlp-width", type=int, default=512)
     parser.add_argument("--mlp-depth", type=int, default=8)
@@ -376,6 +384,11 @@ def main(argv: list[str] | None = None) -> int:
             clusters[ranks], calibrations[ranks] = cluster_for(ranks, args, Path(folder))
         configs = configurations(args, profiles, clusters)
         for index, config in enumerate(configs):
+            config.predicted_first_s = config.predicted_s
+            if args.profile_each:  # the machine's speed moves: predict from a profile made just before
+                progress(f"profile {config.model} for {config.label}")
+                config.predicted_s = predicted(config, profile_model(config.model, args), clusters[config.ranks],
+                                               global_batch(config.model, args))
             measure(config, args, Path(folder), index)
     drift = {}
     for name in args.models:  # the same model profiled again: did the machine keep its speed?
@@ -385,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         for config in configs:
             if config.model == name:
                 config.predicted_after_s = predicted(config, again, clusters[config.ranks], global_batch(name, args))
-                ratios.append(config.predicted_after_s / config.predicted_s)
+                ratios.append(config.predicted_after_s / config.predicted_first_s)
         drift[name] = (statistics.median(ratios) - 1) * 100
     print(report(configs, args, calibrations, started, time.perf_counter() - started_clock, drift))
     if args.json:
