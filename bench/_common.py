@@ -50,6 +50,18 @@ def command_line() -> str:
     return shlex.join([python, *sys.argv])
 
 
+def launch_env(ranks: int) -> dict[str, str]:
+    """The environment of a benchmark's mpirun of ``ranks`` ranks: one thread per process, this shell's
+    HYBRIDPIPE_* settings, and yielding MPI waits when the ranks outnumber the cores."""
+    from hybridpipe.launch import available_cores
+
+    env = {"OMP_NUM_THREADS": "1"}
+    env.update({k: v for k, v in os.environ.items() if k.startswith("HYBRIDPIPE_") and k != "HYBRIDPIPE_MPIRUN"})
+    if ranks > available_cores():
+        env["OMPI_MCA_mpi_yield_when_idle"] = "1"
+    return env
+
+
 def run_worker(worker: Any, result_path: str) -> int:
     """Runs one rank's worker; rank 0 writes the JSON result the driver reads; always closes it."""
     try:

@@ -56,7 +56,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))  # hybridpipe from this checkout when it is not installed
 
-from _common import command_line, progress, render, run_worker, start_gloo  # noqa: E402
+from _common import command_line, launch_env, progress, render, run_worker, start_gloo  # noqa: E402
 from resnet50_shapes import RESNET50_PARAMETERS, RESNET50_TENSORS, resnet50_parameter_shapes  # noqa: E402
 
 DEFAULT_RANKS = "2,4,8"
@@ -333,10 +333,7 @@ def worker_main(args: argparse.Namespace) -> int:
 def launch(n: int, args: argparse.Namespace, result_path: Path) -> dict[str, Any]:
     from hybridpipe.launch import available_cores, mpirun_command
 
-    env = {"OMP_NUM_THREADS": "1"}
-    env.update({k: v for k, v in os.environ.items() if k.startswith("HYBRIDPIPE_") and k != "HYBRIDPIPE_MPIRUN"})
-    if n > available_cores():
-        env["OMPI_MCA_mpi_yield_when_idle"] = "1"
+    env = launch_env(n)
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--result", str(result_path),
             "--sizes", ",".join(str(s) for s in args.sizes)]
     if args.repeats is not None:

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import command_line, int_list, progress, render, run_worker, start_gloo  # noqa: E402
+from _common import command_line, int_list, launch_env, progress, render, run_worker, start_gloo  # noqa: E402
 
 IMPLEMENTATIONS = ("hybridpipe", "mpi4py", "gloo")
 
@@ -142,8 +142,7 @@ class Worker:
 def launch(args: argparse.Namespace, result_path: Path) -> dict[str, Any]:
     from hybridpipe.launch import mpirun_command
 
-    env = {"OMP_NUM_THREADS": "1"}
-    env.update({k: v for k, v in os.environ.items() if k.startswith("HYBRIDPIPE_") and k != "HYBRIDPIPE_MPIRUN"})
+    env = launch_env(2)
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--result", str(result_path),
             "--pause-ms", ",".join(str(p) for p in args.pause_ms), "--bytes", ",".join(str(b) for b in args.bytes),
             "--iterations", str(args.iterations), "--blocks", str(args.blocks)]

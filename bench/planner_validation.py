@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -57,7 +56,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(ROOT))  # hybridpipe from this checkout when it is not installed
 sys.path.insert(2, str(ROOT / "examples"))
 
-from _common import command_line, int_list, progress, render  # noqa: E402
+from _common import command_line, int_list, launch_env, progress, render  # noqa: E402
 
 VIRTUAL_STAGES = 2  # interleaved-1f1b, as the planner tries it
 
@@ -102,7 +101,8 @@ CONFIGS = {
            (4, 4, 8, "1f1b")],
 }
 QUICK = {"mlp": [(2, 1, 1, "1f1b"), (2, 2, 4, "1f1b")]}
-DRIFT_LIMIT = 0.05  # a run whose two profiles of a model differ by more says more about the machine than the model
+DRIFT_LIMIT = 0.05  # a run whose predictions from a model's first and last profile differ by more says more
+#                     about the machine than about the model
 
 
 # ------------------------------------------------------------------------------------------ models
@@ -187,16 +187,6 @@ def profile_model(name: str, args: argparse.Namespace):
     return profile(_built(layers), inputs, loss_fn, targets, optimizer=optimizer)
 
 
-def launch_env(ranks: int) -> dict[str, str]:
-    from hybridpipe.launch import available_cores
-
-    env = {"OMP_NUM_THREADS": "1"}
-    env.update({k: v for k, v in os.environ.items() if k.startswith("HYBRIDPIPE_") and k != "HYBRIDPIPE_MPIRUN"})
-    if ranks > available_cores():
-        env["OMPI_MCA_mpi_yield_when_idle"] = "1"
-    return env
-
-
 def run(command: list[str], timeout: float) -> None:
     completed = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=sys.stderr, timeout=timeout, check=False)
     if completed.returncode != 0:
@@ -265,7 +255,7 @@ def configurations(args: argparse.Namespace, profiles: dict, clusters: dict) -> 
             for config in listed:
                 if not config.balance:
                     config.balance = partition_by_weights(times, config.stages * config.virtual_stages)
-                config.predicted_s = predicted(config, profile, cluster, batch)
+                config.predicted_s = config.predicted_first_s = predicted(config, profile, cluster, batch)
             configs += listed
     return configs
 
@@ -277,8 +267,6 @@ def predicted(config: Config, profile: Any, cluster: Any, batch: int) -> float:
     candidate = Candidate(config.stages, config.replicas, tuple(config.balance), config.micro_batches,
                           config.schedule, "never", config.virtual_stages)
     return predict(profile, cluster, candidate, batch).step_seconds
-
-
 
 
 def report(configs: list[Config], args: argparse.Namespace, calibrations: dict, started: str, seconds: float,
@@ -384,7 +372,6 @@ def main(argv: list[str] | None = None) -> int:
             clusters[ranks], calibrations[ranks] = cluster_for(ranks, args, Path(folder))
         configs = configurations(args, profiles, clusters)
         for index, config in enumerate(configs):
-            config.predicted_first_s = config.predicted_s
             if args.profile_each:  # the machine's speed moves: predict from a profile made just before
                 progress(f"profile {config.model} for {config.label}")
                 config.predicted_s = predicted(config, profile_model(config.model, args), clusters[config.ranks],
