@@ -3,10 +3,14 @@
 A pipeline hop is one small message from a stage to its neighbour, usually after the neighbour has
 been computing for a while. This measures that: ranks 0 and 1 ping-pong a tensor, and after each
 reply rank 1 pauses (``--pause-ms``, a sleep standing in for compute) before it takes the next ping,
-so the ping waits for it as an activation waits for a busy stage.
+so the ping waits for it as an activation waits for a busy stage. The pause is a sleep or, as a stage's
+is, compute (``--pause-kinds``): rank 1 then computes right after handing its reply to the transport, as a
+stage does after sending an activation or a gradient, and on a rank bound to one core (mpirun's default
+when the ranks fit the cores) the reply is only posted when the communication thread gets that core.
 
 Usage:
-    python bench/p2p.py [--pause-ms 0,5] [--bytes 256,65536] [--iterations 200] [--markdown]
+    python bench/p2p.py [--pause-ms 0,5] [--pause-kinds sleep,compute] [--bytes 256,65536] [--iterations 200]
+                        [--markdown]
 
 Run plainly, this script is the driver: it starts itself under ``mpirun -n 2 ... --worker`` (the
 command comes from ``hybridpipe.launch.mpirun_command``) and prints one table from rank 0's JSON.
@@ -99,7 +103,7 @@ class Worker:
                 self.dist.recv(tensor, peer)
                 self.dist.send(tensor, peer)
 
-    def block(self, name: str, tensor: Any, pause_s: float) -> list[float]:
+    def block(self, name: str, tensor: Any, pause_s: float, kind: str) -> list[float]:
         """``iterations`` round trips; returns (rank 0) the round trips less the pause inside each."""
         iterations = self.args.iterations
         times, pauses = [], []
@@ -111,7 +115,12 @@ class Worker:
                 times.append(time.perf_counter() - start)
             elif pause_s:
                 slept = time.perf_counter()
-                time.sleep(pause_s)
+                if kind == "sleep":
+                    time.sleep(pause_s)
+                else:  # compute on this rank's core until the pause is over
+                    a = self.torch.ones(64, 64)
+                    while time.perf_counter() - slept < pause_s:
+                        a = self.torch.tanh(a @ a * 0.01)
                 pauses.append(time.perf_counter() - slept)
             else:
                 pauses.append(0.0)
@@ -123,20 +132,25 @@ class Worker:
         results = []
         for nbytes in self.args.bytes:
             tensor = self.torch.zeros(max(1, nbytes // 4))
-            for pause_ms in self.args.pause_ms:
+            for pause_ms, kind in pause_cases(self.args):
                 samples: dict[str, list[float]] = {name: [] for name in IMPLEMENTATIONS}
                 for round_index in range(self.args.blocks + 1):
                     shift = round_index % len(IMPLEMENTATIONS)
                     for name in IMPLEMENTATIONS[shift:] + IMPLEMENTATIONS[:shift]:
-                        got = self.block(name, tensor, pause_ms / 1e3)
+                        got = self.block(name, tensor, pause_ms / 1e3, kind)
                         if round_index > 0:
                             samples[name] += got
                 if self.rank == 0:
                     medians = {name: statistics.median(values) for name, values in samples.items()}
-                    results.append({"bytes": nbytes, "pause_ms": pause_ms, "seconds": medians})
+                    results.append({"bytes": nbytes, "pause_ms": pause_ms, "pause": kind, "seconds": medians})
                     shown = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in medians.items())
-                    progress(f"{nbytes} B, pause {pause_ms} ms: {shown}")
+                    progress(f"{nbytes} B, pause {pause_ms} ms ({kind}): {shown}")
         return {"cases": results}
+
+
+def pause_cases(args: argparse.Namespace) -> list[tuple[float, str]]:
+    """(pause ms, kind) in order; a pause of 0 once, whatever the kinds."""
+    return [(pause, kind) for pause in args.pause_ms for kind in (args.pause_kinds if pause else args.pause_kinds[:1])]
 
 
 def launch(args: argparse.Namespace, result_path: Path) -> dict[str, Any]:
@@ -144,7 +158,7 @@ def launch(args: argparse.Namespace, result_path: Path) -> dict[str, Any]:
 
     env = launch_env(2)
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--result", str(result_path),
-            "--pause-ms", ",".join(str(p) for p in args.pause_ms), "--bytes", ",".join(str(b) for b in args.bytes),
+            "--pause-ms", ",".join(str(p) for p in args.pause_ms), "--pause-kinds", ",".join(args.pause_kinds), "--bytes", ",".join(str(b) for b in args.bytes),
             "--iterations", str(args.iterations), "--blocks", str(args.blocks)]
     command = mpirun_command(2, argv, env=env)
     progress(shlex.join(command))
@@ -158,19 +172,20 @@ def launch(args: argparse.Namespace, result_path: Path) -> dict[str, Any]:
 def report(result: dict[str, Any], args: argparse.Namespace) -> str:
     from hybridpipe._ext import describe
 
-    header = ["bytes", "pause ms", *(f"{name} ms" for name in IMPLEMENTATIONS),
+    header = ["bytes", "pause ms", "pause", *(f"{name} ms" for name in IMPLEMENTATIONS),
               "hybridpipe / mpi4py", "hybridpipe / gloo"]
     rows = []
     for case in result["cases"]:
         s = case["seconds"]
-        rows.append([str(case["bytes"]), str(case["pause_ms"]), *(f"{s[name] * 1e3:.3f}" for name in IMPLEMENTATIONS),
+        rows.append([str(case["bytes"]), str(case["pause_ms"]), case["pause"] if case["pause_ms"] else "",
+                     *(f"{s[name] * 1e3:.3f}" for name in IMPLEMENTATIONS),
                      f"{s['hybridpipe'] / s['mpi4py']:.2f}", f"{s['hybridpipe'] / s['gloo']:.2f}"])
     setup = (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {describe()}; "
              f"{os.cpu_count()} CPU cores; 2 ranks; {args.iterations} round trips × {args.blocks} blocks per cell")
     md = args.markdown
     lines = [f"Command: `{command_line()}`" + ("  " if md else ""), f"Setup: {setup}" + ("  " if md else ""),
              "Cells: median of (round trip − the pause inside it) = two hops; ratio > 1: hybridpipe is slower", "",
-             render(header, rows, md)]
+             render(header, rows, md, left=3)]
     return "\n".join(lines)
 
 
@@ -178,6 +193,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pause-ms", default="0,5", type=lambda t: [float(v) for v in t.split(",") if v.strip()],
                         help="rank 1's pause after each reply, in ms (default 0,5)")
+    parser.add_argument("--pause-kinds", default="sleep,compute",
+                        type=lambda t: [v.strip() for v in t.split(",") if v.strip()],
+                        help="what rank 1 does in its pause: sleep and/or compute (default sleep,compute)")
     parser.add_argument("--bytes", default="256,65536", type=lambda t: int_list(t, "--bytes"),
                         help="message sizes in bytes (default 256,65536)")
     parser.add_argument("--iterations", type=int, default=100, help="round trips per block (default 100)")
@@ -189,6 +207,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if any(p < 0 for p in args.pause_ms) or not args.pause_ms:
         parser.error(f"--pause-ms needs non-negative numbers (got {args.pause_ms})")
+    if not args.pause_kinds or set(args.pause_kinds) - {"sleep", "compute"}:
+        parser.error(f"--pause-kinds takes sleep and/or compute (got {args.pause_kinds})")
     if args.iterations < 2 or args.blocks < 1:
         parser.error(f"--iterations must be >= 2 and --blocks >= 1 (got {args.iterations}, {args.blocks})")
     if args.worker and not args.result:

@@ -77,6 +77,13 @@ class Config:
     measured_s: list[float] = field(default_factory=list)
     predicted_after_s: float = 0.0  # from the profile made again after every measurement (the machine's drift)
     predicted_first_s: float = 0.0  # from the run's first profile (the one the planner chose from)
+    predicted_rounds: list[float] = field(default_factory=list)  # one prediction per round (per-launch profiles)
+    measured_rounds: list[float] = field(default_factory=list)   # each round's median step
+
+    @property
+    def measured(self) -> float:
+        """The measured step time: the median over rounds of each round's median step."""
+        return statistics.median(self.measured_rounds)
 
     @property
     def replicas(self) -> int:
@@ -211,7 +218,7 @@ def cluster_for(ranks: int, args: argparse.Namespace, folder: Path):
     return load_cluster(str(path), ranks=ranks), measured
 
 
-def measure(config: Config, args: argparse.Namespace, folder: Path, index: int) -> None:
+def measure(config: Config, args: argparse.Namespace, folder: Path, index: int) -> float:
     from hybridpipe.launch import mpirun_command
 
     result = folder / f"result-{index}.json"
@@ -219,8 +226,11 @@ def measure(config: Config, args: argparse.Namespace, folder: Path, index: int) 
               json.dumps(asdict(config)), *model_flags(args), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     progress(f"{config.label} on {config.ranks} ranks")
     run(mpirun_command(config.ranks, worker, env=launch_env(config.ranks)), args.timeout)
-    config.measured_s = json.loads(result.read_text())["step_seconds"]
-    progress(f"  measured {statistics.median(config.measured_s) * 1e3:.1f} ms, predicted {config.predicted_s * 1e3:.1f}")
+    steps = json.loads(result.read_text())["step_seconds"]
+    config.measured_s += steps
+    config.measured_rounds.append(statistics.median(steps))
+    progress(f"  measured {config.measured_rounds[-1] * 1e3:.1f} ms, predicted {config.predicted_s * 1e3:.1f}")
+    return config.measured_rounds[-1]
 
 
 def model_flags(args: argparse.Namespace) -> list[str]:
@@ -272,27 +282,44 @@ def predicted(config: Config, profile: Any, cluster: Any, batch: int) -> float:
 def report(configs: list[Config], args: argparse.Namespace, calibrations: dict, started: str, seconds: float,
            drift: dict[str, float]) -> str:
     header = ["configuration", "ranks", "planner", "predicted ms", "from the first profile ms", "predicted after ms",
-              "measured ms", "min–max ms", "error %"]
-    rows, errors = [], []
+              "measured ms", "each round ms", "min–max ms", "error %"]
+    rows, errors, repeats = [], [], []
     for config in configs:
-        measured = statistics.median(config.measured_s)
+        measured = config.measured
         error = (config.predicted_s - measured) / measured * 100
         errors.append(abs(error))
+        # the machine's own repeatability: each round's median predicted from the round before's
+        repeats += [abs(before - after) / after * 100
+                    for before, after in zip(config.measured_rounds, config.measured_rounds[1:])]
         rows.append([config.label, str(config.ranks), "chosen" if config.chosen else "",
                      f"{config.predicted_s * 1e3:.1f}", f"{config.predicted_first_s * 1e3:.1f}",
                      f"{config.predicted_after_s * 1e3:.1f}", f"{measured * 1e3:.1f}",
+                     " / ".join(f"{m * 1e3:.1f}" for m in config.measured_rounds),
                      f"{min(config.measured_s) * 1e3:.1f}–{max(config.measured_s) * 1e3:.1f}", f"{error:+.1f}"])
-    lines = [f"Command: `{command_line()}`", f"Setup: {started}; {args.steps} timed steps after {args.warmup} "
-             f"warm-up per configuration, one thread per rank; {seconds:.0f} s in all"]
+    lines = [f"Command: `{command_line()}`", f"Setup: {started}; {args.rounds} round(s), each configuration "
+             f"{args.steps} timed steps after {args.warmup} warm-up per round, one thread per rank; "
+             f"{seconds:.0f} s in all"]
     for ranks, measured in sorted(calibrations.items()):
         if measured:
             lines.append(f"calibrated on {ranks} ranks: " + ", ".join(
                 f"{key} {measured[key]:.3g}" for key in ("intra_latency_us", "intra_gbps", "allreduce_gbps",
-                                                         "action_overhead_us", "cores_per_host") if key in measured))
+                                                         "action_overhead_us", "transfer_overhead_us",
+                                                         "compute_contention", "cores_per_host") if key in measured))
     lines += ["", render(header, rows, args.markdown, left=1), ""]
     within = sum(error <= 20 for error in errors)
     lines.append(f"median |error| {statistics.median(errors):.1f} % (target <= 10 %), largest {max(errors):.1f} %, "
                  f"{within} of {len(errors)} within 20 %")
+    per_round = [abs(p - m) / m * 100 for config in configs
+                 for p, m in zip(config.predicted_rounds, config.measured_rounds)]
+    if repeats:
+        lines.append(f"round by round (each round's prediction from the profile made just before its launch, against "
+                     f"that launch's median step): median |error| {statistics.median(per_round):.1f} %, largest "
+                     f"{max(per_round):.1f} %, {sum(e <= 20 for e in per_round)} of {len(per_round)} within 20 %")
+        lines.append(f"the machine's own repeatability: each configuration's median step predicted from its median in "
+                     f"the round before errs by a median of {statistics.median(repeats):.1f} %, largest "
+                     f"{max(repeats):.1f} %, {sum(r <= 20 for r in repeats)} of {len(repeats)} within 20 %: a "
+                     "prediction as good as measuring the configuration a few minutes earlier errs as much, round by "
+                     "round")
     for name, change in drift.items():
         verdict = "steady" if abs(change) <= DRIFT_LIMIT * 100 else \
             "DRIFTED: the machine changed speed during the run, so its errors do not measure the model"
@@ -303,9 +330,9 @@ def report(configs: list[Config], args: argparse.Namespace, calibrations: dict, 
             group = [c for c in configs if c.model == name and c.ranks == ranks]
             if not group:
                 continue
-            fastest = min(group, key=lambda c: statistics.median(c.measured_s))
+            fastest = min(group, key=lambda c: c.measured)
             chosen = next(c for c in group if c.chosen)
-            ratio = statistics.median(chosen.measured_s) / statistics.median(fastest.measured_s)
+            ratio = chosen.measured / fastest.measured
             lines.append(f"{name} on {ranks} ranks: the planner chose {chosen.label} ({ratio:.3f}× the fastest "
                          f"measured, {fastest.label}): {'within' if ratio <= 1.10 else 'NOT within'} 10 %")
     return "\n".join(lines)
@@ -316,7 +343,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="mlp,lm", help="mlp and/or lm (default both)")
     parser.add_argument("--ranks", default="2,4", help="rank counts (default 2,4)")
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per configuration (default 8)")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per configuration and round (default 8)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="times each configuration is profiled and measured, every round through all of them "
+                             "(alternately in reverse order); the medians over rounds are compared, and from 2 "
+                             "rounds on the machine's own repeatability is printed (default 2)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     parser.add_argument("--quick", action="store_true",
                         help="the smallest check: the MLP on 2 ranks, two configurations and the planner's choice")
@@ -350,9 +381,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(str(error))
     if args.quick:
         args.models, args.ranks = ["mlp"], [2]
-        args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
-    if args.steps < 1 or args.warmup < 0:
-        parser.error(f"--steps must be >= 1 and --warmup >= 0 (got {args.steps}, {args.warmup})")
+        args.steps, args.warmup, args.rounds = min(args.steps, 3), min(args.warmup, 1), 1
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        parser.error(f"--steps and --rounds must be >= 1 and --warmup >= 0 (got {args.steps}, {args.rounds}, "
+                     f"{args.warmup})")
     return args
 
 
@@ -371,12 +403,17 @@ def main(argv: list[str] | None = None) -> int:
         for ranks in args.ranks:
             clusters[ranks], calibrations[ranks] = cluster_for(ranks, args, Path(folder))
         configs = configurations(args, profiles, clusters)
-        for index, config in enumerate(configs):
-            if args.profile_each:  # the machine's speed moves: predict from a profile made just before
-                progress(f"profile {config.model} for {config.label}")
-                config.predicted_s = predicted(config, profile_model(config.model, args), clusters[config.ranks],
-                                               global_batch(config.model, args))
-            measure(config, args, Path(folder), index)
+        for round_index in range(args.rounds):
+            order = list(enumerate(configs))
+            for index, config in (reversed(order) if round_index % 2 else order):
+                if args.profile_each:  # the machine's speed moves: predict from a profile made just before
+                    progress(f"round {round_index + 1}: profile {config.model} for {config.label}")
+                    config.predicted_s = predicted(config, profile_model(config.model, args), clusters[config.ranks],
+                                                   global_batch(config.model, args))
+                config.predicted_rounds.append(config.predicted_s)
+                measure(config, args, Path(folder), index)
+        for config in configs:
+            config.predicted_s = statistics.median(config.predicted_rounds)
     drift = {}
     for name in args.models:  # the same model profiled again: did the machine keep its speed?
         progress(f"profile {name} again")

@@ -5,6 +5,8 @@
 #include <climits>
 #include <stdexcept>
 
+#include <sched.h>
+
 namespace hybridpipe {
 
 namespace {
@@ -387,6 +389,12 @@ P2PRequest* start(bool receive, void* data, size_t bytes, int peer, int tag, MPI
   std::shared_ptr<TransferQueue> queue = installed_transfer_queue();
   if (queue) {
     queue->submit(transfer);
+    // A send is posted by the communication thread. When it shares this thread's core (a rank bound to one
+    // core, as mpirun binds them by default), the scheduler may let this thread run on for its whole slice
+    // (milliseconds) before the woken communication thread gets the core, and the peer waits that long for
+    // the message: give the core up once, so the send is posted now. Costs a system call when nothing else
+    // is runnable here.
+    if (!receive) sched_yield();
   } else {
     reap_direct_orphans();
     try {

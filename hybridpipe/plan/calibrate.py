@@ -14,9 +14,11 @@ Design reasons:
   between world ranks 0 and 1 gives the inside-a-host link; between rank 0 and the first rank of
   another host, the link between hosts (when the job spans hosts).
 * The ring allreduce's fit (``time = a + bytes · b``) is kept too, for the group sizes in the job.
-* Compute contention (``compute_contention``): a fixed kernel's time on world rank 0 while as many of
-  its host's ranks as it has cores run it too, over its time alone. Profiles are made by one process;
-  under mpirun every core computes at once, and on a VM whose vCPUs share a core that is slower.
+* Compute contention (``compute_contention``): the median of the slowest rank's time for a fixed
+  kernel, with as many ranks of every host as it has cores running it at once and starting together,
+  over rank 0's median time alone. Profiles are made by one process; under mpirun every core
+  computes at once (slower on a VM whose vCPUs share a core), and a synchronous step waits for the
+  slowest rank, so a core whose speed moves on its own paces the job.
 * The framework's own time per pipeline action (``action_overhead_us``): every rank runs a
   one-stage ``PipelineModel`` of two tiny layers at once (so ranks sharing cores share them here
   too) with 16 and with 2 micro-batches; the difference of the step times over the 28 extra
@@ -106,42 +108,78 @@ def _tiny_steps(layers: int, repeats: int) -> dict[int, float]:
     return steps
 
 
-def _kernel_seconds(repeats: int) -> float:
-    """Median time of a fixed compute kernel (float32 matmuls and tanh, about the layers' mix) on this process's
-    torch threads (one under ``bench/planner_validation.py``, which sets OMP_NUM_THREADS=1), after a warm-up."""
+def _kernel() -> None:
+    """A fixed compute kernel (float32 256 × 256 matmuls and tanh, about the layers' mix) on this process's torch
+    threads (one under ``bench/planner_validation.py``, which sets OMP_NUM_THREADS=1)."""
     generator = torch.Generator().manual_seed(0)
     a, b = torch.randn(256, 256, generator=generator), torch.randn(256, 256, generator=generator)
-    runs = []
-    for run in range(repeats + 2):
-        started = time.perf_counter()
-        for _ in range(8):
-            a = torch.tanh(a @ b) * 0.5
-        if run >= 2:
-            runs.append(time.perf_counter() - started)
-    return statistics.median(runs)
+    for _ in range(8):
+        a = torch.tanh(a @ b) * 0.5
 
 
-def compute_contention(comm: Any, repeats: int) -> float:
-    """How much slower a rank computes when the other ranks of its host compute at the same time, up to one
-    rank per core (a VM's vCPUs that are hyperthreads of one core, shared caches and memory bandwidth):
-    the median kernel time of world rank 0 with min(ranks per host, cores) of its host's ranks running
-    the kernel at once, over its time alone while the others sleep. 1.0 on a host with one rank or one core.
-    (More ranks than cores are counted apart, as ranks sharing cores.) Collective over ``comm``."""
+def _windows(count: int, kernels: int, synchronize: Any, alone: bool, together: bool) -> tuple[list[float], list[float]]:
+    """``count`` pairs of windows of ``kernels`` kernels each, every window after ``synchronize()``: in the
+    first of a pair only a rank with ``alone`` computes, in the second every rank with ``together`` (the
+    others keep in step). Alternating, so that both kinds see the same spells of a machine whose speed
+    moves. Returns this rank's times of each kind (empty where it did not compute)."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(count):
+        for kind, computes in enumerate((alone, together)):
+            synchronize()
+            if computes:
+                started = time.perf_counter()
+                for _ in range(kernels):
+                    _kernel()
+                times[kind].append(time.perf_counter() - started)
+    return times
+
+
+#: A window of :func:`compute_contention` takes about this long on one free core; it runs ``CONTENTION_WINDOWS``
+#: pairs of windows (about 2.4 s with these).
+CONTENTION_WINDOW_SECONDS = 0.015
+CONTENTION_WINDOWS = 80
+
+
+def compute_contention(comm: Any, repeats: int = 0, windows: int = CONTENTION_WINDOWS) -> float:
+    """How much slower a synchronous job's ranks compute than the one process a profile is made in: the
+    median over ``windows`` windows of the slowest rank's time for a fixed kernel, with min(ranks per host,
+    cores) ranks of every host computing at once and every rank starting each window together, over the
+    median window of world rank 0 computing alone while the others wait (the two kinds of window
+    alternate, so both see the same spells).
+
+    Two effects are in it. Cores that slow each other down (a VM's vCPUs that are hyperthreads of one core,
+    shared caches and memory bandwidth). And cores whose speed moves on their own (a VM's neighbours: this
+    project's 2-core VM has spells of 1–3 s in which one core, not both, runs 30–60 % slower): a profile's
+    medians see a free core, while a synchronous step waits for the slowest rank at each exchange. More
+    ranks than cores are counted apart, as ranks sharing cores. 1.0 with one rank. Collective over
+    ``comm``; ``repeats`` is not used (kept for the callers: the windows are set by ``windows``)."""
     from hybridpipe import runtime
     from hybridpipe.comm.engine import call
     from hybridpipe.plan.auto import host_cores
 
+    del repeats
+    rank = comm.Get_rank()
+    if comm.Get_size() < 2:
+        return 1.0
     together = min(runtime.local_size(), host_cores())
-    rank, local = comm.Get_rank(), runtime.local_rank()
-    alone = busy = 0.0
-    call(None, "calibrate", comm.Barrier)
+
+    def barrier() -> None:
+        call(None, "calibrate", comm.Barrier)
+
+    kernels = 1
     if rank == 0:
-        alone = _kernel_seconds(repeats)
-    call(None, "calibrate", comm.Barrier)  # the others were in it: the communication thread waits politely
-    if together > 1 and rank // runtime.local_size() == 0 and local < together:
-        busy = _kernel_seconds(repeats)  # rank 0 and its host's next ranks, at once
-    call(None, "calibrate", comm.Barrier)
-    return max(1.0, busy / alone) if rank == 0 and together > 1 and alone > 0 else 1.0
+        _kernel()
+        started = time.perf_counter()
+        for _ in range(3):
+            _kernel()
+        kernels = max(1, round(CONTENTION_WINDOW_SECONDS / ((time.perf_counter() - started) / 3)))
+    kernels = call(None, "calibrate", lambda: comm.bcast(kernels, root=0))
+    alone, busy = _windows(windows, kernels, barrier, rank == 0, runtime.local_rank() < together)
+    gathered = call(None, "calibrate", lambda: comm.gather(busy, root=0))
+    if rank != 0:
+        return 1.0
+    slowest = [max(times[w] for times in gathered if times) for w in range(windows)]
+    return max(1.0, statistics.median(slowest) / statistics.median(alone))
 
 
 def _action_overhead(repeats: int) -> float:
