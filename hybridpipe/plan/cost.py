@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from hybridpipe.config import Config
 from hybridpipe.errors import HybridPipeError
 from hybridpipe.pipeline import schedule as sched
-from hybridpipe.plan.profile import Profile
+from hybridpipe.plan.profile import LayerCost, Profile
 
 __all__ = ["Cluster", "Candidate", "Prediction", "predict", "allreduce_seconds", "reducescatter_seconds",
            "allgather_seconds", "chunk_seconds", "step_lower_bound", "memory_per_rank", "schedule_of",
@@ -279,10 +279,15 @@ def chunk_seconds(profile: Profile, cluster: Cluster, candidate: Candidate, micr
 
 
 def _weight_call_seconds(profile: Profile, layers: list[list[int]], cluster: Cluster) -> list[float]:
-    """Per chunk: the fixed backward call costs of its layers with weights, which a split backward's W pass pays
-    again (one autograd call per such layer)."""
-    return [sum(profile.layers[i].backward_call_ms for i in chunk if profile.layers[i].parameter_bytes) / 1e3
-            * cluster.compute_slowdown for chunk in layers]
+    """Per chunk: what a split backward (I, then W per splittable layer call) costs beyond a whole one: the
+    profile's measured ``split_call_ms`` per layer, or, in a profile without it, each layer with weights' fixed
+    backward call cost (one more autograd call per such layer)."""
+    def extra(cost: LayerCost) -> float:
+        if cost.split_call_ms is not None:
+            return cost.split_call_ms
+        return cost.backward_call_ms if cost.parameter_bytes else 0.0
+
+    return [sum(extra(profile.layers[i]) for i in chunk) / 1e3 * cluster.compute_slowdown for chunk in layers]
 
 
 def step_lower_bound(profile: Profile, cluster: Cluster, candidate: Candidate, global_batch: int) -> float:

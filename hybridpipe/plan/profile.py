@@ -11,6 +11,10 @@ Design reasons:
   small-matrix inefficiency) plus a cost per sample, fitted from two measurements (the sample
   micro-batch and a quarter of it). A model priced per sample alone would always prefer the most
   micro-batches; real layers are slower per sample on small ones.
+* A split backward (ZB-H1's ``I`` and ``W``) is timed per layer against a whole one, as the
+  executor runs it: its extra autograd calls cost more than the fixed part of a layer's backward
+  that the affine fit sees (the model charged that fixed part again per layer, and over-predicted
+  ZB-H1 by 10–75 % on this machine).
 * Plain JSON (``Profile.save`` / ``Profile.load``), so it can be made once on one device and
   reused, or written by hand from published per-layer costs.
 """
@@ -53,6 +57,10 @@ class LayerCost:
             follows this layer).
         activation_bytes: Bytes autograd keeps for the backward per sample, output included.
         parameter_bytes: Bytes of the layer's parameters (not per sample).
+        split_call_ms: What a split backward (the zero-bubble schedules' ``I`` then ``W``, as the executor
+            runs them: autograd into the inputs and the splittable sublayers' outputs, then per such
+            sublayer into its own parameters) costs per call beyond a whole backward. None: not measured
+            (the cost model then takes ``backward_call_ms`` for each layer with parameters).
     """
 
     name: str
@@ -63,6 +71,7 @@ class LayerCost:
     parameter_bytes: int
     forward_call_ms: float = 0.0
     backward_call_ms: float = 0.0
+    split_call_ms: float | None = None
 
     def forward_seconds(self, micro_batch: float) -> float:
         return (self.forward_call_ms + self.forward_ms * micro_batch) / 1e3
@@ -209,6 +218,75 @@ def _update_costs(parameters: list[torch.Tensor], optimizer: Callable[[list[nn.P
     return statistics.median(runs) / (total / 2**20), together, per_tensor
 
 
+def _split_costs(layers: list[nn.Module], sample_input: Any, repeats: int, warmup: int) -> list[float]:
+    """Per layer, the ms per call a split backward costs beyond a whole one (median of repeats, >= 0): ``I``
+    into the layer's input, the outputs of its splittable sublayers and the other parameters, keeping the
+    graph, then ``W`` per recorded sublayer call from that output's gradient into its own parameters — the
+    executor's split (hybridpipe.pipeline.stage). 0 for a layer with nothing to split."""
+    from hybridpipe.pipeline.partition import _as_leaf
+    from hybridpipe.pipeline.stage import _splittable
+
+    costs = []
+    value = sample_input
+    for layer in layers:
+        splittable = [module for module in layer.modules() if _splittable(module)]
+        parameters = [p for p in layer.parameters() if p.requires_grad]
+        if not splittable or not parameters:
+            costs.append(0.0)
+            with torch.no_grad():
+                value = layer(value)
+            continue
+        saved = [p.grad for p in parameters]
+        records: list[tuple[nn.Module, list[torch.Tensor]]] = []
+
+        def record(module: nn.Module, args: Any, output: Any) -> None:
+            outputs = [t for t in iter_tensors(output) if t.requires_grad]
+            if outputs:
+                records.append((module, outputs))
+
+        hooks = [module.register_forward_hook(record) for module in splittable]
+        extras = []
+        try:
+            with torch.enable_grad():
+                for run in range(warmup + repeats):
+                    times = []
+                    for split in (False, True):
+                        inputs = map_tensors(value, _as_leaf)
+                        records.clear()
+                        output = layer(inputs)
+                        roots = [t for t in iter_tensors(output) if t.requires_grad]
+                        if not roots:
+                            break
+                        grads = [torch.ones_like(t) for t in roots]
+                        started = time.perf_counter()
+                        if not split:
+                            torch.autograd.backward(roots, grads)
+                        else:
+                            deferred = {id(p) for module, _ in records for p in module.parameters(recurse=False)}
+                            targets = ([t for t in iter_tensors(inputs) if t.requires_grad]
+                                       + [p for p in parameters if id(p) not in deferred]
+                                       + [t for _, outputs in records for t in outputs])
+                            torch.autograd.backward(roots, grads, inputs=targets, retain_graph=True)
+                            for position, (module, outputs) in enumerate(records):
+                                pairs = [(t, t.grad) for t in outputs if t.grad is not None]
+                                own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+                                if pairs and own:
+                                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], inputs=own,
+                                                            retain_graph=position < len(records) - 1)
+                        times.append((time.perf_counter() - started) * 1e3)
+                    if run >= warmup and len(times) == 2:
+                        extras.append(times[1] - times[0])
+        finally:
+            for hook in hooks:
+                hook.remove()
+            for parameter, grad in zip(parameters, saved):
+                parameter.grad = grad
+        costs.append(max(0.0, statistics.median(extras)) if extras else 0.0)
+        with torch.no_grad():
+            value = layer(value)
+    return costs
+
+
 def profile(layers: nn.Sequential | Sequence[nn.Module], sample_input: Any, loss_fn: Callable[[Any, Any], Any],
             sample_target: Any = None, repeats: int = 5, warmup: int = 2,
             optimizer: Callable[[list[nn.Parameter]], Any] | None = None) -> Profile:
@@ -252,10 +330,11 @@ def profile(layers: nn.Sequential | Sequence[nn.Module], sample_input: Any, loss
             return 0.0, large_ms / batch
         return per_call, per_sample
 
+    splits = _split_costs(layer_list, sample_input, repeats, warmup)
     costs = []
     value = sample_input
     with torch.no_grad():
-        for layer, timing, small_timing in zip(layer_list, timings, small_timings):
+        for layer, timing, small_timing, split in zip(layer_list, timings, small_timings, splits):
             value = layer(value)
             forward_call, forward = fit(timing.forward_ms, small_timing.forward_ms)
             backward_call, backward = fit(timing.backward_ms, small_timing.backward_ms)
@@ -263,7 +342,7 @@ def profile(layers: nn.Sequential | Sequence[nn.Module], sample_input: Any, loss
                                    output_bytes=_bytes(value) / batch,
                                    activation_bytes=timing.activation_bytes / batch,
                                    parameter_bytes=timing.parameter_bytes, forward_call_ms=forward_call,
-                                   backward_call_ms=backward_call))
+                                   backward_call_ms=backward_call, split_call_ms=split))
     loss_ms = 0.0
     if sample_target is not None:
         output = map_tensors(value, lambda t: t.detach().requires_grad_(t.is_floating_point()))

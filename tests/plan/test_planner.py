@@ -130,6 +130,27 @@ def test_a_split_backward_pays_a_backward_call_per_layer_with_weights_again(monk
     assert 0 < with_w - without_w <= 4 * 1e-3 + 1e-9  # some of it hides in the schedule's bubble
 
 
+def test_a_measured_split_cost_replaces_the_backward_call_estimate():
+    """A profile that measured what the split costs (``split_call_ms``, per layer, whatever its weights) is
+    charged that, not each weighted layer's fixed backward call again; a profile without it keeps the estimate."""
+    from hybridpipe.plan import cost
+
+    plain = uniform_profile(layers=4)
+    calls = dataclasses.replace(plain, layers=[dataclasses.replace(layer, backward_call_ms=0.5)
+                                               for layer in plain.layers])
+    measured = dataclasses.replace(calls, layers=[dataclasses.replace(layer, split_call_ms=0.2)
+                                                  for layer in calls.layers])
+    cluster = Cluster(ranks=2, **FREE)
+    zb = Candidate(2, 1, (2, 2), 4, "zb-h1")
+    layers = cost._chunk_layers(zb.balance)
+    assert cost._weight_call_seconds(calls, layers, cluster) == pytest.approx([1e-3, 1e-3])
+    assert cost._weight_call_seconds(measured, layers, cluster) == pytest.approx([0.4e-3, 0.4e-3])
+    # 4 micro-batches, each a 1 ms backward of calls and its 0.4 ms split, on the busiest stage
+    assert (cost.step_lower_bound(measured, cluster, zb, 4) - cost.step_lower_bound(plain, cluster, zb, 4)
+            == pytest.approx(4 * 1.4e-3))
+    assert predict(measured, cluster, zb, 4).step_seconds < predict(calls, cluster, zb, 4).step_seconds
+
+
 def test_memory_counts_what_the_schedule_holds():
     profile = uniform_profile(layers=4, parameters=1000, activation=100.0)
     cluster = Cluster(ranks=2, **FREE)
@@ -152,6 +173,9 @@ def test_profile_measures_per_sample_costs_and_round_trips_as_json(tmp_path):
     assert [layer.parameter_bytes for layer in profile.layers] == [(8 * 16 + 16) * 4, 0, (16 * 4 + 4) * 4]
     assert profile.input_bytes == 32.0 and profile.sample_batch == 16
     assert all(layer.forward_ms > 0 and layer.forward_call_ms >= 0 for layer in profile.layers)
+    # the split backward (zb-h1's I and W) is timed where there is something to split
+    assert profile.layers[1].split_call_ms == 0.0
+    assert all(profile.layers[i].split_call_ms is not None and profile.layers[i].split_call_ms >= 0 for i in (0, 2))
     assert profile.loss_ms > 0
     path = tmp_path / "profile.json"
     profile.save(path)
