@@ -157,7 +157,8 @@ class Config:
         set_device: where CUDA is available, ``hp.init`` makes GPU ``local_rank mod visible GPUs`` torch's
             current device and ``PipelineModel`` builds its stage there (HYBRIDPIPE_SET_DEVICE, 1 or 0).
         staging_segment_bytes: a CUDA buffer taking the staged route is copied to pinned host memory and back
-            in segments of this size, two in flight, so that the copies overlap the transfer
+            in segments of this size, two in flight, so that the copies overlap the transfer; the device ring
+            (a CUDA-aware MPI) sends its chunks in segments of this size, each reduced as the next arrives
             (HYBRIDPIPE_STAGING_SEGMENT_BYTES, e.g. ``4MiB``).
         cuda_aware_mpi: whether CUDA buffers go to the MPI library as device memory: "auto" when it reports
             CUDA support (``MPIX_Query_cuda_support``), "1" always, "0" never (HYBRIDPIPE_CUDA_AWARE_MPI).

@@ -224,34 +224,41 @@ def _library_device_allreduce(source: Any, target: Any, op: ReduceOp, comm: Any)
 _RING_TAGS = (7101, 7102)  # the device ring's reduce-scatter and allgather (the C++ ring uses 7001, 7002)
 
 
-def _device_ring_allreduce(buffer: Any, op: ReduceOp, comm: Any) -> None:
+def _device_ring_allreduce(buffer: Any, op: ReduceOp, comm: Any, segment_bytes: int) -> None:
     """Ring allreduce of a contiguous CUDA tensor, in place, over a CUDA-aware MPI: the chunks travel as device
-    memory (MPI_Sendrecv between GPUs: CUDA IPC between ranks of one host), and each reduce-scatter step is
+    memory (MPI_Isend / MPI_Irecv between GPUs: CUDA IPC between ranks of one host), and each reduce-scatter step is
     reduced on the GPU by the extension's kernel (device.reduce_on_device; float16 / bfloat16 added in float32).
+    The chunks go in segments of ``segment_bytes`` (HYBRIDPIPE_STAGING_SEGMENT_BYTES), so that a segment is reduced
+    while the next one arrives and leaves for the next step once it is reduced (hybridpipe.comm.ring: the order,
+    tested on CPU tensors in tests/comm/test_ring.py).
 
     Not MPI_Allreduce on device memory above 1 MiB: Open MPI reduces that on the host through its own staging
-    (64 MiB on an H100 shared by 2 ranks: 94 ms, against 16 ms staged here and 2.8 ms by this ring; docs/gpu.md).
+    (64 MiB on an H100 shared by 2 ranks: 94 ms, against 16 ms staged here and 2.8 ms by this ring, unsegmented;
+    docs/gpu.md).
     """
     import torch
+
+    from . import ring
 
     size, rank = comm.Get_size(), comm.Get_rank()
     flat = buffer.reshape(-1)
     if size > 1:
-        base, extra = divmod(flat.numel(), size)
-        chunks = [flat[i * base + min(i, extra):(i + 1) * base + min(i + 1, extra)] for i in range(size)]
-        scratch = torch.empty(base + (1 if extra else 0), dtype=flat.dtype, device=flat.device)
-        right, left = (rank + 1) % size, (rank - 1) % size
+        longest = max(length for _, length in ring.chunk_bounds(flat.numel(), size))
+        scratch = torch.empty(2 * longest, dtype=flat.dtype, device=flat.device)
         stream = torch.cuda.current_stream(flat.device)
-        for step in range(size - 1):  # reduce-scatter: afterwards chunk rank + 1 is complete here
-            outgoing, incoming = chunks[(rank - step) % size], chunks[(rank - step - 1) % size]
-            received = scratch[:incoming.numel()]
-            comm.Sendrecv(device_buffer(outgoing), right, _RING_TAGS[0], device_buffer(received), left, _RING_TAGS[0])
-            if incoming.numel():
-                device.reduce_on_device(incoming, received, op)
-                stream.synchronize()  # MPI sends it next step: reduced before it is read
-        for step in range(size - 1):  # allgather of the complete chunks
-            outgoing, incoming = chunks[(rank + 1 - step) % size], chunks[(rank - step) % size]
-            comm.Sendrecv(device_buffer(outgoing), right, _RING_TAGS[1], device_buffer(incoming), left, _RING_TAGS[1])
+
+        def reduce(target: Any, source: Any) -> Any:  # on the stream; its event is waited before MPI reads target
+            device.reduce_on_device(target, source, op)
+            done = torch.cuda.Event()
+            done.record(stream)
+            return done
+
+        ring.ring_allreduce(flat, (scratch[:longest], scratch[longest:]), rank, size,
+                            max(1, segment_bytes // flat.element_size()),
+                            isend=lambda view, dest, tag: comm.Isend(device_buffer(view), dest, tag),
+                            irecv=lambda view, source, tag: comm.Irecv(device_buffer(view), source, tag),
+                            wait=lambda request: request.Wait(), reduce=reduce, reduced=lambda done: done.synchronize(),
+                            tags=_RING_TAGS)
     if op == Average:
         flat.div_(size)
 
@@ -327,7 +334,7 @@ def _cuda_allreduce(tensors: Sequence[Any], op: ReduceOp, name: str | None, pres
             if output is not packed:
                 output.copy_(packed)
             stream.synchronize()
-            _device_ring_allreduce(output, op, comm)
+            _device_ring_allreduce(output, op, comm, ctx.config.staging_segment_bytes)
         else:
             staging.run(packed, output, transfer, ready=mark, segment_bytes=ctx.config.staging_segment_bytes)
         if postscale != 1.0:
