@@ -1,7 +1,9 @@
 """GPU allreduce benchmark: CUDA tensors through hybridpipe (the staged route: device → host → reduce → device,
 in segments whose copies overlap the reduction; and, where the MPI library moves device memory, the cuda-aware
 route) beside torch.distributed's gloo on the same CUDA tensors, the same hybridpipe allreduce on host tensors,
-and the device↔host copies alone, in one job (and MPI_Allreduce on device memory, where the library takes it).
+and the device↔host copies alone, in one job (and MPI_Allreduce on device memory, where the library takes it;
+and, where every rank has a GPU of its own, hybridpipe's NCCL through cupy and torch.distributed's NCCL).
+The MPI columns run with HYBRIDPIPE_GPU_ALLREDUCE=mpi, so that NCCL, where it is there, does not run them.
 
 Usage (each rank uses GPU local_rank mod the visible GPUs; ranks may share one):
     mpirun -n 2 python bench/gpu.py [--sizes 4KiB,256KiB,4MiB,64MiB,256MiB] [--repeats 10] [--markdown]
@@ -34,13 +36,15 @@ from hybridpipe.config import parse_bytes  # noqa: E402
 
 
 @contextlib.contextmanager
-def route(cuda_aware_mpi: str):
-    """Runs the block with HYBRIDPIPE_CUDA_AWARE_MPI set to ``cuda_aware_mpi`` (1: cuda-aware, 0: staged)."""
+def route(cuda_aware_mpi: str, gpu_allreduce: str = "mpi"):
+    """Runs the block with HYBRIDPIPE_CUDA_AWARE_MPI set to ``cuda_aware_mpi`` (1: cuda-aware, 0: staged) and
+    HYBRIDPIPE_GPU_ALLREDUCE to ``gpu_allreduce`` (``mpi`` by default: where each rank has a GPU of its own and cupy
+    brings NCCL, ``auto`` would run every column's allreduce on NCCL)."""
     from hybridpipe.comm import context
 
     ctx = context.current("bench")
     saved = ctx.config
-    ctx.config = dataclasses.replace(saved, cuda_aware_mpi=cuda_aware_mpi)
+    ctx.config = dataclasses.replace(saved, cuda_aware_mpi=cuda_aware_mpi, gpu_allreduce=gpu_allreduce)
     try:
         yield
     finally:
@@ -76,6 +80,18 @@ def main() -> int:
     except Exception as error:  # noqa: BLE001 — reported, the other columns still run
         if rank == 0:
             print(f"torch.distributed gloo unavailable: {error}")
+    # NCCL (hybridpipe's through cupy, and torch's as its peer) needs a GPU of its own per rank
+    import socket
+
+    places = comm.allgather((hp.comm.device.nccl_module() is not None, socket.gethostname(),
+                             str(getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid",
+                                         torch.cuda.current_device()))))
+    use_nccl, no_nccl = hp.comm.device.nccl_decision("auto", places)
+    torch_nccl = None
+    if gloo is not None and len({place[1:] for place in places}) == n and torch.distributed.is_nccl_available():
+        torch_nccl = gloo.new_group(backend="nccl")
+    if rank == 0 and not use_nccl:
+        print(f"no hybridpipe NCCL column: {no_nccl}")
     expected = n * (n + 1) / 2
     rows = []
     for text in args.sizes.split(","):
@@ -107,6 +123,15 @@ def main() -> int:
             on_gpu.fill_(rank + 1)
             gloo.all_reduce(on_gpu)
 
+        def nccl():
+            on_gpu.fill_(rank + 1)
+            with route("0", "nccl"):
+                hp.allreduce_(on_gpu, op=hp.Sum)
+
+        def torch_nccl_cuda():
+            on_gpu.fill_(rank + 1)
+            gloo.all_reduce(on_gpu, group=torch_nccl)
+
         columns = {"hybridpipe staged (cuda)": staged, "hybridpipe (host)": host, "copies d2h+h2d": copies}
         def library():
             on_gpu.fill_(rank + 1)
@@ -119,6 +144,10 @@ def main() -> int:
             columns["MPI_Allreduce (cuda memory)"] = library
         if gloo is not None:
             columns["torch gloo (cuda)"] = gloo_cuda
+        if use_nccl:
+            columns["hybridpipe nccl (cuda)"] = nccl
+        if torch_nccl is not None:
+            columns["torch nccl (cuda)"] = torch_nccl_cuda
         checks = {}
         for name, function in columns.items():
             function()
@@ -133,7 +162,7 @@ def main() -> int:
                 times[name].append(timed(columns[name], comm))
         medians = {name: statistics.median(values) for name, values in times.items()}
         rows.append((text, size, medians, checks))
-        del on_gpu, on_host, pinned
+        on_gpu = on_host = pinned = None  # freed before the next size's buffers
     if rank == 0:
         names = list(rows[0][2])
         factor = 2 * (n - 1) / n

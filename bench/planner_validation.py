@@ -1,7 +1,7 @@
 """Planner validation: the cost model's predicted step times against step times measured under mpirun.
 
 Usage:
-    python bench/planner_validation.py [--models mlp,lm] [--ranks 2,4] [--steps 8] [--warmup 3]
+    python bench/planner_validation.py [--models mlp,lm] [--ranks 2,4] [--steps 8] [--warmup 3] [--rounds 2]
                                        [--no-calibrate] [--markdown] [--json FILE] [--quick]
 
 Run plainly, this script is the driver:
@@ -22,6 +22,10 @@ Run plainly, this script is the driver:
    By default each configuration's prediction comes from a profile of its model made just before its
    launch (``--profile-once``: all from the first), since this VM's speed moves by tens of per cent
    within minutes; the planner's choice and the "from the first profile" column use the first.
+   With ``--rounds N`` (default 2) step 3 is done N times, every round through all the configurations
+   (alternately in reverse order); predicted and measured are the medians over the rounds, and the report
+   adds the error round by round and the machine's own repeatability (each configuration's median step
+   predicted from its median in the round before: what no cost model can beat on this machine).
 4. It profiles each model again and predicts every configuration from that second profile too
    ("predicted after"): on a VM whose speed moves, the two profiles differ, and a run where they
    differ by more than 5 % is flagged as one whose errors measure the machine, not the model.
