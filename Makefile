@@ -39,7 +39,7 @@ test: $(STAMP)
 MULTIHOST_REPEATS ?= 20
 test-long: $(STAMP)
 	HYBRIDPIPE_LONG_TESTS=1 PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests/test_restart.py \
-	  tests/comm/test_collectives.py tests/comm/test_shared_memory.py tests/comm/test_engine.py tests/comm/test_p2p.py \
+	  tests/comm/test_collectives.py tests/comm/test_shared_memory.py tests/comm/test_engine.py tests/comm/test_p2p.py tests/comm/test_ring.py \
 	  tests/pipeline/test_pipeline_mpi.py tests/pipeline/test_schedules_mpi.py tests/test_optimizer_mpi.py \
 	  tests/test_runtime.py tests/test_example_lm.py tests/test_harness.py tests/comm/test_horovod_api.py tests/test_faults.py \
 	  tests/test_example_dp.py tests/test_examples_horovod.py tests/test_timeline.py \
