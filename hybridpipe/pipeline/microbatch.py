@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from hybridpipe.errors import HybridPipeError
 
-__all__ = ["split", "merge", "micro_batch_sizes", "loss_weights", "map_tensors", "iter_tensors"]
+__all__ = ["split", "merge", "micro_batch_sizes", "loss_weights", "map_tensors", "iter_tensors", "as_leaf"]
 
 
 def map_tensors(value: Any, function: Callable[[torch.Tensor], Any]) -> Any:
@@ -35,6 +35,13 @@ def map_tensors(value: Any, function: Callable[[torch.Tensor], Any]) -> Any:
 def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
     """Every tensor in a nesting of tuples/lists/dicts, depth first, in order."""
     return (leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor))
+
+
+def as_leaf(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` detached, as a leaf that requires grad when it is floating point or complex (a stage's input,
+    timed or traced on its own)."""
+    leaf = tensor.detach()
+    return leaf.requires_grad_() if leaf.is_floating_point() or leaf.is_complex() else leaf
 
 
 def _path(keys: Any) -> str:

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from hybridpipe.errors import PartitionError
-from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
+from hybridpipe.pipeline.microbatch import as_leaf, iter_tensors, map_tensors
 
 __all__ = [
     "BALANCE_METHODS",
@@ -387,11 +387,6 @@ def _synchronize(value: Any) -> None:
         torch.cuda.synchronize()
 
 
-def _as_leaf(tensor: torch.Tensor) -> torch.Tensor:
-    leaf = tensor.detach()
-    return leaf.requires_grad_() if leaf.is_floating_point() or leaf.is_complex() else leaf
-
-
 def _saved_tensor_recorder(
     parameters: list[nn.Parameter], record: dict[int, int]
 ) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -441,7 +436,7 @@ def profile_layers(
             forward_times: list[float] = []
             backward_times: list[float] = []
             for run in range(warmup + repeats):
-                inputs = map_tensors(value, _as_leaf)
+                inputs = map_tensors(value, as_leaf)
                 activations.clear()
                 _synchronize(inputs)
                 started = time.perf_counter()

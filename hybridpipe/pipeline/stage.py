@@ -64,7 +64,7 @@ from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
 from hybridpipe.pipeline.schedule import Action, ActionKind, stage_to_rank
 from hybridpipe.pipeline.skip import SkipContext, SkipRoute, skip_context
 
-__all__ = ["CHECKPOINT_MODES", "PipelineBroken", "StageExecutor", "StepResult", "gradient_phase"]
+__all__ = ["CHECKPOINT_MODES", "PipelineBroken", "StageExecutor", "StepResult", "gradient_phase", "splittable"]
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
 _TAG_PERIOD = 4096
@@ -282,7 +282,7 @@ class StageExecutor:
     def split_backward(self) -> None:
         """Zero-bubble schedules: defer the weight gradients of the splittable layers to ``W``."""
         for chunk in self.chunks.values():
-            chunk.splittable = [m for m in chunk.module.modules() if _splittable(m)]
+            chunk.splittable = [m for m in chunk.module.modules() if splittable(m)]
             for layer in chunk.splittable:
                 layer.register_forward_hook(self._recorder(chunk))
 
@@ -723,7 +723,7 @@ class StageExecutor:
 _SPLITTABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.LayerNorm, nn.GroupNorm)
 
 
-def _splittable(module: nn.Module) -> bool:
+def splittable(module: nn.Module) -> bool:
     """Whether ``module``'s weight gradients can be deferred: it owns parameters, and it is one of the
     layer types whose forward uses only those (not overridden) or declares so."""
     if not any(True for _ in module.parameters(recurse=False)):

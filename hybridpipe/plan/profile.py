@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridpipe.errors import HybridPipeError
-from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
+from hybridpipe.pipeline.microbatch import as_leaf, iter_tensors, map_tensors
 from hybridpipe.pipeline.partition import profile_layers
 
 __all__ = ["LayerCost", "Profile", "profile", "FORMAT"]
@@ -223,15 +223,14 @@ def _split_costs(layers: list[nn.Module], sample_input: Any, repeats: int, warmu
     into the layer's input, the outputs of its splittable sublayers and the other parameters, keeping the
     graph, then ``W`` per recorded sublayer call from that output's gradient into its own parameters — the
     executor's split (hybridpipe.pipeline.stage). 0 for a layer with nothing to split."""
-    from hybridpipe.pipeline.partition import _as_leaf
-    from hybridpipe.pipeline.stage import _splittable
+    from hybridpipe.pipeline.stage import splittable
 
     costs = []
     value = sample_input
     for layer in layers:
-        splittable = [module for module in layer.modules() if _splittable(module)]
+        parts = [module for module in layer.modules() if splittable(module)]
         parameters = [p for p in layer.parameters() if p.requires_grad]
-        if not splittable or not parameters:
+        if not parts or not parameters:
             costs.append(0.0)
             with torch.no_grad():
                 value = layer(value)
@@ -244,14 +243,14 @@ def _split_costs(layers: list[nn.Module], sample_input: Any, repeats: int, warmu
             if outputs:
                 records.append((module, outputs))
 
-        hooks = [module.register_forward_hook(record) for module in splittable]
+        hooks = [module.register_forward_hook(record) for module in parts]
         extras = []
         try:
             with torch.enable_grad():
                 for run in range(warmup + repeats):
                     times = []
                     for split in (False, True):
-                        inputs = map_tensors(value, _as_leaf)
+                        inputs = map_tensors(value, as_leaf)
                         records.clear()
                         output = layer(inputs)
                         roots = [t for t in iter_tensors(output) if t.requires_grad]

@@ -16,7 +16,7 @@ Variants (environment variables), each run 12-20 times under
 Prints one line per phase and rank; a stalled run never prints ``done`` (run it under ``timeout``).
 The measured counts are in docs/sharp_bits.md.
 """
-import os, sys, threading, time
+import os, threading, time
 import numpy as np
 from mpi4py import MPI
 world = MPI.COMM_WORLD

@@ -12,7 +12,7 @@ import hybridpipe as hp
 from hybridpipe.comm.p2p import RemoteError
 from hybridpipe.errors import HybridPipeError, MismatchError, PartitionError, ScheduleError
 from hybridpipe.pipeline.stage import PipelineBroken
-from training import (MODELS, assert_same_parameters, batches, build, mlp, sequence_loss,  # noqa: F401
+from training import (MODELS, assert_same_parameters, batches, build, sequence_loss,
                       train_pipeline, train_reference, uneven)
 
 pytestmark = pytest.mark.mpi(ranks=[2, 4], long_ranks=[1], timeout=300, shared=True)

@@ -14,7 +14,7 @@ import hybridpipe as hp
 from hybridpipe.errors import HybridPipeError, PartitionError, ScheduleError
 from hybridpipe.pipeline import microbatch
 from hybridpipe.pipeline import schedule as sched
-from training import Block, Embed, Head, batches, replay_asynchronous, sequence_loss, two_bw_reference
+from training import Block, Embed, Head, replay_asynchronous, sequence_loss, two_bw_reference
 
 pytestmark = pytest.mark.mpi(ranks=[2, 4], long_ranks=[3], timeout=300, shared=True)  # P = 3 in make test-long
 
