@@ -25,7 +25,8 @@ Run plainly, this script is the driver:
    With ``--rounds N`` (default 2) step 3 is done N times, every round through all the configurations
    (alternately in reverse order); predicted and measured are the medians over the rounds, and the report
    adds the error round by round and the machine's own repeatability (each configuration's median step
-   predicted from its median in the round before: what no cost model can beat on this machine).
+   predicted from its median in the round before: what a prediction as good as an earlier measurement of
+   the same configuration would score here).
 4. It profiles each model again and predicts every configuration from that second profile too
    ("predicted after"): on a VM whose speed moves, the two profiles differ, and a run where they
    differ by more than 5 % is flagged as one whose errors measure the machine, not the model.
@@ -222,7 +223,7 @@ def cluster_for(ranks: int, args: argparse.Namespace, folder: Path):
     return load_cluster(str(path), ranks=ranks), measured
 
 
-def measure(config: Config, args: argparse.Namespace, folder: Path, index: int) -> float:
+def measure(config: Config, args: argparse.Namespace, folder: Path, index: int) -> None:
     from hybridpipe.launch import mpirun_command
 
     result = folder / f"result-{index}.json"
@@ -234,7 +235,6 @@ def measure(config: Config, args: argparse.Namespace, folder: Path, index: int) 
     config.measured_s += steps
     config.measured_rounds.append(statistics.median(steps))
     progress(f"  measured {config.measured_rounds[-1] * 1e3:.1f} ms, predicted {config.predicted_s * 1e3:.1f}")
-    return config.measured_rounds[-1]
 
 
 def model_flags(args: argparse.Namespace) -> list[str]:

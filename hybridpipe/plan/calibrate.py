@@ -140,7 +140,7 @@ CONTENTION_WINDOW_SECONDS = 0.015
 CONTENTION_WINDOWS = 80
 
 
-def compute_contention(comm: Any, repeats: int = 0, windows: int = CONTENTION_WINDOWS) -> float:
+def compute_contention(comm: Any, windows: int = CONTENTION_WINDOWS) -> float:
     """How much slower a synchronous job's ranks compute than the one process a profile is made in: the
     median over ``windows`` windows of the slowest rank's time for a fixed kernel, with min(ranks per host,
     cores) ranks of every host computing at once and every rank starting each window together, over the
@@ -152,12 +152,11 @@ def compute_contention(comm: Any, repeats: int = 0, windows: int = CONTENTION_WI
     project's 2-core VM has spells of 1–3 s in which one core, not both, runs 30–60 % slower): a profile's
     medians see a free core, while a synchronous step waits for the slowest rank at each exchange. More
     ranks than cores are counted apart, as ranks sharing cores. 1.0 with one rank. Collective over
-    ``comm``; ``repeats`` is not used (kept for the callers: the windows are set by ``windows``)."""
+    ``comm``."""
     from hybridpipe import runtime
     from hybridpipe.comm.engine import call
     from hybridpipe.plan.auto import host_cores
 
-    del repeats
     rank = comm.Get_rank()
     if comm.Get_size() < 2:
         return 1.0
@@ -263,7 +262,7 @@ def calibrate(repeats: int = 9) -> dict[str, Any]:
                 if run >= 2:
                     runs.append(time.perf_counter() - started)
             reduce_times.append(statistics.median(runs))
-        contention = compute_contention(comm, repeats)
+        contention = compute_contention(comm)
         if rank == 0:
             result["compute_contention"] = contention
         if state.grid.pipeline_stages == 1:
