@@ -49,7 +49,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +64,8 @@ from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
 from hybridpipe.pipeline.schedule import Action, ActionKind, stage_to_rank
 from hybridpipe.pipeline.skip import SkipContext, SkipRoute, skip_context
 
-__all__ = ["CHECKPOINT_MODES", "PipelineBroken", "StageExecutor", "StepResult", "gradient_phase", "splittable"]
+__all__ = ["CHECKPOINT_MODES", "PipelineBroken", "StageExecutor", "StepResult", "gradient_phase", "splittable",
+           "input_gradient_targets", "weight_gradients"]
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
 _TAG_PERIOD = 4096
@@ -650,17 +651,14 @@ class StageExecutor:
                          inputs: list[torch.Tensor]) -> None:
         """``I``: gradients into the chunk's input, the recorded outputs of splittable layers and the
         parameters of the other layers (accumulated into their ``.grad``); the graph stays for ``W``."""
-        deferred: set[int] = set()
         usable = []
         for layer, outputs, versions in stored.calls:
             if [t._version for t in outputs] == versions:
                 usable.append((layer, outputs))
-                deferred.update(id(p) for p in layer.parameters(recurse=False))
             else:  # modified in place after the layer (e.g. ReLU(inplace=True)): not separable
                 chunk.fused_layers.add(_layer_name(chunk, layer) + " (output modified in place)")
         stored.calls = usable
-        fused = [p for p in chunk.module.parameters() if p.requires_grad and id(p) not in deferred]
-        targets = inputs + fused + [t for _, outputs in usable for t in outputs]
+        fused, targets = input_gradient_targets(inputs, chunk.module.parameters(), usable)
         if fused:
             chunk.fused_layers.update(_owners(chunk, fused))
         if targets:
@@ -675,12 +673,7 @@ class StageExecutor:
         stored = self._stored[key]
         start = time.monotonic()
         with chunk.in_phase("final" if step.final.get(chunk.stage) == index else "partial"):
-            for position, (layer, outputs) in enumerate(stored.calls):
-                pairs = [(t, t.grad) for t in outputs if t.grad is not None]
-                parameters = [p for p in layer.parameters(recurse=False) if p.requires_grad]
-                if pairs and parameters:
-                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], inputs=parameters,
-                                            retain_graph=position < len(stored.calls) - 1)
+            weight_gradients(stored.calls)
         timeline.record(f"W{m}", "backward", "compute", start, time.monotonic(),
                         {"stage": chunk.stage, "micro_batch": m})
         self._finish(step, chunk, key, stored)
@@ -721,6 +714,27 @@ class StageExecutor:
 
 
 _SPLITTABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.LayerNorm, nn.GroupNorm)
+
+
+def input_gradient_targets(inputs: list[torch.Tensor], parameters: Iterable[nn.Parameter],
+                           calls: list[tuple[nn.Module, list[torch.Tensor]]]) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
+    """What the input half (``I``) of a split backward differentiates, given the recorded ``calls`` of splittable
+    layers (``(layer, its outputs)``): ``(fused, targets)`` — the parameters no recorded call owns (their
+    gradients come in ``I``), and the inputs, those parameters and the recorded outputs."""
+    deferred = {id(p) for layer, _ in calls for p in layer.parameters(recurse=False)}
+    fused = [p for p in parameters if p.requires_grad and id(p) not in deferred]
+    return fused, list(inputs) + fused + [t for _, outputs in calls for t in outputs]
+
+
+def weight_gradients(calls: list[tuple[nn.Module, list[torch.Tensor]]]) -> None:
+    """The weight half (``W``) of a split backward: per recorded call, autograd from its outputs' gradients (left by
+    ``I``) into that layer's own parameters; the graph is freed after the last."""
+    for position, (layer, outputs) in enumerate(calls):
+        pairs = [(t, t.grad) for t in outputs if t.grad is not None]
+        parameters = [p for p in layer.parameters(recurse=False) if p.requires_grad]
+        if pairs and parameters:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], inputs=parameters,
+                                    retain_graph=position < len(calls) - 1)
 
 
 def splittable(module: nn.Module) -> bool:

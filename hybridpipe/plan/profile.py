@@ -223,7 +223,7 @@ def _split_costs(layers: list[nn.Module], sample_input: Any, repeats: int, warmu
     into the layer's input, the outputs of its splittable sublayers and the other parameters, keeping the
     graph, then ``W`` per recorded sublayer call from that output's gradient into its own parameters — the
     executor's split (hybridpipe.pipeline.stage). 0 for a layer with nothing to split."""
-    from hybridpipe.pipeline.stage import splittable
+    from hybridpipe.pipeline.stage import input_gradient_targets, splittable, weight_gradients
 
     costs = []
     value = sample_input
@@ -261,17 +261,10 @@ def _split_costs(layers: list[nn.Module], sample_input: Any, repeats: int, warmu
                         if not split:
                             torch.autograd.backward(roots, grads)
                         else:
-                            deferred = {id(p) for module, _ in records for p in module.parameters(recurse=False)}
-                            targets = ([t for t in iter_tensors(inputs) if t.requires_grad]
-                                       + [p for p in parameters if id(p) not in deferred]
-                                       + [t for _, outputs in records for t in outputs])
+                            _, targets = input_gradient_targets(
+                                [t for t in iter_tensors(inputs) if t.requires_grad], parameters, records)
                             torch.autograd.backward(roots, grads, inputs=targets, retain_graph=True)
-                            for position, (module, outputs) in enumerate(records):
-                                pairs = [(t, t.grad) for t in outputs if t.grad is not None]
-                                own = [p for p in module.parameters(recurse=False) if p.requires_grad]
-                                if pairs and own:
-                                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], inputs=own,
-                                                            retain_graph=position < len(records) - 1)
+                            weight_gradients(records)
                         times.append((time.perf_counter() - started) * 1e3)
                     if run >= warmup and len(times) == 2:
                         extras.append(times[1] - times[0])
