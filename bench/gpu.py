@@ -81,11 +81,7 @@ def main() -> int:
         if rank == 0:
             print(f"torch.distributed gloo unavailable: {error}")
     # NCCL (hybridpipe's through cupy, and torch's as its peer) needs a GPU of its own per rank
-    import socket
-
-    places = comm.allgather((hp.comm.device.nccl_module() is not None, socket.gethostname(),
-                             str(getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid",
-                                         torch.cuda.current_device()))))
+    places = comm.allgather(hp.comm.device.gpu_place(torch.cuda.current_device()))
     use_nccl, no_nccl = hp.comm.device.nccl_decision("auto", places)
     torch_nccl = None
     if gloo is not None and len({place[1:] for place in places}) == n and torch.distributed.is_nccl_available():

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["ROUTES", "route", "cuda_aware", "CUDA_ALLREDUCE", "cuda_allreduce_algorithm", "nccl_module",
-           "nccl_decision", "nccl_communicator", "forget_nccl", "note_staged", "mpi_cuda_support", "describe", "accepts_cupy", "is_cupy",
+           "nccl_decision", "gpu_place", "nccl_communicator", "forget_nccl", "note_staged", "mpi_cuda_support", "describe", "accepts_cupy", "is_cupy",
            "compute_device", "set_device", "reduce_on_device"]
 
 
@@ -157,6 +157,17 @@ def nccl_decision(setting: str, ranks: list[tuple[bool, str, str]]) -> tuple[boo
 _nccl_groups: dict[tuple[int, int], Any] = {}  # (communicator handle, device index) -> NCCL communicator or None
 
 
+def gpu_place(device_index: int) -> tuple[bool, str, str]:
+    """This rank's ``(NCCL available, host, GPU uuid)`` for GPU ``device_index``: what :func:`nccl_decision` takes
+    from every rank of a group (two ranks share a GPU when host and uuid are the same)."""
+    import socket
+
+    import torch
+
+    uuid = str(getattr(torch.cuda.get_device_properties(device_index), "uuid", device_index))
+    return nccl_module() is not None, socket.gethostname(), uuid
+
+
 def nccl_communicator(comm: Any, device_index: int, setting: str) -> Any:
     """The NCCL communicator of ``comm``'s ranks on this rank's GPU ``device_index`` (made once: rank 0's
     unique id broadcast over MPI), or None where the group does not use NCCL (:func:`nccl_decision`).
@@ -164,13 +175,8 @@ def nccl_communicator(comm: Any, device_index: int, setting: str) -> Any:
     key = (comm.py2f(), device_index)
     if key in _nccl_groups:
         return _nccl_groups[key]
-    import socket
-
-    import torch
-
     nccl = nccl_module()
-    uuid = str(getattr(torch.cuda.get_device_properties(device_index), "uuid", device_index))
-    use, _ = nccl_decision(setting, comm.allgather((nccl is not None, socket.gethostname(), uuid)))
+    use, _ = nccl_decision(setting, comm.allgather(gpu_place(device_index)))
     made = None
     if use:
         import cupy

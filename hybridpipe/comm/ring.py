@@ -88,7 +88,6 @@ def ring_allreduce(flat: Any, scratch: Sequence[Any], rank: int, size: int, per_
         for k, (request, segment) in enumerate(zip(receives, in_segments)):
             wait(request)
             pending[k] = reduce(view(incoming, segment), received[segment[0]:segment[0] + segment[1]])
-    complete = (rank + 1) % size
     arrived: dict[int, Any] = {}  # segment -> the receive of it into the chunk sent next
     for step in range(size - 1):  # allgather of the complete chunks
         outgoing, incoming = (rank + 1 - step) % size, (rank - step) % size
@@ -97,7 +96,7 @@ def ring_allreduce(flat: Any, scratch: Sequence[Any], rank: int, size: int, per_
             wait(request)
         receives = [irecv(view(incoming, segment), left, tags[1]) for segment in in_segments]
         for k, segment in enumerate(segment_bounds(chunks[outgoing][1], per_segment)):
-            if outgoing == complete and k in pending:  # the last reduce-scatter step's reductions
+            if k in pending:  # step 0 sends chunk rank + 1: the last reduce-scatter step's reductions
                 reduced(pending.pop(k))
             elif k in arrived:
                 wait(arrived.pop(k))
@@ -105,7 +104,5 @@ def ring_allreduce(flat: Any, scratch: Sequence[Any], rank: int, size: int, per_
         arrived = dict(enumerate(receives))
     for request in arrived.values():
         wait(request)
-    for handle in pending.values():  # none left; kept for a ring whose last chunk had no sends
-        reduced(handle)
     for request in sends + [r for requests in chunk_sends.values() for r in requests]:
         wait(request)
