@@ -7,6 +7,7 @@ The MPI columns run with HYBRIDPIPE_GPU_ALLREDUCE=mpi, so that NCCL, where it is
 
 Usage (each rank uses GPU local_rank mod the visible GPUs; ranks may share one):
     mpirun -n 2 python bench/gpu.py [--sizes 4KiB,256KiB,4MiB,64MiB,256MiB] [--repeats 10] [--markdown]
+                                    [--ring-segments 1GiB,16MiB]
 
 How it measures: every repetition calls each implementation once, in a rotating order, after an MPI barrier;
 a repetition's time is the max over ranks, the reported time the median over repetitions (after a warm-up
@@ -36,15 +37,17 @@ from hybridpipe.config import parse_bytes  # noqa: E402
 
 
 @contextlib.contextmanager
-def route(cuda_aware_mpi: str, gpu_allreduce: str = "mpi"):
+def route(cuda_aware_mpi: str, gpu_allreduce: str = "mpi", ring_segment: int | None = None):
     """Runs the block with HYBRIDPIPE_CUDA_AWARE_MPI set to ``cuda_aware_mpi`` (1: cuda-aware, 0: staged) and
     HYBRIDPIPE_GPU_ALLREDUCE to ``gpu_allreduce`` (``mpi`` by default: where each rank has a GPU of its own and cupy
-    brings NCCL, ``auto`` would run every column's allreduce on NCCL)."""
+    brings NCCL, ``auto`` would run every column's allreduce on NCCL); ``ring_segment``: the device ring's segment
+    (HYBRIDPIPE_DEVICE_RING_SEGMENT_BYTES) if not the configured one."""
     from hybridpipe.comm import context
 
     ctx = context.current("bench")
     saved = ctx.config
-    ctx.config = dataclasses.replace(saved, cuda_aware_mpi=cuda_aware_mpi, gpu_allreduce=gpu_allreduce)
+    ctx.config = dataclasses.replace(saved, cuda_aware_mpi=cuda_aware_mpi, gpu_allreduce=gpu_allreduce,
+                                     device_ring_segment_bytes=ring_segment or saved.device_ring_segment_bytes)
     try:
         yield
     finally:
@@ -64,6 +67,9 @@ def main() -> int:
     parser.add_argument("--sizes", default="4KiB,256KiB,4MiB,64MiB,256MiB")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--ring-segments", default="",
+                        help="more cuda-aware columns, one per device-ring segment size (e.g. 1GiB,16MiB: "
+                             "HYBRIDPIPE_DEVICE_RING_SEGMENT_BYTES), beside the configured one")
     args = parser.parse_args()
     import warnings
 
@@ -135,8 +141,17 @@ def main() -> int:
             memory = MPI.buffer.fromaddress(on_gpu.data_ptr(), on_gpu.numel() * 4)
             comm.Allreduce(MPI.IN_PLACE, [memory, MPI.FLOAT], op=MPI.SUM)
 
+        def segmented(segment: int):
+            def run():
+                on_gpu.fill_(rank + 1)
+                with route("1", ring_segment=segment):
+                    hp.allreduce_(on_gpu, op=hp.Sum)
+            return run
+
         if hp.comm.device.mpi_cuda_support() == 1:
             columns["hybridpipe cuda-aware (cuda)"] = cuda_aware
+            for segment_text in filter(None, args.ring_segments.split(",")):
+                columns[f"cuda-aware, ring segment {segment_text} (cuda)"] = segmented(parse_bytes(segment_text))
             columns["MPI_Allreduce (cuda memory)"] = library
         if gloo is not None:
             columns["torch gloo (cuda)"] = gloo_cuda
@@ -160,10 +175,12 @@ def main() -> int:
         rows.append((text, size, medians, checks))
         on_gpu = on_host = pinned = None  # freed before the next size's buffers
     if rank == 0:
+        ring_segment = hp.comm.context.current("bench").config.device_ring_segment_bytes
         names = list(rows[0][2])
         factor = 2 * (n - 1) / n
         print(f"{n} ranks, {torch.cuda.device_count()} visible GPU(s) ({torch.cuda.get_device_name(0)}); "
-              f"{hp.comm.device.describe()}; median of {args.repeats}, busbw GB/s (ms)")
+              f"{hp.comm.device.describe()}; device ring segment {ring_segment >> 20} MiB; median of {args.repeats}, "
+              "busbw GB/s (ms)")
         header = ["size", *names, "staged ceiling / staged"]
         separator = " | " if args.markdown else "  "
         lines = [header]

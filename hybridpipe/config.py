@@ -157,9 +157,12 @@ class Config:
         set_device: where CUDA is available, ``hp.init`` makes GPU ``local_rank mod visible GPUs`` torch's
             current device and ``PipelineModel`` builds its stage there (HYBRIDPIPE_SET_DEVICE, 1 or 0).
         staging_segment_bytes: a CUDA buffer taking the staged route is copied to pinned host memory and back
-            in segments of this size, two in flight, so that the copies overlap the transfer; the device ring
-            (a CUDA-aware MPI) sends its chunks in segments of this size, each reduced as the next arrives
+            in segments of this size, two in flight, so that the copies overlap the transfer
             (HYBRIDPIPE_STAGING_SEGMENT_BYTES, e.g. ``4MiB``).
+        device_ring_segment_bytes: the device ring (CUDA buffers over a CUDA-aware MPI) sends each chunk in
+            segments of this size, each reduced while the next arrives (HYBRIDPIPE_DEVICE_RING_SEGMENT_BYTES,
+            e.g. ``64MiB``). Each segment is one more MPI message, about 25 µs of CUDA IPC on an H100
+            (docs/gpu.md), so it is larger than the staging segment.
         cuda_aware_mpi: whether CUDA buffers go to the MPI library as device memory: "auto" when it reports
             CUDA support (``MPIX_Query_cuda_support``), "1" always, "0" never (HYBRIDPIPE_CUDA_AWARE_MPI).
         gpu_allreduce: who reduces CUDA buffers in blocking and grouped allreduces: "nccl" (NCCL through
@@ -190,6 +193,7 @@ class Config:
     autotune_steps_per_sample: int = 5
     set_device: bool = True
     staging_segment_bytes: int = 4 * 1024 * 1024
+    device_ring_segment_bytes: int = 64 * 1024 * 1024
     cuda_aware_mpi: str = "auto"
     gpu_allreduce: str = "auto"
 
@@ -224,6 +228,7 @@ class Config:
             ("HYBRIDPIPE_AUTOTUNE_STEPS_PER_SAMPLE", "autotune_steps_per_sample", parse_bytes),
             ("HYBRIDPIPE_SET_DEVICE", "set_device", _switch),
             ("HYBRIDPIPE_STAGING_SEGMENT_BYTES", "staging_segment_bytes", parse_bytes),
+            ("HYBRIDPIPE_DEVICE_RING_SEGMENT_BYTES", "device_ring_segment_bytes", parse_bytes),
             ("HYBRIDPIPE_CUDA_AWARE_MPI", "cuda_aware_mpi", _auto_switch),
             ("HYBRIDPIPE_GPU_ALLREDUCE", "gpu_allreduce", _gpu_allreduce),
         ):
@@ -248,6 +253,9 @@ class Config:
             raise HybridPipeError(f"stall_shutdown_seconds={self.stall_shutdown_seconds} must be >= 0 (0: off)")
         if self.staging_segment_bytes < 4096:
             raise HybridPipeError(f"staging_segment_bytes={self.staging_segment_bytes} must be >= 4096 (e.g. 4MiB)")
+        if self.device_ring_segment_bytes < 4096:
+            raise HybridPipeError(f"device_ring_segment_bytes={self.device_ring_segment_bytes} must be >= 4096 "
+                                  "(e.g. 64MiB)")
         if self.gpu_allreduce not in ("nccl", "mpi", "auto"):
             raise HybridPipeError(f"gpu_allreduce={self.gpu_allreduce!r} must be 'nccl', 'mpi' or 'auto'")
         if self.cuda_aware_mpi not in ("auto", "1", "0"):

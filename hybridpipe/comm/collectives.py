@@ -228,9 +228,10 @@ def _device_ring_allreduce(buffer: Any, op: ReduceOp, comm: Any, segment_bytes: 
     """Ring allreduce of a contiguous CUDA tensor, in place, over a CUDA-aware MPI: the chunks travel as device
     memory (MPI_Isend / MPI_Irecv between GPUs: CUDA IPC between ranks of one host), and each reduce-scatter step is
     reduced on the GPU by the extension's kernel (device.reduce_on_device; float16 / bfloat16 added in float32).
-    The chunks go in segments of ``segment_bytes`` (HYBRIDPIPE_STAGING_SEGMENT_BYTES), so that a segment is reduced
-    while the next one arrives and leaves for the next step once it is reduced (hybridpipe.comm.ring: the order,
-    tested on CPU tensors in tests/comm/test_ring.py).
+    The chunks go in segments of ``segment_bytes`` (HYBRIDPIPE_DEVICE_RING_SEGMENT_BYTES), so that a segment is
+    reduced while the next one arrives and leaves for the next step once it is reduced (hybridpipe.comm.ring: the
+    order, tested on CPU tensors in tests/comm/test_ring.py). Each segment is an MPI message of its own, about
+    25 µs of CUDA IPC on an H100 (docs/gpu.md), hence segments far larger than staging's.
 
     Not MPI_Allreduce on device memory above 1 MiB: Open MPI reduces that on the host through its own staging
     (64 MiB on an H100 shared by 2 ranks: 94 ms, against 16 ms staged here and 2.8 ms by this ring, unsegmented;
@@ -334,7 +335,7 @@ def _cuda_allreduce(tensors: Sequence[Any], op: ReduceOp, name: str | None, pres
             if output is not packed:
                 output.copy_(packed)
             stream.synchronize()
-            _device_ring_allreduce(output, op, comm, ctx.config.staging_segment_bytes)
+            _device_ring_allreduce(output, op, comm, ctx.config.device_ring_segment_bytes)
         else:
             staging.run(packed, output, transfer, ready=mark, segment_bytes=ctx.config.staging_segment_bytes)
         if postscale != 1.0:

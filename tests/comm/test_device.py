@@ -99,6 +99,10 @@ def test_the_cuda_aware_route_follows_its_setting_or_the_library(monkeypatch):
     assert Config.from_env({"HYBRIDPIPE_STAGING_SEGMENT_BYTES": "1MiB"}).staging_segment_bytes == 1 << 20
     with pytest.raises(HybridPipeError, match=r"staging_segment_bytes=100 must be >= 4096"):
         Config.from_env({"HYBRIDPIPE_STAGING_SEGMENT_BYTES": "100"})
+    assert Config().device_ring_segment_bytes == 64 << 20
+    assert Config.from_env({"HYBRIDPIPE_DEVICE_RING_SEGMENT_BYTES": "16MiB"}).device_ring_segment_bytes == 16 << 20
+    with pytest.raises(HybridPipeError, match=r"device_ring_segment_bytes=1000 must be >= 4096 \(e.g. 64MiB\)"):
+        Config.from_env({"HYBRIDPIPE_DEVICE_RING_SEGMENT_BYTES": "1000"})
     if torch.cuda.is_available():
         monkeypatch.setenv("HYBRIDPIPE_CUDA_AWARE_MPI", "1")
         assert device.route(torch.ones(2, device="cuda")) == "cuda-aware"

@@ -114,7 +114,7 @@ class _HostEvent:
 
 @pytest.mark.parametrize("op", ["Sum", "Average", "Max"])
 def test_the_device_ring_runs_the_segmented_ring_with_the_device_steps_in_place(comm, monkeypatch, op):
-    """The device ring's own wiring — its scratch, its cut of HYBRIDPIPE_STAGING_SEGMENT_BYTES into elements, the
+    """The device ring's own wiring — its scratch, its cut of HYBRIDPIPE_DEVICE_RING_SEGMENT_BYTES into elements, the
     reduction kernel's arguments, the event waited for before a reduced segment is sent, the tags, Average's
     division — run on host memory: the CUDA calls are swapped for host ones, MPI reads host pointers the same way."""
     import hybridpipe as hp
