@@ -70,13 +70,15 @@ test-mpich: $(MPICH_VENV)/.installed
 	  ../$(MPICH_PY) -m pytest test_multihost.py -q -p no:cacheprovider --rootdir=$(CURDIR) -c $(CURDIR)/pyproject.toml
 
 # On a machine with a CUDA GPU (and a torch that sees it): the GPU tests (tests/gpu, skipped elsewhere), then
-# bench/gpu.py's table. GPU_PY=python3 uses that Python and builds the extension in place instead of .venv.
+# bench/gpu.py's table and bench/gpu_engine.py's. GPU_PY=python3 uses that Python and builds the extension
+# in place instead of .venv.
 GPU_PY ?= $(PY)
 gpu-check: $(if $(filter $(PY),$(GPU_PY)),$(STAMP),)
 	$(if $(filter $(PY),$(GPU_PY)),,$(GPU_PY) setup.py -q build_ext --inplace)
 	$(GPU_PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make gpu-check: torch sees no CUDA GPU')"
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(GPU_PY) -m pytest tests/gpu tests/comm/test_device.py tests/comm/test_staging.py tests/test_buckets.py -q -rs
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" mpirun $(MPIRUN_FLAGS) -n 2 $(GPU_PY) bench/gpu.py
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" mpirun $(MPIRUN_FLAGS) -n 2 $(GPU_PY) bench/gpu_engine.py
 
 # The main example: a byte-level GPT trained on the Python standard library sources, 2 stages × 2 replicas.
 demo: $(STAMP)

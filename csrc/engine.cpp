@@ -13,6 +13,9 @@
 #if __has_include(<mpi-ext.h>)
 #include <mpi-ext.h>
 #endif
+#if defined(HYBRIDPIPE_WITH_CUDA)
+#include "cuda/cuda_kernels.h"
+#endif
 
 #include <algorithm>
 #include <cstdio>
@@ -1282,6 +1285,7 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
   // Reduces `entries` (one alone, in place; several packed into the fusion buffer) and completes them.
   auto reduce = [&](std::vector<Entry>& entries, size_t total_bytes) {
     const double started = seconds_now();
+    if (reduce_cuda_bucket(group, entries, total_bytes, started)) return;
     const ReduceOp op = entries[0].op;
     const bool streamed = group.shm && total_bytes > options_.allreduce.small_message_bytes;
     if (entries.size() == 1) {
@@ -1351,6 +1355,90 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
     reduce_all(cutter.add(i, entry.buffer.bytes(), entry.buffer.dtype, entry.op));
   }
   reduce_all(cutter.flush());
+}
+
+bool Engine::reduce_cuda_bucket(Group& group, std::vector<Entry>& entries, size_t total_bytes, double started) {
+#if defined(HYBRIDPIPE_WITH_CUDA)
+  // Which GPU each entry's memory is on: -1 for host memory (a build without kernels never gets here with
+  // device memory; a rank that joined stands in with host zeros under the others' device code)
+  std::vector<int> gpus;
+  bool any = false;
+  for (const Entry& entry : entries) {
+    gpus.push_back(entry.device == 1 && !entry.zeros ? cuda_pointer_device(entry.buffer.data) : -1);
+    any = any || gpus.back() >= 0;
+  }
+  if (!any) return false;
+  if (pinned_bytes_ < total_bytes) {
+    pinned_.reset();
+    pinned_bytes_ = 0;
+    pinned_ = std::shared_ptr<void>(cuda_host_alloc(total_bytes), cuda_host_free);
+    pinned_bytes_ = total_bytes;
+  }
+  unsigned char* host = static_cast<unsigned char*>(pinned_.get());
+  std::map<int, std::vector<DevicePiece>> down, up;  // per GPU: its entries' inputs and results
+  std::vector<size_t> offsets;
+  size_t offset = 0;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const size_t bytes = entries[i].buffer.bytes();
+    offsets.push_back(offset);
+    if (gpus[i] >= 0) {
+      down[gpus[i]].push_back(DevicePiece{entries[i].buffer.data, offset, bytes});
+      up[gpus[i]].push_back(DevicePiece{entries[i].result().data, offset, bytes});
+    }
+    offset += bytes;
+  }
+  auto fusion_on = [&](int gpu) -> CudaFusion& {
+    std::shared_ptr<void>& slot = cuda_fusion_[gpu];
+    if (!slot) slot = std::shared_ptr<void>(std::make_shared<CudaFusion>(gpu));
+    return *static_cast<CudaFusion*>(slot.get());
+  };
+  uint64_t launches = 0;
+  // One GPU (the usual case): one gather of all its pieces. Several: each piece straight down, since a
+  // gather copies the whole span down and would overwrite the other GPUs' pieces.
+  auto each_gpu = [&](std::map<int, std::vector<DevicePiece>>& pieces, bool gather) {
+    for (auto& [gpu, list] : pieces) {
+      CudaFusion& fusion = fusion_on(gpu);
+      const uint64_t before = fusion.launches();
+      if (pieces.size() == 1 || list.size() == 1) {
+        gather ? fusion.gather(list, host, total_bytes) : fusion.scatter(list, host, total_bytes);
+      } else {
+        for (const DevicePiece& piece : list) {
+          gather ? fusion.gather({piece}, host, total_bytes) : fusion.scatter({piece}, host, total_bytes);
+        }
+      }
+      launches += fusion.launches() - before;
+    }
+  };
+  each_gpu(down, true);
+  for (size_t i = 0; i < entries.size(); ++i) {  // host entries after the gathers, which may cover their bytes
+    if (gpus[i] < 0) std::memcpy(host + offsets[i], entries[i].buffer.data, entries[i].buffer.bytes());
+  }
+  const double packed = seconds_now();
+  record(group, "pack", started, packed, total_bytes, entries.size());
+  const DType dtype = entries[0].buffer.dtype;
+  const Buffer fused{host, total_bytes / dtype_size(dtype), dtype};
+  const ReduceOp op = entries[0].op;
+  reduce_bucket(group, [&](const AllreduceOptions& options) {
+    allreduce(fused, fused, op, group.comm, options, group.workspace);
+  });
+  const double reduced = seconds_now();
+  record(group, "ring", packed, reduced, total_bytes, entries.size());
+  for (size_t i = 0; i < entries.size(); ++i) {
+    if (gpus[i] < 0) std::memcpy(entries[i].result().data, host + offsets[i], entries[i].buffer.bytes());
+  }
+  each_gpu(up, false);
+  record(group, "unpack", reduced, seconds_now(), total_bytes, entries.size());
+  group.stats.buckets++;
+  group.stats.bytes += total_bytes;
+  group.stats.tensors += entries.size();
+  group.stats.cuda_buckets++;
+  group.stats.cuda_launches += launches;
+  complete(entries, "", started);
+  return true;
+#else
+  (void)group, (void)entries, (void)total_bytes, (void)started;
+  return false;
+#endif
 }
 
 }  // namespace hybridpipe

@@ -101,6 +101,8 @@ struct EngineStats {
   uint64_t helped = 0;          // of those, run by a thread blocked in wait()
   uint64_t bytes = 0;           // bytes reduced
   uint64_t stall_warnings = 0;
+  uint64_t cuda_buckets = 0;    // buckets holding CUDA tensors, packed on the device (a CUDA build)
+  uint64_t cuda_launches = 0;   // kernels and copies those buckets took (at most 2 each way per GPU)
 };
 
 // Why a handle failed, so that Python picks the exception class without reading the message.
@@ -128,10 +130,11 @@ class Engine {
   // shutdown.
   void drive_transfers();
   // Queues an in-place allreduce of `buffer` over group `group`; returns a handle id. `device`: where the
-  // caller's tensor lives (0 host, 1 CUDA, 2 another accelerator; `buffer` is host memory either way):
-  // ranks must agree on it, as on count, dtype and op.
+  // caller's tensor lives (0 host, 1 CUDA, 2 another accelerator): ranks must agree on it, as on count, dtype
+  // and op. With device 1 `buffer` (and `output`) may be the tensor's device memory in a build with the CUDA
+  // kernels: its bucket is then packed on the GPU (reduce_cuda_bucket); else `buffer` is host memory.
   // `output`: where the result goes (data == nullptr: into `buffer`, in place); `buffer` is then only read.
-  // `ready_event`: a CUDA event (CUevent, e.g. torch.cuda.Event.cuda_event) recorded after the copy that fills
+  // `ready_event`: a CUDA event (CUevent, e.g. torch.cuda.Event.cuda_event) recorded after the work that fills
   // `buffer`; the tensor is announced to the other ranks only once it has completed (polled each cycle with
   // cuEventQuery, never waited on), as Horovod's ready events. 0: ready now.
   uint64_t submit(int group, const std::string& name, const Buffer& buffer, ReduceOp op, int device = 0,
@@ -314,6 +317,10 @@ class Engine {
   // has nothing else to do and runs at the process's own priority), else on the calling engine thread.
   void reduce_bucket(Group& group, const std::function<void(const AllreduceOptions&)>& work);
   void record(Group& group, const char* phase, double start, double end, size_t bytes, size_t tensors);
+  // A CUDA build: reduces a bucket holding CUDA tensors (device pointers; see submit) through pinned host
+  // memory, gathering them on each GPU with one kernel and one copy down, and scattering the result with one
+  // copy up and one kernel (csrc/cuda/fusion.cu). False (nothing done) when no entry is device memory.
+  bool reduce_cuda_bucket(Group& group, std::vector<Entry>& entries, size_t total_bytes, double started);
 
   EngineOptions options_;
   std::atomic<size_t> tuned_fusion_{0};  // copies of options_'s tunables for tuning() (written by the thread)
@@ -344,6 +351,11 @@ class Engine {
   double answer_message_[2] = {0, 0};                        // (round, seconds the answerer waited)
   std::vector<std::unique_ptr<double[]>> sent_answers_;      // buffers of answers in flight
   std::vector<MPI_Request> sent_answer_requests_;
+  // Device-side fusion (engine thread only): one CudaFusion per GPU, and the pinned host buffer the buckets
+  // of CUDA tensors are reduced in (a CUDA build; unused otherwise).
+  std::map<int, std::shared_ptr<void>> cuda_fusion_;
+  std::shared_ptr<void> pinned_;
+  size_t pinned_bytes_ = 0;
 };
 
 }  // namespace hybridpipe

@@ -407,7 +407,9 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("shared_memory", &EngineStats::shared_memory)
       .def_readonly("helped", &EngineStats::helped)
       .def_readonly("bytes", &EngineStats::bytes)
-      .def_readonly("stall_warnings", &EngineStats::stall_warnings);
+      .def_readonly("stall_warnings", &EngineStats::stall_warnings)
+      .def_readonly("cuda_buckets", &EngineStats::cuda_buckets)
+      .def_readonly("cuda_launches", &EngineStats::cuda_launches);
 
   py::enum_<ErrorKind>(m, "ErrorKind", "Why an engine handle failed.")
       .value("None_", ErrorKind::None)

@@ -46,9 +46,13 @@ def _submit(tensor: Any, average: Any, name: str | None, op: Any, prescale: Any,
     group_id = state.engine_group(group, function)
     if name is None:
         name = unnamed(function)
-    source: Any = None  # out of place on host memory: the engine reads `tensor` and writes a fresh output
-    ready: Any = None  # a CUDA tensor's copy to the host, still running: the engine waits for this event
-    if buffers.device_code(tensor) == 1:
+    source: Any = None  # out of place: the engine reads `source` and writes `work`, a fresh output
+    ready: Any = None  # a CUDA tensor's producer (or copy to the host), still running: the engine waits for it
+    back: Any = None  # a CUDA tensor reduced in a contiguous copy of itself: copied back into it at the end
+    on_device = buffers.device_code(tensor) == 1 and _device_fusion()
+    if on_device:
+        result, work, source, back, ready = _on_device(tensor, in_place, prescale)
+    elif buffers.device_code(tensor) == 1:
         result, work, ready = _stage_down(tensor, in_place, prescale)
     elif not in_place and prescale == 1.0 and buffers.is_host_contiguous(tensor):
         source = tensor.detach() if buffers.is_tensor(tensor) else tensor
@@ -66,6 +70,13 @@ def _submit(tensor: Any, average: Any, name: str | None, op: Any, prescale: Any,
         if contributors and op == Average:  # ranks had joined: the engine summed; average over the contributors
             buffers.scale_(work, 1.0 / contributors)
         buffers.scale_(work, postscale)
+        if on_device:  # the engine wrote `work` on the GPU and synchronized before it completed the handle
+            if back is not None:
+                import torch
+
+                back.copy_(work)
+                work.record_stream(torch.cuda.current_stream(work.device))  # freed only after that copy
+            return result
         if ready is not None:  # back up on the waiting thread's stream; the pinned block stays ours until then
             result.detach().copy_(work, non_blocking=True)
         else:
@@ -79,10 +90,50 @@ def _submit(tensor: Any, average: Any, name: str | None, op: Any, prescale: Any,
             return state.engine.submit(group_id, name, buffers.address(work), buffers.count(work), code, int(op),
                                        buffers.device_code(tensor), 0, 0 if ready is None else ready.cuda_event)
         return state.engine.submit(group_id, name, buffers.address(source), buffers.count(work), code, int(op),
-                                   buffers.device_code(tensor), buffers.address(work))
+                                   buffers.device_code(tensor), buffers.address(work),
+                                   0 if ready is None else ready.cuda_event)
 
     submitted.append(context.queue(state, group_id, name, function, submit, (result, work, source, ready), finish))
     return submitted[0]
+
+
+def _device_fusion() -> bool:
+    """Whether the engine packs CUDA tensors on the GPU: the extension was built with its CUDA kernels
+    (csrc/cuda/fusion.cu). Without them each CUDA tensor is copied to pinned host memory on its own."""
+    from .. import _ext
+
+    return bool(_ext.cuda_compiled())
+
+
+def _on_device(tensor: Any, in_place: bool, prescale: float) -> tuple[Any, Any, Any, Any, Any]:
+    """A CUDA tensor's engine allreduce where the engine packs on the GPU: ``(result, work, source, back,
+    ready)``. The engine reads ``source`` (None: ``work``) and writes ``work``, device memory both; the bucket
+    it joins is gathered into one fusion buffer by one kernel, reduced through pinned host memory and scattered
+    back by one kernel (csrc/cuda/fusion.cu), with no copy of its own per tensor. ``ready`` is an event recorded
+    on the caller's stream after the work queued so far (and the prescaling): the engine announces the tensor
+    once it has completed. ``back``: the caller's tensor when it is reduced in place through a contiguous copy
+    (non-contiguous, or prescaled), which finish() copies back."""
+    import torch
+
+    from . import device
+
+    device.note_staged(tensor)
+    value = tensor.detach()
+    source = back = None
+    if prescale != 1.0 or not value.is_contiguous():
+        work = value.clone(memory_format=torch.contiguous_format)  # never scale the caller's input
+        buffers.scale_(work, prescale)
+        if in_place:
+            back = value
+        result = tensor if in_place else work
+    elif in_place:
+        result, work = tensor, value  # the caller's own tensor object back, as on every other route
+    else:
+        source, work = value, torch.empty_like(value)
+        result = work
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(tensor.device))
+    return result, work, source, back, ready
 
 
 def _stage_down(tensor: Any, in_place: bool, prescale: float) -> tuple[Any, Any, Any]:
@@ -238,8 +289,10 @@ def engine_stats(group: Any = "data") -> dict[str, int]:
     """Counters of the engine for ``group``: cycles (negotiations), slow_rounds (name gathers),
     tensors, buckets (allreduce calls), shared_memory (of those, buckets reduced through the group's
     shared-memory segment, when its ranks share a host), helped (buckets run by a thread blocked in
-    wait(), not the engine thread), bytes, stall_warnings."""
+    wait(), not the engine thread), bytes, stall_warnings, cuda_buckets (buckets holding CUDA tensors, packed
+    on the GPU) and cuda_launches (the kernels and copies those took: at most two each way per bucket and GPU)."""
     state = context.current("engine_stats")
     stats = state.engine.stats(state.engine_group(group, "engine_stats"))
     return {name: getattr(stats, name) for name in
-            ("cycles", "slow_rounds", "tensors", "buckets", "shared_memory", "helped", "bytes", "stall_warnings")}
+            ("cycles", "slow_rounds", "tensors", "buckets", "shared_memory", "helped", "bytes", "stall_warnings",
+             "cuda_buckets", "cuda_launches")}

@@ -97,6 +97,52 @@ def test_engine_allreduce_async_of_many_cuda_gradients(world):
         np.testing.assert_allclose(tensor.cpu().numpy(), everyone(tensor.shape, torch.float32).mean(0), rtol=1e-6)
 
 
+def test_the_engine_packs_a_bucket_of_cuda_tensors_on_the_device(world):
+    """Forty tensors produced behind some milliseconds of work on a side stream become ready together, so the
+    engine fuses them: each bucket is gathered by one kernel and one copy down and scattered by one copy up and
+    one kernel (engine_stats: cuda_launches), not a copy each way per tensor. Out of place, in place through a
+    strided view, prescaled and averaged tensors, and half types, against numpy."""
+    if not hp.cuda_built():
+        pytest.skip("the extension was built without its CUDA kernels: the engine stages each tensor by itself")
+    rank = hp.rank()
+    before = hp.engine_stats("world")
+    busy = torch.randn(2048, 2048, device="cuda")
+    tensors = [torch.zeros(n, device="cuda") for n in range(1, 41)]
+    sources = [rank_values(rank, (n,), torch.float32).cuda() for n in range(1, 41)]
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for _ in range(20):
+            busy = torch.tanh(busy @ busy)
+        for tensor, source in zip(tensors, sources):
+            tensor.copy_(source)  # queued behind the work above: the tensors are not ready before it ends
+        handles = [hp.allreduce_async_(t, name=f"packed.{i}", op=hp.Sum, group="world") for i, t in enumerate(tensors)]
+        for handle in handles:
+            hp.synchronize(handle)
+    side.synchronize()
+    for n, tensor in enumerate(tensors, start=1):
+        np.testing.assert_array_equal(tensor.cpu().numpy(), everyone((n,), torch.float32).sum(0))
+    after = hp.engine_stats("world")
+    buckets = after["cuda_buckets"] - before["cuda_buckets"]
+    launches = after["cuda_launches"] - before["cuda_launches"]
+    assert 1 <= buckets <= 40 and launches <= 4 * buckets
+    assert launches < 40, f"{launches} kernels and copies for 40 tensors in {buckets} buckets: not packed"
+
+    # the other forms through the same path
+    x = rank_values(rank, (1000,), torch.float32).cuda()
+    out = hp.synchronize(hp.allreduce_async(x, op=hp.Average, name="packed.out", prescale_factor=2.0,
+                                            postscale_factor=0.5))
+    np.testing.assert_allclose(out.cpu().numpy(), everyone((1000,), torch.float32).mean(0), rtol=1e-6)
+    assert torch.equal(x.cpu(), rank_values(rank, (1000,), torch.float32))  # the input is left alone
+    view = rank_values(rank, (30, 20), torch.float16).cuda().t()  # non-contiguous: reduced in a copy, copied back
+    assert hp.synchronize(hp.allreduce_async_(view, op=hp.Sum, name="packed.view")) is view
+    np.testing.assert_array_equal(view.double().cpu().numpy(), everyone((30, 20), torch.float16).sum(0).T)
+    for dtype in (torch.bfloat16, torch.int64):
+        y = rank_values(rank, (333,), dtype).cuda()
+        hp.synchronize(hp.allreduce_async_(y, op=hp.Max, name=f"packed.max.{dtype}"))
+        np.testing.assert_array_equal(y.double().cpu().numpy(), everyone((333,), dtype).max(0))
+
+
 def test_a_large_cuda_buffer_is_reduced_exactly(world):
     count = 16 << 20  # 64 MiB of float32
     x = torch.full((count,), float(hp.rank() + 1), device="cuda")
