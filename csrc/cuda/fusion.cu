@@ -6,9 +6,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <stdexcept>
-#include <string>
 
+#include "cuda_check.h"
 #include "cuda_kernels.h"
 
 namespace hybridpipe {
@@ -42,14 +41,6 @@ __global__ void batched_copy_kernel(const CopyRange* __restrict__ ranges, size_t
     }
   }
 }
-
-void check(cudaError_t status, const char* what, int line) {
-  if (status != cudaSuccess) {
-    throw std::runtime_error(std::string("hybridpipe device fusion: ") + what + " failed (" + __FILE__ + ":" +
-                             std::to_string(line) + "): " + cudaGetErrorString(status));
-  }
-}
-#define HP_CUDA_CHECK(call) check((call), #call, __LINE__)
 
 }  // namespace
 
@@ -148,7 +139,7 @@ void CudaFusion::scatter(const std::vector<DevicePiece>& pieces, const unsigned 
 int cuda_pointer_device(const void* pointer) {
   cudaPointerAttributes attributes{};
   if (cudaPointerGetAttributes(&attributes, pointer) != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky-free error a host pointer can leave
+    cudaGetLastError();  // clear the (non-sticky) error it leaves
     return -1;
   }
   return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged ? attributes.device

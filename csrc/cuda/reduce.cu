@@ -7,10 +7,9 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <stdexcept>
-#include <string>
 
 #include "../common.h"
+#include "cuda_check.h"
 #include "cuda_kernels.h"
 
 namespace hybridpipe {
@@ -40,12 +39,6 @@ struct HalfToFloat { __device__ float operator()(__half v) const { return __half
 struct FloatToHalf { __device__ __half operator()(float v) const { return __float2half_rn(v); } };
 struct Bf16ToFloat { __device__ float operator()(__nv_bfloat16 v) const { return __bfloat162float(v); } };
 struct FloatToBf16 { __device__ __nv_bfloat16 operator()(float v) const { return __float2bfloat16_rn(v); } };
-
-void check(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) {
-    throw std::runtime_error(std::string(what) + " failed: " + cudaGetErrorString(status));
-  }
-}
 
 }  // namespace
 
@@ -84,7 +77,7 @@ void cuda_reduce_into(void* accumulator, const void* incoming, size_t count, DTy
                                                          code, Bf16ToFloat{}, FloatToBf16{});
       break;
   }
-  check(cudaGetLastError(), "cuda_reduce_into kernel launch");
+  HP_CUDA_CHECK(cudaGetLastError());  // the kernel launch
 }
 
 int cuda_device_count() {
