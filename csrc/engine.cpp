@@ -234,6 +234,14 @@ uint64_t Engine::submit_refusal(int group_id, const std::string& name, const std
   return detached ? 0 : handle;
 }
 
+void Engine::set_device_allreduce(int group_id, DeviceAllreduce reduce) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (group_id < 0 || group_id >= static_cast<int>(groups_.size())) {
+    throw std::invalid_argument("set_device_allreduce: no group " + std::to_string(group_id));
+  }
+  groups_[group_id]->device_allreduce = std::move(reduce);
+}
+
 uint64_t Engine::submit(int group_id, const std::string& name, const Buffer& buffer, ReduceOp op, int device,
                         const Buffer& output, uintptr_t ready_event) {
   if (output.data && (output.count != buffer.count || output.dtype != buffer.dtype)) {
@@ -1393,6 +1401,40 @@ bool Engine::reduce_cuda_bucket(Group& group, std::vector<Entry>& entries, size_
     return *static_cast<CudaFusion*>(slot.get());
   };
   uint64_t launches = 0;
+  const DType dtype = entries[0].buffer.dtype;
+  const ReduceOp op = entries[0].op;
+  auto finish = [&](bool device_memory) {
+    group.stats.buckets++;
+    group.stats.bytes += total_bytes;
+    group.stats.tensors += entries.size();
+    group.stats.cuda_buckets++;
+    group.stats.cuda_aware_buckets += device_memory ? 1 : 0;
+    group.stats.cuda_launches += launches;
+    complete(entries, "", started);
+  };
+  // In device memory, where the group has a device allreduce (a CUDA-aware MPI) and every rank decides alike:
+  // every entry a CUDA tensor on one GPU, and no rank has joined (a joined rank stands in with host zeros)
+  const bool one_gpu = down.size() == 1 && std::none_of(gpus.begin(), gpus.end(), [](int g) { return g < 0; });
+  const bool all_contribute = std::all_of(entries.begin(), entries.end(),
+                                          [](const Entry& entry) { return entry.contributors == 0; });
+  if (group.device_allreduce && one_gpu && all_contribute) {
+    const int gpu = down.begin()->first;
+    CudaFusion& fusion = fusion_on(gpu);
+    const uint64_t before = fusion.launches();
+    void* fused = fusion.gather_device(down[gpu], total_bytes);
+    const double packed = seconds_now();
+    if (group.device_allreduce(fused, total_bytes / dtype_size(dtype), dtype, op, gpu)) {
+      const double reduced = seconds_now();
+      fusion.scatter_device(up[gpu], total_bytes);
+      launches += fusion.launches() - before;
+      record(group, "pack", started, packed, total_bytes, entries.size());
+      record(group, "ring", packed, reduced, total_bytes, entries.size());
+      record(group, "unpack", reduced, seconds_now(), total_bytes, entries.size());
+      finish(true);
+      return true;
+    }
+    launches += fusion.launches() - before;  // not taken: staged below
+  }
   // One GPU (the usual case): one gather of all its pieces. Several: each piece straight down, since a
   // gather copies the whole span down and would overwrite the other GPUs' pieces.
   auto each_gpu = [&](std::map<int, std::vector<DevicePiece>>& pieces, bool gather) {
@@ -1415,9 +1457,7 @@ bool Engine::reduce_cuda_bucket(Group& group, std::vector<Entry>& entries, size_
   }
   const double packed = seconds_now();
   record(group, "pack", started, packed, total_bytes, entries.size());
-  const DType dtype = entries[0].buffer.dtype;
   const Buffer fused{host, total_bytes / dtype_size(dtype), dtype};
-  const ReduceOp op = entries[0].op;
   reduce_bucket(group, [&](const AllreduceOptions& options) {
     allreduce(fused, fused, op, group.comm, options, group.workspace);
   });
@@ -1428,12 +1468,7 @@ bool Engine::reduce_cuda_bucket(Group& group, std::vector<Entry>& entries, size_
   }
   each_gpu(up, false);
   record(group, "unpack", reduced, seconds_now(), total_bytes, entries.size());
-  group.stats.buckets++;
-  group.stats.bytes += total_bytes;
-  group.stats.tensors += entries.size();
-  group.stats.cuda_buckets++;
-  group.stats.cuda_launches += launches;
-  complete(entries, "", started);
+  finish(false);
   return true;
 #else
   (void)group, (void)entries, (void)total_bytes, (void)started;

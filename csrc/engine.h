@@ -103,7 +103,13 @@ struct EngineStats {
   uint64_t stall_warnings = 0;
   uint64_t cuda_buckets = 0;    // buckets holding CUDA tensors, packed on the device (a CUDA build)
   uint64_t cuda_launches = 0;   // kernels and copies those buckets took (at most 2 each way per GPU)
+  uint64_t cuda_aware_buckets = 0;  // of those, reduced in device memory by the group's device allreduce
 };
+
+// A group's allreduce of a CUDA buffer in device memory (`data`: `count` elements of `dtype` on GPU `gpu`), in
+// place, for a CUDA-aware MPI: true when it reduced it, false when it does not take this buffer (the engine
+// stages it through pinned host memory instead). Every rank must answer alike for alike buffers.
+using DeviceAllreduce = std::function<bool(void* data, size_t count, DType dtype, ReduceOp op, int gpu)>;
 
 // Why a handle failed, so that Python picks the exception class without reading the message.
 // Refused: another rank's arguments failed its own checks (it raised them itself; see submit_refusal).
@@ -125,6 +131,10 @@ class Engine {
   int add_group(MPI_Comm comm, const std::string& label);
   // Starts the communication thread.
   void start();
+  // Buckets of CUDA tensors of `group` go to `reduce` in device memory, gathered there by one kernel and
+  // scattered back by one (a build with the CUDA kernels; see reduce_cuda_bucket). Set it on every rank of the
+  // group before its first such bucket (hybridpipe sets it when the group is added).
+  void set_device_allreduce(int group, DeviceAllreduce reduce);
   // From now on the communication thread makes the MPI calls of every point-to-point transfer
   // (isend / irecv in p2p.h) of this process: installs its queue (before start()). Uninstalled at
   // shutdown.
@@ -242,6 +252,7 @@ class Engine {
     std::vector<EngineEvent> events;  // guarded by Engine::mutex_
     Workspace workspace;
     std::vector<unsigned char> fusion;
+    DeviceAllreduce device_allreduce;      // see set_device_allreduce (engine thread reads it)
     SharedMemoryAllreduce* shm = nullptr;  // the group's segment when its ranks share a host (owned by comm)
     bool waiters_help = true;  // waiters may run its buckets: options.waiters_help and all ranks on one host
     // Helping (guarded by Engine::mutex_): only threads waiting for this group's handles run its
@@ -317,9 +328,11 @@ class Engine {
   // has nothing else to do and runs at the process's own priority), else on the calling engine thread.
   void reduce_bucket(Group& group, const std::function<void(const AllreduceOptions&)>& work);
   void record(Group& group, const char* phase, double start, double end, size_t bytes, size_t tensors);
-  // A CUDA build: reduces a bucket holding CUDA tensors (device pointers; see submit) through pinned host
-  // memory, gathering them on each GPU with one kernel and one copy down, and scattering the result with one
-  // copy up and one kernel (csrc/cuda/fusion.cu). False (nothing done) when no entry is device memory.
+  // A CUDA build: reduces a bucket holding CUDA tensors (device pointers; see submit). With the group's device
+  // allreduce (a CUDA-aware MPI), when it takes the bucket, in device memory: gathered by one kernel, reduced,
+  // scattered by one kernel. Else through pinned host memory, gathering them on each GPU with one kernel and
+  // one copy down, and scattering the result with one copy up and one kernel (csrc/cuda/fusion.cu). False
+  // (nothing done) when no entry is device memory.
   bool reduce_cuda_bucket(Group& group, std::vector<Entry>& entries, size_t total_bytes, double started);
 
   EngineOptions options_;

@@ -409,7 +409,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("bytes", &EngineStats::bytes)
       .def_readonly("stall_warnings", &EngineStats::stall_warnings)
       .def_readonly("cuda_buckets", &EngineStats::cuda_buckets)
-      .def_readonly("cuda_launches", &EngineStats::cuda_launches);
+      .def_readonly("cuda_launches", &EngineStats::cuda_launches)
+      .def_readonly("cuda_aware_buckets", &EngineStats::cuda_aware_buckets);
 
   py::enum_<ErrorKind>(m, "ErrorKind", "Why an engine handle failed.")
       .value("None_", ErrorKind::None)
@@ -552,6 +553,26 @@ PYBIND11_MODULE(_C, m) {
             py::gil_scoped_release no_gil;
             engine.shutdown();
           })
+      .def(
+          "set_device_allreduce",
+          [](Engine& engine, int group, py::function function) {
+            // Borrowed: the caller keeps `function` alive as long as the engine (hybridpipe.comm.context does);
+            // the engine thread takes the GIL to call it.
+            PyObject* raw = function.ptr();
+            engine.set_device_allreduce(group, [raw](void* data, size_t count, DType dtype, ReduceOp op, int gpu) {
+              py::gil_scoped_acquire gil;
+              try {
+                return py::handle(raw)(reinterpret_cast<uintptr_t>(data), count, static_cast<int>(dtype),
+                                       static_cast<int>(op), gpu)
+                    .cast<bool>();
+              } catch (py::error_already_set& error) {  // rethrown as a plain error while the GIL is held
+                throw std::runtime_error(std::string("the device allreduce failed: ") + error.what());
+              }
+            });
+          },
+          py::arg("group"), py::arg("function"),
+          "Buckets of CUDA tensors of `group` go to function(address, count, dtype, op, gpu) -> bool in device "
+          "memory (a build with the CUDA kernels); False: staged through pinned host memory instead.")
       .def("stats", &Engine::stats, py::arg("group"))
       .def("take_events", &Engine::take_events, py::arg("group"));
 

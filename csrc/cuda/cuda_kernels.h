@@ -36,6 +36,11 @@ class CudaFusion {
   // The reverse: one copy of `total` bytes up and one scatter kernel (a single piece: one copy straight up).
   // Returns when every piece's device memory holds its bytes.
   void scatter(const std::vector<DevicePiece>& pieces, const unsigned char* host, size_t total);
+  // The pieces into the device fusion buffer at their offsets (one gather kernel; a single piece: one
+  // device-to-device copy); returns the buffer, once they are there. It stays valid until the next call.
+  void* gather_device(const std::vector<DevicePiece>& pieces, size_t total);
+  // The device fusion buffer's bytes back into the pieces (one scatter kernel; a single piece: one copy).
+  void scatter_device(const std::vector<DevicePiece>& pieces, size_t total);
   // Kernel launches and copies issued so far (the batched copy's descriptor upload counted with its kernel).
   uint64_t launches() const { return launches_; }
 

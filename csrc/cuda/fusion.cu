@@ -136,6 +136,35 @@ void CudaFusion::scatter(const std::vector<DevicePiece>& pieces, const unsigned 
   HP_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
+void* CudaFusion::gather_device(const std::vector<DevicePiece>& pieces, size_t total) {
+  HP_CUDA_CHECK(cudaSetDevice(device_));
+  reserve(total, pieces.size());
+  auto stream = static_cast<cudaStream_t>(stream_);
+  if (pieces.size() == 1) {
+    HP_CUDA_CHECK(cudaMemcpyAsync(static_cast<unsigned char*>(fusion_) + pieces[0].offset, pieces[0].data,
+                                  pieces[0].bytes, cudaMemcpyDeviceToDevice, stream));
+    launches_ += 1;
+  } else if (!pieces.empty()) {
+    batched_copy(pieces, true);
+  }
+  HP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return fusion_;
+}
+
+void CudaFusion::scatter_device(const std::vector<DevicePiece>& pieces, size_t total) {
+  HP_CUDA_CHECK(cudaSetDevice(device_));
+  reserve(total, pieces.size());
+  auto stream = static_cast<cudaStream_t>(stream_);
+  if (pieces.size() == 1) {
+    HP_CUDA_CHECK(cudaMemcpyAsync(pieces[0].data, static_cast<unsigned char*>(fusion_) + pieces[0].offset,
+                                  pieces[0].bytes, cudaMemcpyDeviceToDevice, stream));
+    launches_ += 1;
+  } else if (!pieces.empty()) {
+    batched_copy(pieces, false);
+  }
+  HP_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
 int cuda_pointer_device(const void* pointer) {
   cudaPointerAttributes attributes{};
   if (cudaPointerGetAttributes(&attributes, pointer) != cudaSuccess) {

@@ -264,6 +264,35 @@ def _device_ring_allreduce(buffer: Any, op: ReduceOp, comm: Any, segment_bytes: 
         flat.div_(size)
 
 
+def engine_device_allreduce(comm: Any) -> Callable[[int, int, int, int, int], bool]:
+    """The engine's device allreduce for its group over ``comm`` (``Engine.set_device_allreduce``): a bucket of
+    CUDA tensors that the engine gathered into device memory (csrc/cuda/fusion.cu) is reduced there, in place,
+    on the communication thread, as a grouped CUDA allreduce is on the cuda-aware route: MPI_Allreduce of the
+    device memory below 1 MiB, the device ring above (hybridpipe.comm.device.CUDA_ALLREDUCE). It answers False
+    where those do not apply (the staged route, an integer Average): the engine stages that bucket through
+    pinned host memory. Not NCCL: its communicator is made by a collective the engine's cycle cannot wait for."""
+
+    def reduce(address: int, count: int, code: int, op_code: int, gpu: int) -> bool:
+        import torch
+
+        if not device.cuda_aware():
+            return False
+        op = ReduceOp(op_code)
+        algorithm = device.cuda_allreduce_algorithm("cuda-aware", count * core().dtype_size(code), code, op_code)
+        if algorithm not in ("mpi-library", "device-ring"):
+            return False
+        with torch.cuda.device(gpu):
+            buffer = device.from_address(address, count, code, gpu)
+            if algorithm == "mpi-library":
+                _library_device_allreduce(buffer, buffer, op, comm)
+            else:
+                _device_ring_allreduce(buffer, op, comm, context.current("allreduce_async").config.device_ring_segment_bytes)
+            torch.cuda.current_stream(buffer.device).synchronize()  # the engine scatters it on a stream of its own
+        return True
+
+    return reduce
+
+
 def _cuda_allreduce(tensors: Sequence[Any], op: ReduceOp, name: str | None, prescale: float, postscale: float,
                       comm: Any, function: str, in_place: bool, ready: Any, agreed: bool = False) -> list:
     """Allreduce of CUDA tensors (the routes of hybridpipe.comm.device), in the order of the list.

@@ -107,10 +107,26 @@ class CommContext:
         # the grid's groups are active from the first cycle; world first: it holds every rank, and later
         # groups join at a cycle it agrees on (csrc/engine.h)
         self._engine_ids: dict[str, int] = {}
+        self._device_allreduces: list[Any] = []  # the engine borrows them (set_device_allreduce)
         for label in BUILTIN_GROUPS:
-            self._engine_ids[label] = self.engine.add_group(self._builtin(label).py2f(), label)
+            self._engine_ids[label] = self.add_engine_group(self._builtin(label), label)
         self.engine.drive_transfers()  # the pipeline's sends and receives go through the same thread
         self.engine.start()
+
+    def add_engine_group(self, comm: Any, label: str) -> int:
+        """Adds the group over mpi4py communicator ``comm`` to the engine; returns its id. With the CUDA kernels
+        built, its buckets of CUDA tensors can stay in device memory on a CUDA-aware MPI
+        (collectives.engine_device_allreduce)."""
+        from .._ext import cuda_compiled
+
+        group_id = self.engine.add_group(comm.py2f(), label)
+        if cuda_compiled():
+            from .collectives import engine_device_allreduce
+
+            reduce = engine_device_allreduce(comm)
+            self._device_allreduces.append(reduce)
+            self.engine.set_device_allreduce(group_id, reduce)
+        return group_id
 
     def _builtin(self, label: str) -> Any:
         return {"world": self.grid.world_comm, "data": self.grid.data_comm, "pipe": self.grid.pipe_comm}[label]
@@ -201,11 +217,11 @@ class CommContext:
             if set_entry.builtin:
                 return self._engine_ids[set_entry.builtin]
             if set_entry.engine_id is None:
-                set_entry.engine_id = self.engine.add_group(set_entry.comm.py2f(), set_entry.label)
+                set_entry.engine_id = self.add_engine_group(set_entry.comm, set_entry.label)
             return set_entry.engine_id
         entry = self._user(group, function)
         if entry.engine_id is None:
-            entry.engine_id = self.engine.add_group(entry.user.py2f(), f"user communicator {id(group):#x}")
+            entry.engine_id = self.add_engine_group(entry.user, f"user communicator {id(group):#x}")
         return entry.engine_id
 
     def allreduce_options(self) -> Any:

@@ -113,6 +113,28 @@ def cuda_allreduce_algorithm(route_name: str, nbytes: int, code: int, op: int, n
     raise AssertionError("the staged algorithm applies to every CUDA buffer")
 
 
+class _DeviceMemory:
+    """``count`` elements of ``itemsize`` bytes at device address ``address``, as the CUDA array interface tells
+    them to torch (a signed integer type of that size: the interface has no bfloat16)."""
+
+    def __init__(self, address: int, count: int, itemsize: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (count,), "typestr": f"<i{itemsize}", "data": (address, False),
+                                         "version": 3, "strides": None}
+
+
+def from_address(address: int, count: int, code: int, gpu: int) -> Any:
+    """A 1-D torch tensor over ``count`` elements of dtype code ``code`` (hybridpipe.comm.buffers) at device
+    address ``address`` on GPU ``gpu``: a view, no copy; the memory stays its owner's (the engine's device fusion
+    buffer, for its device allreduce)."""
+    import torch
+
+    from . import buffers
+
+    dtype = next(key for key, value in buffers.torch_codes().items() if value == code)
+    memory = torch.as_tensor(_DeviceMemory(address, count, dtype.itemsize), device=torch.device("cuda", gpu))
+    return memory.view(dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def nccl_module() -> Any:
     """cupy's NCCL binding (``cupy.cuda.nccl``), or None where cupy or its NCCL is not installed."""

@@ -290,9 +290,10 @@ def engine_stats(group: Any = "data") -> dict[str, int]:
     tensors, buckets (allreduce calls), shared_memory (of those, buckets reduced through the group's
     shared-memory segment, when its ranks share a host), helped (buckets run by a thread blocked in
     wait(), not the engine thread), bytes, stall_warnings, cuda_buckets (buckets holding CUDA tensors, packed
-    on the GPU) and cuda_launches (the kernels and copies those took: at most two each way per bucket and GPU)."""
+    on the GPU), cuda_launches (the kernels and copies those took: at most two each way per bucket and GPU) and
+    cuda_aware_buckets (of the CUDA buckets, those reduced in device memory: a CUDA-aware MPI)."""
     state = context.current("engine_stats")
     stats = state.engine.stats(state.engine_group(group, "engine_stats"))
     return {name: getattr(stats, name) for name in
             ("cycles", "slow_rounds", "tensors", "buckets", "shared_memory", "helped", "bytes", "stall_warnings",
-             "cuda_buckets", "cuda_launches")}
+             "cuda_buckets", "cuda_launches", "cuda_aware_buckets")}

@@ -162,3 +162,21 @@ def _has_nccl() -> bool:
         return True
     except Exception:  # noqa: BLE001
         return False
+
+
+def test_the_engines_device_allreduce_declines_what_the_cuda_allreduce_table_stages(monkeypatch):
+    """The engine asks its group's device allreduce for every bucket of CUDA tensors it gathered in device memory
+    (a build with the CUDA kernels); it must answer False, before it touches the memory, wherever the table
+    stages: the staged route, and an integer Average on the cuda-aware route. (The True side runs on a GPU:
+    tests/gpu/test_gpu_mpi.py.)"""
+    from hybridpipe.comm import collectives
+
+    class NoComm:  # any use of it would fail: the answers below come before any transfer
+        pass
+
+    reduce = collectives.engine_device_allreduce(NoComm())
+    monkeypatch.setenv("HYBRIDPIPE_CUDA_AWARE_MPI", "0")
+    assert reduce(0, 1 << 20, 0, 0, 0) is False  # float32 Sum, 4 MiB: staged route
+    monkeypatch.setenv("HYBRIDPIPE_CUDA_AWARE_MPI", "1")
+    assert device.cuda_allreduce_algorithm("cuda-aware", 8 << 20, 4, 1) == "staged"
+    assert reduce(0, 1 << 21, 4, 1, 0) is False  # int32 Average: staged on every route

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import hybridpipe as hp
-from hybridpipe.comm import device
+from hybridpipe.comm import buffers, device
 
 pytestmark = [pytest.mark.mpi(ranks=[2], timeout=600), pytest.mark.cuda]
 
@@ -304,6 +304,48 @@ def test_each_route_reduces_broadcasts_and_sends_cuda_tensors_exactly(gpu_route)
         comm.Barrier()
     finally:
         comm.Free()
+
+
+def test_the_engines_buckets_stay_in_device_memory_on_the_cuda_aware_route(gpu_route):
+    """On the cuda-aware route the engine's buckets of CUDA tensors are reduced in device memory (gathered by one
+    kernel, MPI_Allreduce of device memory below 1 MiB or the device ring above, scattered by one kernel:
+    engine_stats' cuda_aware_buckets); on the staged route through pinned host memory. Exact either way: small
+    and large buckets, float32 and bfloat16, Sum and Average, in and out of place, an integer Average (staged on
+    both routes)."""
+    if not hp.cuda_built():
+        pytest.skip("the extension was built without its CUDA kernels: the engine stages each tensor by itself")
+    rank = hp.rank()
+    before = hp.engine_stats("world")
+    cases = [((7,), torch.float32, hp.Sum), ((300_000,), torch.float32, hp.Average), ((1000,), torch.bfloat16, hp.Sum),
+             ((600_001,), torch.bfloat16, hp.Max)]
+    for i, (shape, dtype, op) in enumerate(cases):
+        x = rank_values(rank, shape, dtype).cuda()
+        reference = everyone(shape, dtype)
+        expected = {hp.Sum: reference.sum(0), hp.Average: reference.mean(0), hp.Max: reference.max(0)}[op]
+        out = hp.synchronize(hp.allreduce_async(x, op=op, name=f"route.{gpu_route}.{i}", group="world"))
+        np.testing.assert_allclose(out.double().cpu().numpy(), expected, rtol=1e-2 if dtype.itemsize == 2 else 1e-6)
+        assert torch.equal(x.cpu(), rank_values(rank, shape, dtype))
+        assert hp.synchronize(hp.allreduce_async_(x, op=op, name=f"route.{gpu_route}.{i}.in", group="world")) is x
+        np.testing.assert_allclose(x.double().cpu().numpy(), expected, rtol=1e-2 if dtype.itemsize == 2 else 1e-6)
+    y = rank_values(rank, (5000,), torch.int32).cuda()
+    on_host = rank_values(rank, (5000,), torch.int32)
+    hp.synchronize(hp.allreduce_async_(y, op=hp.Average, name=f"route.{gpu_route}.int", group="world"))
+    hp.synchronize(hp.allreduce_async_(on_host, op=hp.Average, name=f"route.{gpu_route}.int.host", group="world"))
+    assert torch.equal(y.cpu(), on_host)  # an integer Average is staged and rounds as the host core does
+    after = hp.engine_stats("world")
+    in_device_memory = after["cuda_aware_buckets"] - before["cuda_aware_buckets"]
+    buckets = after["cuda_buckets"] - before["cuda_buckets"]
+    if gpu_route == "cuda-aware":
+        assert (buckets, in_device_memory) == (9, 8)  # each call its own bucket; all but the integer Average
+    else:
+        assert (buckets, in_device_memory) == (9, 0)
+
+
+def test_from_address_views_device_memory_in_every_dtype(world):
+    for dtype in DTYPES:
+        x = rank_values(hp.rank(), (1234,), dtype).cuda()
+        view = device.from_address(x.data_ptr(), x.numel(), buffers.dtype_code(x), x.device.index or 0)
+        assert view.dtype == dtype and view.data_ptr() == x.data_ptr() and torch.equal(view, x)
 
 
 def test_nccl_is_not_used_by_ranks_sharing_a_gpu_and_forcing_it_says_why(world):
