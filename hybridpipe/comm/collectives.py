@@ -286,7 +286,8 @@ def engine_device_allreduce(comm: Any) -> Callable[[int, int, int, int, int], bo
             if algorithm == "mpi-library":
                 _library_device_allreduce(buffer, buffer, op, comm)
             else:
-                _device_ring_allreduce(buffer, op, comm, context.current("allreduce_async").config.device_ring_segment_bytes)
+                segment = context.current("allreduce_async").config.device_ring_segment_bytes
+                _device_ring_allreduce(buffer, op, comm, segment)
             torch.cuda.current_stream(buffer.device).synchronize()  # the engine scatters it on a stream of its own
         return True
 
