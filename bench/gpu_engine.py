@@ -1,6 +1,7 @@
 """The engine's allreduce_async_ of many CUDA tensors (Horovod's per-gradient path): each bucket packed on the GPU
-by one kernel and one copy each way (a build with the CUDA kernels) against a copy down and up per tensor (what an
-extension built without nvcc does), alternating round by round in one job.
+by one kernel each way (a build with the CUDA kernels; reduced in device memory with a CUDA-aware MPI, else
+through pinned host memory, one copy each way) against a copy down and up per tensor (what an extension built
+without nvcc does), alternating round by round in one job.
 
 Usage (a CUDA GPU; ranks may share one):
     mpirun -n 2 python bench/gpu_engine.py
@@ -60,5 +61,6 @@ for label, counts in shapes.items():
               f"; staging / packed = {medians['per-tensor staging'] / medians['packed on the GPU']:.2f}")
 if rank == 0:
     stats = hp.engine_stats("world")
-    print(f"packed buckets: {stats['cuda_buckets']}, their kernels and copies: {stats['cuda_launches']}")
+    print(f"packed buckets: {stats['cuda_buckets']} (in device memory, a CUDA-aware MPI: "
+          f"{stats['cuda_aware_buckets']}), their kernels and copies: {stats['cuda_launches']}")
 hp.shutdown()
