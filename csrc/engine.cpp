@@ -1376,13 +1376,6 @@ bool Engine::reduce_cuda_bucket(Group& group, std::vector<Entry>& entries, size_
     any = any || gpus.back() >= 0;
   }
   if (!any) return false;
-  if (pinned_bytes_ < total_bytes) {
-    pinned_.reset();
-    pinned_bytes_ = 0;
-    pinned_ = std::shared_ptr<void>(cuda_host_alloc(total_bytes), cuda_host_free);
-    pinned_bytes_ = total_bytes;
-  }
-  unsigned char* host = static_cast<unsigned char*>(pinned_.get());
   std::map<int, std::vector<DevicePiece>> down, up;  // per GPU: its entries' inputs and results
   std::vector<size_t> offsets;
   size_t offset = 0;
@@ -1435,6 +1428,13 @@ bool Engine::reduce_cuda_bucket(Group& group, std::vector<Entry>& entries, size_
     }
     launches += fusion.launches() - before;  // not taken: staged below
   }
+  if (pinned_bytes_ < total_bytes) {  // the staged way's pinned host buffer, grown to the largest bucket
+    pinned_.reset();
+    pinned_bytes_ = 0;
+    pinned_ = std::shared_ptr<void>(cuda_host_alloc(total_bytes), cuda_host_free);
+    pinned_bytes_ = total_bytes;
+  }
+  unsigned char* host = static_cast<unsigned char*>(pinned_.get());
   // One GPU (the usual case): one gather of all its pieces. Several: each piece straight down, since a
   // gather copies the whole span down and would overwrite the other GPUs' pieces.
   auto each_gpu = [&](std::map<int, std::vector<DevicePiece>>& pieces, bool gather) {
