@@ -191,12 +191,12 @@ def profile_model(name: str, args: argparse.Namespace):
     import torch
 
     from hybridpipe.plan import profile
-    from hybridpipe.plan.auto import _built
+    from hybridpipe.plan.auto import built_layers
 
     torch.set_num_threads(1)
     layers, loss_fn, batch, optimizer = model_parts(name, args)
     inputs, targets = batch(max(1, global_batch(name, args) // 2), 7)
-    return profile(_built(layers), inputs, loss_fn, targets, optimizer=optimizer)
+    return profile(built_layers(layers), inputs, loss_fn, targets, optimizer=optimizer)
 
 
 def run(command: list[str], timeout: float) -> None:
@@ -324,6 +324,8 @@ def report(configs: list[Config], args: argparse.Namespace, calibrations: dict, 
                      f"{max(repeats):.1f} %, {sum(r <= 20 for r in repeats)} of {len(repeats)} within 20 %: a "
                      "prediction as good as measuring the configuration a few minutes earlier errs as much, round by "
                      "round")
+        lines.append(ceiling_verdict(statistics.median(per_round), statistics.median(repeats),
+                                     sum(r > 20 for r in repeats), len(repeats)))
     for name, change in drift.items():
         verdict = "steady" if abs(change) <= DRIFT_LIMIT * 100 else \
             "DRIFTED: the machine changed speed during the run, so its errors do not measure the model"
@@ -340,6 +342,22 @@ def report(configs: list[Config], args: argparse.Namespace, calibrations: dict, 
             lines.append(f"{name} on {ranks} ranks: the planner chose {chosen.label} ({ratio:.3f}× the fastest "
                          f"measured, {fastest.label}): {'within' if ratio <= 1.10 else 'NOT within'} 10 %")
     return "\n".join(lines)
+
+
+def ceiling_verdict(model_error: float, machine_error: float, machine_misses: int, repeats: int) -> str:
+    """What the issue's error targets can show on this machine: the model's round-by-round median error beside
+    the machine's own (a configuration's median step against its median in the round before), and how many of
+    the machine's own repeats miss by more than 20 %."""
+    ratio = model_error / machine_error if machine_error > 0 else float("inf")
+    parts = [f"the model's round-by-round median error is {ratio:.2f}× the machine's own ({model_error:.1f} % against "
+             f"{machine_error:.1f} %)"]
+    if machine_error > 10:
+        parts.append(f"the 10 % median target is below this machine's repeatability ({machine_error:.1f} %): it "
+                     "cannot be shown here")
+    if machine_misses:
+        parts.append(f"{machine_misses} of the machine's {repeats} repeats miss their own earlier measurement by more "
+                     "than 20 %, so 'every prediction within 20 %' cannot be shown here either")
+    return "ceiling: " + "; ".join(parts)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -78,7 +78,7 @@ class _PipelineDriven:
         return getattr(self._optimizer, name)
 
 
-def _built(layers: Sequence[Any]) -> list[nn.Module]:
+def built_layers(layers: Sequence[Any]) -> list[nn.Module]:
     """The layers as modules to profile: ``hp.LayerSpec`` entries built (their weights do not matter here)."""
     from hybridpipe.pipeline.model import LayerSpec
 
@@ -119,8 +119,9 @@ def auto(layers: nn.Sequential | Sequence[Any], loss_fn: Any, sample: tuple[Any,
         ``(model, opt)``: the ``PipelineModel`` (its ``.plan`` is the :class:`Plan`) and a
         ``hp.DistributedOptimizer(..., zero=plan.zero)`` over the stage's parameters, averaged over its
         replicas — used as a hand-built pair (``opt`` is None when ``optimizer`` is: then pass
-        ``**model.plan.optimizer_arguments()`` to your own ``hp.DistributedOptimizer``). For an asynchronous plan, ``opt`` is the pipeline's own optimizer, whose
-        ``step()`` does nothing (the pipeline steps it; it warns once).
+        ``**model.plan.optimizer_arguments()`` to your own ``hp.DistributedOptimizer``). For an
+        asynchronous plan, ``opt`` is the pipeline's own optimizer, whose ``step()`` does nothing (the
+        pipeline steps it; it warns once).
     """
     import hybridpipe as hp
 
@@ -140,7 +141,8 @@ def auto(layers: nn.Sequential | Sequence[Any], loss_fn: Any, sample: tuple[Any,
         measured: Any = None
         if grid.rank == 0:
             try:
-                measured = profile(_built(list(layers)), sample[0], loss_fn, sample[1], optimizer=optimizer).to_json()
+                measured = profile(built_layers(list(layers)), sample[0], loss_fn, sample[1],
+                                   optimizer=optimizer).to_json()
             except Exception as error:  # every rank must raise, not only rank 0
                 measured = error
         measured = call(None, "auto", lambda: grid.world_comm.bcast(
