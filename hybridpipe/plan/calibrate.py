@@ -135,16 +135,31 @@ def _windows(count: int, kernels: int, synchronize: Any, alone: bool, together: 
 
 
 #: A window of :func:`compute_contention` takes about this long on one free core; it runs ``CONTENTION_WINDOWS``
-#: pairs of windows (about 2.4 s with these).
+#: pairs of windows (about 4.8 s with these: this VM has spells of 1–3 s in which one core runs slower, and a
+#: shorter measurement reads whichever spell it fell in).
 CONTENTION_WINDOW_SECONDS = 0.015
-CONTENTION_WINDOWS = 80
+CONTENTION_WINDOWS = 160
+
+
+#: How long a rank waiting in :func:`sleeping_barrier` sleeps between two tests.
+BARRIER_SLEEP_SECONDS = 0.0002
+
+
+def sleeping_barrier(comm: Any) -> None:
+    """A barrier over ``comm`` whose waiting ranks sleep between tests. MPI's own barrier spins, and where a
+    host's ranks outnumber its cores a spinning rank takes the core from the one being timed beside it: the
+    windows of :func:`compute_contention` would time the spinning, not the compute (4 ranks on this project's
+    2-core VM read 1.2–1.5 with MPI's barrier between the windows)."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(BARRIER_SLEEP_SECONDS)
 
 
 def compute_contention(comm: Any, windows: int = CONTENTION_WINDOWS) -> float:
     """How much slower a synchronous job's ranks compute than the one process a profile is made in: the
     median over ``windows`` windows of the slowest rank's time for a fixed kernel, with min(ranks per host,
     cores) ranks of every host computing at once and every rank starting each window together, over the
-    median window of world rank 0 computing alone while the others wait (the two kinds of window
+    median window of world rank 0 computing alone while the others sleep (the two kinds of window
     alternate, so both see the same spells).
 
     Two effects are in it. Cores that slow each other down (a VM's vCPUs that are hyperthreads of one core,
@@ -163,7 +178,7 @@ def compute_contention(comm: Any, windows: int = CONTENTION_WINDOWS) -> float:
     together = min(runtime.local_size(), host_cores())
 
     def barrier() -> None:
-        call(None, "calibrate", comm.Barrier)
+        call(None, "calibrate", lambda: sleeping_barrier(comm))
 
     kernels = 1
     if rank == 0:

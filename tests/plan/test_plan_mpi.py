@@ -100,6 +100,34 @@ def test_calibrate_measures_the_links_and_the_planner_reads_them(tmp_path_factor
     assert result["compute_contention"] >= 1.0 and cluster.compute_contention == result["compute_contention"]
 
 
+def test_the_contention_windows_barrier_holds_every_rank_until_the_last_arrives_and_sleeps_meanwhile():
+    import resource
+    import time
+
+    from mpi4py import MPI
+
+    from hybridpipe.plan.calibrate import sleeping_barrier
+
+    comm = MPI.COMM_WORLD.Dup()
+    rank = comm.rank
+    try:
+        comm.Barrier()
+        late = 0.3
+        if rank == 1:
+            time.sleep(late)
+        entered = time.monotonic()
+        cpu = resource.getrusage(resource.RUSAGE_THREAD)
+        sleeping_barrier(comm)
+        waited = time.monotonic() - entered
+        after = resource.getrusage(resource.RUSAGE_THREAD)
+    finally:
+        comm.Free()
+    if rank == 0:
+        assert waited >= 0.9 * late  # held until rank 1 arrived
+        # and slept meanwhile: MPI's own barrier would have spun for the whole wait
+        assert (after.ru_utime + after.ru_stime) - (cpu.ru_utime + cpu.ru_stime) < 0.5 * waited
+
+
 class _MallocInfo(ctypes.Structure):  # glibc's struct mallinfo2
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
