@@ -149,7 +149,7 @@ def sleeping_barrier(comm: Any) -> None:
     """A barrier over ``comm`` whose waiting ranks sleep between tests. MPI's own barrier spins, and where a
     host's ranks outnumber its cores a spinning rank takes the core from the one being timed beside it: the
     windows of :func:`compute_contention` would time the spinning, not the compute (4 ranks on this project's
-    2-core VM read 1.2–1.5 with MPI's barrier between the windows)."""
+    2-core VM read 1.01–1.57 with MPI's barrier between the windows, 1.02–1.44 with this one, docs/planner.md)."""
     request = comm.Ibarrier()
     while not request.Test():
         time.sleep(BARRIER_SLEEP_SECONDS)
