@@ -108,9 +108,12 @@ class Config:
 CONFIGS = {
     "mlp": [(2, 1, 1, "1f1b"), (2, 1, 4, "1f1b"), (2, 2, 4, "1f1b"), (2, 2, 8, "gpipe"), (2, 2, 8, "zb-h1"),
             (4, 1, 1, "1f1b"), (4, 2, 4, "1f1b"), (4, 4, 8, "1f1b"), (4, 4, 8, "interleaved-1f1b"),
-            (4, 4, 8, "zb-h1")],
+            (4, 4, 8, "zb-h1"),
+            # --ranks 8: for a machine with a core per rank (this 2-core VM runs them four to a core)
+            (8, 1, 1, "1f1b"), (8, 2, 4, "1f1b"), (8, 2, 4, "zb-h1"), (8, 4, 8, "1f1b"), (8, 8, 8, "gpipe")],
     "lm": [(2, 1, 1, "1f1b"), (2, 2, 4, "1f1b"), (2, 2, 8, "gpipe"), (4, 1, 1, "1f1b"), (4, 2, 4, "1f1b"),
-           (4, 4, 8, "1f1b")],
+           (4, 4, 8, "1f1b"),
+           (8, 1, 1, "1f1b"), (8, 2, 4, "1f1b"), (8, 4, 4, "1f1b")],
 }
 QUICK = {"mlp": [(2, 1, 1, "1f1b"), (2, 2, 4, "1f1b")]}
 DRIFT_LIMIT = 0.05  # a run whose predictions from a model's first and last profile differ by more says more
