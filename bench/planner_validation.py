@@ -327,8 +327,22 @@ def report(configs: list[Config], args: argparse.Namespace, calibrations: dict, 
                      f"{max(repeats):.1f} %, {sum(r <= 20 for r in repeats)} of {len(repeats)} within 20 %: a "
                      "prediction as good as measuring the configuration a few minutes earlier errs as much, round by "
                      "round")
-        lines.append(ceiling_verdict(statistics.median(per_round), statistics.median(repeats),
-                                     sum(r > 20 for r in repeats), len(repeats)))
+        # the same, with the machine's change of speed between the two rounds taken out as the profiles see it:
+        # the round before's median scaled by how much slower or faster this round's profile predicts it
+        adjusted = [abs(m_before * p_after / p_before - m_after) / m_after * 100 for config in configs
+                    if len(config.predicted_rounds) == len(config.measured_rounds)
+                    for (m_before, m_after), (p_before, p_after) in zip(
+                        zip(config.measured_rounds, config.measured_rounds[1:]),
+                        zip(config.predicted_rounds, config.predicted_rounds[1:]))]
+        machine = ("the round before's median", repeats)
+        if adjusted:
+            lines.append(f"the same, scaled by the change between the two rounds' profiles (the machine's change of "
+                         f"speed as a profile sees it): median {statistics.median(adjusted):.1f} %, largest "
+                         f"{max(adjusted):.1f} %, {sum(r <= 20 for r in adjusted)} of {len(adjusted)} within 20 %")
+            if statistics.median(adjusted) < statistics.median(repeats):
+                machine = ("the round before's median scaled by the profiles", adjusted)
+        lines.append(ceiling_verdict(statistics.median(per_round), statistics.median(machine[1]),
+                                     sum(r > 20 for r in machine[1]), len(machine[1]), machine[0]))
     for name, change in drift.items():
         verdict = "steady" if abs(change) <= DRIFT_LIMIT * 100 else \
             "DRIFTED: the machine changed speed during the run, so its errors do not measure the model"
@@ -347,13 +361,15 @@ def report(configs: list[Config], args: argparse.Namespace, calibrations: dict, 
     return "\n".join(lines)
 
 
-def ceiling_verdict(model_error: float, machine_error: float, machine_misses: int, repeats: int) -> str:
+def ceiling_verdict(model_error: float, machine_error: float, machine_misses: int, repeats: int,
+                    predictor: str = "the round before's median") -> str:
     """What the issue's error targets can show on this machine: the model's round-by-round median error beside
-    the machine's own (a configuration's median step against its median in the round before), and how many of
-    the machine's own repeats miss by more than 20 %."""
+    the machine's own (each configuration's median step predicted by ``predictor``: its median in the round before,
+    or that scaled by the change between the two rounds' profiles, whichever errs less), and how many of the
+    machine's own repeats miss by more than 20 %."""
     ratio = model_error / machine_error if machine_error > 0 else float("inf")
     parts = [f"the model's round-by-round median error is {ratio:.2f}× the machine's own ({model_error:.1f} % against "
-             f"{machine_error:.1f} %)"]
+             f"{machine_error:.1f} %, predicting each step by {predictor})"]
     if machine_error > 10:
         parts.append(f"the 10 % median target is below this machine's repeatability ({machine_error:.1f} %): it "
                      "cannot be shown here")
