@@ -32,7 +32,9 @@ Run plainly, this script is the driver:
    differ by more than 5 % is flagged as one whose errors measure the machine, not the model.
 5. It prints predicted against measured, the error of each (predicted − measured, % of measured),
    the median and largest error, and for each model and rank count whether the planner's choice is
-   within 10 % of the fastest configuration measured.
+   within 10 % of the fastest configuration measured. From 2 rounds on it ends with a ``ceiling:`` line:
+   the model's round-by-round error beside the machine's own repeatability, and whether the error
+   targets can be shown on this machine at all.
 
 Every configuration uses the balance the planner would give it (the optimal partition of the
 profiled layer times) and ``checkpoint="never"``. The issue's targets: every prediction within
