@@ -292,14 +292,19 @@ def report(configs: list[Config], args: argparse.Namespace, calibrations: dict, 
            drift: dict[str, float]) -> str:
     header = ["configuration", "ranks", "planner", "predicted ms", "from the first profile ms", "predicted after ms",
               "measured ms", "each round ms", "min–max ms", "error %"]
-    rows, errors, repeats = [], [], []
+    rows, errors, repeats, adjusted = [], [], [], []
     for config in configs:
         measured = config.measured
         error = (config.predicted_s - measured) / measured * 100
         errors.append(abs(error))
-        # the machine's own repeatability: each round's median predicted from the round before's
-        repeats += [abs(before - after) / after * 100
-                    for before, after in zip(config.measured_rounds, config.measured_rounds[1:])]
+        # the machine's own repeatability: each round's median predicted from the round before's; and the same
+        # with the machine's change of speed between the two rounds taken out as the profiles see it (scaled by
+        # how much slower or faster this round's profile predicts it)
+        pairs = list(zip(config.measured_rounds, config.measured_rounds[1:]))
+        repeats += [abs(before - after) / after * 100 for before, after in pairs]
+        if len(config.predicted_rounds) == len(config.measured_rounds):
+            adjusted += [abs(before * p_after / p_before - after) / after * 100 for (before, after), (p_before, p_after)
+                         in zip(pairs, zip(config.predicted_rounds, config.predicted_rounds[1:]))]
         rows.append([config.label, str(config.ranks), "chosen" if config.chosen else "",
                      f"{config.predicted_s * 1e3:.1f}", f"{config.predicted_first_s * 1e3:.1f}",
                      f"{config.predicted_after_s * 1e3:.1f}", f"{measured * 1e3:.1f}",
@@ -329,13 +334,6 @@ def report(configs: list[Config], args: argparse.Namespace, calibrations: dict, 
                      f"{max(repeats):.1f} %, {sum(r <= 20 for r in repeats)} of {len(repeats)} within 20 %: a "
                      "prediction as good as measuring the configuration a few minutes earlier errs as much, round by "
                      "round")
-        # the same, with the machine's change of speed between the two rounds taken out as the profiles see it:
-        # the round before's median scaled by how much slower or faster this round's profile predicts it
-        adjusted = [abs(m_before * p_after / p_before - m_after) / m_after * 100 for config in configs
-                    if len(config.predicted_rounds) == len(config.measured_rounds)
-                    for (m_before, m_after), (p_before, p_after) in zip(
-                        zip(config.measured_rounds, config.measured_rounds[1:]),
-                        zip(config.predicted_rounds, config.predicted_rounds[1:]))]
         machine = ("the round before's median", repeats)
         if adjusted:
             lines.append(f"the same, scaled by the change between the two rounds' profiles (the machine's change of "
