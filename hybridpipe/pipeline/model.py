@@ -56,6 +56,7 @@ from hybridpipe.pipeline.partition import (
     profile_layers,
     validate_balance,
 )
+from hybridpipe.pipeline import split as split_module
 from hybridpipe.pipeline.skip import skip_routes
 from hybridpipe.pipeline.tied import TiedWeights, check_schedule, find_ties, share_within_rank
 from hybridpipe.config import parse_bytes
@@ -155,15 +156,34 @@ class PipelineModel(nn.Module):
         vertical_sync: bool = False,
         memory_limit: int | str | None = None,
         precision: str = "fp32",
+        sample: Any = None,
+        split: str | Sequence[str] = "auto",
+        verify: bool | None = None,
     ) -> None:
         super().__init__()
         grid = runtime._require("PipelineModel").grid
-        if isinstance(layers, nn.Sequential):
+        root = layers if isinstance(layers, nn.Module) and not isinstance(layers, nn.Sequential) else None
+        object.__setattr__(self, "module", root)  # the module being split (not registered: names stay its own)
+        self._split: split_module.PreparedSplit | None = None
+        if root is not None:
+            layer_list = []
+            if sample is None:
+                raise HybridPipeError(
+                    f"hp.PipelineModel got a {type(root).__name__} (an nn.Module that is not an nn.Sequential): pass "
+                    "sample=<one micro-batch of its inputs, exactly as train_step will get them> (a tensor, a "
+                    "tuple, or a dict of keyword arguments) so that it can be traced and split")
+            for option, value, default in (("balance", balance, None), ("sample_input", sample_input, None),
+                                           ("seed_layers", seed_layers, None), ("memory_limit", memory_limit, None)):
+                if value is not default:
+                    raise HybridPipeError(f"{option}= is for layer lists; a module is cut with split= ('auto' or a "
+                                          f"list of module names where stages begin), got {option}={value!r}")
+        elif isinstance(layers, nn.Sequential):
             layer_list: list[nn.Module | LayerSpec] = list(layers)
         elif isinstance(layers, (list, tuple)):
             layer_list = list(layers)
         else:
-            raise TypeError(f"layers must be an nn.Sequential or a list of nn.Module / hp.LayerSpec, "
+            raise TypeError(f"layers must be an nn.Module (with sample=), an nn.Sequential or a list of nn.Module / "
+                            f"hp.LayerSpec, "
                             f"got {type(layers).__name__}")
         for index, layer in enumerate(layer_list):
             if not isinstance(layer, (nn.Module, LayerSpec)):
@@ -200,6 +220,44 @@ class PipelineModel(nn.Module):
         self.chunks = stages * virtual_stages
         self._schedule_cache: dict[tuple[str, int, int], list] = {}  # see _schedule
 
+        if root is not None:
+            chunk_modules, ties, built = self._split_module(root, sample, split, grid, name, device)
+        else:
+            chunk_modules, ties, built = self._build_layers(layer_list, balance, sample_input, seed_layers, grid,
+                                                            name, micro_batches, memory_limit, device)
+        object.__setattr__(self, "_chunk_modules", chunk_modules)  # same layers; not registered twice
+        object.__setattr__(self, "_stage_module", chunk_modules[self.stage])
+        # private: our tags never meet anyone else's messages
+        self._comm = call("pipe", "PipelineModel", grid.pipe_comm.Dup)
+        self._executor = StageExecutor(chunk_modules, self.stage, stages, self._comm, self.device, virtual_stages)
+        self._executor.use_skips(self.skip_routes)
+        if name == "zb-h1":
+            self._executor.split_backward()
+        # ties across ranks: sets of the holding ranks (collective over the grid), copies broadcast from the lowest
+        self._tied: TiedWeights | None = None
+        if any(tie.across_ranks for tie in ties):
+            self._tied = TiedWeights(ties, built, grid)
+            self._executor.defer_gradients(self._tied.parameters)
+        if precision != "fp32":
+            self._executor.autocast = torch.bfloat16 if precision == "bf16" else torch.float16
+        # fp16: the dynamic loss scaler every rank agrees on (hybridpipe/amp.py); None otherwise
+        self.scaler: LossScaler | None = LossScaler() if precision == "fp16" else None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._stream: AsyncStream | None = None
+        self._next_micro_batch = 0
+        if self.asynchronous:
+            self._start_asynchronous(name, optimizer)
+        self.last_step: StepResult | None = None
+        if root is not None:
+            if verify is None or verify:
+                self._verify(sample)
+            self._split.plan.trace.unit_outputs.clear()
+
+    def _build_layers(self, layer_list: list, balance: Any, sample_input: Any, seed_layers: int | None,
+                      grid: runtime.Grid, name: str, micro_batches: int, memory_limit: Any,
+                      device: Any) -> tuple[dict[int, nn.Module], list, Any]:
+        """A layer list: chooses the balance, agrees on it, builds this rank's layers (``self.layers``)."""
+        stages, virtual_stages = self.stages, self.virtual_stages
         held = 1
         if isinstance(balance, str) and balance == "memory":  # activations held at once, by the schedule data
             plan = (async_schedule(name, stages, micro_batches) if self.asynchronous
@@ -226,35 +284,44 @@ class PipelineModel(nn.Module):
         self.layers = built
         chunk_modules = {chunk: _Stage(nn.ModuleDict({str(i): built[str(i)] for i in self.layers_of_chunk(chunk)}))
                          for chunk in own_chunks}
-        object.__setattr__(self, "_chunk_modules", chunk_modules)  # same layers; not registered twice
-        object.__setattr__(self, "_stage_module", chunk_modules[self.stage])
         if device is None:  # the layers' own GPU, else this rank's (hp.init's placement), else the CPU
             first = next(iter(built.parameters()), None)
             device = first.device if first is not None and first.device.type != "cpu" else \
                 compute_device(runtime.local_rank(), runtime.config().set_device)
         self.device = torch.device(device)
         self.to(self.device)
-        # private: our tags never meet anyone else's messages
-        self._comm = call("pipe", "PipelineModel", grid.pipe_comm.Dup)
-        self._executor = StageExecutor(chunk_modules, self.stage, stages, self._comm, self.device, virtual_stages)
-        self._executor.use_skips(self.skip_routes)
-        if name == "zb-h1":
-            self._executor.split_backward()
-        # ties across ranks: sets of the holding ranks (collective over the grid), copies broadcast from the lowest
-        self._tied: TiedWeights | None = None
-        if any(tie.across_ranks for tie in ties):
-            self._tied = TiedWeights(ties, built, grid)
-            self._executor.defer_gradients(self._tied.parameters)
-        if precision != "fp32":
-            self._executor.autocast = torch.bfloat16 if precision == "bf16" else torch.float16
-        # fp16: the dynamic loss scaler every rank agrees on (hybridpipe/amp.py); None otherwise
-        self.scaler: LossScaler | None = LossScaler() if precision == "fp16" else None
-        self.optimizer: torch.optim.Optimizer | None = None
-        self._stream: AsyncStream | None = None
-        self._next_micro_batch = 0
+        return chunk_modules, ties, built
+
+    def _split_module(self, root: nn.Module, sample: Any, split: Any, grid: runtime.Grid, name: str,
+                      device: Any) -> tuple[dict[int, nn.Module], list, Any]:
+        """Any nn.Module: traced on ``sample`` and cut at unit boundaries (hybridpipe/pipeline/split.py)."""
         if self.asynchronous:
-            self._start_asynchronous(name, optimizer)
-        self.last_step: StepResult | None = None
+            raise HybridPipeError(f"schedule {name!r} is not yet supported for a module split by hp.PipelineModel; "
+                                  "use 'gpipe', '1f1b', 'interleaved-1f1b' or 'zb-h1' (or hand in a layer list)")
+        def from_rank_zero(function: Any) -> Any:
+            value = function() if grid.rank == 0 else None
+            return call(None, "PipelineModel", lambda: grid.world_comm.bcast(value, root=0))
+
+        prepared = split_module.prepare(root, sample, split, self.chunks, self.stages, self.stage, from_rank_zero)
+        plan = prepared.plan
+        self._agree(grid, len(plan.trace.calls), prepared.balance,
+                    tuple(tuple(i for i, _ in tie.places) for tie in prepared.ties),
+                    tuple(call.name for call in plan.trace.calls))
+        self._split = prepared
+        self.balance = prepared.balance
+        self.skip_routes = {}
+        self.balance_report = BalanceReport(prepared.balance, prepared.call_parameters, prepared.costs,
+                                            "time" if prepared.costs is not None else "explicit")
+        self.tied_parameter_names = prepared.tied_names
+        if device is None:
+            first = next(iter(p for m in prepared.local for p in m.parameters()), None)
+            device = first.device if first is not None and first.device.type != "cpu" else \
+                compute_device(runtime.local_rank(), runtime.config().set_device)
+        self.device = torch.device(device)
+        split_module.move_local(root, self.device)
+        own_chunks = range(self.stage, self.chunks, self.stages)
+        return ({chunk: split_module.SplitChunk(plan, chunk, self.device) for chunk in own_chunks},
+                prepared.ties, prepared.built)
 
     @staticmethod
     def _check_schedule_options(name: str, stages: int, micro_batches: int, virtual_stages: int, optimizer: Any,
@@ -389,18 +456,116 @@ class PipelineModel(nn.Module):
         return [sum(p.numel() for p in module.parameters()) for module in shapes_only(layers)]
 
     def _agree(self, grid: runtime.Grid, count: int, balance: list[int],
-               tied_across_stages: tuple[tuple[int, ...], ...]) -> None:
+               tied_across_stages: tuple[tuple[int, ...], ...], units: tuple[str, ...] = ()) -> None:
         mine = (count, tuple(balance), self.micro_batches, self.schedule_name, self.checkpoint,
-                self.virtual_stages, self.vertical_sync, self.precision, tied_across_stages)
+                self.virtual_stages, self.vertical_sync, self.precision, tied_across_stages, units)
         everyone = call(None, "PipelineModel", lambda: grid.world_comm.allgather(mine))
         if len(set(everyone)) > 1:
             names = ("layers", "balance", "micro_batches", "schedule", "checkpoint", "virtual_stages",
-                     "vertical_sync", "precision", "layers_tied_across_stages")
+                     "vertical_sync", "precision", "layers_tied_across_stages", "unit_calls")
             differ = [name for i, name in enumerate(names) if len({e[i] for e in everyone}) > 1]
             listing = "; ".join(f"rank {r}: " + ", ".join(f"{n}={e[names.index(n)]!r}" for n in differ)
                                 for r, e in enumerate(everyone))
             raise MismatchError(f"PipelineModel: ranks disagree on {', '.join(differ)} ({listing}); every rank "
                                 "must build it with the same layers and settings")
+
+    def _verify(self, sample: Any) -> None:
+        """A split module's forward on ``sample`` (in eval mode) against the unsplit module's, on every rank: a
+        difference raises SplitError naming the first unit call whose output differs."""
+        plan = self._split.plan
+        modes = [(m, m.training) for m in plan.root.modules()]
+        plan.root.eval()
+        chunks = self._chunk_modules.values()
+        for chunk in chunks:
+            chunk.keep_values = True
+        try:
+            schedule = get_schedule("forward", self.stages, 1, self.virtual_stages)
+            result = self._executor.run(schedule[self.stage], 1, [sample], train=False)
+        finally:
+            for module, training in modes:
+                module.training = training
+            for chunk in chunks:
+                chunk.keep_values = False
+        first = None
+        for chunk in chunks:
+            for index in plan.calls_of(chunk.chunk):
+                problem = split_module.first_difference(plan.trace.unit_outputs[index],
+                                                        chunk.unit_output(index), 1e-4, 1e-6)
+                if problem is not None and (first is None or index < first[0]):
+                    first = (index, problem)
+            chunk.last_values = {}
+        output = split_module.first_difference(plan.trace.output, result.outputs[0], 1e-4, 1e-6)
+        found = call(None, "PipelineModel", lambda: self.grid.world_comm.allgather((first, output)))
+        firsts = [f for f, _ in found if f is not None]
+        if firsts:
+            index, problem = min(firsts)
+            raise split_module.SplitError(
+                f"verify: the split module's unit call {index} ({plan.trace.calls[index].name}) computes a different "
+                f"output than in the unsplit module ({problem}): a value it reads was not routed across a cut; "
+                "please report it, and split elsewhere meanwhile (split=[...])")
+        outputs = [o for _, o in found if o is not None]
+        if outputs:
+            raise split_module.SplitError(f"verify: the split module's output differs from the unsplit module's "
+                                          f"({outputs[0]}) although every unit call agreed: the glue after the "
+                                          "last unit reads something that was not routed")
+
+    def split_report(self) -> str:
+        """A split module: each stage's units (qualified names), parameters, profiled time, and the values
+        crossing each cut (name, shape on the sample, dtype, bytes); a layer list: its balance report."""
+        if self._split is None:
+            return str(self.balance_report)
+        return split_module.report(self._split.plan, self.balance, self._split.costs, self.stages)
+
+    # A split module keeps its own names: parameters, buffers and state_dict keys are the module's, for the
+    # tensors this rank holds (the other ranks' units are on the meta device).
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Any:
+        if self.module is None:
+            yield from super().named_parameters(prefix, recurse, remove_duplicate)
+            return
+        for name, parameter in self.module.named_parameters(prefix, recurse, remove_duplicate):
+            if parameter.device.type != "meta":
+                yield name, parameter
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Any:
+        if self.module is None:
+            yield from super().named_buffers(prefix, recurse, remove_duplicate)
+            return
+        for name, buffer in self.module.named_buffers(prefix, recurse, remove_duplicate):
+            if buffer.device.type != "meta":
+                yield name, buffer
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        if self.module is None:
+            return super().state_dict(*args, **kwargs)
+        full = self.module.state_dict(*args, **kwargs)
+        return type(full)((k, v) for k, v in full.items() if not (isinstance(v, torch.Tensor) and v.is_meta))
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """A split module takes its own keys from ``state_dict`` (a full state_dict of the unsplit module, a
+        consolidated checkpoint, or this rank's own); with ``strict``, keys the module does not have at all, or
+        keys of this rank that are missing, raise."""
+        if self.module is None:
+            return super().load_state_dict(state_dict, strict, assign)
+        own = self.state_dict()
+        every = set(self.module.state_dict().keys())
+        unexpected = [k for k in state_dict if k not in every]
+        missing = [k for k in own if k not in state_dict]
+        if strict and (unexpected or missing):
+            raise HybridPipeError(f"load_state_dict into stage {self.stage} of {type(self.module).__name__}: "
+                                  f"missing keys {missing[:8]}, unexpected keys {unexpected[:8]} (is it another "
+                                  "model's state_dict?); pass strict=False to load what matches")
+        with torch.no_grad():
+            for key, target in own.items():
+                if key in state_dict:
+                    target.copy_(state_dict[key])
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def train(self, mode: bool = True) -> "PipelineModel":
+        super().train(mode)
+        if self.module is not None:
+            self.module.train(mode)
+        return self
 
     # ------------------------------------------------------------------ introspection
 

@@ -145,6 +145,8 @@ class _Chunk:
         self.splittable: list[nn.Module] = []  # split backward: layers whose W is deferred
         self.recording: list[tuple[nn.Module, list[torch.Tensor], list[int]]] | None = None
         self.fused_layers: set[str] = set()  # split backward: layers whose weight gradients came in I
+        # a split module's chunk is called with the micro-batch's inputs too (every rank of a pipeline has them)
+        self.takes_batch = bool(getattr(module, "hybridpipe_takes_batch", False))
         reference = weakref.ref(self)
         for parameter in module.parameters():
             setattr(parameter, _CHUNK_ATTRIBUTE, reference)
@@ -172,6 +174,7 @@ class _Stored:
     skips_in: dict[str, Any] = field(default_factory=dict)   # skip connections received from earlier chunks
     skips_out: dict[str, Any] = field(default_factory=dict)  # stashed here for later chunks (with their graph)
     calls: list[tuple[nn.Module, list[torch.Tensor], list[int]]] = field(default_factory=list)  # split backward
+    batch: Any = None               # the micro-batch's inputs, for a chunk that takes them (split modules)
 
 
 @dataclass
@@ -491,6 +494,8 @@ class StageExecutor:
             if self.carry_versions:
                 carried, x = x
         stored = _Stored(x)
+        if chunk.takes_batch:
+            stored.batch = x if chunk.first else self._move(step.inputs[m])
         for route in self._skips_into(chunk.stage):
             stored.skips_in[route.name] = self._wait(step.skip_in.pop((route.name, m)), f"skip {route.name} {m}")
         start = time.monotonic()
@@ -548,12 +553,13 @@ class StageExecutor:
         """A chunk's forward, under autocast when the pipeline runs in mixed precision, with its skip
         connections: ``hp.pop`` finds ``stored.skips_in``, ``hp.stash`` for a later chunk fills ``stored.skips_out``."""
         context = SkipContext(routes=self.skips, chunk=chunk.stage, incoming=stored.skips_in)
+        arguments = (x, stored.batch) if chunk.takes_batch else (x,)
         with skip_context(context):
             if self.autocast is None:
-                y = forward(x)
+                y = forward(*arguments)
             else:
                 with torch.autocast(self.device.type, dtype=self.autocast):
-                    y = forward(x)
+                    y = forward(*arguments)
         missing = [r.name for r in self._skips_from(chunk.stage) if r.name not in context.outgoing]
         if missing:
             raise HybridPipeError(f"chunk {chunk.stage}'s forward did not hp.stash {missing} (declared by "
