@@ -676,6 +676,9 @@ def profile_calls(root: nn.Module, units: list[nn.Module], trace: Trace, inputs:
         if id(module) in unit_ids:
             handles.append(module.register_forward_pre_hook(pre))
             handles.append(module.register_forward_hook(post))
+    modes = [(m, m.training) for m in root.modules()]
+    buffers = [(b, b.clone()) for b in root.buffers()]  # eval mode leaves them alone; restored all the same
+    root.eval()
     try:
         with torch.no_grad():
             for _ in range(repeats + 1):
@@ -684,6 +687,11 @@ def profile_calls(root: nn.Module, units: list[nn.Module], trace: Trace, inputs:
     finally:
         for handle in handles:
             handle.remove()
+        for module, training in modes:
+            module.training = training
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
     costs = []
     for values in samples:
         values = sorted(values[1:]) or [0.0]
