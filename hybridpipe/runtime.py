@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import warnings
 from typing import Any
 
 import numpy as np
@@ -133,8 +134,10 @@ def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | 
     if communication.process_sets.is_communicator(pipeline_stages) and comm is None:  # Horovod's hvd.init(comm)
         pipeline_stages, comm = None, pipeline_stages
     sets = communication.process_sets.init_argument(process_sets)
+    launcher_stages = os.environ.get("HYBRIDPIPE_PIPELINE_STAGES", "").strip()
+    overrides = pipeline_stages is not None and launcher_stages != ""
     if pipeline_stages is None:
-        text = os.environ.get("HYBRIDPIPE_PIPELINE_STAGES", "1")
+        text = launcher_stages or "1"
         try:
             pipeline_stages = int(text)
         except ValueError:
@@ -165,6 +168,12 @@ def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | 
             f"{current.size} ranks; hp.init(pipeline_stages={pipeline_stages}) asks for another grid "
             f"(call hp.shutdown() first)")
     size = base.Get_size()
+    if overrides and launcher_stages != str(pipeline_stages) and base.Get_rank() == 0:
+        replicas = f"{size // pipeline_stages}" if pipeline_stages > 0 and size % pipeline_stages == 0 else "?"
+        warnings.warn(f"hp.init(pipeline_stages={pipeline_stages}) overrides HYBRIDPIPE_PIPELINE_STAGES="
+                      f"{launcher_stages} (what `hybridpipe-run --stages {launcher_stages}` sets): the job runs "
+                      f"{pipeline_stages} stage(s) × {replicas} replica(s) of {size} ranks; call hp.init() without "
+                      f"pipeline_stages to follow --stages, or launch with --stages {pipeline_stages}", stacklevel=2)
     if pipeline_stages < 1:
         raise GridError(f"pipeline_stages must be >= 1, got {pipeline_stages} (use 1 for pure data parallelism)")
     _agree_on_stages(base, pipeline_stages)

@@ -421,7 +421,7 @@ def canonical_name(name: str) -> str:
     if key == "one-f-one-b":
         key = "1f1b"
     if key not in SCHEDULE_NAMES:
-        valid = [n for n in SCHEDULE_NAMES if n != "one_f_one_b"]
+        valid = [n for n in SCHEDULE_NAMES if n not in ("one_f_one_b", "forward")]  # "forward": predict's own
         raise ScheduleError(f"unknown schedule {name!r} (use one of {', '.join(map(repr, valid))})")
     return key
 
