@@ -411,6 +411,8 @@ def profile_layers(
     tuple/list/dict of tensors). Floating-point inputs require grad, as on a middle stage,
     so backward includes the input gradient; outputs that need no grad are skipped in
     backward. Backward uses gradients of ones; parameters' ``.grad`` are restored afterwards.
+    Each layer gets a copy of those inputs (made outside the timing), so a layer that modifies
+    its input in place (``nn.ReLU(inplace=True)``) works as it does in a stage.
 
     Args:
         layers: The layers, in pipeline order.
@@ -420,6 +422,9 @@ def profile_layers(
 
     Returns:
         One :class:`LayerProfile` per layer.
+
+    Raises:
+        PartitionError: a layer failed on the sample (the message names the layer and its error).
     """
     if repeats < 1 or warmup < 0:
         raise PartitionError(f"need repeats >= 1 and warmup >= 0 (got repeats {repeats}, warmup {warmup})")
@@ -436,17 +441,23 @@ def profile_layers(
             forward_times: list[float] = []
             backward_times: list[float] = []
             for run in range(warmup + repeats):
-                inputs = map_tensors(value, as_leaf)
+                # a copy of the leaves, as a stage's input: a layer may modify it in place
+                inputs = map_tensors(map_tensors(value, as_leaf), torch.clone)
                 activations.clear()
                 _synchronize(inputs)
-                started = time.perf_counter()
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-                    output = layer(inputs)
-                _synchronize(output)
-                forwarded = time.perf_counter()
-                roots = [tensor for tensor in iter_tensors(output) if tensor.requires_grad]
-                if roots:
-                    torch.autograd.backward(roots, [torch.ones_like(root) for root in roots])
+                try:
+                    started = time.perf_counter()
+                    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                        output = layer(inputs)
+                    _synchronize(output)
+                    forwarded = time.perf_counter()
+                    roots = [tensor for tensor in iter_tensors(output) if tensor.requires_grad]
+                    if roots:
+                        torch.autograd.backward(roots, [torch.ones_like(root) for root in roots])
+                except (RuntimeError, TypeError, ValueError, IndexError) as error:
+                    raise PartitionError(f"profiling layer {index} ({type(layer).__name__}) on the sample failed: "
+                                         f"{type(error).__name__}: {error} (check that the layers, called in "
+                                         "order, accept the sample input and each other's outputs)") from error
                 _synchronize(output)
                 finished = time.perf_counter()
                 if run >= warmup:

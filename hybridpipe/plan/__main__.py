@@ -44,20 +44,55 @@ def load_factory(spec: str):
     if ":" not in spec:
         raise HybridPipeError(f"expected MODULE:FACTORY (e.g. examples/train_lm.py:planner_model), got {spec!r}")
     module_name, function = spec.rsplit(":", 1)
-    if module_name.endswith(".py") or "/" in module_name:
-        path = Path(module_name)
-        if not path.exists():
-            raise HybridPipeError(f"no such file {module_name!r}")
-        loader = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(loader)
-        sys.path.insert(0, str(path.resolve().parent))
-        loader.loader.exec_module(module)
-    else:
-        module = importlib.import_module(module_name)
+    try:
+        if module_name.endswith(".py") or "/" in module_name:
+            path = Path(module_name)
+            if not path.exists():
+                raise HybridPipeError(f"no such file {module_name!r}")
+            loader = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(loader)
+            sys.path.insert(0, str(path.resolve().parent))
+            loader.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except HybridPipeError:
+        raise
+    except Exception as error:  # the user's module: its own error, named, never a raw traceback
+        raise HybridPipeError(f"importing {module_name!r} failed: {type(error).__name__}: {error} (run "
+                              f"`python -c 'import {Path(module_name).stem}'` to see where)") from error
     factory = getattr(module, function, None)
     if not callable(factory):
         raise HybridPipeError(f"{module_name} has no function {function!r}")
     return factory
+
+
+def profile_factory(spec: str, sample_batch: int) -> Profile:
+    """Profiles the model that ``MODULE:FACTORY`` returns on ``sample_batch`` samples.
+
+    Raises:
+        HybridPipeError: the factory, its ``sample`` or the model failed (the message names which and why).
+    """
+    factory = load_factory(spec)
+    try:
+        made = factory()
+    except Exception as error:
+        raise HybridPipeError(f"{spec}() raised {type(error).__name__}: {error}") from error
+    if not isinstance(made, (tuple, list)) or len(made) != 3:
+        raise HybridPipeError(f"{spec}() must return (layers, loss_fn, sample), got "
+                              f"{type(made).__name__}{f' of {len(made)}' if isinstance(made, (tuple, list)) else ''}")
+    layers, loss_fn, sample = made
+    try:
+        inputs, targets = sample(sample_batch)
+    except Exception as error:
+        raise HybridPipeError(f"sample({sample_batch}) of {spec} must return (inputs, targets); it raised "
+                              f"{type(error).__name__}: {error}") from error
+    try:
+        return profile(layers, inputs, loss_fn, targets)
+    except HybridPipeError:
+        raise
+    except (RuntimeError, TypeError, ValueError, IndexError) as error:
+        raise HybridPipeError(f"profiling {spec} failed: {type(error).__name__}: {error} (do its layers, called "
+                              f"in order on sample({sample_batch}), and loss_fn(output, targets) run?)") from error
 
 
 def render(best: Plan, args: argparse.Namespace) -> str:
@@ -261,9 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.profile:
             model_profile = Profile.load(args.profile)
         else:
-            layers, loss_fn, sample = load_factory(args.factory)()
-            inputs, targets = sample(args.sample_batch)
-            model_profile = profile(layers, inputs, loss_fn, targets)
+            model_profile = profile_factory(args.factory, args.sample_batch)
         if args.save_profile:
             model_profile.save(args.save_profile)
         if args.memory_per_rank is not None:

@@ -233,7 +233,7 @@ def _split_costs(layers: list[nn.Module], sample_input: Any, repeats: int, warmu
         if not parts or not parameters:
             costs.append(0.0)
             with torch.no_grad():
-                value = layer(value)
+                value = layer(map_tensors(value, torch.clone))  # an in-place layer leaves the sample alone
             continue
         saved = [p.grad for p in parameters]
         records: list[tuple[nn.Module, list[torch.Tensor]]] = []
@@ -250,7 +250,8 @@ def _split_costs(layers: list[nn.Module], sample_input: Any, repeats: int, warmu
                 for run in range(warmup + repeats):
                     times = []
                     for split in (False, True):
-                        inputs = map_tensors(value, as_leaf)
+                        leaves = map_tensors(value, as_leaf)
+                        inputs = map_tensors(leaves, torch.clone)  # a layer may modify its input in place
                         records.clear()
                         output = layer(inputs)
                         roots = [t for t in iter_tensors(output) if t.requires_grad]
@@ -262,7 +263,7 @@ def _split_costs(layers: list[nn.Module], sample_input: Any, repeats: int, warmu
                             torch.autograd.backward(roots, grads)
                         else:
                             _, targets = input_gradient_targets(
-                                [t for t in iter_tensors(inputs) if t.requires_grad], parameters, records)
+                                [t for t in iter_tensors(leaves) if t.requires_grad], parameters, records)
                             torch.autograd.backward(roots, grads, inputs=targets, retain_graph=True)
                             weight_gradients(records)
                         times.append((time.perf_counter() - started) * 1e3)
@@ -275,7 +276,7 @@ def _split_costs(layers: list[nn.Module], sample_input: Any, repeats: int, warmu
                 parameter.grad = grad
         costs.append(max(0.0, statistics.median(extras)) if extras else 0.0)
         with torch.no_grad():
-            value = layer(value)
+            value = layer(map_tensors(value, torch.clone))
     return costs
 
 
@@ -327,7 +328,7 @@ def profile(layers: nn.Sequential | Sequence[nn.Module], sample_input: Any, loss
     value = sample_input
     with torch.no_grad():
         for layer, timing, small_timing, split in zip(layer_list, timings, small_timings, splits):
-            value = layer(value)
+            value = layer(map_tensors(value, torch.clone))  # an in-place layer leaves the sample alone
             forward_call, forward = fit(timing.forward_ms, small_timing.forward_ms)
             backward_call, backward = fit(timing.backward_ms, small_timing.backward_ms)
             costs.append(LayerCost(name=type(layer).__name__, forward_ms=forward, backward_ms=backward,
