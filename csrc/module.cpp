@@ -360,16 +360,18 @@ PYBIND11_MODULE(_C, m) {
       "Starts receiving at most `bytes` bytes into `address` from rank `source`; `keep` is held as for isend.");
   m.def(
       "wait_any",
-      [](const std::vector<P2PRequest*>& requests, const WaitPolicy& policy) {
+      [](const std::vector<P2PRequest*>& requests, const WaitPolicy& policy, double timeout_s) {
         size_t index = 0;
         {
           py::gil_scoped_release no_gil;
-          index = wait_any(requests, policy);
+          index = wait_any(requests, policy, timeout_s);
         }
         release_dropped_owners();
         return index;
       },
-      py::arg("requests"), py::arg("policy") = WaitPolicy{}, "Blocks until one of the requests completed; returns its index.");
+      py::arg("requests"), py::arg("policy") = WaitPolicy{}, py::arg("timeout_s") = -1.0,
+      "Blocks until one of the requests completed; returns its index, or len(requests) when timeout_s >= 0 "
+      "seconds passed first.");
   m.def("release_dropped_owners", &release_dropped_owners,
         "Releases the buffer owners of finished transfers whose last reference went on the communication thread "
         "(which never takes the GIL); starting or waiting for a transfer does it too. Returns how many.");

@@ -152,11 +152,11 @@ bool TransferQueue::test(Transfer& transfer) {
   return transfer.done;
 }
 
-size_t TransferQueue::wait(const std::vector<Transfer*>& transfers, bool any) {
+size_t TransferQueue::wait(const std::vector<Transfer*>& transfers, bool any, double timeout_s) {
   Waiting waiting(waiters_, wake_);
   std::unique_lock<std::mutex> lock(mutex_);
   size_t index = 0;
-  changed_.wait(lock, [&] {
+  auto finished = [&] {
     bool all = true;
     for (size_t i = 0; i < transfers.size(); ++i) {
       if (transfers[i]->done) {
@@ -169,7 +169,12 @@ size_t TransferQueue::wait(const std::vector<Transfer*>& transfers, bool any) {
       }
     }
     return all;
-  });
+  };
+  if (timeout_s < 0) {
+    changed_.wait(lock, finished);
+  } else if (!changed_.wait_for(lock, std::chrono::duration<double>(timeout_s), finished)) {
+    return transfers.size();
+  }
   if (!transfers.empty() && !transfers[index]->error.empty()) throw MPICallError(transfers[index]->error);
   return index;
 }
@@ -420,7 +425,7 @@ P2PRequest* irecv(void* data, size_t bytes, int source, int tag, MPI_Comm comm, 
   return start(true, data, bytes, source, tag, comm, std::move(keep));
 }
 
-size_t wait_any(const std::vector<P2PRequest*>& requests, const WaitPolicy& policy) {
+size_t wait_any(const std::vector<P2PRequest*>& requests, const WaitPolicy& policy, double timeout_s) {
   if (requests.empty()) throw std::invalid_argument("wait_any: no requests");
   TransferQueue* queue = requests[0]->queue();
   for (P2PRequest* request : requests) {
@@ -432,7 +437,7 @@ size_t wait_any(const std::vector<P2PRequest*>& requests, const WaitPolicy& poli
   if (queue) {
     std::vector<Transfer*> transfers;
     for (P2PRequest* request : requests) transfers.push_back(&request->transfer());
-    return queue->wait(transfers, true);
+    return queue->wait(transfers, true, timeout_s);
   }
   std::vector<MPI_Request> handles;
   for (size_t i = 0; i < requests.size(); ++i) {
@@ -445,7 +450,19 @@ size_t wait_any(const std::vector<P2PRequest*>& requests, const WaitPolicy& poli
   }
   int index = MPI_UNDEFINED;
   MPI_Status status;
-  HP_MPI(wait_any, requests[0]->comm(), static_cast<int>(handles.size()), handles.data(), &index, &status, policy);
+  if (timeout_s < 0) {
+    HP_MPI(wait_any, requests[0]->comm(), static_cast<int>(handles.size()), handles.data(), &index, &status, policy);
+  } else {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                                 std::chrono::duration<double>(timeout_s));
+    bool timed_out = false;
+    HP_MPI(polite_wait, requests[0]->comm(), [&](int* flag) {
+      const int rc = MPI_Testany(static_cast<int>(handles.size()), handles.data(), &index, flag, &status);
+      if (rc == MPI_SUCCESS && !*flag && std::chrono::steady_clock::now() >= deadline) *flag = timed_out = true;
+      return rc;
+    }, policy.spin_us < 0 ? WaitPolicy{0.0, 1000.0} : policy);
+    if (timed_out) return requests.size();
+  }
   if (index == MPI_UNDEFINED) throw std::logic_error("wait_any: every request was inactive");
   Transfer& t = requests[index]->transfer();
   t.parts[0] = handles[index];  // MPI_REQUEST_NULL now

@@ -63,8 +63,9 @@ class TransferQueue {
   void submit(const std::shared_ptr<Transfer>& transfer);  // throws if the driver has stopped
   bool test(Transfer& transfer);                           // done? (throws its error)
   // Blocks until all (any=false) or one (any=true) of `transfers` is done; returns the index of a
-  // done one (any) or 0. Throws the error of a failed one.
-  size_t wait(const std::vector<Transfer*>& transfers, bool any);
+  // done one (any) or 0. Throws the error of a failed one. With timeout_s >= 0 it returns
+  // transfers.size() when that many seconds passed first.
+  size_t wait(const std::vector<Transfer*>& transfers, bool any, double timeout_s = -1.0);
   void cancel(Transfer& transfer);                             // blocks until withdrawn or done
   void release(const std::shared_ptr<Transfer>& transfer);     // its requester dropped it
   size_t released_in_flight();                                 // dropped ones MPI still holds
@@ -126,8 +127,9 @@ P2PRequest* isend(const void* data, size_t bytes, int dest, int tag, MPI_Comm co
 // Starts receiving at most `bytes` bytes into `data` from rank `source` of `comm` with `tag`.
 // A message larger than 1 GiB must be received with the exact size it was sent with.
 P2PRequest* irecv(void* data, size_t bytes, int source, int tag, MPI_Comm comm, std::shared_ptr<void> keep = {});
-// Blocks until one of `requests` (not yet done) completes; returns its index.
-size_t wait_any(const std::vector<P2PRequest*>& requests, const WaitPolicy& policy = {});
+// Blocks until one of `requests` (not yet done) completes; returns its index, or requests.size() when
+// timeout_s >= 0 seconds passed first (the caller bounds its waits: stall warnings, timeouts).
+size_t wait_any(const std::vector<P2PRequest*>& requests, const WaitPolicy& policy = {}, double timeout_s = -1.0);
 // Dropped requests whose buffers MPI may still use (they are kept until it is done).
 size_t orphaned_transfers();
 

@@ -86,6 +86,8 @@ from .errors import (
     MPIError,
     NotInitializedError,
     NotSupportedError,
+    PeerShutDownError,
+    WaitTimeoutError,
 )
 from .amp import LossScaler
 from .optimizer import (
@@ -145,5 +147,5 @@ __all__ = [
     # errors
     "HybridPipeError", "HorovodInternalError", "NotSupportedError", "NotInitializedError", "GridError",
     "DuplicateNameError",
-    "MismatchError", "MPIError", "BuildError",
+    "MismatchError", "MPIError", "BuildError", "PeerShutDownError", "WaitTimeoutError",
 ]

@@ -18,6 +18,8 @@ __all__ = [
     "BuildError",
     "PartitionError",
     "ScheduleError",
+    "PeerShutDownError",
+    "WaitTimeoutError",
 ]
 
 
@@ -73,3 +75,21 @@ class PartitionError(HybridPipeError, ValueError):
 
 class ScheduleError(HybridPipeError, ValueError):
     """A pipeline schedule is malformed (missing action, wrong order, would deadlock)."""
+
+
+class PeerShutDownError(HybridPipeError):
+    """A rank this rank waits for (a pipeline neighbour's activation or gradient) has called
+    ``hp.shutdown()``: it will never send what this rank waits for. Usually the ranks made different
+    numbers of ``train_step`` calls (uneven data per rank).
+
+    Attributes:
+        source: the rank that left, in the communicator of the wait.
+    """
+
+    source: int | None = None
+
+
+class WaitTimeoutError(HybridPipeError, TimeoutError):
+    """A wait for another rank (a pipeline transfer) lasted longer than ``HYBRIDPIPE_TIMEOUT_SECONDS``."""
+
+    source: int | None = None

@@ -32,6 +32,7 @@ from .._ext import core
 from ..config import Config
 from ..errors import DuplicateNameError, HorovodInternalError, HybridPipeError, MismatchError, NotInitializedError
 from . import buffers
+from .departures import Departures
 from .process_sets import ProcessSet, Registry
 
 __all__ = ["CommContext", "Handle", "start", "stop", "current", "current_or_none", "communicator", "call", "submit",
@@ -110,7 +111,9 @@ class CommContext:
         self._device_allreduces: list[Any] = []  # the engine borrows them (set_device_allreduce)
         for label in BUILTIN_GROUPS:
             self._engine_ids[label] = self.add_engine_group(self._builtin(label), label)
+        self.departures = Departures(grid)  # hp.shutdown tells the pipeline's other stages (departures.py)
         self.engine.drive_transfers()  # the pipeline's sends and receives go through the same thread
+        self.departures.start()
         self.engine.start()
 
     def add_engine_group(self, comm: Any, label: str) -> int:
@@ -259,8 +262,14 @@ class CommContext:
 
     def close(self) -> dict[str, list]:
         """Stops the engine (collective: every rank's engine agrees to stop), frees the user duplicates and
-        the process sets' communicators; returns the engine's recorded events by group label (timeline)."""
+        the process sets' communicators; returns the engine's recorded events by group label (timeline).
+
+        First it tells the pipeline's other stages that this rank leaves, so that one still waiting for it
+        raises PeerShutDownError instead of waiting for ever (departures.py)."""
+        self.departures.announce()
+        self.departures.withdraw()
         self.engine.shutdown()
+        self.departures.close()
         events = self.events()
         self.keep.clear()  # the thread has stopped: nothing it ran can still use these
         self.outputs.clear()

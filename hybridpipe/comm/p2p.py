@@ -20,11 +20,20 @@ memory for now.
 
 A stage that fails sends an **error message** on :data:`ERROR_TAG` to its neighbours; a receive
 waiting with ``abort=`` on such an error raises :class:`RemoteError` instead of hanging.
+
+Every wait is bounded and explained (:func:`_wait_any`): it also watches the departure notices of
+ranks that called ``hp.shutdown`` (:mod:`hybridpipe.comm.departures`) and raises
+:class:`~hybridpipe.errors.PeerShutDownError` when the rank it waits for has left; past
+``stall_check_seconds`` it warns, naming the rank and what it waits for; past
+``HYBRIDPIPE_TIMEOUT_SECONDS`` it raises :class:`~hybridpipe.errors.WaitTimeoutError`.
 """
 
 from __future__ import annotations
 
 import pickle
+import socket
+import sys
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,7 +44,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..config import Config
-from ..errors import HybridPipeError
+from ..errors import HybridPipeError, PeerShutDownError, WaitTimeoutError
 from .._ext import core
 from . import context
 from . import device as devices
@@ -105,6 +114,99 @@ def _wait_policy() -> Any:
     return _policy[1]
 
 
+#: After a departure notice from the rank a wait is for, how long what it sent before it left may still
+#: take to arrive (the notice travels on another communicator, which MPI may deliver first).
+DEPARTURE_GRACE_SECONDS = 0.5
+
+
+def _peer(comm_f: int, rank: int, running: Any) -> tuple[str, int | None]:
+    """How to name rank ``rank`` of the communicator ``comm_f`` in a message, and its world rank (None
+    without hp.init)."""
+    if running is None:
+        return f"rank {rank} of the communicator", None
+    world = running.departures.world_rank(comm_f, rank)
+    if world is None:
+        return f"rank {rank} of the communicator", None
+    return f"rank {world} (stage {running.departures.stage_of(world)})", world
+
+
+def _this_rank(running: Any, host: bool = False) -> str:
+    where = [f"host {socket.gethostname()}"] if host else []
+    if running is not None:
+        where[:0] = [f"rank {running.grid.rank}", f"stage {running.grid.stage}"]
+    return f"this rank ({', '.join(where)})" if where else "this rank"
+
+
+def _wait_any(requests: Sequence[Any], abort: Sequence[Receive], peer: int, comm_f: int, what: str) -> int:
+    """Waits until one of ``requests`` completes and returns its index.
+
+    Raises the :class:`RemoteError` of an ``abort`` receive that completes first;
+    :class:`PeerShutDownError` when rank ``peer`` of ``comm_f`` (the rank this wait is for) has shut
+    down (after :data:`DEPARTURE_GRACE_SECONDS` for what it sent before); :class:`WaitTimeoutError` past
+    ``timeout_seconds``. Warns on stderr past ``stall_check_seconds``.
+    """
+    policy = _wait_policy()
+    config: Config = _policy[0]  # type: ignore[index]  # the settings that policy came from
+    running = context.current_or_none()
+    departures = running.departures if running is not None else None
+    started = time.monotonic()
+    warned = False
+    left_at: float | None = None
+    watched = [*requests, *(receive._header_request for receive in abort)]
+    while True:
+        notice = departures.request if departures is not None else None
+        now = time.monotonic()
+        if departures is not None and departures.left and left_at is None:
+            world = departures.world_rank(comm_f, peer)
+            if world in departures.left:
+                left_at = now
+        deadlines = []
+        if not warned:
+            deadlines.append(started + config.stall_check_seconds)
+        if config.timeout_seconds > 0:
+            deadlines.append(started + config.timeout_seconds)
+        if left_at is not None:
+            deadlines.append(left_at + DEPARTURE_GRACE_SECONDS)
+        timeout = max(0.0, min(deadlines) - now) if deadlines else -1.0
+        index = core().wait_any(watched if notice is None else [*watched, notice], policy, timeout)
+        if index < len(requests):
+            return index
+        if index < len(watched):
+            abort[index - len(requests)]._open_header()  # raises RemoteError
+        if index == len(watched) and notice is not None:
+            departures.heard()  # type: ignore[union-attr]
+            continue
+        now = time.monotonic()
+        name, _ = _peer(comm_f, peer, running)
+        if left_at is not None and now >= left_at + DEPARTURE_GRACE_SECONDS:
+            error = PeerShutDownError(
+                f"{name} has shut down (hp.shutdown) while {_this_rank(running)} waits for {what}: the ranks of a "
+                "pipeline must make the same train_step / predict calls before hp.shutdown (are the ranks fed "
+                "different numbers of batches? shard the data by grid.replica over grid.data_replicas, the same "
+                "batches for every stage of a pipeline, as README shows)")
+            error.source = peer
+            raise error
+        waited = now - started
+        if config.timeout_seconds > 0 and waited >= config.timeout_seconds:
+            error = WaitTimeoutError(
+                f"{_this_rank(running)} waited {waited:.0f} s for {what} from {name} "
+                f"(HYBRIDPIPE_TIMEOUT_SECONDS={config.timeout_seconds:g}): it is stopped, dead, or not making the "
+                "same train_step / predict calls as this rank; if it is only slow (e.g. it alone saves a "
+                "checkpoint or evaluates), raise HYBRIDPIPE_TIMEOUT_SECONDS (0: wait for ever)")
+            error.source = peer
+            raise error
+        if not warned and waited >= config.stall_check_seconds:
+            warned = True
+            after = (f" This wait ends in an error at HYBRIDPIPE_TIMEOUT_SECONDS={config.timeout_seconds:g}."
+                     if config.timeout_seconds > 0 else "")
+            sys.stderr.write(
+                f"hybridpipe WARNING: {_this_rank(running, host=True)} has waited {waited:.1f} s "
+                f"for {what} from {name} (HYBRIDPIPE_STALL_CHECK_SECONDS={config.stall_check_seconds:g}): is it "
+                f"slow, stopped, or making other calls than this rank (fewer train_step calls, a collective only "
+                f"some ranks make)?{after}\n")
+            sys.stderr.flush()
+
+
 def _check_tag(tag: int) -> None:
     if not 0 <= tag < ERROR_TAG - 1:
         raise ValueError(f"p2p tag {tag} is outside 0..{ERROR_TAG - 2} (tags below ERROR_TAG={ERROR_TAG})")
@@ -117,29 +219,30 @@ class Send:
     them (``hybridpipe._C.orphaned_transfers()`` counts such sends).
     """
 
-    def __init__(self, requests: list[Any]) -> None:
+    def __init__(self, requests: list[Any], dest: int = 0, comm_f: int = 0, tag: int = 0) -> None:
         self._requests = requests
+        self.dest, self._comm_f, self.tag = dest, comm_f, tag
 
     def test(self) -> bool:
         """True once every part was sent (the buffers may then be reused)."""
         return all(request.test() for request in self._requests)
 
-    def wait(self, abort: Sequence[Receive] = ()) -> None:
+    def wait(self, abort: Sequence[Receive] = (), what: str | None = None) -> None:
         """Blocks until every part was sent.
 
         Args:
             abort: error receives (see :func:`receive_error`); if one of them completes first, its
                 :class:`RemoteError` is raised instead.
+            what: what the receiver waits for, for messages (default: "the receive of tag T").
+
+        Raises:
+            PeerShutDownError: the receiver has shut down (hp.shutdown) before taking the message.
+            WaitTimeoutError: the send waited past HYBRIDPIPE_TIMEOUT_SECONDS.
         """
-        policy = _wait_policy()
+        described = what or f"its receive of the message on tag {self.tag}"
         for request in self._requests:
-            if not abort:
-                request.wait(policy)
-                continue
             while not request.test():
-                index = core().wait_any([request, *(r._header_request for r in abort)], policy)
-                if index > 0:
-                    abort[index - 1]._open_header()  # raises RemoteError
+                _wait_any([request], abort, self.dest, self._comm_f, described)
 
 
 def _post_header(header: bytes, dest: int, tag: int, comm_f: int) -> Any:
@@ -173,7 +276,7 @@ def send(value: Any, dest: int, tag: int, comm: Any) -> Send:
         payload = [raw_bytes(tensor) for tensor in tensors]
         message = pickle.dumps((_INLINE_MARK, skeleton, payload), protocol=pickle.HIGHEST_PROTOCOL)
         if len(message) <= HEADER_CAPACITY:
-            return Send([_post_header(message, dest, tag, comm_f)])
+            return Send([_post_header(message, dest, tag, comm_f)], dest, comm_f, tag)
     requests = [_post_header(pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL), dest, tag, comm_f)]
     synchronized: set = set()
     for tensor in tensors:
@@ -186,13 +289,13 @@ def send(value: Any, dest: int, tag: int, comm: Any) -> Send:
             host = host_contiguous(tensor)
         nbytes = host.numel() * host.element_size()
         requests.append(core().isend(host.data_ptr(), nbytes, dest, tag + 1, comm_f, host))
-    return Send(requests)
+    return Send(requests, dest, comm_f, tag)
 
 
 def send_error(text: str, rank: int, dest: int, comm: Any) -> Send:
     """Tells rank ``dest`` that rank ``rank`` failed with ``text`` (a small, eager message)."""
     header = pickle.dumps((_ERROR_MARK, rank, text[-4000:]), protocol=pickle.HIGHEST_PROTOCOL)
-    return Send([_post_header(header, dest, ERROR_TAG, comm.py2f())])
+    return Send([_post_header(header, dest, ERROR_TAG, comm.py2f())], dest, comm.py2f(), ERROR_TAG)
 
 
 # Receives posted on one (communicator, source, tag) whose header is not opened yet, in posting
@@ -213,10 +316,13 @@ class Receive:
         comm: an mpi4py communicator.
         device: where the received tensors end up (default: CPU).
         requires_grad: restore ``requires_grad`` of floating-point tensors as the sender had it.
+        what: what this is, for messages about the wait (e.g. "its activation of micro-batch 3";
+            default "the message on tag T").
     """
 
     def __init__(self, source: int, tag: int, comm: Any, device: Any = None, requires_grad: bool = False,
-                 _error_tag: bool = False) -> None:
+                 _error_tag: bool = False, what: str | None = None) -> None:
+        self.what = what
         if not _error_tag:
             _check_tag(tag)
         self.source, self.tag, self._comm_f = source, tag, comm.py2f()
@@ -292,27 +398,28 @@ class Receive:
                 return False
         return all(request.test() for request in self._payload_requests)
 
-    def wait(self, abort: Sequence[Receive] = ()) -> Any:
+    def wait(self, abort: Sequence[Receive] = (), what: str | None = None) -> Any:
         """Blocks until the value is in and returns it.
 
         Args:
             abort: error receives (see :func:`receive_error`); if one of them completes first, its
                 :class:`RemoteError` is raised instead.
+            what: what this rank waits for, for messages (default: the ``what`` given at construction).
+
+        Raises:
+            RemoteError: an ``abort`` receive got the sender's error.
+            PeerShutDownError: the sender has shut down (hp.shutdown) without sending it.
+            WaitTimeoutError: the wait lasted past HYBRIDPIPE_TIMEOUT_SECONDS.
         """
         if self._done:
             return self._value
-        policy = _wait_policy()
+        described = what or self.what or f"the message on tag {self.tag}"
         if self._skeleton is None:
-            if abort:
-                requests = [self._header_request, *(r._header_request for r in abort)]
-                index = core().wait_any(requests, policy)
-                if index > 0:
-                    abort[index - 1]._open_header()  # raises RemoteError
-            else:
-                self._header_request.wait(policy)
+            _wait_any([self._header_request], abort, self.source, self._comm_f, described)
             self._open_header()
         for request in self._payload_requests:
-            request.wait(policy)
+            while not request.test():
+                _wait_any([request], abort, self.source, self._comm_f, described)
         tensors = self._tensors
         if self._device is not None and torch.device(self._device).type != "cpu":
             tensors = [tensor.to(self._device) for tensor in tensors]
