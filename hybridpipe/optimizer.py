@@ -36,6 +36,7 @@ from . import _trace as timeline
 from .comm import buffers, collectives, context, engine, exchange
 from . import zero as zero_module
 from .pipeline import stage
+from .pipeline.tied import copies_counted_elsewhere
 from .comm.collectives import Average, ReduceOp, Sum
 from .comm.process_sets import ProcessSet
 from .errors import HybridPipeError, NotSupportedError
@@ -543,7 +544,9 @@ def clip_grad_norm_(model: Any, max_norm: float, norm_type: float = 2.0) -> floa
 
     The norm is over every stage's parameters of my pipeline (one allreduce over ``"pipe"``), so it
     is the same on every rank; call it after the data-parallel average (``opt.synchronize()``),
-    then every replica clips identically.
+    then every replica clips identically. A weight tied across stages (``tied_parameter_names``)
+    counts once, as in one process: on its lowest holding stage (pass the PipelineModel itself for
+    that, not its ``parameters()``, which do not say which copies are tied).
 
     Args:
         model: a PipelineModel, an nn.Module, or an iterable of parameters (this rank's).
@@ -552,28 +555,38 @@ def clip_grad_norm_(model: Any, max_norm: float, norm_type: float = 2.0) -> floa
         The total norm before clipping.
     """
     parameters = list(model.parameters()) if hasattr(model, "parameters") else list(model)
+    elsewhere = copies_counted_elsewhere(model)  # tied copies whose norm a lower stage adds
     # ZeRO: the averaged gradient exists only as each replica's shard: its norm is summed over the data group
     sharded = list(dict.fromkeys(o for o in map(zero_module.owner_of, parameters) if o is not None))
     managed = {id(p) for o in sharded for _, p in o._hp_parameters}
     grads = [p.grad for p in parameters if p.grad is not None and id(p) not in managed]
+    counted = [p.grad for p in parameters
+               if p.grad is not None and id(p) not in managed and id(p) not in elsewhere]
     shard_grads = [g for o in sharded for g in o.shard_gradients()]
+
+    def counted_shards(owner: Any) -> list[torch.Tensor]:
+        return owner.shard_gradient_pieces(elsewhere) if elsewhere else owner.shard_gradients()
+
     norm_type = float(norm_type)
     if norm_type == float("inf"):
-        shard_max = max((g.detach().abs().max().item() for g in shard_grads if g.numel()), default=0.0)
+        local_max = 0.0
         for o in sharded:
-            shard_max = float(collectives.allreduce(torch.tensor([shard_max], dtype=torch.float64), op=collectives.Max,
-                                                    group=o._hp_group)[0])
-        local = torch.tensor([max([shard_max] + [g.detach().abs().max().item() for g in grads])],
+            mine = max((g.detach().abs().max().item() for g in counted_shards(o) if g.numel()),
+                       default=0.0)
+            local_max = max(local_max, float(collectives.allreduce(torch.tensor([mine], dtype=torch.float64),
+                                                                   op=collectives.Max, group=o._hp_group)[0]))
+        local = torch.tensor([max([local_max] + [g.detach().abs().max().item() for g in counted])],
                              dtype=torch.float64)
         total = float(collectives.allreduce(local, op=collectives.Max, group="pipe")[0])
     else:
         shard_sum = 0.0
         for o in sharded:
-            mine = sum(float(g.detach().double().norm(norm_type) ** norm_type) for g in o.shard_gradients())
+            mine = sum(float(g.detach().double().norm(norm_type) ** norm_type)
+                       for g in counted_shards(o))
             shard_sum += float(collectives.allreduce(torch.tensor([mine], dtype=torch.float64), op=Sum,
                                                      group=o._hp_group)[0])
-        local = torch.tensor([shard_sum + sum(float(g.detach().double().norm(norm_type) ** norm_type) for g in grads)],
-                             dtype=torch.float64)
+        local = torch.tensor([shard_sum + sum(float(g.detach().double().norm(norm_type) ** norm_type)
+                                              for g in counted)], dtype=torch.float64)
         total = float(collectives.allreduce(local, op=Sum, group="pipe")[0]) ** (1.0 / norm_type)
     scale = max_norm / (total + 1e-6)
     if scale < 1.0:

@@ -303,6 +303,21 @@ class ZeroMixin:
         ``synchronize()``."""
         return [shard.grad for shard in self._hp_shards]
 
+    def shard_gradient_pieces(self, excluding: Any = frozenset()) -> list[torch.Tensor]:
+        """This replica's pieces of the averaged gradient, one view per parameter that has some, leaving
+        out the parameters whose ids are in ``excluding`` (e.g. a tied weight's copy another stage counts)."""
+        r, pieces = self._hp_zrank, []
+        for bucket in self._hp_buckets:
+            grad = self._hp_shards[bucket.group].grad
+            if grad is None:
+                continue
+            begin, end = r * bucket.piece, (r + 1) * bucket.piece
+            for item in bucket.items:
+                lo, hi = max(begin, item.offset), min(end, item.offset + item.numel)
+                if lo < hi and id(item.parameter) not in excluding:
+                    pieces.append(grad[bucket.shard_offset + lo - begin:bucket.shard_offset + hi - begin])
+        return pieces
+
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state this replica holds (the shard's momentum / moments)."""
         return sum(v.numel() * v.element_size() for state in self.state.values()  # type: ignore[attr-defined]

@@ -45,7 +45,8 @@ from hybridpipe.errors import HybridPipeError
 from hybridpipe.pipeline.layers import LayerSpec, share_parameter, shapes_only, tied_attributes
 from hybridpipe.pipeline.partition import SharedParameter, find_shared_parameters, shared_parameters_error
 
-__all__ = ["Tie", "find_ties", "check_schedule", "share_within_rank", "TiedWeights"]
+__all__ = ["Tie", "find_ties", "check_schedule", "share_within_rank", "TiedWeights",
+           "copies_counted_elsewhere"]
 
 
 @dataclass(frozen=True)
@@ -298,3 +299,23 @@ def check_schedule(ties: Sequence[Tie], balance: Sequence[int], asynchronous: bo
     across = [tie for tie in ties if tie.across_ranks]
     if asynchronous and across:
         raise shared_parameters_error([tie.shared() for tie in across], balance, schedule)
+
+
+def copies_counted_elsewhere(model: Any) -> set[int]:
+    """The ids of this rank's copies of weights tied across stages that a lower stage also holds.
+
+    A sum over the pipeline's parameters (a gradient norm) counts a tied weight once by counting it on
+    its lowest holding stage only. Reads the model's public layout: ``tied_parameter_names`` (names
+    ``layers.<index>.<name>``) and ``layers_of_stage``; anything else (a plain module) has no such copies.
+    """
+    ties = getattr(model, "tied_parameter_names", None)
+    if not ties or not callable(getattr(model, "layers_of_stage", None)):
+        return set()
+    stage_of_layer = {index: stage for stage in range(model.stages) for index in model.layers_of_stage(stage)}
+    own = dict(model.named_parameters(remove_duplicate=False))
+    elsewhere: set[int] = set()
+    for names in ties:
+        lowest = min(stage_of_layer[int(name.split(".")[1])] for name in names)
+        if model.stage != lowest:
+            elsewhere.update(id(own[name]) for name in names if name in own)
+    return elsewhere
