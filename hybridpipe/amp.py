@@ -129,12 +129,24 @@ class LossScaler:
         self._unscaled, self._found_inf = False, None
 
     def state_dict(self) -> dict[str, Any]:
+        """The scale, the growth rule and its progress, and the count of skipped steps: what a checkpoint
+        saves (``hp.save_checkpoint`` does, for ``model.scaler``) so that a resumed run scales as an
+        uninterrupted one."""
         return {"scale": self._scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
-                "growth_interval": self.growth_interval, "growth_tracker": self._growth_tracker}
+                "growth_interval": self.growth_interval, "growth_tracker": self._growth_tracker,
+                "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict` (``skipped_steps`` may be missing: 0)."""
+        needed = ("scale", "growth_factor", "backoff_factor", "growth_interval", "growth_tracker")
+        missing = [key for key in needed if key not in state]
+        if missing:
+            raise HybridPipeError(f"LossScaler.load_state_dict: the state lacks {missing} (got keys "
+                                  f"{sorted(state)}): pass what LossScaler.state_dict() returned")
         self._scale = float(state["scale"])
         self.growth_factor = float(state["growth_factor"])
         self.backoff_factor = float(state["backoff_factor"])
         self.growth_interval = int(state["growth_interval"])
         self._growth_tracker = int(state["growth_tracker"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self._unscaled, self._found_inf = False, None

@@ -14,6 +14,10 @@ and keeps its own. Optimizer state (e.g. AdamW's moments and step) follows its p
 replica per stage (replica 0) writes. A process killed during a save leaves ``latest`` pointing to
 the previous, complete checkpoint.
 
+The fp16 loss scaler's state (``model.scaler``: scale, growth progress, skipped steps) is the same on
+every rank; every stage file carries a copy, so any rank of any grid restores it from the files it reads.
+Checkpoints without it (fp32, or older) still load and leave the scaler as it is.
+
 Random generators (torch CPU and CUDA, ``random``, numpy; see :mod:`hybridpipe.rng_state`) are saved
 per rank, keyed by (stage, replica). On load, a rank whose partition is the saved one (same stage
 count and balance) gets the state of the same (stage, replica) back, so dropout continues exactly;
@@ -107,7 +111,8 @@ def _zero_manifest(optimizer: Any, stage: int) -> dict[str, Any]:
                      "files": [f"stage-{stage}.optimizer-{r}-of-{size}.pt" for r in range(size)]}}
 
 
-def _is_pipeline(model: Any) -> bool:
+def is_pipeline(model: Any) -> bool:
+    """Whether ``model`` is split into pipeline stages (a PipelineModel): each stage holds its own layers."""
     return hasattr(model, "layers_of_stage")
 
 
@@ -118,15 +123,15 @@ def _gather_rng_states(model: Any, grid: runtime.Grid) -> list[dict] | None:
     plain module's single file, written by rank 0, holds every rank's (gathered over the world).
     """
     mine = {"stage": grid.stage, "replica": grid.replica, **rng_state.capture()}
-    if _is_pipeline(model):
+    if is_pipeline(model):
         return call("data", "save_checkpoint", lambda: grid.data_comm.gather(mine, root=0))
     return call(None, "save_checkpoint", lambda: grid.world_comm.gather(mine, root=0))
 
 
 def save_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.optim.Optimizer | None = None,
-                    step: int = 0, extra: dict | None = None) -> Path:
-    """Saves this grid's model (a PipelineModel or nn.Module), optimizer and every rank's random
-    generator states; collective over the world.
+                    step: int = 0, extra: dict | None = None, scaler: Any = None) -> Path:
+    """Saves this grid's model (a PipelineModel or nn.Module), optimizer, fp16 loss scaler and every
+    rank's random generator states; collective over the world.
 
     Args:
         directory: the checkpoint directory (created).
@@ -135,6 +140,8 @@ def save_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
             PipelineModel: its own ``model.optimizer``; its in-flight micro-batches are flushed first).
         step: the training step, part of the checkpoint's name.
         extra: small picklable-by-torch values (ints, floats, strings, tensors) to restore with it.
+        scaler: the ``hp.LossScaler`` to save (its scale, growth progress and skipped steps); None: the
+            model's own (``model.scaler``, a PipelineModel with ``precision="fp16"``), if any.
 
     Returns:
         The path of the written checkpoint (``DIR/step-XXXXXXXX``).
@@ -143,6 +150,7 @@ def save_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
     if callable(getattr(model, "flush", None)):
         model.flush()  # asynchronous pipeline schedules: apply what is in flight first
     optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+    scaler = _scaler(model, scaler)
     root = Path(directory)
     name = f"step-{int(step):08d}"
     target = root / name
@@ -173,7 +181,7 @@ def save_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
             payload = {
                 "format": FORMAT,
                 "stage": stage,
-                "layers": list(model.layers_of_stage(stage)) if _is_pipeline(model) else None,
+                "layers": list(model.layers_of_stage(stage)) if is_pipeline(model) else None,
                 "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
                 "optimizer": (_zero_manifest(optimizer, stage) if sharded
                               else _optimizer_state_by_name(model, optimizer)),
@@ -181,6 +189,8 @@ def save_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
                 "extra": extra or {},
                 "rng": rng_states,
             }
+            if scaler is not None:  # the same on every rank (it is agreed): every stage file carries it
+                payload["scaler"] = scaler.state_dict()
             _atomic_save(payload, target / f"stage-{stage}.pt")
         except Exception as exc:  # every rank must learn of it
             error = f"stage {stage} could not write its file: {type(exc).__name__}: {exc}"
@@ -196,6 +206,11 @@ def save_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
         _atomic_write_text(name + "\n", root / "latest")
     call(None, "save_checkpoint", grid.world_comm.Barrier)
     return target
+
+
+def _scaler(model: Any, scaler: Any) -> Any:
+    """The loss scaler a checkpoint saves or restores: the one passed, else the model's fp16 one, or None."""
+    return scaler if scaler is not None else getattr(model, "scaler", None)
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
@@ -254,7 +269,7 @@ def _files_needed(manifest: dict, model: Any) -> list[str]:
     A plain module, or a checkpoint whose manifest has no per-stage balance (a plain module's),
     needs every file."""
     files, balance = list(manifest["files"]), list(manifest.get("balance") or [])
-    if not _is_pipeline(model) or len(balance) != len(files):
+    if not is_pipeline(model) or len(balance) != len(files):
         return files
     own = model.layers_of_stage(model.stage)
     needed, start = [], 0
@@ -344,9 +359,9 @@ def _raise_on_any(grid: runtime.Grid, error: str, what: str) -> None:
 
 
 def load_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.optim.Optimizer | None = None,
-                    restore_rng: bool = True) -> dict:
-    """Restores ``model`` (and ``optimizer``, and the random generators) from a checkpoint saved on
-    any grid; collective over the world.
+                    restore_rng: bool = True, scaler: Any = None) -> dict:
+    """Restores ``model`` (and ``optimizer``, the fp16 loss scaler, and the random generators) from a
+    checkpoint saved on any grid; collective over the world.
 
     Each rank reads the manifest and the files of the saved stages that hold its layers (all files
     for a plain module). Nothing is changed on any rank unless every rank's files check out.
@@ -358,6 +373,9 @@ def load_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
             its own ``model.optimizer``).
         restore_rng: set the random generators from the checkpoint (see the module docstring for
             the rule when the grid differs); False leaves them alone.
+        scaler: the ``hp.LossScaler`` to restore; None: the model's own (``model.scaler``), if any. A
+            checkpoint without scaler state (saved in fp32, or by an older hybridpipe) leaves it as it
+            is, with a warning on rank 0.
 
     Returns:
         ``{"step": int, "extra": dict, "rng": str}``: the checkpoint's step, the ``extra`` that
@@ -374,6 +392,7 @@ def load_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
     if callable(getattr(model, "flush", None)):
         model.flush()  # asynchronous pipeline schedules: nothing may be in flight when the weights change
     optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+    scaler = _scaler(model, scaler)
     error, checkpoint, manifest, payloads, prepared = "", None, None, [], None
     try:
         checkpoint = _resolve(directory)
@@ -390,6 +409,7 @@ def load_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
         raise CheckpointError("loading the checkpoint failed: " + " | ".join(errors))
     assert checkpoint is not None and manifest is not None and prepared is not None
     rng = "skipped"
+    saved_scaler = next((payload["scaler"] for payload in payloads if "scaler" in payload), None)
     try:
         model_state, optimizer_state = prepared
         model.load_state_dict(model_state, strict=True)
@@ -399,6 +419,8 @@ def load_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
             optimizer.load_state_dict(optimizer_state)
         if callable(getattr(model, "_restart_weight_versions", None)):
             model._restart_weight_versions()
+        if scaler is not None and saved_scaler is not None:
+            scaler.load_state_dict(saved_scaler)
         if restore_rng:
             rng = _restore_rng(manifest, payloads, model, grid)
     except Exception as exc:
@@ -408,6 +430,10 @@ def load_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
         warnings.warn(f"{checkpoint} holds no random generator states (saved by an older hybridpipe): they "
                       "are not restored, so dropout and other random draws do not continue as in the saved "
                       "run", stacklevel=2)
+    if scaler is not None and saved_scaler is None and grid.rank == 0:
+        warnings.warn(f"{checkpoint} holds no loss-scaler state (saved without precision='fp16', or by an "
+                      f"older hybridpipe): the scaler keeps its scale {scaler.get_scale()}; a run resumed from "
+                      "it may skip steps the saved run did not", stacklevel=2)
     return {"step": int(manifest["step"]), "extra": shared[0][1] or {}, "rng": rng}
 
 
@@ -487,7 +513,7 @@ def _agreed_latest(directory: str | os.PathLike | None, function: str) -> tuple[
 
 
 def resume(directory: str | os.PathLike | None, model: Any, optimizer: torch.optim.Optimizer | None = None,
-           restore_rng: bool = True) -> ResumeInfo:
+           restore_rng: bool = True, scaler: Any = None) -> ResumeInfo:
     """Continues from the latest complete checkpoint in ``directory``, if there is one; collective.
 
     Loads it with :func:`load_checkpoint` (any grid: the checkpoint reshards) when there is one;
@@ -500,6 +526,7 @@ def resume(directory: str | os.PathLike | None, model: Any, optimizer: torch.opt
         model: a ``hp.PipelineModel`` or plain module.
         optimizer: the optimizer over ``model.parameters()``, or None.
         restore_rng: restore (or re-seed) the random generators, see :func:`load_checkpoint`.
+        scaler: the loss scaler to restore (default ``model.scaler``), see :func:`load_checkpoint`.
 
     Returns:
         A :class:`ResumeInfo`: ``step`` to continue from (0 and ``checkpoint=None`` when starting
@@ -518,7 +545,7 @@ def resume(directory: str | os.PathLike | None, model: Any, optimizer: torch.opt
     checkpoint, _ = _agreed_latest(directory, "resume")
     if checkpoint is None:
         return ResumeInfo()
-    info = load_checkpoint(checkpoint, model, optimizer, restore_rng=restore_rng)
+    info = load_checkpoint(checkpoint, model, optimizer, restore_rng=restore_rng, scaler=scaler)
     return ResumeInfo(step=info["step"], extra=info["extra"], checkpoint=checkpoint, rng=info["rng"])
 
 
