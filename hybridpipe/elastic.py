@@ -16,6 +16,9 @@ What it does here, and what differs from Horovod's in-process elastic training:
   last commit, but through a restart (seconds) instead of Horovod's in-process reset, and hosts are not
   added while the job runs: ``HostsUpdatedInterrupt`` exists for Horovod's scripts and is raised only
   by your own code (``check_host_updates`` never sees a change).
+* Around a ``PipelineModel``, ``sync`` broadcasts the model and optimizer within each stage's replicas
+  (``group="data"``, each stage from its own replica 0): the stages hold different layers. The fp16
+  loss scaler (``model.scaler``) is committed, restored and synced with them.
 """
 
 from __future__ import annotations
@@ -128,6 +131,8 @@ class TorchState(ObjectState):
         super().__init__(**kwargs)
         self._saved_model = self._copy(model.state_dict()) if model is not None else None
         self._saved_optimizer = self._copy(optimizer.state_dict()) if optimizer is not None else None
+        scaler = self._scaler()
+        self._saved_scaler = scaler.state_dict() if scaler is not None else None
 
     @staticmethod
     def _copy(state: dict) -> dict:
@@ -139,6 +144,7 @@ class TorchState(ObjectState):
             self._saved_model = self._copy(self.model.state_dict())
         if self.optimizer is not None:
             self._saved_optimizer = self._copy(self.optimizer.state_dict())
+        self._save_scaler()
         directory = os.environ.get(checkpoint.CHECKPOINT_DIR_ENV)
         if directory and self.model is not None:
             checkpoint.save_checkpoint(directory, self.model, self.optimizer, step=self._commits + 1,
@@ -150,11 +156,34 @@ class TorchState(ObjectState):
             self.model.load_state_dict(self._saved_model)
         if self.optimizer is not None and self._saved_optimizer is not None:
             self.optimizer.load_state_dict(self._saved_optimizer)
+        scaler = self._scaler()
+        if scaler is not None and self._saved_scaler is not None:
+            scaler.load_state_dict(self._saved_scaler)
+
+    def _save_scaler(self) -> None:
+        scaler = self._scaler()
+        self._saved_scaler = scaler.state_dict() if scaler is not None else None
+
+    def _replicas(self) -> str:
+        """The ranks that hold the same model: a pipeline stage's replicas ("data", each stage from its own
+        replica 0), or every rank for a plain module."""
+        return "data" if checkpoint.is_pipeline(self.model) else "world"
+
+    def _scaler(self) -> Any:
+        """The model's fp16 loss scaler (``precision="fp16"``), or None: its scale is state to roll back."""
+        return getattr(self.model, "scaler", None)
 
     def sync(self) -> None:
         if self.model is not None:
-            broadcast_parameters(self.model.state_dict(), root_rank=0, group="world")
-        if self.optimizer is not None:
+            group = self._replicas()
+            broadcast_parameters(self.model.state_dict(), root_rank=0, group=group)
+            if self.optimizer is not None:
+                broadcast_optimizer_state(self.optimizer, root_rank=0, group=group)
+            scaler = self._scaler()
+            if scaler is not None:  # agreed by every rank of the job: rank 0's
+                scaler.load_state_dict(broadcast_object(scaler.state_dict(), root_rank=0,
+                                                        name="elastic.scaler", group="world"))
+        elif self.optimizer is not None:
             broadcast_optimizer_state(self.optimizer, root_rank=0, group="world")
         super().sync()
 
@@ -178,6 +207,7 @@ class TorchState(ObjectState):
             self._saved_model = self._copy(self.model.state_dict())
         if self.optimizer is not None:
             self._saved_optimizer = self._copy(self.optimizer.state_dict())
+        self._save_scaler()
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:

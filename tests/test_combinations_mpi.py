@@ -4,7 +4,9 @@
 * a weight tied across stages + ``hp.clip_grad_norm_`` (with and without ZeRO): the tied weight counts
   once in the global norm, and every clipped update equals one process's;
 * ``precision="fp16"`` + checkpoints: the loss scaler's state is saved and restored (on the same grid and
-  on another), so a resumed run trains as the uninterrupted one; a checkpoint without it still loads.
+  on another), so a resumed run trains as the uninterrupted one; a checkpoint without it still loads;
+* ``hp.elastic.TorchState`` + ``@hp.elastic.run`` around a 2 × 2 PipelineModel: the state syncs within
+  each stage's replicas, a roll back restores it, and training equals one process.
 """
 
 from __future__ import annotations
@@ -203,3 +205,59 @@ def test_fp16_resumes_with_the_loss_scalers_state(tmp_path_factory):
         assert any("holds no loss-scaler state" in str(w.message) for w in caught), [str(w.message) for w in caught]
     model.close()
     hp.shutdown()
+
+
+# ------------------------------------------------------------------ elastic around a pipeline
+
+
+def test_elastic_trains_a_pipeline_like_one_process(grid_2x2):
+    """2 stages × 2 replicas under @hp.elastic.run: replica 1 starts with other weights (the first sync
+    makes them replica 0's, stage by stage; before the fix it raised MismatchError over the world), a
+    failure at step 2 rolls every rank back to the commit after step 1, and after 4 steps the model equals
+    one process's."""
+    grid, steps = grid_2x2, 4
+    batches = vector_batches(steps, dtype=torch.float64)
+    reference = mlp().double()
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    for inputs, targets in batches:
+        reference_optimizer.zero_grad()
+        nn.functional.cross_entropy(reference(inputs), targets).backward()
+        reference_optimizer.step()
+
+    model = hp.PipelineModel(mlp().double(), loss_fn=nn.CrossEntropyLoss(), micro_batches=2, balance="uniform")
+    optimizer = hp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.05),
+                                        named_parameters=model.named_parameters())
+    if grid.replica == 1:
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(1.0)
+    state = hp.elastic.TorchState(model, optimizer, step=0)
+    starts = []
+
+    @hp.elastic.run
+    def train(state):
+        starts.append(state.step)
+        while state.step < steps:
+            optimizer.zero_grad()
+            model.train_step(*shard(batches[state.step], grid))
+            optimizer.step()
+            if state.step == 2 and len(starts) == 1:
+                with torch.no_grad():
+                    for parameter in model.parameters():
+                        parameter.mul_(3.0)  # as if the failed step had half-applied something
+                raise hp.HorovodInternalError("a collective failed (injected at step 2)")
+            state.step += 1
+            state.commit()
+        return state.step
+
+    try:
+        assert train(state) == steps
+        assert starts == [0, 2]
+        assert_like(model, dict(reference.named_parameters()), rtol=1e-9, atol=1e-12)
+        # the sync really is per stage: one stage's state, broadcast within its replicas only
+        mine = {name: p.detach().clone() for name, p in model.named_parameters()}
+        replicas = hp.allgather_object(mine, group="data")
+        for other in replicas[1:]:
+            assert other.keys() == mine.keys() and all(torch.equal(other[k], replicas[0][k]) for k in mine)
+    finally:
+        model.close()
