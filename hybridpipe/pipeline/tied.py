@@ -315,7 +315,12 @@ def copies_counted_elsewhere(model: Any) -> set[int]:
     own = dict(model.named_parameters(remove_duplicate=False))
     elsewhere: set[int] = set()
     for names in ties:
-        lowest = min(stage_of_layer[int(name.split(".")[1])] for name in names)
+        try:
+            lowest = min(stage_of_layer[int(name.split(".")[1])] for name in names)
+        except (IndexError, ValueError, KeyError):
+            raise HybridPipeError(f"tied_parameter_names {names} are not 'layers.<index>.<name>' of layers this "
+                                  "model's layers_of_stage() lists: PipelineModel and "
+                                  "tied.copies_counted_elsewhere disagree on names; update the latter") from None
         if model.stage != lowest:
             elsewhere.update(id(own[name]) for name in names if name in own)
     return elsewhere
