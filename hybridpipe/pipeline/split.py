@@ -522,22 +522,27 @@ def install_dispatch(units: Sequence[nn.Module]) -> None:
         module.__class__ = _dispatching_class(type(module))
 
 
-def release_remote(root: nn.Module, keep: Sequence[nn.Module], units: Sequence[nn.Module]) -> None:
-    """Puts the parameters and buffers of the units not in ``keep`` on the meta device (no memory), except
-    tensors that a kept unit holds too (a tie within this rank)."""
+def release_remote(root: nn.Module, keep: Sequence[nn.Module], units: Sequence[nn.Module], last_rank: bool) -> None:
+    """Puts every parameter and buffer of ``root`` on the meta device (no memory) that no unit in ``keep`` holds,
+    except tensors of no unit at all (modules the forward never calls): those stay on the last rank."""
     kept = {id(t) for m in keep for t in (*m.parameters(), *m.buffers())}
-    kept_ids = {id(m) for m in keep}
-    for unit in units:
-        if id(unit) in kept_ids:
-            continue
-        for module in unit.modules():
-            for name, parameter in list(module._parameters.items()):
-                if parameter is not None and id(parameter) not in kept and parameter.device.type != "meta":
-                    module._parameters[name] = nn.Parameter(torch.empty_like(parameter, device="meta"),
-                                                            requires_grad=parameter.requires_grad)
-            for name, buffer in list(module._buffers.items()):
-                if buffer is not None and id(buffer) not in kept and buffer.device.type != "meta":
-                    module._buffers[name] = torch.empty_like(buffer, device="meta")
+    of_units = {id(t) for m in units for t in (*m.parameters(), *m.buffers())}
+
+    def release(tensor: torch.Tensor) -> bool:
+        return id(tensor) not in kept and tensor.device.type != "meta" and (id(tensor) in of_units or not last_rank)
+
+    for module in root.modules():
+        for name, parameter in list(module._parameters.items()):
+            if parameter is not None and release(parameter):
+                module._parameters[name] = nn.Parameter(torch.empty_like(parameter, device="meta"),
+                                                        requires_grad=parameter.requires_grad)
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and release(buffer) and (id(buffer) in of_units or _unit_owned(module, units)):
+                module._buffers[name] = torch.empty_like(buffer, device="meta")
+
+
+def _unit_owned(module: nn.Module, units: Sequence[nn.Module]) -> bool:
+    return any(module is m for unit in units for m in unit.modules())
 
 
 class SplitChunk(nn.Module):
@@ -771,7 +776,7 @@ def prepare(root: nn.Module, sample: Any, split: Any, chunks: int, ranks: int, r
     ties, tied_names = _ties(plan)
     local = plan.local_modules(rank)
     built = {str(plan.unit_index[id(m)]): m for m in local}
-    release_remote(root, local, units)
+    release_remote(root, local, units, last_rank=rank == ranks - 1)
     install_dispatch(units)
     return PreparedSplit(plan, balance, call_parameters, costs, ties, tied_names, local, built)
 

@@ -1,0 +1,153 @@
+"""hp.PipelineModel(module, sample=...): ordinary nn.Modules -- transformers GPT-2 (tied head), Llama (RoPE),
+BERT (dict inputs with an attention mask, tied decoder), T5 (encoder output used by every decoder block), ViT
+and ResNet, and hand-written ones (a U-Net's skips, a block applied twice, a keyword-only forward returning a
+dict) -- split over a real mpirun and trained 3 steps: the parameters equal one process training the same
+micro-batches (float64). Also: names are the module's own, a full state_dict loads into the stages, a branch on
+an activation is refused, split points by name. make test runs a slice of the (model, grid, schedule)
+matrix; make test-long runs all of it."""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+
+import pytest
+import torch
+
+import hybridpipe as hp
+from hybridpipe.pipeline import microbatch
+from hybridpipe.pipeline.split import SplitError
+from split_models import MODELS, Branching
+
+pytestmark = pytest.mark.mpi(ranks=[4], long_ranks=[2], timeout=300)
+
+torch.set_num_threads(1)
+WORLD = int(os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE") or 1)
+LONG = os.environ.get("HYBRIDPIPE_LONG_TESTS") == "1"
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+GRIDS = {4: [4, 2], 2: [2]}.get(WORLD, [WORLD])  # pipeline stages; the rest are replicas (P=2 on 4 ranks: 2 × 2)
+# make test: every model once, the grids and schedules spread over them; make test-long: every combination
+SLICE = {
+    4: [("gpt2", "interleaved-1f1b"), ("t5", "1f1b"), ("resnet", "gpipe"), ("unet", "1f1b"), ("shared_loop", "zb-h1")],
+    2: [("llama", "zb-h1"), ("bert", "gpipe"), ("vit", "interleaved-1f1b"), ("keyword_dict", "1f1b")],
+}
+CASES = sorted({(m, s) for m in MODELS for s in SCHEDULES} if LONG else {c for cs in SLICE.values() for c in cs})
+MICRO_BATCHES = 4
+PER_REPLICA = 8
+
+
+@pytest.fixture(scope="module", params=GRIDS, ids=lambda p: f"P{p}")
+def grid(request):
+    the_grid = hp.init(pipeline_stages=request.param)
+    yield the_grid
+    hp.shutdown()
+
+
+def build(name: str, grid, schedule: str, **options):
+    module, batch, loss_fn = MODELS[name]()
+    module = module.double()
+    reference = copy.deepcopy(module)
+    extra = {"virtual_stages": 2} if schedule == "interleaved-1f1b" else {}
+    sample, _ = batch(PER_REPLICA // MICRO_BATCHES, 0)
+    model = hp.PipelineModel(module, loss_fn=loss_fn, micro_batches=MICRO_BATCHES, schedule=schedule, sample=sample,
+                             **extra, **options)
+    return model, reference, batch, loss_fn
+
+
+@pytest.fixture
+def float64():
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(torch.float32)
+
+
+def agreed(problem: str | None) -> None:
+    """Every rank's outcome, asserted on every rank (a failure on one rank fails all of them, none waits)."""
+    problems = [f"rank {rank}: {text}" for rank, text in enumerate(hp.allgather_object(problem, group="world")) if text]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("name,schedule", CASES, ids=[f"{m}-{s}" for m, s in CASES])
+def test_trains_like_one_process(grid, float64, name, schedule):
+    if not LONG and (name, schedule) not in SLICE.get(grid.pipeline_stages, []):
+        pytest.skip("in make test-long")
+    try:
+        model, reference, batch, loss_fn = build(name, grid, schedule)
+    except SplitError as error:
+        if "fewer than the" not in str(error):
+            raise
+        pytest.skip(str(error))  # more chunks than the model has unit calls (make test-long's matrix)
+    optimizer = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters())
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        shards = [batch(PER_REPLICA, 10 * step + replica + 1) for replica in range(grid.data_replicas)]
+        optimizer.zero_grad()
+        loss = model.train_step(*shards[grid.replica])
+        optimizer.step()
+        reference_optimizer.zero_grad()
+        losses = []
+        for inputs, targets in shards:
+            for x, y in zip(microbatch.split(inputs, MICRO_BATCHES), microbatch.split(targets, MICRO_BATCHES)):
+                output = reference(**x) if isinstance(x, dict) else reference(x)
+                micro_loss = loss_fn(output, y)
+                (micro_loss / (MICRO_BATCHES * len(shards))).backward()
+                losses.append(float(micro_loss))
+        reference_optimizer.step()
+        mine = sum(losses[grid.replica * MICRO_BATCHES:(grid.replica + 1) * MICRO_BATCHES]) / MICRO_BATCHES
+        agreed(None if loss == pytest.approx(mine, rel=1e-9) else f"step {step}: loss {loss} instead of {mine}")
+    expected = dict(reference.named_parameters())
+    own = dict(model.named_parameters())
+    problem = None if own and set(own) <= set(expected) else f"parameters {sorted(own)} not of the module"
+    for parameter_name, parameter in own.items():
+        try:
+            torch.testing.assert_close(parameter, expected[parameter_name], rtol=1e-7, atol=1e-10)
+        except AssertionError as error:
+            problem = problem or f"{parameter_name}: {error}"
+    agreed(problem)
+    # the stages of a pipeline hold every parameter between them, tied ones on several
+    held = hp.allgather_object(sorted(own), group="world")
+    assert set().union(*map(set, held)) == set(expected)
+    model.close()
+
+
+def test_names_state_dict_and_report(grid, float64):
+    model, reference, _, _ = build("gpt2", grid, "1f1b", split="auto")
+    full = reference.state_dict()
+    own = model.state_dict()
+    assert own and set(own) <= set(full)
+    assert all(not value.is_meta for value in own.values())
+    # a full state_dict of the unsplit module (another initialization) loads into the stages
+    torch.manual_seed(123)
+    other = type(reference)(reference.config).double().state_dict()
+    model.load_state_dict(other)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, other[key]), key
+    with pytest.raises(hp.HybridPipeError, match="unexpected keys \\['nonsense'\\]"):
+        model.load_state_dict({**other, "nonsense": torch.zeros(1)})
+    assert ("transformer.wte.weight", "lm_head.weight") in model.tied_parameter_names
+    report = model.split_report()
+    assert "chunk 0 (stage 0)" in report and "transformer.wte" in report and "lm_head" in report
+    assert re.search(r"receives 1 value\(s\).*\n\s+transformer\.h\.\d: \(2, 12, 16\) float64", report), report
+    model.close()
+
+
+def test_split_points_by_name(grid, float64):
+    names = ["transformer.h.1", "transformer.h.2", "transformer.h.3"][:grid.pipeline_stages - 1] \
+        if grid.pipeline_stages == 4 else ["transformer.h.2"]
+    model, *_ = build("gpt2", grid, "1f1b", split=names)
+    first_block = {0: "transformer.wte", 1: names[0]}.get(grid.stage, names[grid.stage - 1])
+    assert any(n.startswith(first_block) for n, _ in model.named_parameters())
+    model.close()
+    with pytest.raises(SplitError, match="split point 'transformer.h.9' is not a unit"):
+        build("gpt2", grid, "1f1b", split=["transformer.h.9"] * (grid.pipeline_stages - 1))
+
+
+def test_branch_on_an_activation_is_refused(grid):
+    torch.manual_seed(0)
+    with pytest.raises(SplitError) as error:
+        hp.PipelineModel(Branching(), loss_fn=torch.nn.functional.mse_loss, micro_batches=2, sample=torch.randn(2, 6))
+    message = str(error.value)
+    assert "reads the value of an activation" in message and "layers.1" in message
+    assert "split_models.py" in message and "x.mean() > 0" in message and "move the branch into a module" in message
