@@ -277,6 +277,8 @@ class PipelineModel(nn.Module):
         self.balance_report = report
         #: every tie's parameter names (``layers.0.weight``, ``layers.7.weight``): one weight, a copy per rank
         self.tied_parameter_names: list[tuple[str, ...]] = [tie.names for tie in ties]
+        #: the pipeline ranks (stages) holding a copy of each of those ties
+        self.tied_parameter_ranks: list[tuple[int, ...]] = [tie.ranks for tie in ties]
         own_chunks = list(range(self.stage, self.chunks, stages))
         built = nn.ModuleDict({str(i): build_layer(layer_list[i], i, seed_layers)
                                for chunk in own_chunks for i in self.layers_of_chunk(chunk)})
@@ -313,6 +315,7 @@ class PipelineModel(nn.Module):
         self.balance_report = BalanceReport(prepared.balance, prepared.call_parameters, prepared.costs,
                                             "time" if prepared.costs is not None else "explicit")
         self.tied_parameter_names = prepared.tied_names
+        self.tied_parameter_ranks = [tie.ranks for tie in prepared.ties]
         if device is None:
             first = next(iter(p for m in prepared.local for p in m.parameters()), None)
             device = first.device if first is not None and first.device.type != "cpu" else \

@@ -60,6 +60,7 @@ from hybridpipe import _trace as timeline
 from hybridpipe.comm import p2p
 from hybridpipe.errors import HybridPipeError
 from hybridpipe.pipeline.asynchronous import WeightStash
+from hybridpipe.pipeline.inplace import first_layer_works_in_place
 from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
 from hybridpipe.pipeline.schedule import Action, ActionKind, stage_to_rank
 from hybridpipe.pipeline.skip import SkipContext, SkipRoute, skip_context
@@ -147,6 +148,8 @@ class _Chunk:
         self.fused_layers: set[str] = set()  # split backward: layers whose weight gradients came in I
         # a split module's chunk is called with the micro-batch's inputs too (every rank of a pipeline has them)
         self.takes_batch = bool(getattr(module, "hybridpipe_takes_batch", False))
+        # its first layer works in place (nn.ReLU(inplace=True)): it gets a copy of its input (pipeline/inplace.py)
+        self.copies_input = first_layer_works_in_place(module)
         reference = weakref.ref(self)
         for parameter in module.parameters():
             setattr(parameter, _CHUNK_ATTRIBUTE, reference)
@@ -414,11 +417,15 @@ class StageExecutor:
         self._sends = []
 
     def _wait(self, receive: p2p.Receive, what: str = "value") -> Any:
+        kind, _, micro_batch = what.rpartition(" ")
+        described = {"activation": "its activation of micro-batch", "gradient": "its activation gradient of "
+                     "micro-batch"}.get(kind, f"{kind} of micro-batch") + f" {micro_batch}" if kind else \
+            "the step's losses (or outputs) from the last stage"
         if not timeline.enabled():
-            return receive.wait(abort=self._errors)
+            return receive.wait(abort=self._errors, what=described)
         start = time.monotonic()
         try:
-            return receive.wait(abort=self._errors)
+            return receive.wait(abort=self._errors, what=described)
         finally:
             timeline.record(f"wait {what}", "recv", "p2p", start, time.monotonic(), {"from": receive.source})
 
@@ -553,6 +560,8 @@ class StageExecutor:
         """A chunk's forward, under autocast when the pipeline runs in mixed precision, with its skip
         connections: ``hp.pop`` finds ``stored.skips_in``, ``hp.stash`` for a later chunk fills ``stored.skips_out``."""
         context = SkipContext(routes=self.skips, chunk=chunk.stage, incoming=stored.skips_in)
+        if chunk.copies_input:
+            x = map_tensors(x, torch.clone)
         arguments = (x, stored.batch) if chunk.takes_batch else (x,)
         with skip_context(context):
             if self.autocast is None:

@@ -311,6 +311,11 @@ def copies_counted_elsewhere(model: Any) -> set[int]:
     ties = getattr(model, "tied_parameter_names", None)
     if not ties or not callable(getattr(model, "layers_of_stage", None)):
         return set()
+    own = dict(model.named_parameters(remove_duplicate=False))
+    holders = getattr(model, "tied_parameter_ranks", None)
+    if holders is not None:  # the pipeline ranks holding each tie, as PipelineModel lists them
+        return {id(own[name]) for names, ranks in zip(ties, holders) if model.stage != min(ranks)
+                for name in names if name in own}
     stage_of_layer = {index: stage for stage in range(model.stages) for index in model.layers_of_stage(stage)}
     own = dict(model.named_parameters(remove_duplicate=False))
     elsewhere: set[int] = set()

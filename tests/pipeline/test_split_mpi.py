@@ -151,3 +151,25 @@ def test_branch_on_an_activation_is_refused(grid):
     message = str(error.value)
     assert "reads the value of an activation" in message and "layers.1" in message
     assert "split_models.py" in message and "x.mean() > 0" in message and "move the branch into a module" in message
+
+
+def test_stages_that_begin_with_an_in_place_layer(grid, float64):
+    """nn.ReLU(inplace=True) first on every stage (torchvision's style): the received activation is copied for it,
+    and training equals one process (issue 27: autograd refused the in-place change of the received leaf)."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(grid.pipeline_stages):
+        layers += [torch.nn.ReLU(inplace=True), torch.nn.Linear(6, 6)]
+    reference = torch.nn.Sequential(*copy.deepcopy(layers))
+    model = hp.PipelineModel(layers, loss_fn=torch.nn.functional.mse_loss, micro_batches=2, schedule="1f1b",
+                             balance=[2] * grid.pipeline_stages)
+    x, y = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)), torch.randn(4, 6)
+    hp.broadcast_(y, root_rank=0, group="world")
+    model.train_step(x, y)
+    for chunk_x, chunk_y in zip(x.tensor_split(2), y.tensor_split(2)):
+        (torch.nn.functional.mse_loss(reference(chunk_x.clone()), chunk_y) / 2).backward()
+    expected = dict(reference.named_parameters())
+    agreed(next((f"{n}: {p.grad} vs {expected[n.removeprefix('layers.')].grad}" for n, p in model.named_parameters()
+                 if not torch.allclose(p.grad, expected[n.removeprefix("layers.")].grad, rtol=1e-9, atol=1e-12)),
+                None))
+    model.close()
