@@ -10,7 +10,7 @@ DEMO_RANKS ?= 4
 DEMO_STAGES ?= 2
 MPIRUN_FLAGS := $(shell [ "$$(id -u)" = 0 ] && echo --allow-run-as-root) --oversubscribe
 
-.PHONY: setup build test test-long test-mpich gpu-check demo demo-allreduce bench docs clean
+.PHONY: setup build test test-long test-mpich gpu-check demo demo-hf demo-allreduce bench docs clean
 
 setup: $(STAMP)
 
@@ -42,7 +42,7 @@ test-long: $(STAMP)
 	  tests/comm/test_collectives.py tests/comm/test_shared_memory.py tests/comm/test_engine.py tests/comm/test_p2p.py tests/comm/test_ring.py \
 	  tests/pipeline/test_pipeline_mpi.py tests/pipeline/test_schedules_mpi.py tests/test_optimizer_mpi.py \
 	  tests/test_runtime.py tests/test_example_lm.py tests/test_harness.py tests/comm/test_horovod_api.py tests/test_faults.py \
-	  tests/test_example_dp.py tests/test_examples_horovod.py tests/test_timeline.py \
+	  tests/test_example_dp.py tests/test_examples_horovod.py tests/test_timeline.py tests/pipeline/test_split_mpi.py tests/test_example_hf.py \
 	  -q -p no:cacheprovider
 	for i in $$(seq 1 $(MULTIHOST_REPEATS)); do \
 	  echo "multi-host run $$i of $(MULTIHOST_REPEATS)"; \
@@ -83,6 +83,11 @@ gpu-check: $(if $(filter $(PY),$(GPU_PY)),$(STAMP),)
 # The main example: a byte-level GPT trained on the Python standard library sources, 2 stages × 2 replicas.
 demo: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" mpirun $(MPIRUN_FLAGS) -x OMPI_MCA_mpi_yield_when_idle=1 -n $(DEMO_RANKS) $(PY) examples/train_lm.py --stages $(DEMO_STAGES)
+
+# A transformers model handed to hp.PipelineModel whole (examples/train_hf.py; HF_MODEL=llama|bert|t5|vit|resnet).
+HF_MODEL ?= gpt2
+demo-hf: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" mpirun $(MPIRUN_FLAGS) -x OMPI_MCA_mpi_yield_when_idle=1 -n $(DEMO_RANKS) $(PY) examples/train_hf.py --model $(HF_MODEL) --stages $(DEMO_STAGES)
 
 # The collectives demo: each rank's (stage, replica) and an allreduce busbw table.
 demo-allreduce: $(STAMP)

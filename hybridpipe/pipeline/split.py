@@ -41,7 +41,10 @@ Design reasons (docs/pipeline.md, "Bring your own model", has the user's side):
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import os
+import sys
 import time
 import traceback
 from collections.abc import Iterator, Sequence
@@ -98,11 +101,14 @@ def _tags(value: Any) -> frozenset[int]:
     return found
 
 
+_LIBRARIES = tuple(os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+                   for module in (torch, contextlib, sys.modules[__name__.split(".")[0]]))
+
+
 def _user_line() -> str:
     """The innermost line of the stack outside torch and hybridpipe (where a model's code read a value)."""
     for frame in reversed(traceback.extract_stack()):
-        path = frame.filename.replace("\\", "/")
-        if "/torch/" not in path and "/hybridpipe/" not in path and "contextlib" not in path:
+        if not os.path.abspath(frame.filename).startswith(_LIBRARIES):
             return f"{frame.filename}:{frame.lineno} ({frame.line})"
     return "unknown line"
 
