@@ -159,8 +159,10 @@ class _Provenance(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        tags = _tags((args, kwargs))
         out = func(*args, **kwargs)
+        if self.tracer.quiet:  # the tracer's own bookkeeping, not the model's
+            return out
+        tags = _tags((args, kwargs))
         if tags:
             tracer = self.tracer
             if tracer.inside is not None:
@@ -196,6 +198,7 @@ class _Tracer:
         self.source_call: dict[int, int] = {}
         self.source_meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
         self.unit_outputs: dict[int, Any] = {}
+        self.quiet = False  # while the hooks below look at tensors
 
     @property
     def position(self) -> int:
@@ -228,6 +231,13 @@ class _Tracer:
         call = self.inside
         if call is None or call.module is not module:
             return
+        self.quiet = True
+        try:
+            self._record(call, output)
+        finally:
+            self.quiet = False
+
+    def _record(self, call: UnitCall, output: Any) -> None:
         call.seconds = time.perf_counter() - call.seconds
         call.needs = call.needs | self.inside_reads
         self.inside = None
