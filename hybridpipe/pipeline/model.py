@@ -159,6 +159,7 @@ class PipelineModel(nn.Module):
         sample: Any = None,
         split: str | Sequence[str] = "auto",
         verify: bool | None = None,
+        weights: Any = None,
     ) -> None:
         super().__init__()
         grid = runtime._require("PipelineModel").grid
@@ -221,7 +222,12 @@ class PipelineModel(nn.Module):
         self._schedule_cache: dict[tuple[str, int, int], list] = {}  # see _schedule
 
         if root is not None:
-            chunk_modules, ties, built = self._split_module(root, sample, split, grid, name, device)
+            meta = split_module.is_meta(root)
+            if verify and meta:
+                raise HybridPipeError("verify=True needs the module's weights (it compares the split forward with the "
+                                      "unsplit one); a module built on the meta device is verified by nothing: pass "
+                                      "verify=None or False, or build it on the CPU")
+            chunk_modules, ties, built = self._split_module(root, sample, split, grid, name, device, weights)
         else:
             chunk_modules, ties, built = self._build_layers(layer_list, balance, sample_input, seed_layers, grid,
                                                             name, micro_batches, memory_limit, device)
@@ -249,7 +255,7 @@ class PipelineModel(nn.Module):
             self._start_asynchronous(name, optimizer)
         self.last_step: StepResult | None = None
         if root is not None:
-            if verify is None or verify:
+            if verify or (verify is None and not meta):
                 self._verify(sample)
             self._split.plan.trace.unit_outputs.clear()
 
@@ -295,8 +301,12 @@ class PipelineModel(nn.Module):
         return chunk_modules, ties, built
 
     def _split_module(self, root: nn.Module, sample: Any, split: Any, grid: runtime.Grid, name: str,
-                      device: Any) -> tuple[dict[int, nn.Module], list, Any]:
-        """Any nn.Module: traced on ``sample`` and cut at unit boundaries (hybridpipe/pipeline/split.py)."""
+                      device: Any, weights: Any) -> tuple[dict[int, nn.Module], list, Any]:
+        """Any nn.Module: traced on ``sample`` and cut at unit boundaries (hybridpipe/pipeline/split.py); on the
+        meta device, this rank's units are materialized (and ``weights`` loaded into them)."""
+        meta = split_module.is_meta(root)
+        if device is None and meta:
+            device = compute_device(runtime.local_rank(), runtime.config().set_device)
         if self.asynchronous:
             raise HybridPipeError(f"schedule {name!r} is not yet supported for a module split by hp.PipelineModel; "
                                   "use 'gpipe', '1f1b', 'interleaved-1f1b' or 'zb-h1' (or hand in a layer list)")
@@ -304,7 +314,8 @@ class PipelineModel(nn.Module):
             value = function() if grid.rank == 0 else None
             return call(None, "PipelineModel", lambda: grid.world_comm.bcast(value, root=0))
 
-        prepared = split_module.prepare(root, sample, split, self.chunks, self.stages, self.stage, from_rank_zero)
+        prepared = split_module.prepare(root, sample, split, self.chunks, self.stages, self.stage, from_rank_zero,
+                                        torch.device(device) if device is not None else None)
         plan = prepared.plan
         self._agree(grid, len(plan.trace.calls), prepared.balance,
                     tuple(tuple(i for i, _ in tie.places) for tie in prepared.ties),
@@ -322,6 +333,12 @@ class PipelineModel(nn.Module):
                 compute_device(runtime.local_rank(), runtime.config().set_device)
         self.device = torch.device(device)
         split_module.move_local(root, self.device)
+        if weights is not None:
+            missing = split_module.load_weights(self.state_dict(), weights)
+            if missing:
+                raise HybridPipeError(f"weights= holds no {missing[:6]} ({len(missing)} of stage {self.stage}'s "
+                                      "tensors): is it another model's? (names are the module's own, as its "
+                                      "state_dict() says)")
         own_chunks = range(self.stage, self.chunks, self.stages)
         return ({chunk: split_module.SplitChunk(plan, chunk, self.device) for chunk in own_chunks},
                 prepared.ties, prepared.built)

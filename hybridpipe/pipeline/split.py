@@ -57,6 +57,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from hybridpipe.errors import HybridPipeError, PartitionError
+from hybridpipe.pipeline.microbatch import map_tensors
 
 __all__ = ["SplitError", "SplitPlan", "SplitChunk", "trace_module", "as_call"]
 
@@ -757,15 +758,32 @@ class PreparedSplit:
     built: dict[str, nn.Module]      # str(unit index) -> unit, for TiedWeights
 
 
+def is_meta(root: nn.Module) -> bool:
+    """Whether any of ``root``'s parameters or buffers is on the meta device (built under
+    ``torch.device("meta")``: shapes only)."""
+    return any(t.device.type == "meta" for t in (*root.parameters(), *root.buffers()))
+
+
 def prepare(root: nn.Module, sample: Any, split: Any, chunks: int, ranks: int, rank: int,
-            from_rank_zero: Any) -> PreparedSplit:
+            from_rank_zero: Any, device: torch.device | None = None) -> PreparedSplit:
     """Traces ``root`` on ``sample``, chooses the cuts (``split="auto"``: profiled on world rank 0 and shared
     by ``from_rank_zero(function)``, which runs ``function`` there and returns its result everywhere; or a
-    list of module names), finds the ties, releases other ranks' units and installs the dispatch."""
-    if any(p.device.type == "meta" for p in root.parameters()):
-        raise SplitError("the module has parameters on the meta device: materialize it first (e.g. build it on "
-                         "the CPU, or load its weights), then hand it to hp.PipelineModel")
-    units, trace = trace_module(root, sample)
+    list of module names), finds the ties, releases other ranks' units and installs the dispatch. A module on
+    the meta device is traced there, cut by parameter counts for "auto", and this rank's units (and the glue's
+    buffers) are then materialized on ``device`` (:func:`materialize`)."""
+    meta = is_meta(root)
+    try:
+        with _materialized_while_called(root) if meta else contextlib.nullcontext():
+            units, trace = trace_module(root, sample)
+    except SplitError:
+        raise
+    except Exception as error:
+        if not meta:
+            raise
+        raise SplitError(f"tracing the meta-device {type(root).__name__} (each module materialized on the CPU "
+                         f"while it is called) failed ({type(error).__name__}: {error}): its forward uses a "
+                         "module's tensors outside that module's call; build the module on the CPU (or load it), "
+                         "then hand it over") from error
     costs = None
     if isinstance(split, str):
         if split != "auto":
@@ -778,10 +796,14 @@ def prepare(root: nn.Module, sample: Any, split: Any, chunks: int, ranks: int, r
             except Exception as error:  # every rank must raise, not only rank 0
                 return f"{type(error).__name__}: {error}"
 
-        costs = from_rank_zero(measured)
-        if isinstance(costs, str):
-            raise SplitError(f'split="auto": profiling the module on world rank 0 failed ({costs})')
-        boundaries = boundaries_from_costs(costs, chunks)
+        if meta:  # nothing to time yet: parameters stand for time
+            boundaries = boundaries_from_costs([float(sum(p.numel() for p in c.module.parameters()))
+                                                for c in trace.calls], chunks)
+        else:
+            costs = from_rank_zero(measured)
+            if isinstance(costs, str):
+                raise SplitError(f'split="auto": profiling the module on world rank 0 failed ({costs})')
+            boundaries = boundaries_from_costs(costs, chunks)
     elif isinstance(split, (list, tuple)):
         boundaries = boundaries_from_names(trace, list(split), chunks)
     else:
@@ -793,8 +815,115 @@ def prepare(root: nn.Module, sample: Any, split: Any, chunks: int, ranks: int, r
     local = plan.local_modules(rank)
     built = {str(plan.unit_index[id(m)]): m for m in local}
     release_remote(root, local, units, last_rank=rank == ranks - 1)
+    if meta:
+        materialize(root, plan, local, device or torch.device("cpu"))
     install_dispatch(units)
     return PreparedSplit(plan, balance, call_parameters, costs, ties, tied_names, local, built)
+
+
+@contextlib.contextmanager
+def _materialized_while_called(root: nn.Module) -> Iterator[None]:
+    """While active, each module whose own parameters or buffers are on the meta device gets them on the CPU,
+    initialized by the module's own initialization, for the length of each of its calls (so a trace of a meta
+    model holds one module's tensors at a time)."""
+    initialize = getattr(root, "_init_weights", None)
+    saved: dict[int, list[tuple[dict, str, torch.Tensor]]] = {}
+
+    def pre(module: nn.Module, _args: Any) -> None:
+        slots = []
+        for table in (module._parameters, module._buffers):
+            for name, tensor in list(table.items()):
+                if tensor is not None and tensor.device.type == "meta":
+                    slots.append((table, name, tensor))
+                    empty = torch.empty_like(tensor, device="cpu")
+                    table[name] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) \
+                        else empty
+        if slots:
+            saved.setdefault(id(module), []).append(slots)
+            with torch.no_grad(), torch.random.fork_rng():
+                if initialize is not None:
+                    initialize(module)
+                elif callable(getattr(module, "reset_parameters", None)):
+                    module.reset_parameters()
+
+    def post(module: nn.Module, _args: Any, _output: Any) -> None:
+        stack = saved.get(id(module))
+        if stack:
+            for table, name, tensor in stack.pop():
+                table[name] = tensor
+
+    handles = []
+    for module in root.modules():
+        if any(t is not None and t.device.type == "meta"
+               for t in (*module._parameters.values(), *module._buffers.values())):
+            handles.append(module.register_forward_pre_hook(pre))
+            handles.append(module.register_forward_hook(post, always_call=True))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def materialize(root: nn.Module, plan: SplitPlan, local: Sequence[nn.Module], device: torch.device) -> None:
+    """Allocates on ``device`` the meta tensors of this rank's units and of the glue (modules outside every unit,
+    which every rank runs), keeping ties (one new tensor per old one), and initializes them with the module's own
+    initialization: transformers' ``_init_weights`` on each module where the root has it, else each module's
+    ``reset_parameters``. Unit ``i`` is initialized under seed ``torch.initial_seed() + i``, so every replica of a
+    stage starts from the same weights whatever else ran before."""
+    of_units = {id(m) for unit in plan.units for m in unit.modules()}
+    wanted = {id(t) for unit in local for t in (*unit.parameters(), *unit.buffers())}
+    glue = [m for m in root.modules() if id(m) not in of_units]
+    for module in glue:
+        wanted.update(id(t) for t in (*module._parameters.values(), *module._buffers.values()) if t is not None)
+    made: dict[int, torch.Tensor] = {}
+    for module in root.modules():
+        for slots, parameter in ((module._parameters, True), (module._buffers, False)):
+            for name, tensor in list(slots.items()):
+                if tensor is None or tensor.device.type != "meta" or id(tensor) not in wanted:
+                    continue
+                new = made.get(id(tensor))
+                if new is None:
+                    empty = torch.empty_like(tensor, device=device)
+                    new = nn.Parameter(empty, requires_grad=tensor.requires_grad) if parameter else empty
+                    made[id(tensor)] = new
+                slots[name] = new
+    initialize = getattr(root, "_init_weights", None)
+    base = torch.initial_seed()
+    groups = [(plan.unit_index[id(u)], list(u.modules())) for u in local] + [(len(plan.units), glue)]
+    with torch.no_grad():
+        for index, modules in groups:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed((base + index) % (2 ** 63))
+                for module in modules:
+                    if initialize is not None:
+                        initialize(module)
+                    elif callable(getattr(module, "reset_parameters", None)):
+                        module.reset_parameters()
+
+
+def load_weights(model_state: dict[str, torch.Tensor], weights: Any) -> list[str]:
+    """Copies into ``model_state`` (this rank's tensors by name) what ``weights`` holds of them: a state_dict, or the
+    path of a safetensors file, of which only these tensors are read. Returns the names it did not hold."""
+    missing = []
+    with torch.no_grad():
+        if isinstance(weights, (str, os.PathLike)):
+            from safetensors import safe_open
+
+            with safe_open(os.fspath(weights), framework="pt") as file:
+                present = set(file.keys())
+                for name, target in model_state.items():
+                    if name in present:
+                        target.copy_(file.get_tensor(name))
+                    else:
+                        missing.append(name)
+        else:
+            for name, target in model_state.items():
+                if name in weights:
+                    target.copy_(weights[name])
+                else:
+                    missing.append(name)
+    return missing
 
 
 def _ties(plan: SplitPlan) -> tuple[list[Any], list[tuple[str, ...]]]:

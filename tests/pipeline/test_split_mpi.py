@@ -175,3 +175,40 @@ def test_stages_that_begin_with_an_in_place_layer(grid, float64):
                  if not torch.allclose(p.grad, expected[n.removeprefix("layers.")].grad, rtol=1e-9, atol=1e-12)),
                 None))
     model.close()
+
+
+def test_a_meta_module_is_built_stage_by_stage(grid, tmp_path_factory):
+    """A transformers GPT-2 of 8 blocks built under torch.device("meta"): each rank allocates only its stage's
+    parameters (a quarter on 4 stages, at most 0.35 of the model's bytes), initialized by transformers' own
+    _init_weights; with weights= a safetensors file, each rank reads its tensors and equals the CPU model."""
+    from safetensors.torch import save_file
+    from transformers import GPT2LMHeadModel
+
+    full, batch, loss_fn = MODELS["gpt2"](layers=8)
+    total = sum(p.numel() * p.element_size() for p in full.parameters())
+    path = tmp_path_factory.mktemp("weights") / "gpt2.safetensors" if hp.rank() == 0 else None
+    if hp.rank() == 0:
+        save_file({k: v.clone().contiguous() for k, v in full.state_dict().items()}, str(path))
+    path = hp.broadcast_object(str(path) if path else None, root_rank=0, group="world")
+    inputs, targets = batch(8, 1)
+    for weights in (None, path):
+        with torch.device("meta"):
+            module = GPT2LMHeadModel(full.config)
+        model = hp.PipelineModel(module, loss_fn=loss_fn, micro_batches=4, sample={"input_ids": inputs["input_ids"][:2]},
+                                 weights=weights)
+        mine = sum(p.numel() * p.element_size() for p in model.parameters())
+        problem = None if mine <= (0.35 if grid.pipeline_stages == 4 else 0.6) * total else \
+            f"holds {mine} of {total} parameter bytes"
+        if weights is not None:
+            expected = full.state_dict()
+            problem = problem or next((k for k, v in model.state_dict().items() if not torch.equal(v, expected[k])),
+                                      None)
+        loss = model.train_step(inputs, targets)
+        problem = problem or (None if 3.0 < loss < 4.5 else f"first loss {loss} (vocabulary 48: ln 48 = 3.87)")
+        agreed(problem)
+        model.close()
+    with pytest.raises(hp.HybridPipeError, match="verify=True needs the module's weights"):
+        with torch.device("meta"):
+            module = GPT2LMHeadModel(full.config)
+        hp.PipelineModel(module, loss_fn=loss_fn, micro_batches=4, sample={"input_ids": inputs["input_ids"][:2]},
+                         verify=True)
