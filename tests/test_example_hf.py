@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize("model", ["gpt2", "llama", "bert", "t5", "vit", "resnet"])
 def test_train_hf_loss_falls(model):
     command = mpirun_command(4, [sys.executable, str(ROOT / "examples" / "train_hf.py"), "--model", model,
-                                 "--stages", "2", "--steps", "40", "--width", "32", "--sequence", "32"],
+                                 "--stages", "2", "--steps", "60", "--width", "32", "--sequence", "32"],
                              env={"OMPI_MCA_mpi_yield_when_idle": "1", "OMP_NUM_THREADS": "1"})
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
