@@ -115,6 +115,8 @@ def test_trains_like_one_process(grid, float64, name, schedule):
 
 
 def test_names_state_dict_and_report(grid, float64):
+    if grid.pipeline_stages != 4 and not LONG:
+        pytest.skip("one grid in make test (every grid in make test-long)")
     model, reference, _, _ = build("gpt2", grid, "1f1b", split="auto")
     full = reference.state_dict()
     own = model.state_dict()
@@ -136,6 +138,8 @@ def test_names_state_dict_and_report(grid, float64):
 
 
 def test_split_points_by_name(grid, float64):
+    if grid.pipeline_stages != 2 and not LONG:
+        pytest.skip("one grid in make test (every grid in make test-long)")
     names = ["transformer.h.1", "transformer.h.2", "transformer.h.3"][:grid.pipeline_stages - 1] \
         if grid.pipeline_stages == 4 else ["transformer.h.2"]
     model, *_ = build("gpt2", grid, "1f1b", split=names)
@@ -147,6 +151,8 @@ def test_split_points_by_name(grid, float64):
 
 
 def test_branch_on_an_activation_is_refused(grid):
+    if grid.pipeline_stages != 2 and not LONG:
+        pytest.skip("one grid in make test (every grid in make test-long)")
     torch.manual_seed(0)
     with pytest.raises(SplitError) as error:
         hp.PipelineModel(Branching(), loss_fn=torch.nn.functional.mse_loss, micro_batches=2, sample=torch.randn(2, 6))
@@ -158,6 +164,8 @@ def test_branch_on_an_activation_is_refused(grid):
 def test_stages_that_begin_with_an_in_place_layer(grid, float64):
     """nn.ReLU(inplace=True) first on every stage (torchvision's style): the received activation is copied for it,
     and training equals one process (issue 27: autograd refused the in-place change of the received leaf)."""
+    if grid.pipeline_stages != 4 and not LONG:
+        pytest.skip("one grid in make test (every grid in make test-long)")
     torch.manual_seed(0)
     layers = []
     for _ in range(grid.pipeline_stages):
@@ -181,6 +189,8 @@ def test_a_meta_module_is_built_stage_by_stage(grid, tmp_path_factory):
     """A transformers GPT-2 of 8 blocks built under torch.device("meta"): each rank allocates only its stage's
     parameters (a quarter on 4 stages, at most 0.35 of the model's bytes), initialized by transformers' own
     _init_weights; with weights= a safetensors file, each rank reads its tensors and equals the CPU model."""
+    if grid.pipeline_stages != 4 and not LONG:
+        pytest.skip("4 stages in make test (every grid in make test-long)")
     from safetensors.torch import save_file
     from transformers import GPT2LMHeadModel
 
