@@ -110,3 +110,19 @@ def start_gloo(comm: Any, timeout_s: float = 300.0) -> tuple[Any, Any]:
             dist.destroy_process_group()
         raise RuntimeError("; ".join(errors))
     return dist, store
+
+
+def timed_steps(model: Any, optimizer: Any, inputs: Any, targets: Any, count: int) -> list[float]:
+    """Seconds of each of ``count`` training steps of a PipelineModel (zero_grad, train_step, step), every rank
+    leaving a barrier before each, so that a step's time is the pipeline's, not a late start's."""
+    import hybridpipe as hp
+
+    times = []
+    for _ in range(count):
+        hp.barrier()
+        started = time.perf_counter()
+        optimizer.zero_grad()
+        model.train_step(inputs, targets)
+        optimizer.step()
+        times.append(time.perf_counter() - started)
+    return times

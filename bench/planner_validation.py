@@ -63,7 +63,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(ROOT))  # hybridpipe from this checkout when it is not installed
 sys.path.insert(2, str(ROOT / "examples"))
 
-from _common import command_line, int_list, launch_env, progress, render  # noqa: E402
+from _common import command_line, int_list, launch_env, progress, render, timed_steps  # noqa: E402
 
 VIRTUAL_STAGES = 2  # interleaved-1f1b, as the planner tries it
 
@@ -173,14 +173,7 @@ def worker_main(args: argparse.Namespace) -> int:
                                  schedule=config.schedule, checkpoint="never", seed_layers=0, **chunks)
         opt = hp.DistributedOptimizer(optimizer(list(model.parameters())), named_parameters=model.named_parameters())
         inputs, targets = batch(global_batch(config.model, args) // grid.data_replicas, 1000 + grid.replica)
-        times = []
-        for _ in range(args.warmup + args.steps):
-            hp.barrier()
-            started = time.perf_counter()
-            opt.zero_grad()
-            model.train_step(inputs, targets)
-            opt.step()
-            times.append(time.perf_counter() - started)
+        times = timed_steps(model, opt, inputs, targets, args.warmup + args.steps)
         slowest = hp.allreduce(torch.tensor(times[args.warmup:], dtype=torch.float64), op=hp.Max)
         if grid.rank == 0:
             Path(args.result).write_text(json.dumps({"step_seconds": slowest.tolist()}))

@@ -17,13 +17,16 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
 from torch import nn
 
 import hybridpipe as hp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import timed_steps  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("train_lm", Path(__file__).resolve().parent.parent / "examples" / "train_lm.py")
 train_lm = importlib.util.module_from_spec(_spec)
@@ -90,14 +93,7 @@ def main() -> None:
     for round_index in range(args.rounds):
         for name in (("layers", "module") if round_index % 2 == 0 else ("module", "layers")):
             model, optimizer = models[name], optimizers[name]
-            steps = []
-            for step in range(args.steps + 1):
-                hp.barrier()
-                start = time.perf_counter()
-                optimizer.zero_grad()
-                model.train_step(ids, targets)
-                optimizer.step()
-                steps.append(time.perf_counter() - start)
+            steps = timed_steps(model, optimizer, ids, targets, args.steps + 1)
             times[name].append(statistics.median(steps[1:]))
         ratios.append(times["module"][-1] / times["layers"][-1])
         if hp.rank() == 0:
