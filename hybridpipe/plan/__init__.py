@@ -11,8 +11,9 @@ Example:
 
 from hybridpipe.plan.cost import (Candidate, Cluster, Prediction, allgather_seconds, allreduce_seconds, memory_per_rank,
                                   predict, reducescatter_seconds)
+from hybridpipe.plan.module_profile import profile_module
 from hybridpipe.plan.profile import LayerCost, Profile, profile
 from hybridpipe.plan.search import Plan, plan
 
 __all__ = ["Candidate", "Cluster", "LayerCost", "Plan", "Prediction", "Profile", "allgather_seconds",
-           "allreduce_seconds", "memory_per_rank", "plan", "predict", "profile", "reducescatter_seconds"]
+           "allreduce_seconds", "memory_per_rank", "plan", "predict", "profile", "profile_module", "reducescatter_seconds"]

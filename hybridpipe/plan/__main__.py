@@ -15,14 +15,16 @@ Usage:
     hybridpipe-run -np 8 python -m hybridpipe.plan calibrate --output cluster.json
 
 ``MODULE:FACTORY`` names a function (``MODULE`` importable, or a path to a .py file) that returns
-``(layers, loss_fn, sample)``: the layers as ``hp.PipelineModel`` takes them (built modules), the
-loss, and ``sample(n)`` giving ``(inputs, targets)`` of ``n`` samples. The profile runs in this one
-process; the plan is for ``--ranks`` ranks.
+``(layers, loss_fn, sample)``: the layers as ``hp.PipelineModel`` takes them (built modules) or any
+``nn.Module`` (profiled by its unit calls; the plan then says ``split=``), the loss, and ``sample(n)``
+giving ``(inputs, targets)`` of ``n`` samples (a module's inputs: a tensor, a tuple, or a dict of keyword
+arguments). The profile runs in this one process; the plan is for ``--ranks`` ranks.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import sys
@@ -32,6 +34,7 @@ from pathlib import Path
 from hybridpipe.config import parse_bytes
 from hybridpipe.errors import HybridPipeError
 from hybridpipe.plan.cost import PRECISION_BYTES, ZERO_LEVELS, Cluster
+from hybridpipe.plan.module_profile import CUTS_KEY, ModuleLayers, is_module, profile_module, split_of
 from hybridpipe.plan.profile import Profile, profile
 from hybridpipe.plan import models
 from hybridpipe.plan.models import ACCELERATORS, MODELS
@@ -72,6 +75,16 @@ def profile_factory(spec: str, sample_batch: int) -> Profile:
     Raises:
         HybridPipeError: the factory, its ``sample`` or the model failed (the message names which and why).
     """
+    return profile_factory_model(spec, sample_batch)[0]
+
+
+def profile_factory_model(spec: str, sample_batch: int) -> tuple[Profile, ModuleLayers | None]:
+    """:func:`profile_factory`, with the module's :class:`ModuleLayers` when the factory returns a module (not a
+    layer list), for its split report.
+
+    Raises:
+        HybridPipeError: the factory, its ``sample`` or the model failed (the message names which and why).
+    """
     factory = load_factory(spec)
     try:
         made = factory()
@@ -87,15 +100,22 @@ def profile_factory(spec: str, sample_batch: int) -> Profile:
         raise HybridPipeError(f"sample({sample_batch}) of {spec} must return (inputs, targets); it raised "
                               f"{type(error).__name__}: {error}") from error
     try:
-        return profile(layers, inputs, loss_fn, targets)
+        if is_module(layers):
+            return profile_module(layers, inputs, loss_fn, targets)
+        return profile(layers, inputs, loss_fn, targets), None
     except HybridPipeError:
         raise
-    except (RuntimeError, TypeError, ValueError, IndexError) as error:
-        raise HybridPipeError(f"profiling {spec} failed: {type(error).__name__}: {error} (do its layers, called "
-                              f"in order on sample({sample_batch}), and loss_fn(output, targets) run?)") from error
+    except (RuntimeError, TypeError, ValueError, IndexError, AttributeError, KeyError) as error:
+        what = ("its forward on sample({0})[0]" if is_module(layers)
+                else "its layers, called in order on sample({0}),").format(sample_batch)
+        raise HybridPipeError(f"profiling {spec} failed: {type(error).__name__}: {error} (do {what} and "
+                              "loss_fn(output, targets) run?)") from error
 
 
-def render(best: Plan, args: argparse.Namespace) -> str:
+def render(best: Plan, args: argparse.Namespace, layers: ModuleLayers | None = None) -> str:
+    built = (f"  model = hp.PipelineModel(module, loss_fn, sample=<one micro-batch of inputs>, "
+             f"**{best.model_arguments()!r})" if best.split is not None
+             else f"  model = hp.PipelineModel(layers, loss_fn, **{best.model_arguments()!r})")
     lines = [
         f"plan for {args.ranks} ranks, global batch {args.global_batch}:",
         f"  {best.describe()}",
@@ -104,7 +124,7 @@ def render(best: Plan, args: argparse.Namespace) -> str:
         "",
         "run it:",
         f"  hybridpipe-run -np {args.ranks} --stages {best.stages} python YOUR_SCRIPT.py",
-        f"  model = hp.PipelineModel(layers, loss_fn, **{best.model_arguments()!r})",
+        built,
     ]
     if best.zero:
         lines.append(f"  opt = hp.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), "
@@ -113,6 +133,11 @@ def render(best: Plan, args: argparse.Namespace) -> str:
         lines += ["", "next best, and why each lost:"]
         width = max(len(label) for label, _ in best.alternatives)
         lines += [f"  {label.ljust(width)}  {reason}" for label, reason in best.alternatives]
+    if args.explain and layers is not None:
+        lines += ["", "the split (hp.PipelineModel's split_report() for it; bytes on the profiled sample):"]
+        lines += ["  " + line for line in layers.report(best.balance, best.stages).splitlines()]
+    elif args.explain and best.split is not None:
+        lines += ["", "the split's report needs the module: plan from MODULE:FACTORY instead of --profile"]
     return "\n".join(lines)
 
 
@@ -290,13 +315,14 @@ def main(argv: list[str] | None = None) -> int:
             args.global_batch = MODELS[args.model].global_batch
     if args.global_batch is None:
         parser.error("--global-batch is required with a profile")
+    layers = None
     try:
         if args.model:
             model_profile = models.model_profile(args.model, args.gpu, args.efficiency, args.call_overhead_us)
         elif args.profile:
             model_profile = Profile.load(args.profile)
         else:
-            model_profile = profile_factory(args.factory, args.sample_batch)
+            model_profile, layers = profile_factory_model(args.factory, args.sample_batch)
         if args.save_profile:
             model_profile.save(args.save_profile)
         if args.memory_per_rank is not None:
@@ -306,6 +332,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.optimizer_state_factor is None:
             args.optimizer_state_factor = (models.OPTIMIZER_STATE_FACTOR[MODELS[args.model].precision]
                                            if args.model else 2.0)
+        module = CUTS_KEY in model_profile.extra
+        if module and args.asynchronous:
+            raise HybridPipeError(f"--asynchronous: pipedream and 2bw are not yet supported for a module split by "
+                                  f"hp.PipelineModel (this profile is of a {model_profile.extra.get('module', 'module')}"
+                                  "); leave --asynchronous out, or hand in a layer list")
         schedules = SYNCHRONOUS_CHOICES + (("pipedream", "2bw") if args.asynchronous else ())
         if args.simulate:
             print(simulate_main(args, model_profile, memory, schedules))
@@ -314,10 +345,12 @@ def main(argv: list[str] | None = None) -> int:
         best = plan(model_profile, cluster, args.global_batch, schedules=schedules, checkpoints=CHECKPOINT_CHOICES,
                     optimizer_state_factor=args.optimizer_state_factor, zero_levels=zero_levels(args.zero),
                     precision=args.precision)
+        if module:
+            best = dataclasses.replace(best, split=split_of(model_profile.extra[CUTS_KEY], best.balance))
     except (HybridPipeError, ValueError, OSError) as error:
         print(f"hybridpipe.plan: {error}", file=sys.stderr)
         return 2
-    print(render(best, args))
+    print(render(best, args, layers))
     return 0
 
 

@@ -15,10 +15,15 @@ Design reasons:
   to ``hp.PipelineModel``) goes to the search too, which halves the activation bytes for bf16 / fp16.
   ZeRO shards CPU parameters only (hybridpipe/zero.py), so a model placed on another device is
   planned with ``zero=0``.
+* An ordinary ``nn.Module`` (not an ``nn.Sequential`` or a layer list) is profiled by its unit calls
+  (hybridpipe/plan/module_profile.py): the search balances them as layers, and the chosen balance becomes
+  the ``split=`` names of ``hp.PipelineModel(module, sample=..., split=...)``. Its asynchronous schedules
+  are not supported yet, so they are never searched for a module.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -31,6 +36,7 @@ from hybridpipe import runtime
 from hybridpipe.comm.engine import call
 from hybridpipe.errors import HybridPipeError
 from hybridpipe.plan.cost import ZERO_LEVELS, Cluster
+from hybridpipe.plan.module_profile import CUTS_KEY, is_module, module_layers, profile_module, split_of
 from hybridpipe.plan.profile import Profile, profile
 from hybridpipe.plan.search import CHECKPOINT_CHOICES, SYNCHRONOUS_CHOICES, Plan, plan as search
 
@@ -86,7 +92,17 @@ def built_layers(layers: Sequence[Any]) -> list[nn.Module]:
         return [layer.build() if isinstance(layer, LayerSpec) else layer for layer in layers]
 
 
-def auto(layers: nn.Sequential | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any], global_batch: int,
+def _micro_batch(inputs: Any, size: int) -> Any:
+    """The first ``size`` samples of ``inputs`` (tensors whose first dimension is the batch), when it has more."""
+    from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
+
+    batch = next((t.shape[0] for t in iter_tensors(inputs) if t.dim() > 0), 0)
+    if batch <= size:
+        return inputs
+    return map_tensors(inputs, lambda t: t[:size] if t.dim() > 0 and t.shape[0] == batch else t)
+
+
+def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any], global_batch: int,
          optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None, plan: Plan | None = None,
          asynchronous: bool = False, memory_per_rank: float = 0.0, optimizer_state_factor: float = 2.0,
          cluster: Cluster | None = None, zero: int | None = None, **model_options: Any) -> tuple[Any, Any]:
@@ -95,15 +111,19 @@ def auto(layers: nn.Sequential | Sequence[Any], loss_fn: Any, sample: tuple[Any,
     Args:
         layers: The model as layers, as ``hp.PipelineModel`` takes them (built modules, or ``hp.LayerSpec``
             entries: then each rank builds only its stage's layers, and world rank 0 builds them all once
-            to profile them).
-        loss_fn: ``loss_fn(output, target)``.
-        sample: ``(inputs, targets)`` of one micro-batch to profile (on world rank 0).
+            to profile them); or any ``nn.Module`` (e.g. a transformers model): its unit calls are profiled
+            as the layers, the plan's balance becomes ``split=`` (qualified module names) and the plan and the
+            model's ``split_report()`` are printed on world rank 0.
+        loss_fn: ``loss_fn(output, target)`` (a module's own output: a ``ModelOutput``, a tuple, a tensor).
+        sample: ``(inputs, targets)`` of one micro-batch to profile (on world rank 0); a module's inputs as
+            ``train_step`` gets them (a tensor, a tuple, or a dict of keyword arguments).
         global_batch: Samples per step over all replicas (each replica gets ``global_batch / replicas``).
         optimizer: ``optimizer(params)`` → a torch optimizer over a stage's parameters; ``None`` returns no
             optimizer (wrap your own in ``hp.DistributedOptimizer``, as for a hand-built model; synchronous
             plans only).
         plan: Use this plan instead of searching (e.g. one printed by ``python -m hybridpipe.plan``).
-        asynchronous: Also consider "pipedream" and "2bw" (they do not train like one process).
+        asynchronous: Also consider "pipedream" and "2bw" (they do not train like one process; layer lists
+            only).
         memory_per_rank: Bytes a rank may use (0: no limit).
         optimizer_state_factor: Optimizer state bytes per parameter byte (SGD 0, momentum 1, Adam 2).
         cluster: The cluster to plan for (default: :func:`cluster_of_this_job`).
@@ -137,35 +157,54 @@ def auto(layers: nn.Sequential | Sequence[Any], loss_fn: Any, sample: tuple[Any,
                               "or None")
     else:
         zero_levels = (zero,)
+    module = is_module(layers)
+    if module and asynchronous:
+        raise HybridPipeError(f"hp.auto: asynchronous=True: the asynchronous schedules (pipedream, 2bw) are not yet "
+                              f"supported for a module split by hp.PipelineModel (got a {type(layers).__name__}); "
+                              "leave asynchronous out, or hand in a layer list")
     if plan is None:
         measured: Any = None
         if grid.rank == 0:
             try:
-                measured = profile(built_layers(list(layers)), sample[0], loss_fn, sample[1],
-                                   optimizer=optimizer).to_json()
+                if module:
+                    measured = profile_module(layers, sample[0], loss_fn, sample[1],
+                                              optimizer=optimizer)[0].to_json()
+                else:
+                    measured = profile(built_layers(list(layers)), sample[0], loss_fn, sample[1],
+                                       optimizer=optimizer).to_json()
             except Exception as error:  # every rank must raise, not only rank 0
                 measured = error
         measured = call(None, "auto", lambda: grid.world_comm.bcast(
             measured if not isinstance(measured, Exception) else f"{type(measured).__name__}: {measured}", root=0))
         if not measured.startswith("{"):
-            raise HybridPipeError(f"hp.auto: profiling the layers on world rank 0 failed ({measured})")
+            raise HybridPipeError(f"hp.auto: profiling the {'module' if module else 'layers'} on world rank 0 failed "
+                                  f"({measured})")
         schedules = SYNCHRONOUS_CHOICES + (("pipedream", "2bw") if asynchronous else ())
-        plan = search(Profile.from_json(measured), cluster or cluster_of_this_job(memory_per_rank), global_batch,
+        measured_profile = Profile.from_json(measured)
+        plan = search(measured_profile, cluster or cluster_of_this_job(memory_per_rank), global_batch,
                       schedules=schedules, checkpoints=CHECKPOINT_CHOICES,
                       optimizer_state_factor=optimizer_state_factor, zero_levels=zero_levels,
                       precision=model_options.get("precision"))
+        if module:
+            plan = dataclasses.replace(plan, split=split_of(measured_profile.extra[CUTS_KEY], plan.balance))
+    elif module and plan.split is None:  # a plan made by hand: its balance counts the module's planner layers
+        plan = dataclasses.replace(plan, split=split_of(module_layers(layers, sample[0]).names, plan.balance))
     if plan.stages * plan.replicas != grid.size:
         raise HybridPipeError(f"hp.auto: the plan is for {plan.stages * plan.replicas} ranks, this job has {grid.size}")
     if grid.pipeline_stages != plan.stages:
         hp.shutdown()
         hp.init(pipeline_stages=plan.stages)
     arguments = {**plan.model_arguments(), **model_options}  # the caller's precision, device, ... win
+    if module:
+        micro = max(1, global_batch // plan.replicas // plan.micro_batches)
+        arguments["sample"] = _micro_batch(sample[0], micro)
     if optimizer is None and plan.schedule in ("pipedream", "2bw"):
         raise HybridPipeError(f"hp.auto: the plan's {plan.schedule} schedule applies the optimizer inside the "
                               "pipeline: pass optimizer=<factory of a torch optimizer>")
     if optimizer is None:
         model = hp.PipelineModel(layers, loss_fn, **arguments)
         model.plan = plan
+        _print_module_plan(model, plan, module)
         return model, None
     if plan.schedule in ("pipedream", "2bw"):
         model = hp.PipelineModel(layers, loss_fn, optimizer=optimizer, **arguments)
@@ -180,4 +219,13 @@ def auto(layers: nn.Sequential | Sequence[Any], loss_fn: Any, sample: tuple[Any,
             opt = _PipelineDriven(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0))
             opt._warned = True
     model.plan = plan
+    _print_module_plan(model, plan, module)
     return model, opt
+
+
+def _print_module_plan(model: Any, plan: Plan, module: bool) -> None:
+    """A module's plan and ``split_report()``, printed on world rank 0 (what was cut where, and what crosses)."""
+    if module and runtime._require("auto").grid.rank == 0:
+        print(f"hp.auto plan for {plan.stages * plan.replicas} ranks, global batch {plan.global_batch}: "
+              f"{plan.describe()}; predicted {plan.step_seconds * 1e3:.1f} ms per step\n{model.split_report()}",
+              flush=True)

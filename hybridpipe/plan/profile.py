@@ -38,7 +38,7 @@ from hybridpipe.errors import HybridPipeError
 from hybridpipe.pipeline.microbatch import as_leaf, iter_tensors, map_tensors
 from hybridpipe.pipeline.partition import profile_layers
 
-__all__ = ["LayerCost", "Profile", "profile", "FORMAT"]
+__all__ = ["LayerCost", "Profile", "profile", "update_costs", "FORMAT"]
 
 FORMAT = "hybridpipe-profile-1"
 
@@ -193,7 +193,7 @@ def _temporary_bytes(copies: list[nn.Parameter], optimizer: Callable[[list[nn.Pa
     return counter.peak
 
 
-def _update_costs(parameters: list[torch.Tensor], optimizer: Callable[[list[nn.Parameter]], Any],
+def update_costs(parameters: list[torch.Tensor], optimizer: Callable[[list[nn.Parameter]], Any],
                   repeats: int, warmup: int) -> tuple[float, float, float]:
     """The optimizer's step on copies of the parameters (the model's are not touched): its time per MiB,
     and its temporaries per parameter byte over all of them and for the largest tensor alone (an
@@ -350,7 +350,7 @@ def profile(layers: nn.Sequential | Sequence[nn.Module], sample_input: Any, loss
     device = next((str(t.device) for t in iter_tensors(sample_input)), "cpu")
     update, together, per_tensor = 0.0, 0.0, 0.0
     if optimizer is not None:
-        update, together, per_tensor = _update_costs(
+        update, together, per_tensor = update_costs(
             [p.detach() for layer in layer_list for p in layer.parameters()], optimizer, repeats, warmup)
     return Profile(layers=costs, sample_batch=batch, input_bytes=_bytes(sample_input) / batch, loss_ms=loss_ms,
                    update_ms_per_mb=update, update_temporary_factor=together,

@@ -57,6 +57,8 @@ class Plan:
             (``balance`` has one entry per chunk: ``virtual_stages × stages`` entries).
         virtual_stages: chunks per rank (``interleaved-1f1b``), else 1.
         zero: the ZeRO level of the stage's ``hp.DistributedOptimizer(..., zero=)`` (0: unsharded).
+        split: for a module (not a layer list): the qualified module names where chunks 1, 2, ... begin
+            (``hp.PipelineModel(module, split=...)``), from ``balance`` over its planner layers; else None.
         precision: the pipeline's precision it was planned for (``hp.PipelineModel(precision=)``).
         step_seconds: predicted time of one step (one global batch).
         samples_per_second: ``global_batch / step_seconds``.
@@ -79,12 +81,15 @@ class Plan:
     virtual_stages: int = 1
     zero: int = 0
     precision: str = "fp32"
+    split: list[str] | None = None
     alternatives: list[tuple[str, str]] = field(default_factory=list)
     prediction: Prediction | None = field(default=None, repr=False, compare=False)
 
     def model_arguments(self) -> dict:
-        """Keyword arguments of ``hp.PipelineModel`` that build this plan."""
-        arguments = {"micro_batches": self.micro_batches, "balance": list(self.balance), "schedule": self.schedule,
+        """Keyword arguments of ``hp.PipelineModel`` that build this plan (a module's: ``split=`` for
+        ``balance=``; pass ``sample=`` too)."""
+        cut = {"split": list(self.split)} if self.split is not None else {"balance": list(self.balance)}
+        arguments = {"micro_batches": self.micro_batches, **cut, "schedule": self.schedule,
                      "checkpoint": self.checkpoint}
         if self.virtual_stages > 1:
             arguments["virtual_stages"] = self.virtual_stages
@@ -102,7 +107,8 @@ class Plan:
                 + (f" (v={self.virtual_stages})" if self.virtual_stages > 1 else "")
                 + (f", zero={self.zero}" if self.zero else "")
                 + (f", {self.precision}" if self.precision != "fp32" else "")
-                + f", M={self.micro_batches}, checkpoint={self.checkpoint}, balance {list(self.balance)}")
+                + f", M={self.micro_batches}, checkpoint={self.checkpoint}, balance {list(self.balance)}"
+                + (f", split {list(self.split)}" if self.split is not None else ""))
 
 
 def _memory_balance(profile: Profile, cluster: Cluster, candidate: Candidate, per_replica: int,

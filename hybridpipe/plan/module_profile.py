@@ -1,0 +1,312 @@
+"""Profile an ordinary ``nn.Module`` as the planner's layers: its unit calls (hybridpipe/pipeline/split.py).
+
+Design reasons:
+
+* The planner's search works on a list of layers; a module split by ``hp.PipelineModel(module, split=...)``
+  is cut between *unit calls* (split.py's trace). So each place a stage may begin becomes the start of a
+  planner "layer", and the search's balance (layers per chunk) maps back to the qualified module names
+  ``split=`` takes. A cut is offered only where ``split=`` can say it (the first call of a unit: a block
+  applied again later cannot be named as a start) and where ``SplitPlan`` accepts it (not after a value
+  the glue reads in Python); calls between offered cuts are one planner layer.
+* What crosses a cut is what a ``SplitPlan`` with that one boundary would send (every earlier unit output
+  a later call or the module's output still needs), not only the previous call's output: a U-Net's skips
+  and T5's encoder output count. Bytes are per sample (the sample's bytes over its batch size).
+* Times: one whole forward (with autograd, as training runs it), timed at each unit call's end; a call's
+  forward is the time since the previous call ended, so the glue before it (masks, position ids) counts
+  with it, as every stage replays it. The whole backward is measured and shared among the calls in
+  proportion to their forward time (a per-call backward would need hooks on every output's gradient; the
+  proportion is what the layer profiles show for the blocks of a model, about 2×). Measured at the sample
+  micro-batch and at a quarter of it and fitted as a fixed cost per call plus a cost per sample, as
+  ``hybridpipe.plan.profile`` does for layers.
+* The bytes autograd keeps are counted per call (``saved_tensors_hooks``, parameters and buffers left out),
+  glue with the call that follows it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridpipe.errors import HybridPipeError
+from hybridpipe.pipeline import split as split_module
+from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
+from hybridpipe.plan.profile import LayerCost, Profile, update_costs
+
+__all__ = ["ModuleLayers", "is_module", "module_layers", "profile_module", "split_of"]
+
+#: ``Profile.extra`` key: the qualified name of the unit call each planner layer begins with
+CUTS_KEY = "module_cuts"
+
+
+def is_module(model: Any) -> bool:
+    """Whether ``model`` is an ordinary module to be split by tracing (not an ``nn.Sequential`` or a layer list)."""
+    return isinstance(model, nn.Module) and not isinstance(model, nn.Sequential)
+
+
+def _tensor_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count * torch.empty((), dtype=dtype).element_size()
+
+
+def _bytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in iter_tensors(value))
+
+
+@dataclass
+class ModuleLayers:
+    """A module's unit calls grouped into the planner's layers.
+
+    Attributes:
+        module: the module.
+        units: its units (split.py).
+        trace: the sample forward's trace.
+        starts: per planner layer, the index of the unit call it begins with (a stage may begin there).
+        crossing_bytes: per planner layer, the bytes on the sample of what crosses a cut right after it (the
+            last layer: the module's output).
+    """
+
+    module: nn.Module
+    units: list[nn.Module]
+    trace: Any
+    starts: list[int]
+    crossing_bytes: list[int]
+
+    @property
+    def names(self) -> list[str]:
+        """The qualified name of each planner layer's first unit call."""
+        return [self.trace.calls[start].name for start in self.starts]
+
+    def boundaries(self, balance: Sequence[int]) -> list[int]:
+        """Unit-call indices where the chunks of ``balance`` (planner layers per chunk) begin, and the end."""
+        ends = [0]
+        for count in balance:
+            ends.append(ends[-1] + count)
+        return [self.starts[end] for end in ends[:-1]] + [len(self.trace.calls)]
+
+    def report(self, balance: Sequence[int], stages: int, costs: Sequence[float] | None = None) -> str:
+        """``split_report()`` of the split ``balance`` makes, without building it (split.py's report)."""
+        boundaries = self.boundaries(balance)
+        plan = split_module.SplitPlan(self.module, self.units, self.trace, boundaries, stages)
+        calls = [boundaries[c + 1] - boundaries[c] for c in range(len(boundaries) - 1)]
+        return split_module.report(plan, calls, costs, stages)
+
+
+def split_of(names: Sequence[str], balance: Sequence[int]) -> list[str]:
+    """``split=`` for ``hp.PipelineModel``: the names where chunks 1, 2, ... of ``balance`` begin.
+
+    Raises:
+        HybridPipeError: the balance does not cover the layers the names describe (named, with the fix).
+    """
+    if sum(balance) != len(names) or any(count < 1 for count in balance):
+        raise HybridPipeError(f"balance {list(balance)} does not cut the module's {len(names)} planner layers "
+                              f"(it must be positive counts summing to {len(names)}): is the plan for another model?")
+    starts, position = [], 0
+    for count in balance[:-1]:
+        position += count
+        starts.append(names[position])
+    return starts
+
+
+def module_layers(module: nn.Module, inputs: Any) -> ModuleLayers:
+    """Traces ``module`` on ``inputs`` (one micro-batch, as ``train_step`` gets it) and finds where a stage may
+    begin, with what would cross each such cut.
+
+    Raises:
+        HybridPipeError: the module is on the meta device (nothing to time), or cannot be traced (split.py's
+            SplitError, naming why).
+    """
+    if split_module.is_meta(module):
+        raise HybridPipeError(f"the {type(module).__name__} is on the meta device: there is nothing to time. Build "
+                              "it on the CPU (or load its weights) to plan it, or hand the meta module to "
+                              "hp.PipelineModel(module, sample=..., split='auto'), which cuts it by parameter counts")
+    units, trace = split_module.trace_module(module, inputs)
+    calls = trace.calls
+    count = len(calls)
+    starts, crossing = [0], []
+    for index in range(1, count):
+        name = calls[index].name
+        first = next(c.index for c in calls if c.name == name or c.name.startswith(name + "."))
+        if first != index:  # a unit called again: split= names its first call
+            continue
+        try:
+            plan = split_module.SplitPlan(module, units, trace, [0, index, count], 2)
+        except split_module.SplitError:  # e.g. a later Python read of an earlier activation's value
+            continue
+        starts.append(index)
+        crossing.append(sum(_tensor_bytes(shape, dtype) for _, shape, dtype in plan.crossing(1)))
+    crossing.append(_bytes(trace.output))
+    return ModuleLayers(module, units, trace, starts, crossing)
+
+
+def _time_calls(module: nn.Module, layers: ModuleLayers, inputs: Any, loss_fn: Callable[[Any, Any], Any],
+                targets: Any, repeats: int, warmup: int) -> tuple[list[float], list[float], list[int], float]:
+    """Per unit call: forward ms, backward ms, bytes autograd keeps; and the loss's forward + backward ms."""
+    calls = layers.trace.calls
+    count = len(calls)
+    unit_ids = {id(m) for m in layers.units}
+    state = {"index": 0, "depth": 0}
+    ends: list[float] = [0.0] * count
+    kept: list[dict[int, int]] = [{} for _ in range(count)]
+    held = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+
+    def pre(_module: nn.Module, _args: Any) -> None:
+        state["depth"] += 1
+
+    def post(_module: nn.Module, _args: Any, _output: Any) -> None:
+        state["depth"] -= 1
+        if state["depth"] == 0:
+            if state["index"] < count:
+                ends[state["index"]] = time.perf_counter()
+            state["index"] += 1
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in held:
+            kept[min(state["index"], count - 1)][storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    handles = []
+    for unit in module.modules():
+        if id(unit) in unit_ids:
+            handles.append(unit.register_forward_pre_hook(pre))
+            handles.append(unit.register_forward_hook(post))
+    args, kwargs = split_module.as_call(inputs)
+    parameters = list(module.parameters())
+    grads = [p.grad for p in parameters]
+    buffers = [(b, b.clone()) for b in module.buffers()]  # e.g. batch norm's running statistics
+    forward: list[list[float]] = [[] for _ in range(count)]
+    backward: list[float] = []
+    losses: list[float] = []
+    try:
+        with torch.enable_grad():
+            for run in range(warmup + repeats):
+                state["index"], state["depth"] = 0, 0
+                for record in kept:
+                    record.clear()
+                started = time.perf_counter()
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                    output = module(*args, **kwargs)
+                finished = time.perf_counter()
+                if state["index"] != count:
+                    raise HybridPipeError(f"the {type(module).__name__} made {state['index']} unit calls on the "
+                                          f"sample while profiling, {count} while tracing: its forward must call the "
+                                          "same modules on the same inputs")
+                loss = loss_fn(output, targets)
+                backward_started = time.perf_counter()
+                loss.backward()
+                backward_finished = time.perf_counter()
+                detached = map_tensors(output, lambda t: t.detach().requires_grad_(t.is_floating_point()))
+                loss_started = time.perf_counter()
+                loss_fn(detached, targets).backward()
+                loss_finished = time.perf_counter()
+                for p in parameters:
+                    p.grad = None
+                if run < warmup:
+                    continue
+                previous = started
+                for index in range(count):
+                    finish = finished if index == count - 1 else ends[index]  # the tail's glue: the last call's
+                    forward[index].append((finish - previous) * 1e3)
+                    previous = ends[index]
+                backward.append((backward_finished - backward_started) * 1e3)
+                losses.append((loss_finished - loss_started) * 1e3)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for p, grad in zip(parameters, grads):
+            p.grad = grad
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+    forward_ms = [max(0.0, statistics.median(times)) for times in forward]
+    total = sum(forward_ms) or 1.0
+    backward_total = statistics.median(backward)
+    backward_ms = [backward_total * ms / total for ms in forward_ms]
+    return forward_ms, backward_ms, [sum(record.values()) for record in kept], statistics.median(losses)
+
+
+def profile_module(module: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any], Any], targets: Any,
+                   repeats: int = 5, warmup: int = 2,
+                   optimizer: Callable[[list[nn.Parameter]], Any] | None = None) -> tuple[Profile, ModuleLayers]:
+    """Profiles ``module``'s unit calls as the planner's layers (one process).
+
+    Args:
+        module: Any ``nn.Module`` whose forward takes ``inputs`` (a tensor, a tuple: positional arguments, a
+            dict: keyword arguments).
+        inputs: One micro-batch of inputs; every tensor whose first dimension is the batch is the batch.
+        loss_fn: ``loss_fn(output, targets)`` on the module's own output.
+        targets: The micro-batch's targets.
+        repeats: Timed runs (medians are kept).
+        warmup: Untimed runs first.
+        optimizer: ``optimizer(params)`` → the torch optimizer training will use (its step is timed on copies of
+            the parameters, as :func:`hybridpipe.plan.profile` does).
+
+    Returns:
+        ``(profile, layers)``: the :class:`Profile` (one ``LayerCost`` per planner layer, per sample; its
+        ``extra["module_cuts"]`` names each layer's first unit call, so a saved profile still gives ``split=``)
+        and the :class:`ModuleLayers` (for :meth:`ModuleLayers.report`).
+
+    Raises:
+        HybridPipeError: the module cannot be traced or profiled on ``inputs`` (the message says why).
+    """
+    batch = next((t.shape[0] for t in iter_tensors(inputs) if t.dim() > 0), 0)
+    if batch < 1:
+        raise HybridPipeError(f"the sample's inputs ({type(inputs).__name__}) need a tensor with a batch dimension "
+                              "(dim 0) of at least 1")
+    inputs = map_tensors(inputs, lambda t: t.clone(memory_format=torch.contiguous_format))
+    layers = module_layers(module, inputs)
+
+    def sliced(value: Any, size: int) -> Any:
+        return map_tensors(value, lambda t: t[:size] if t.dim() > 0 and t.shape[0] == batch else t)
+
+    large = _time_calls(module, layers, inputs, loss_fn, targets, repeats, warmup)
+    small_batch = max(1, batch // 4)
+    small = (_time_calls(module, layers, sliced(inputs, small_batch), loss_fn, sliced(targets, small_batch),
+                         repeats, warmup) if small_batch < batch else large)
+
+    def fit(large_ms: float, small_ms: float) -> tuple[float, float]:
+        """(per call, per sample) of a + b·n through both measurements, both >= 0 (else proportional)."""
+        if small_batch == batch:
+            return 0.0, large_ms / batch
+        per_sample = (large_ms - small_ms) / (batch - small_batch)
+        per_call = large_ms - per_sample * batch
+        if per_sample <= 0 or per_call < 0:
+            return 0.0, large_ms / batch
+        return per_call, per_sample
+
+    count = len(layers.trace.calls)
+    costs = []
+    for position, start in enumerate(layers.starts):
+        end = layers.starts[position + 1] if position + 1 < len(layers.starts) else count
+        span = range(start, end)
+        forward_call, forward = fit(sum(large[0][i] for i in span), sum(small[0][i] for i in span))
+        backward_call, backward = fit(sum(large[1][i] for i in span), sum(small[1][i] for i in span))
+        parameters = {id(p): p for i in span for p in layers.trace.calls[i].module.parameters()}
+        names = [layers.trace.calls[i].name for i in span]
+        costs.append(LayerCost(
+            name=names[0] + (f" (+{len(names) - 1} calls)" if len(names) > 1 else ""),
+            forward_ms=forward, backward_ms=backward, forward_call_ms=forward_call, backward_call_ms=backward_call,
+            output_bytes=layers.crossing_bytes[position] / batch,
+            activation_bytes=(sum(large[2][i] for i in span) + layers.crossing_bytes[position]) / batch,
+            parameter_bytes=sum(p.numel() * p.element_size() for p in parameters.values())))
+    update, together, per_tensor = 0.0, 0.0, 0.0
+    if optimizer is not None:
+        update, together, per_tensor = update_costs([p.detach() for p in module.parameters()], optimizer, repeats,
+                                                    warmup)
+    device = next((str(t.device) for t in iter_tensors(inputs)), "cpu")
+    profile = Profile(layers=costs, sample_batch=batch, input_bytes=_bytes(inputs) / batch,
+                      loss_ms=large[3] / batch, device=device, update_ms_per_mb=update,
+                      update_temporary_factor=together, update_temporary_per_tensor=per_tensor,
+                      extra={CUTS_KEY: layers.names, "module": type(module).__name__},
+                      note=f"{type(module).__name__}'s {count} unit calls as {len(costs)} layers, measured by "
+                           f"hybridpipe.plan.module_profile on {batch} and {small_batch} samples, {repeats} repeats "
+                           f"after {warmup} warm-up runs, {torch.get_num_threads()} torch threads")
+    return profile, layers
