@@ -124,6 +124,10 @@ class Config:
             (HYBRIDPIPE_CYCLE_TIME_MS).
         stall_check_seconds: warn when a collective waits this long for some rank
             (HYBRIDPIPE_STALL_CHECK_SECONDS).
+        check_batches: the stages of a pipeline check, at each train_step / predict, that they were given
+            the same batch (shapes and a fingerprint, carried by the first activation message; see
+            hybridpipe/pipeline/batch_check.py) (HYBRIDPIPE_CHECK_BATCHES, default 0 for now: see
+            docs/troubleshooting.md).
         stall_shutdown_seconds: 0 (off), or stop the engine of a group, failing its pending
             handles on every rank, when a tensor has waited this long for some rank
             (HYBRIDPIPE_STALL_SHUTDOWN_SECONDS).
@@ -196,6 +200,7 @@ class Config:
     device_ring_segment_bytes: int = 64 * 1024 * 1024
     cuda_aware_mpi: str = "auto"
     gpu_allreduce: str = "auto"
+    check_batches: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Config":
@@ -231,6 +236,7 @@ class Config:
             ("HYBRIDPIPE_DEVICE_RING_SEGMENT_BYTES", "device_ring_segment_bytes", parse_bytes),
             ("HYBRIDPIPE_CUDA_AWARE_MPI", "cuda_aware_mpi", _auto_switch),
             ("HYBRIDPIPE_GPU_ALLREDUCE", "gpu_allreduce", _gpu_allreduce),
+            ("HYBRIDPIPE_CHECK_BATCHES", "check_batches", _switch),
         ):
             if env.get(name, "").strip():
                 values[field] = parse(env[name], name)

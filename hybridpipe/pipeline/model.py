@@ -46,6 +46,7 @@ from hybridpipe.comm.device import compute_device
 from hybridpipe.comm.engine import call
 from hybridpipe.errors import HybridPipeError, MismatchError, PartitionError
 from hybridpipe.pipeline import microbatch
+from hybridpipe.pipeline.batch_check import fingerprint
 from hybridpipe.pipeline.layers import LayerSpec, LazyLayers, TiedLayerSpec, build_layer, shapes_only
 from hybridpipe.pipeline.partition import (
     BALANCE_METHODS,
@@ -215,6 +216,8 @@ class PipelineModel(nn.Module):
         self.virtual_stages = virtual_stages
         self.vertical_sync = bool(vertical_sync)
         self.precision = precision
+        #: check at each train_step / predict that the stages were given the same batch (HYBRIDPIPE_CHECK_BATCHES)
+        self.check_batches = runtime.config().check_batches
         self.grid = grid
         self.stage = grid.stage
         self.stages = stages
@@ -653,6 +656,8 @@ class PipelineModel(nn.Module):
             raise HybridPipeError("train_step needs a loss: build the PipelineModel with loss_fn=...")
         chunks = microbatch.split(inputs, self.micro_batches)
         target_chunks = microbatch.split(targets, self.micro_batches)
+        self._executor.batch_print = fingerprint(inputs, targets) if self.check_batches and not self.asynchronous \
+            else None
         sizes = [next(microbatch.iter_tensors(c)).shape[0] for c in target_chunks]
         total = sum(sizes)
         weights = [size / total for size in sizes]
@@ -740,6 +745,7 @@ class PipelineModel(nn.Module):
         of the pipeline. Asynchronous schedules use the current weights (``flush()`` first to
         include every micro-batch given so far)."""
         chunks = microbatch.split(inputs, self.micro_batches)
+        self._executor.batch_print = fingerprint(inputs) if self.check_batches else None
         result = self._executor.run(self._schedule("forward"), self.micro_batches, chunks, train=False)
         self.last_step = result
         return microbatch.merge(result.outputs)

@@ -60,6 +60,7 @@ from hybridpipe import _trace as timeline
 from hybridpipe.comm import p2p
 from hybridpipe.errors import HybridPipeError
 from hybridpipe.pipeline.asynchronous import WeightStash
+from hybridpipe.pipeline.batch_check import compare
 from hybridpipe.pipeline.inplace import first_layer_works_in_place
 from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
 from hybridpipe.pipeline.schedule import Action, ActionKind, stage_to_rank
@@ -74,6 +75,7 @@ _RESULT_TAG = 4 * _TAG_PERIOD  # loss / predict output from the last stage to ev
 _SKIP_TAG_BASE = _RESULT_TAG + 4  # skip connections: 4 tags (value, its gradient; header and payload each) per slot
 _SKIP_SLOTS = 3900  # (name, micro-batch) slots below p2p.ERROR_TAG: micro-batch ids modulo 3900 // names
 _CHUNK_ATTRIBUTE = "_hybridpipe_chunk"
+_BATCH_MARK = "__hybridpipe_batch_fingerprint__"  # an activation message carrying the sender's batch fingerprint
 
 
 class PipelineBroken(HybridPipeError):
@@ -231,6 +233,9 @@ class StageExecutor:
         self.on_update: Callable[[int, int], None] | None = None  # (stage, micro-batch) for U actions
         self.carry_versions = False  # asynchronous vertical sync: activations carry the weight version
         self.carry_losses = False  # asynchronous: gradients carry their micro-batch's loss
+        # batch_check.fingerprint of this run's batch, carried by each chunk's first activation message (None: off)
+        self.batch_print: tuple | None = None
+        self._print_pending: set[int] = set()  # chunks whose first activation message of the run is not sent yet
         self.autocast: torch.dtype | None = None  # mixed precision: forwards (and losses) under torch.autocast
         self.loss_scale = 1.0  # fp16: each loss is multiplied by it before its backward (the scaler's scale)
         self.skips: dict[str, SkipRoute] = {}  # skip connections (hybridpipe.pipeline.skip), see use_skips
@@ -310,6 +315,9 @@ class StageExecutor:
         return 4 * ((stage // self.ranks) * self._tag_period + micro_batch % self._tag_period) + (2 if gradient else 0)
 
     def _send(self, value: Any, dest_stage: int, micro_batch: int, gradient: bool) -> None:
+        if not gradient and dest_stage - 1 in self._print_pending:  # the run's first activation from that chunk
+            self._print_pending.discard(dest_stage - 1)
+            value = (_BATCH_MARK, self.batch_print, value)
         dest = stage_to_rank(dest_stage, self.ranks)
         self._sends.append(p2p.send(value, dest, self._tag(dest_stage, micro_batch, gradient), self.comm))
 
@@ -369,6 +377,7 @@ class StageExecutor:
             raise PipelineBroken(f"this pipeline failed in an earlier step ({self._broken}); build a new "
                                  "PipelineModel (and new communicators) to go on")
         self._steps += 1
+        self._print_pending = set(self.chunks) if self.batch_print is not None else set()
         step = self._prepare(actions, inputs, targets, loss_fn, weights, checkpoint, train)
         try:
             with timeline.span("train_step" if train else "predict", "step", index=self._steps):
@@ -498,6 +507,10 @@ class StageExecutor:
             x = self._move(step.inputs[m])
         else:
             x = self._wait(step.forward_in.pop((chunk.stage, m)), f"activation {m}")
+            if isinstance(x, tuple) and len(x) == 3 and isinstance(x[0], str) and x[0] == _BATCH_MARK:
+                _, theirs, x = x
+                if self.batch_print is not None:
+                    compare(self.batch_print, theirs, chunk.stage, chunk.stage - 1)
             if self.carry_versions:
                 carried, x = x
         stored = _Stored(x)

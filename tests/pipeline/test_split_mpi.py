@@ -222,3 +222,25 @@ def test_a_meta_module_is_built_stage_by_stage(grid, tmp_path_factory):
             module = GPT2LMHeadModel(full.config)
         hp.PipelineModel(module, loss_fn=loss_fn, micro_batches=4, sample={"input_ids": inputs["input_ids"][:2]},
                          verify=True)
+
+
+def test_stages_given_different_batches_fail_on_every_rank(grid, float64):
+    """A pipeline's stages fed different samples (a sampler sharded by rank, not by replica): the first activation
+    message carries stage 0's batch fingerprint, the next stage refuses it, and every stage raises, naming the fix
+    (issue 27: this trained at chance without a word). Equal batches pass, and the switch (model.check_batches,
+    HYBRIDPIPE_CHECK_BATCHES) lets a mismatch through when off."""
+    if grid.pipeline_stages != 4 and not LONG:
+        pytest.skip("one grid in make test (every grid in make test-long)")
+    model, _, batch, _ = build("keyword_dict", grid, "1f1b", split="auto", verify=False)
+    model.check_batches = True  # HYBRIDPIPE_CHECK_BATCHES=1 (off by default for now)
+    same = batch(PER_REPLICA, 7)
+    model.train_step(*same)
+    model.check_batches = False
+    model.train_step(*batch(PER_REPLICA, 8 + grid.stage))  # unchecked: runs (and would train on garbage)
+    model.check_batches = True
+    with pytest.raises(hp.HybridPipeError) as error:
+        model.train_step(*batch(PER_REPLICA, 8 + grid.stage))
+    text = str(error.value)
+    assert "was given a different batch than stage" in text and "num_replicas=grid.data_replicas" in text, text
+    assert "same shapes, different values" in text, text
+    model.close()
