@@ -126,8 +126,7 @@ class Config:
             (HYBRIDPIPE_STALL_CHECK_SECONDS).
         check_batches: the stages of a pipeline check, at each train_step / predict, that they were given
             the same batch (shapes and a fingerprint, carried by the first activation message; see
-            hybridpipe/pipeline/batch_check.py) (HYBRIDPIPE_CHECK_BATCHES, default 0 for now: see
-            docs/troubleshooting.md).
+            hybridpipe/pipeline/batch_check.py) (HYBRIDPIPE_CHECK_BATCHES, default 1).
         stall_shutdown_seconds: 0 (off), or stop the engine of a group, failing its pending
             handles on every rank, when a tensor has waited this long for some rank
             (HYBRIDPIPE_STALL_SHUTDOWN_SECONDS).
@@ -200,7 +199,7 @@ class Config:
     device_ring_segment_bytes: int = 64 * 1024 * 1024
     cuda_aware_mpi: str = "auto"
     gpu_allreduce: str = "auto"
-    check_batches: bool = False
+    check_batches: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Config":

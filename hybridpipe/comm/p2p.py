@@ -51,7 +51,7 @@ from . import device as devices
 from .buffers import host_contiguous, raw_bytes
 
 __all__ = ["HEADER_CAPACITY", "ERROR_TAG", "RemoteError", "Send", "Receive", "send", "send_error",
-           "receive_error"]
+           "receive_error", "forget"]
 
 #: Largest pickled structure a header may hold (bytes).
 HEADER_CAPACITY = 64 * 1024
@@ -302,6 +302,16 @@ def send_error(text: str, rank: int, dest: int, comm: Any) -> Send:
 # order. MPI matches their headers to messages in that order, so their payload receives (all on
 # tag + 1) must be posted in that order too, whichever receive is polled or waited first.
 _unopened: dict[tuple[int, int, int], list[weakref.ref]] = {}
+
+
+def forget(comm: Any) -> None:
+    """Drops the receives on ``comm`` whose headers were never opened (a pipeline that failed or was closed in the
+    middle of a step), before ``comm`` is freed: MPI may give a later communicator the same handle, whose
+    receives must not find these as "earlier" ones on their source and tag (whose requests a stopped
+    communication thread has failed)."""
+    handle = comm.py2f()
+    for key in [key for key in _unopened if key[0] == handle]:
+        del _unopened[key]
 
 
 class Receive:

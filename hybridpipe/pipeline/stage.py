@@ -331,10 +331,11 @@ class StageExecutor:
         self._sends = []
 
     def close(self) -> None:
-        """Withdraws the error receives (call before the communicator is freed)."""
+        """Withdraws the error receives and forgets the unopened ones (call before the communicator is freed)."""
         for error in self._errors:
             error.cancel()
         self._errors = []
+        p2p.forget(self.comm)
 
     @property
     def in_flight(self) -> list[tuple[int, int]]:

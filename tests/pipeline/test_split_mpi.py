@@ -232,7 +232,7 @@ def test_stages_given_different_batches_fail_on_every_rank(grid, float64):
     if grid.pipeline_stages != 4 and not LONG:
         pytest.skip("one grid in make test (every grid in make test-long)")
     model, _, batch, _ = build("keyword_dict", grid, "1f1b", split="auto", verify=False)
-    model.check_batches = True  # HYBRIDPIPE_CHECK_BATCHES=1 (off by default for now)
+    assert model.check_batches  # on by default (HYBRIDPIPE_CHECK_BATCHES)
     same = batch(PER_REPLICA, 7)
     model.train_step(*same)
     model.check_batches = False
