@@ -56,8 +56,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from hybridpipe.errors import HybridPipeError, PartitionError
-from hybridpipe.pipeline.microbatch import map_tensors
+from hybridpipe.errors import PartitionError
 
 __all__ = ["SplitError", "SplitPlan", "SplitChunk", "trace_module", "as_call"]
 
@@ -417,9 +416,6 @@ class SplitPlan:
 
     # -- queries
 
-    def chunk_of_call(self, index: int) -> int:
-        return self.call_chunk[index]
-
     def calls_of(self, chunk: int) -> range:
         return range(self.boundaries[chunk], self.boundaries[chunk + 1])
 
@@ -544,6 +540,7 @@ def release_remote(root: nn.Module, keep: Sequence[nn.Module], units: Sequence[n
     except tensors of no unit at all (modules the forward never calls): those stay on the last rank."""
     kept = {id(t) for m in keep for t in (*m.parameters(), *m.buffers())}
     of_units = {id(t) for m in units for t in (*m.parameters(), *m.buffers())}
+    inside_units = {id(m) for unit in units for m in unit.modules()}
 
     def release(tensor: torch.Tensor) -> bool:
         return id(tensor) not in kept and tensor.device.type != "meta" and (id(tensor) in of_units or not last_rank)
@@ -554,12 +551,8 @@ def release_remote(root: nn.Module, keep: Sequence[nn.Module], units: Sequence[n
                 module._parameters[name] = nn.Parameter(torch.empty_like(parameter, device="meta"),
                                                         requires_grad=parameter.requires_grad)
         for name, buffer in list(module._buffers.items()):
-            if buffer is not None and release(buffer) and (id(buffer) in of_units or _unit_owned(module, units)):
+            if buffer is not None and release(buffer) and (id(buffer) in of_units or id(module) in inside_units):
                 module._buffers[name] = torch.empty_like(buffer, device="meta")
-
-
-def _unit_owned(module: nn.Module, units: Sequence[nn.Module]) -> bool:
-    return any(module is m for unit in units for m in unit.modules())
 
 
 class SplitChunk(nn.Module):
