@@ -496,17 +496,14 @@ class PipelineModel(nn.Module):
         """A split module's forward on ``sample`` (in eval mode) against the unsplit module's, on every rank: a
         difference raises SplitError naming the first unit call whose output differs."""
         plan = self._split.plan
-        modes = [(m, m.training) for m in plan.root.modules()]
-        plan.root.eval()
         chunks = self._chunk_modules.values()
         for chunk in chunks:
             chunk.keep_values = True
         try:
             schedule = get_schedule("forward", self.stages, 1, self.virtual_stages)
-            result = self._executor.run(schedule[self.stage], 1, [sample], train=False)
+            with split_module.eval_mode(plan.root):
+                result = self._executor.run(schedule[self.stage], 1, [sample], train=False)
         finally:
-            for module, training in modes:
-                module.training = training
             for chunk in chunks:
                 chunk.keep_values = False
         first = None
@@ -578,10 +575,7 @@ class PipelineModel(nn.Module):
             raise HybridPipeError(f"load_state_dict into stage {self.stage} of {type(self.module).__name__}: "
                                   f"missing keys {missing[:8]}, unexpected keys {unexpected[:8]} (is it another "
                                   "model's state_dict?); pass strict=False to load what matches")
-        with torch.no_grad():
-            for key, target in own.items():
-                if key in state_dict:
-                    target.copy_(state_dict[key])
+        split_module.load_weights(own, state_dict)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def train(self, mode: bool = True) -> "PipelineModel":

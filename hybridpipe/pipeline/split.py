@@ -318,21 +318,30 @@ def find_units(root: nn.Module, args: tuple, kwargs: dict) -> list[nn.Module]:
     return units
 
 
-def trace_module(root: nn.Module, inputs: Any) -> tuple[list[nn.Module], Trace]:
-    """The units of ``root`` and the provenance trace of one forward on ``inputs`` (one micro-batch)."""
-    args, kwargs = as_call(inputs)
+@contextlib.contextmanager
+def eval_mode(root: nn.Module) -> Iterator[None]:
+    """``root`` in eval mode (dropout off, BatchNorm's running statistics used) for the block; every module's own
+    mode restored afterwards."""
     modes = [(m, m.training) for m in root.modules()]
-    root.eval()  # deterministic (dropout off), so that verify can compare outputs
+    root.eval()
     try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def trace_module(root: nn.Module, inputs: Any) -> tuple[list[nn.Module], Trace]:
+    """The units of ``root`` and the provenance trace of one forward on ``inputs`` (one micro-batch), in eval
+    mode: deterministic (dropout off), so that verify can compare outputs."""
+    args, kwargs = as_call(inputs)
+    with eval_mode(root):
         units = find_units(root, args, kwargs)
         if not units:
             raise SplitError(f"{type(root).__name__} calls no submodule with parameters on the sample: there is "
                              "nothing to split (pass an nn.Sequential or a list of layers instead)")
         with torch.no_grad():
             trace = _Tracer(root, {id(m) for m in units}).run(args, kwargs)
-    finally:
-        for module, training in modes:
-            module.training = training
     return units, trace
 
 
@@ -691,19 +700,15 @@ def profile_calls(root: nn.Module, units: list[nn.Module], trace: Trace, inputs:
         if id(module) in unit_ids:
             handles.append(module.register_forward_pre_hook(pre))
             handles.append(module.register_forward_hook(post))
-    modes = [(m, m.training) for m in root.modules()]
     buffers = [(b, b.clone()) for b in root.buffers()]  # eval mode leaves them alone; restored all the same
-    root.eval()
     try:
-        with torch.no_grad():
+        with eval_mode(root), torch.no_grad():
             for _ in range(repeats + 1):
                 state["index"] = 0
                 root(*args, **kwargs)
     finally:
         for handle in handles:
             handle.remove()
-        for module, training in modes:
-            module.training = training
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
