@@ -13,6 +13,8 @@ Usage:
         [--global-batch 64] [--plot scaling.png] [--markdown]           # the best plan at 8 ... 1024 GPUs
     python -m hybridpipe.plan --simulate --profile profile.json --global-batch 256 --gpus-per-host 8 ...
     hybridpipe-run -np 8 python -m hybridpipe.plan calibrate --output cluster.json
+    python -m hybridpipe.plan --pipedream-profile ../shared/pipedream/vgg16.json --servers 4 --gpus-per-server 4 \\
+        --intra-bandwidth 10e9 --inter-bandwidth 1.25e9 [--global-batch 1024] [--json]   # PipeDream's "15-1"
 
 ``MODULE:FACTORY`` names a function (``MODULE`` importable, or a path to a .py file) that returns
 ``(layers, loss_fn, sample)``: the layers as ``hp.PipelineModel`` takes them (built modules) or any
@@ -236,6 +238,38 @@ def simulate_main(args: argparse.Namespace, model_profile: Profile, memory: floa
     return "\n".join(lines)
 
 
+def pipedream_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``--pipedream-profile``: PipeDream's per-stage replica counts for one of its published profiles."""
+    from hybridpipe.plan import pipedream
+
+    missing = [flag for flag, value in (("--servers", args.servers), ("--gpus-per-server", args.gpus_per_server),
+                                        ("--intra-bandwidth", args.intra_bandwidth),
+                                        ("--inter-bandwidth", args.inter_bandwidth)) if value is None]
+    if missing:
+        parser.error(f"--pipedream-profile needs {', '.join(missing)} (e.g. --servers 4 --gpus-per-server 4 "
+                     "--intra-bandwidth 10e9 --inter-bandwidth 1.25e9 for the paper's Cluster-A, bytes per second)")
+    others = [flag for flag, given in (("MODULE:FACTORY", args.factory), ("--profile", args.profile),
+                                       ("--model", args.model), ("--ranks", args.ranks is not None),
+                                       ("--simulate", args.simulate)) if given]
+    if others:
+        parser.error(f"--pipedream-profile plans from its own profile and cluster flags; leave out {', '.join(others)}")
+    try:
+        profile = pipedream.PipeDreamProfile.load(args.pipedream_profile)
+        hierarchy = pipedream.Hierarchy(args.servers, args.gpus_per_server, args.intra_bandwidth, args.inter_bandwidth)
+        best = pipedream.optimize(profile, hierarchy, args.global_batch, overlap=args.overlap,
+                                  tolerance=args.tolerance, straight=args.straight)
+    except HybridPipeError as error:
+        print(f"hybridpipe.plan: {type(error).__name__}: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        import json
+
+        print(json.dumps(best.to_json()))
+    else:
+        print(pipedream.explain(best))
+    return 0
+
+
 def zero_levels(choice: str) -> tuple[int, ...]:
     """``--zero``: "auto" lets the planner choose among 0, 1 and 2; a level forces it where there are replicas."""
     return ZERO_LEVELS if choice == "auto" else (int(choice),)
@@ -296,7 +330,30 @@ def main(argv: list[str] | None = None) -> int:
                         help="hp.PipelineModel(precision=): bf16 / fp16 halve the activations stored and sent "
                              "(default: the profile's, fp32 when measured; --model: the model's)")
     parser.add_argument("--explain", action="store_true", help="list the next best candidates and why they lost")
+    pipedream = parser.add_argument_group(
+        "PipeDream's profiles", "--pipedream-profile FILE.json (shared/pipedream/): PipeDream's optimizer with a replica "
+        "count per stage (\"15-1\") on servers of GPUs; with --servers, --gpus-per-server, --intra-bandwidth, "
+        "--inter-bandwidth (bytes per second) and optionally --global-batch (default: the profiled batch per GPU)")
+    pipedream.add_argument("--pipedream-profile", metavar="FILE.json", help="a PipeDream profile (JSON)")
+    pipedream.add_argument("--servers", type=int, help="servers in the cluster")
+    pipedream.add_argument("--gpus-per-server", type=int, help="GPUs in each server")
+    pipedream.add_argument("--intra-bandwidth", type=rate, metavar="BYTES_PER_S",
+                           help="between GPUs of a server, bytes per second (e.g. 10e9)")
+    pipedream.add_argument("--inter-bandwidth", type=rate, metavar="BYTES_PER_S",
+                           help="between servers, bytes per second (e.g. 1.25e9 for 10 Gbit/s)")
+    pipedream.add_argument("--json", action="store_true", help="print the plan as one line of JSON")
+    pipedream.add_argument("--overlap", choices=["none", "layer", "stage"], default="none",
+                           help="a replicated stage's allreduce against its compute: none (added, as PipeDream's "
+                                "optimizer; default), layer (each layer's hides behind its own compute), stage "
+                                "(max of the two, the paper's formula)")
+    pipedream.add_argument("--tolerance", type=float, default=0.10,
+                           help="plans within this fraction of the fastest count as equal; the one sending the "
+                                "fewest bytes wins (default 0.10)")
+    pipedream.add_argument("--straight", action="store_true", help="no stage replicated (PipeDream's "
+                                                                    "--straight_pipeline)")
     args = parser.parse_args(argv)
+    if args.pipedream_profile:
+        return pipedream_main(args, parser)
     sources = [name for name, given in (("MODULE:FACTORY", args.factory), ("--profile", args.profile),
                                         ("--model", args.model)) if given]
     if len(sources) != 1:
