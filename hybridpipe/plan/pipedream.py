@@ -610,7 +610,8 @@ def explain(plan: PipeDreamPlan) -> str:
     profile, hierarchy = plan.profile, plan.hierarchy
     batch = ("the profile's" if plan.minibatch == profile.batch
              else f"global batch {plan.minibatch * hierarchy.workers:g} / {hierarchy.workers}")
-    lines = [f"PipeDream configuration for {profile.model} ({profile.path}) on {hierarchy.servers} servers × "
+    servers = f"{hierarchy.servers} server{'s' if hierarchy.servers > 1 else ''}"
+    lines = [f"PipeDream configuration for {profile.model} ({profile.path}) on {servers} × "
              f"{hierarchy.gpus_per_server} GPUs: intra-server {hierarchy.intra_bandwidth / 1e9:g} GB/s, inter-server "
              f"{hierarchy.inter_bandwidth / 1e9:g} GB/s; minibatch {plan.minibatch:g} samples per worker ({batch})",
              "",
@@ -629,11 +630,15 @@ def explain(plan: PipeDreamPlan) -> str:
                  f"{plan.minibatch / plan.seconds:,.0f} samples/s")
     data_parallel = plan.data_parallel
     link = "intra-server" if data_parallel.servers == 1 else "inter-server"
-    lines += ["", f"data parallelism ({hierarchy.workers}): each worker computes "
-                  f"{_milliseconds(data_parallel.compute_seconds)} per minibatch, then all {hierarchy.workers} allreduce "
-                  f"{_megabytes(data_parallel.parameter_bytes)} over an {link} ring in "
-                  f"{_milliseconds(data_parallel.allreduce_seconds)} -> {_milliseconds(data_parallel.seconds)} per "
-                  f"minibatch, {plan.minibatch / data_parallel.seconds:,.0f} samples/s"]
+    if len(plan.stages) == 1:
+        lines.append(f"  (this is data parallelism: no pipeline is predicted more than {plan.tolerance:.0%} faster, "
+                     "and none within that sends fewer bytes)")
+    else:
+        lines += ["", f"data parallelism ({hierarchy.workers}): each worker computes "
+                      f"{_milliseconds(data_parallel.compute_seconds)} per minibatch, then all {hierarchy.workers} allreduce "
+                      f"{_megabytes(data_parallel.parameter_bytes)} over an {link} ring in "
+                      f"{_milliseconds(data_parallel.allreduce_seconds)} -> {_milliseconds(data_parallel.seconds)} per "
+                      f"minibatch, {plan.minibatch / data_parallel.seconds:,.0f} samples/s"]
     if len(plan.stages) > 1:
         reduced = sum(stage.allreduce_bytes for stage in plan.stages)
         cuts = sum(stage.input_bytes for stage in plan.stages)
