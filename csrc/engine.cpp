@@ -37,6 +37,7 @@ constexpr uint64_t kWantStop = 1ull << 2;    // AND: every rank asked to stop an
 constexpr uint64_t kIdle = 1ull << 3;        // AND: nobody has anything pending
 constexpr uint64_t kNotExpired = 1ull << 4;  // AND: nothing waited past stall_shutdown_seconds
 constexpr uint64_t kNoRegistration = 1ull << 5;  // AND (group 0 only): no rank has a group waiting to join
+constexpr uint64_t kNobodyLeft = 1ull << 6;  // AND: no rank has asked to stop with nothing pending (hp.shutdown)
 
 constexpr int kProbeTag = 1;   // on health_: "is your communication thread alive?" (round, 0)
 constexpr int kAnswerTag = 2;  // on health_: "yes" (round, seconds my thread has been blocked)
@@ -910,6 +911,7 @@ void Engine::start_negotiation(Group& group) {
   uint64_t flags = kAllCached | kNotStalled | kNotExpired;
   const auto expiry = std::chrono::duration<double>(options_.stall_shutdown_seconds);
   if (group.snapshot.empty()) flags |= kIdle | (stop ? kWantStop : 0);
+  if (!(group.snapshot.empty() && stop)) flags |= kNobodyLeft;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (&group != groups_[0].get() || registrations_pending_ == 0) flags |= kNoRegistration;
@@ -985,8 +987,48 @@ void Engine::finish_negotiation(Group& group) {
     std::lock_guard<std::mutex> lock(mutex_);
     group.finished = true;
   }
+  // Some ranks have left (hp.shutdown, nothing pending: they will submit nothing more) while others wait:
+  // what those wait for can never complete, so it fails now instead of hanging. Every rank sees the same
+  // flags, so all ranks of the group gather who left in the same cycle.
+  if (!(flags & kNobodyLeft) && !(flags & kWantStop) && !(flags & kIdle)) fail_departed(group);
   group.idle_cycles = (flags & kIdle) ? group.idle_cycles + 1 : 0;
   group.snapshot.clear();
+}
+
+void Engine::fail_departed(Group& group) {
+  int mine;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    mine = stop_requested_ && group.pending.empty() ? 1 : 0;
+  }
+  std::vector<int> left(group.size, 0);
+  HP_MPI(MPI_Allgather, group.comm, &mine, 1, MPI_INT, left.data(), 1, MPI_INT, group.comm);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (group.pending.empty()) return;
+  std::string ranks, names;
+  int count = 0;
+  for (int r = 0; r < group.size; ++r) {
+    if (!left[r]) continue;
+    ranks += (ranks.empty() ? "" : ", ") + std::to_string(group.members.empty() ? r : group.members[r]);
+    ++count;
+  }
+  size_t listed = 0;
+  for (const Entry& entry : group.pending) {
+    if (listed++ == 3) {
+      names += ", ...";
+      break;
+    }
+    names += (names.empty() ? "'" : ", '") + entry.name + "'";
+  }
+  const int me = group.members.empty() ? group.rank : group.members[group.rank];
+  fail_pending(group,
+               std::string(count == 1 ? "rank " : "ranks ") + ranks + (count == 1 ? " has" : " have") +
+                   " shut down (hp.shutdown) while this rank (rank " + std::to_string(me) + ") waits for " +
+                   (count == 1 ? "it" : "them") + " in a collective on group '" + group.label + "' (" + names +
+                   "): the ranks made different numbers of collective calls. Usually uneven data: one rank ran out "
+                   "of batches first; give every rank the same number of batches (drop_last=True, or a sampler "
+                   "that pads), or call hp.join() on a rank that runs out of data",
+               ErrorKind::Departed);
 }
 
 std::string Engine::slow_round(Group& group, std::vector<Entry>& ready, std::vector<Failure>& failed) {

@@ -115,7 +115,10 @@ using DeviceAllreduce = std::function<bool(void* data, size_t count, DType dtype
 // Refused: another rank's arguments failed its own checks (it raised them itself; see submit_refusal).
 // Joined: a call (submit_call) on a group where some ranks have joined (submit_join): only allreduces
 // of submit() complete with the joined ranks' zeros.
-enum class ErrorKind : int { None = 0, Mismatch = 1, Stalled = 2, Stopped = 3, Failed = 4, Refused = 5, Joined = 6 };
+// Departed: a rank of the group has shut down (hp.shutdown) while this rank waits for it in a collective.
+enum class ErrorKind : int {
+  None = 0, Mismatch = 1, Stalled = 2, Stopped = 3, Failed = 4, Refused = 5, Joined = 6, Departed = 7
+};
 
 class Engine {
  public:
@@ -288,6 +291,8 @@ class Engine {
   // gathers them, and the groups all of whose ranks asked become active.
   void activate_registrations(Group& coordinator);
   void fail_pending(Group& group, const std::string& error, ErrorKind kind);  // with mutex_ held
+  // Some rank of the group left while this one has pending work: fails it (collective over the group).
+  void fail_departed(Group& group);
   // What the thread is blocked on (engine thread only), for the absent-rank reports: past
   // stall_check_seconds it asks the group's other ranks (a probe on health_) whether their threads
   // are alive, and names those that did not answer; past the timeout it aborts with that list.

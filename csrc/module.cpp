@@ -421,7 +421,8 @@ PYBIND11_MODULE(_C, m) {
       .value("Stopped", ErrorKind::Stopped)
       .value("Failed", ErrorKind::Failed)
       .value("Refused", ErrorKind::Refused)
-      .value("Joined", ErrorKind::Joined);
+      .value("Joined", ErrorKind::Joined)
+      .value("Departed", ErrorKind::Departed);
 
   py::class_<Engine>(m, "Engine", "The background negotiation + fusion + ring-allreduce thread.")
       .def(py::init<const EngineOptions&>(), py::arg("options"))

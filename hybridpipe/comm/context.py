@@ -30,7 +30,14 @@ from typing import Any, Callable, Iterator, TypeVar
 from .. import _trace
 from .._ext import core
 from ..config import Config
-from ..errors import DuplicateNameError, HorovodInternalError, HybridPipeError, MismatchError, NotInitializedError
+from ..errors import (
+    DuplicateNameError,
+    HorovodInternalError,
+    HybridPipeError,
+    MismatchError,
+    NotInitializedError,
+    PeerShutDownError,
+)
 from . import buffers
 from .departures import Departures
 from .process_sets import ProcessSet, Registry
@@ -410,6 +417,8 @@ class Handle:
                         raise MismatchError(f"hp.{self._function}: {error}")
                     if kind == core().ErrorKind.Joined:
                         raise RanksJoined(f"hp.{self._function}: {error}")
+                    if kind == core().ErrorKind.Departed:
+                        raise PeerShutDownError(f"hp.{self._function}: {error}")
                     raise HorovodInternalError(f"hp.{self._function}: {error}")
                 self._result = self._finish()
             except BaseException as failure:  # raised again by every later wait()
