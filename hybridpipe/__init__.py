@@ -84,6 +84,7 @@ from .errors import (
     HybridPipeError,
     MismatchError,
     MPIError,
+    NonFiniteError,
     NotInitializedError,
     NotSupportedError,
     PeerShutDownError,
@@ -147,5 +148,5 @@ __all__ = [
     # errors
     "HybridPipeError", "HorovodInternalError", "NotSupportedError", "NotInitializedError", "GridError",
     "DuplicateNameError",
-    "MismatchError", "MPIError", "BuildError", "PeerShutDownError", "WaitTimeoutError",
+    "MismatchError", "MPIError", "BuildError", "PeerShutDownError", "WaitTimeoutError", "NonFiniteError",
 ]

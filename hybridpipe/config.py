@@ -127,6 +127,9 @@ class Config:
         check_batches: the stages of a pipeline check, at each train_step / predict, that they were given
             the same batch (shapes and a fingerprint, carried by the first activation message; see
             hybridpipe/pipeline/batch_check.py) (HYBRIDPIPE_CHECK_BATCHES, default 1).
+        check_finite: each stage checks its inputs, every layer's output and the loss for NaN / inf and raises
+            NonFiniteError naming where they first appear (hybridpipe/pipeline/finite.py; a debugging aid that
+            costs a check per layer call) (HYBRIDPIPE_CHECK_FINITE, default 0).
         stall_shutdown_seconds: 0 (off), or stop the engine of a group, failing its pending
             handles on every rank, when a tensor has waited this long for some rank
             (HYBRIDPIPE_STALL_SHUTDOWN_SECONDS).
@@ -200,6 +203,7 @@ class Config:
     cuda_aware_mpi: str = "auto"
     gpu_allreduce: str = "auto"
     check_batches: bool = True
+    check_finite: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Config":
@@ -236,6 +240,7 @@ class Config:
             ("HYBRIDPIPE_CUDA_AWARE_MPI", "cuda_aware_mpi", _auto_switch),
             ("HYBRIDPIPE_GPU_ALLREDUCE", "gpu_allreduce", _gpu_allreduce),
             ("HYBRIDPIPE_CHECK_BATCHES", "check_batches", _switch),
+            ("HYBRIDPIPE_CHECK_FINITE", "check_finite", _switch),
         ):
             if env.get(name, "").strip():
                 values[field] = parse(env[name], name)

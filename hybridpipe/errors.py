@@ -20,6 +20,7 @@ __all__ = [
     "ScheduleError",
     "PeerShutDownError",
     "WaitTimeoutError",
+    "NonFiniteError",
 ]
 
 
@@ -78,9 +79,9 @@ class ScheduleError(HybridPipeError, ValueError):
 
 
 class PeerShutDownError(HybridPipeError):
-    """A rank this rank waits for (a pipeline neighbour's activation or gradient) has called
-    ``hp.shutdown()``: it will never send what this rank waits for. Usually the ranks made different
-    numbers of ``train_step`` calls (uneven data per rank).
+    """A rank this rank waits for (a pipeline neighbour's activation or gradient, or a collective) has called
+    ``hp.shutdown()`` or ended with an exception: it will never send what this rank waits for. Usually the
+    ranks made different numbers of ``train_step`` (or collective) calls: uneven data per rank.
 
     Attributes:
         source: the rank that left, in the communicator of the wait.
@@ -93,3 +94,8 @@ class WaitTimeoutError(HybridPipeError, TimeoutError):
     """A wait for another rank (a pipeline transfer) lasted longer than ``HYBRIDPIPE_TIMEOUT_SECONDS``."""
 
     source: int | None = None
+
+
+class NonFiniteError(HybridPipeError, FloatingPointError):
+    """NaN or inf appeared in a training step (with ``HYBRIDPIPE_CHECK_FINITE=1``): the message names the stage,
+    micro-batch and the first layer (or the batch's inputs, or the loss) where it appeared."""

@@ -32,19 +32,20 @@ def _tensor_print(tensor: torch.Tensor) -> tuple:
     if flat.numel() == 0 or tensor.is_complex():
         return (tuple(tensor.shape), str(tensor.dtype))
     step = max(flat.numel() // _SAMPLES, 1)
-    picked = flat[::step][:_SAMPLES].to(torch.float64)
+    # NaN != NaN (and inf - inf is NaN): non-finite samples get stand-in values so equal batches compare equal
+    picked = torch.nan_to_num(flat[::step][:_SAMPLES].to(torch.float64), nan=0.5, posinf=0.25, neginf=-0.25)
     weights = torch.arange(1, picked.numel() + 1, dtype=torch.float64, device=picked.device)
     return (tuple(tensor.shape), str(tensor.dtype), float(picked.sum()), float((picked * weights).sum()))
 
 
 def fingerprint(inputs: Any, targets: Any = None) -> tuple:
     """Shapes, dtypes and two sampled sums of every tensor of ``inputs`` and ``targets`` (other leaves as
-    their repr), as a small tuple of numbers and strings."""
+    their repr), as a small tuple of numbers and strings, and the call (``predict``: no targets)."""
     def walk(value: Any) -> tuple:
         return tuple(_tensor_print(leaf) if isinstance(leaf, torch.Tensor) else repr(leaf)[:40]
                      for leaf in pytree.tree_leaves(value))
 
-    return (walk(inputs), walk(targets))
+    return (walk(inputs), walk(targets), "predict" if targets is None else "train_step")
 
 
 def _describe(part: tuple) -> str:
@@ -56,6 +57,10 @@ def compare(mine: tuple, theirs: tuple, stage: int, sender: int) -> None:
     """Raises MismatchError when ``theirs`` (chunk ``sender``'s fingerprint) differs from ``mine``."""
     if mine == theirs:
         return
+    if mine[2:] != theirs[2:]:
+        raise MismatchError(f"stage {stage} called {mine[2]} while stage {sender} of its pipeline called {theirs[2]} "
+                            "(the same step): every stage of a pipeline must make the same train_step / predict calls "
+                            "in the same order (e.g. evaluate on every rank, not on rank 0 only)")
     which = []
     for name, a, b in (("inputs", mine[0], theirs[0]), ("targets", mine[1], theirs[1])):
         if a != b:

@@ -44,7 +44,7 @@ from hybridpipe.pipeline.memory import report as memory_report
 from hybridpipe.comm.collectives import Average, grouped_allreduce_
 from hybridpipe.comm.device import compute_device
 from hybridpipe.comm.engine import call
-from hybridpipe.errors import HybridPipeError, MismatchError, PartitionError
+from hybridpipe.errors import HybridPipeError, MismatchError, NotInitializedError, PartitionError
 from hybridpipe.pipeline import microbatch
 from hybridpipe.pipeline.batch_check import fingerprint
 from hybridpipe.pipeline.layers import LayerSpec, LazyLayers, TiedLayerSpec, build_layer, shapes_only
@@ -218,6 +218,8 @@ class PipelineModel(nn.Module):
         self.precision = precision
         #: check at each train_step / predict that the stages were given the same batch (HYBRIDPIPE_CHECK_BATCHES)
         self.check_batches = runtime.config().check_batches
+        #: NaN / inf raise NonFiniteError naming the stage and layer where they first appear (HYBRIDPIPE_CHECK_FINITE)
+        self.check_finite = runtime.config().check_finite
         self.grid = grid
         self.stage = grid.stage
         self.stages = stages
@@ -646,8 +648,10 @@ class PipelineModel(nn.Module):
         Every rank of a pipeline passes the same ``inputs`` and ``targets`` (stage 0 uses the inputs,
         the last stage the targets).
         """
+        self._check_runtime("train_step")
         if self.loss_fn is None:
             raise HybridPipeError("train_step needs a loss: build the PipelineModel with loss_fn=...")
+        self._executor.check_finite = self.check_finite
         chunks = microbatch.split(inputs, self.micro_batches)
         target_chunks = microbatch.split(targets, self.micro_batches)
         self._executor.batch_print = fingerprint(inputs, targets) if self.check_batches and not self.asynchronous \
@@ -679,6 +683,14 @@ class PipelineModel(nn.Module):
                                     self.loss_fn, dict(zip(ids, weights)), self.checkpoint, train=True)
         self.last_step = result
         return sum(result.losses.values()) / len(result.losses) if result.losses else None
+
+    def _check_runtime(self, function: str) -> None:
+        """The model's stage talks over the communicators of the hp.init it was built under: refuse once they are
+        gone (a raw MPI error or a silent run on freed communicators otherwise)."""
+        if not runtime.is_initialized() or runtime.grid() is not self.grid:
+            raise NotInitializedError(f"PipelineModel.{function}: the hp.init() this model was built under has ended "
+                                      "(hp.shutdown() was called); call hp.shutdown() only after the last train_step "
+                                      "/ predict, or build the model again after a new hp.init()")
 
     def flush(self) -> None:
         """Asynchronous schedules: runs the backwards and updates of every micro-batch in flight, so
@@ -738,7 +750,9 @@ class PipelineModel(nn.Module):
         """Forward-only pipeline run; returns the full output (merged micro-batches) on every rank
         of the pipeline. Asynchronous schedules use the current weights (``flush()`` first to
         include every micro-batch given so far)."""
+        self._check_runtime("predict")
         chunks = microbatch.split(inputs, self.micro_batches)
+        self._executor.check_finite = self.check_finite
         self._executor.batch_print = fingerprint(inputs) if self.check_batches else None
         result = self._executor.run(self._schedule("forward"), self.micro_batches, chunks, train=False)
         self.last_step = result

@@ -59,6 +59,7 @@ from torch import nn
 from hybridpipe import _trace as timeline
 from hybridpipe.comm import p2p
 from hybridpipe.errors import HybridPipeError
+from hybridpipe.pipeline import finite
 from hybridpipe.pipeline.asynchronous import WeightStash
 from hybridpipe.pipeline.batch_check import compare
 from hybridpipe.pipeline.inplace import first_layer_works_in_place
@@ -236,6 +237,7 @@ class StageExecutor:
         # batch_check.fingerprint of this run's batch, carried by each chunk's first activation message (None: off)
         self.batch_print: tuple | None = None
         self._print_pending: set[int] = set()  # chunks whose first activation message of the run is not sent yet
+        self.check_finite = False  # NaN / inf in inputs, layer outputs and losses raise (pipeline/finite.py)
         self.autocast: torch.dtype | None = None  # mixed precision: forwards (and losses) under torch.autocast
         self.loss_scale = 1.0  # fp16: each loss is multiplied by it before its backward (the scaler's scale)
         self.skips: dict[str, SkipRoute] = {}  # skip connections (hybridpipe.pipeline.skip), see use_skips
@@ -527,7 +529,7 @@ class StageExecutor:
             forward = chunk.stash.call(stored.weights)
         if not step.train:
             with torch.no_grad():
-                y = self._call(forward, x, chunk, stored)
+                y = self._call(forward, x, chunk, stored, m)
             if chunk.last:
                 step.outputs[m] = y
             else:
@@ -536,7 +538,7 @@ class StageExecutor:
         elif (chunk.stage, m) in step.keep_graph:
             chunk.recording = stored.calls if chunk.splittable else None
             try:
-                y = self._call(forward, x, chunk, stored)
+                y = self._call(forward, x, chunk, stored, m)
             finally:
                 chunk.recording = None
             if chunk.last:
@@ -549,7 +551,7 @@ class StageExecutor:
         else:
             stored.recompute, stored.saved = True, _RngState(self.device)
             with torch.no_grad():
-                y = self._call(forward, x, chunk, stored)
+                y = self._call(forward, x, chunk, stored, m)
                 if chunk.last:
                     stored.loss = float(self._loss(step, y, m))
             if not chunk.last:
@@ -570,19 +572,25 @@ class StageExecutor:
         timeline.record(f"F{m}", "forward", "compute", start, time.monotonic(),
                         {"stage": chunk.stage, "micro_batch": m})
 
-    def _call(self, forward: Callable[[Any], Any], x: Any, chunk: _Chunk, stored: _Stored) -> Any:
+    def _call(self, forward: Callable[[Any], Any], x: Any, chunk: _Chunk, stored: _Stored, m: int) -> Any:
         """A chunk's forward, under autocast when the pipeline runs in mixed precision, with its skip
-        connections: ``hp.pop`` finds ``stored.skips_in``, ``hp.stash`` for a later chunk fills ``stored.skips_out``."""
+        connections: ``hp.pop`` finds ``stored.skips_in``, ``hp.stash`` for a later chunk fills ``stored.skips_out``.
+        With ``check_finite``, NaN / inf in the inputs or a layer's output raise here, before anything is sent."""
         context = SkipContext(routes=self.skips, chunk=chunk.stage, incoming=stored.skips_in)
         if chunk.copies_input:
             x = map_tensors(x, torch.clone)
+        if self.check_finite and chunk.first:
+            finite.check_inputs(x, chunk.stage, m)
         arguments = (x, stored.batch) if chunk.takes_batch else (x,)
-        with skip_context(context):
+        watch = finite.watching(chunk.module) if self.check_finite else contextlib.nullcontext([])
+        with skip_context(context), watch as found:
             if self.autocast is None:
                 y = forward(*arguments)
             else:
                 with torch.autocast(self.device.type, dtype=self.autocast):
                     y = forward(*arguments)
+        if self.check_finite:
+            finite.check_output(found, y, chunk.stage, m)
         missing = [r.name for r in self._skips_from(chunk.stage) if r.name not in context.outgoing]
         if missing:
             raise HybridPipeError(f"chunk {chunk.stage}'s forward did not hp.stash {missing} (declared by "
@@ -593,9 +601,13 @@ class StageExecutor:
     def _loss(self, step: _Step, y: Any, m: int) -> torch.Tensor:
         target = self._move(step.targets[m])
         if self.autocast is None:
-            return step.loss_fn(y, target)
-        with torch.autocast(self.device.type, dtype=self.autocast):
-            return step.loss_fn(y, target)
+            loss = step.loss_fn(y, target)
+        else:
+            with torch.autocast(self.device.type, dtype=self.autocast):
+                loss = step.loss_fn(y, target)
+        if self.check_finite:
+            finite.check_loss(loss, self.total_chunks - 1, m)
+        return loss
 
     def _boundary(self, y: Any) -> Any:
         """A chunk's output as it leaves for the next chunk: in mixed precision, float32 tensors in the
@@ -617,7 +629,7 @@ class StageExecutor:
         try:
             with timeline.span(f"R{m}", "recompute", stage=chunk.stage, micro_batch=m), stored.saved.replay(), \
                     torch.enable_grad():
-                y = self._call(forward, stored.x, chunk, stored)
+                y = self._call(forward, stored.x, chunk, stored, m)
                 return self._loss(step, y, m) * (step.weights[m] * self.loss_scale) if chunk.last else self._boundary(y)
         finally:
             chunk.recording = None
