@@ -3,6 +3,9 @@ uncaught exception on any rank aborts the whole job with that rank's traceback.
 
 Without it, a rank that raises exits while the others wait forever in a collective. This is what
 ``python -m mpi4py`` does; use it in job scripts: ``mpirun -n 8 python -m hybridpipe train.py``.
+Before the abort, a rank that runs hybridpipe tells the other stages of its pipeline that it failed (a
+departure notice, as ``hp.shutdown()`` sends) and gives them a moment: a stage waiting for its activation
+or gradient then raises ``PeerShutDownError`` naming the failed rank, instead of dying with no word.
 """
 
 from __future__ import annotations
@@ -10,7 +13,12 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import time
 import traceback
+
+#: After its departure notice, how long a failed rank lets the others report it before the abort (their
+#: pipeline waits raise DEPARTURE_GRACE_SECONDS, 0.5 s, after the notice).
+NOTICE_GRACE_SECONDS = 2.0
 
 
 def _rank() -> str:
@@ -18,6 +26,19 @@ def _rank() -> str:
         if name in os.environ:
             return os.environ[name]
     return "?"
+
+
+def _tell_the_others() -> None:
+    """Sends the departure notice of a failed rank, if hybridpipe runs here; never raises."""
+    context = sys.modules.get("hybridpipe.comm.context")
+    running = context.current_or_none() if context is not None else None
+    if running is None:
+        return
+    try:
+        running.departures.announce(failed=True)
+    except Exception:  # the abort follows anyway
+        return
+    time.sleep(NOTICE_GRACE_SECONDS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         text = "".join(f"[rank {rank}] {line}\n" for line in traceback.format_exc().splitlines())
         sys.stderr.write(f"[rank {rank}] uncaught exception; aborting every rank of the job\n{text}")
         sys.stderr.flush()
+        _tell_the_others()
         if "mpi4py.MPI" in sys.modules:
             sys.modules["mpi4py.MPI"].COMM_WORLD.Abort(1)
         os._exit(1)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import os
 import sys
@@ -63,10 +64,22 @@ class CheckpointError(HybridPipeError):
 
 def _atomic_save(obj: Any, path: Path) -> None:
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(obj, temporary)
-    with open(temporary, "rb") as handle:
-        os.fsync(handle.fileno())
+    try:
+        torch.save(obj, temporary)
+        with open(temporary, "rb") as handle:
+            os.fsync(handle.fileno())
+    except BaseException:
+        temporary.unlink(missing_ok=True)  # a partial file would only take the space a retry needs
+        raise
     os.replace(temporary, path)
+
+
+def _write_failed(exc: BaseException) -> str:
+    """Why a checkpoint file could not be written, and what to do."""
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        text += " (the disk is full: free space or save to another directory)"
+    return text + "; nothing of the earlier checkpoints was touched (`latest` still names the last complete one)"
 
 
 def _atomic_write_text(text: str, path: Path) -> None:
@@ -174,8 +187,7 @@ def save_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
             _atomic_save({"format": FORMAT, "model": {}, "zero": optimizer.sharded_state_by_name(_names(model))},
                          target / shard_file)
         except Exception as exc:  # every rank must learn of it
-            error = f"stage {stage} replica {grid.replica} could not write its optimizer shard: " \
-                    f"{type(exc).__name__}: {exc}"
+            error = f"stage {stage} replica {grid.replica} could not write its optimizer shard: {_write_failed(exc)}"
     if writer and not error:
         try:
             payload = {
@@ -193,7 +205,7 @@ def save_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
                 payload["scaler"] = scaler.state_dict()
             _atomic_save(payload, target / f"stage-{stage}.pt")
         except Exception as exc:  # every rank must learn of it
-            error = f"stage {stage} could not write its file: {type(exc).__name__}: {exc}"
+            error = f"stage {stage} could not write its file: {_write_failed(exc)}"
     errors = [e for e in call(None, "save_checkpoint", lambda: grid.world_comm.allgather(error)) if e]
     if errors:
         raise CheckpointError("; ".join(errors))
@@ -242,7 +254,8 @@ def _read_file(path: Path) -> dict:
         raise CheckpointError(f"{path} is missing") from None
     except Exception as exc:
         raise CheckpointError(f"{path} is truncated or not a hybridpipe checkpoint file "
-                              f"({type(exc).__name__}: {exc})") from None
+                              f"({type(exc).__name__}: {exc}): load an earlier checkpoint (the directory's "
+                              "other step-* checkpoints), or save this one again") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT or "model" not in payload:
         raise CheckpointError(f"{path} is not a hybridpipe checkpoint file")
     return payload
@@ -328,7 +341,8 @@ def _prepare(checkpoint: Path, manifest: dict, payloads: list[dict], model: Any,
     wrong = [f"{key}: {tuple(tensors[key].shape)} saved, {tuple(own[key].shape)} here" for key in own
              if tuple(tensors[key].shape) != tuple(own[key].shape)]
     if wrong:
-        raise CheckpointError(f"{checkpoint}: shapes differ ({'; '.join(wrong[:3])})")
+        raise CheckpointError(f"{checkpoint}: shapes differ ({'; '.join(wrong[:3])}): it was saved from another "
+                              "model (other sizes); build the model it was saved from, or load another checkpoint")
     if optimizer is None:
         return {key: tensors[key] for key in own}, None
     if getattr(optimizer, "_hp_zero", 0) > 0:  # keeps its own pieces of the whole tensors (any saved D / level)

@@ -296,6 +296,31 @@ def count_slots(hosts: str | None = None, hostfile: str | None = None) -> int:
     return total
 
 
+def check_hosts_resolve(hosts: str | None = None, hostfile: str | None = None) -> None:
+    """Refuses a ``-H`` / ``--hostfile`` host whose name does not resolve (a typo, a node left out of DNS),
+    which mpirun would report as an ssh or daemon failure long after the start.
+
+    Raises:
+        HybridPipeError: naming the host, where it was given, and the fix.
+    """
+    import socket
+
+    named: list[tuple[str, str]] = []
+    if hosts:
+        named = [(entry.strip().partition(":")[0], "-H") for entry in hosts.split(",") if entry.strip()]
+    elif hostfile:
+        for number, raw in enumerate(Path(hostfile).read_text().splitlines(), 1):
+            line = raw.split("#", 1)[0].strip()
+            if line:
+                named.append((line.split()[0].partition(":")[0], f"{hostfile} line {number}"))
+    for name, where in named:
+        try:
+            socket.getaddrinfo(name, None)
+        except OSError as error:
+            raise HybridPipeError(f"host {name!r} ({where}) does not resolve ({error.strerror or error}): correct "
+                                  "the name, or remove the host and lower -np") from None
+
+
 def _rank_count(args: argparse.Namespace) -> tuple[int, list[str]]:
     """-np, or the hosts' slots rounded down to a multiple of --stages; and a warning if rounded."""
     if args.np is not None:
@@ -478,6 +503,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         print(shlex.join(command))
         return 0
+    try:
+        check_hosts_resolve(args.hosts, args.hostfile)
+    except HybridPipeError as error:
+        print(f"hybridpipe-run: error: {error}", file=sys.stderr)
+        return 2
     if args.restarts and not args.checkpoint_dir:
         print("hybridpipe-run: warning: --restarts without --checkpoint-dir: a restarted job starts from its "
               "beginning unless it finds its checkpoints itself", file=sys.stderr)

@@ -6,6 +6,10 @@ its own. Each rank keeps a receive for such notices posted (from any source) whi
 and every point-to-point wait (:mod:`hybridpipe.comm.p2p`) watches it beside its own requests: a wait
 for a rank that has left ends in :class:`~hybridpipe.errors.PeerShutDownError` instead of hanging.
 
+A notice says why the rank leaves: ``hp.shutdown()``, or an uncaught exception of a script run under
+``python -m hybridpipe`` (which tells the others before it aborts the job, so that they name the rank that
+failed rather than report a broken connection).
+
 Why a notice and not a timeout: the rank that left still answers the engine's negotiation (it waits
 there, in ``hp.shutdown``, for the others to stop too), so nothing looks stalled; only it knows it
 will send nothing more.
@@ -23,10 +27,13 @@ import numpy as np
 
 from .._ext import core
 
-__all__ = ["Departures", "NOTICE_TAG"]
+__all__ = ["Departures", "NOTICE_TAG", "SHUT_DOWN", "FAILED"]
 
 #: Tag of departure notices on the context's own communicator.
 NOTICE_TAG = 7
+#: How a rank left (:meth:`Departures.how_left`).
+SHUT_DOWN = "has shut down (hp.shutdown)"
+FAILED = "failed with an uncaught exception (python -m hybridpipe aborts the job; its traceback is in its output)"
 _ANNOUNCE_WAIT_SECONDS = 5.0  # a notice is a few bytes (sent eagerly): this only bounds a broken MPI
 
 
@@ -46,7 +53,7 @@ class Departures:
         # who may wait for me (and whom I may wait for) through the pipeline: my replica's other stages
         self.peers = [grid.rank_of(stage, grid.replica) for stage in range(grid.pipeline_stages)
                       if stage != grid.stage]
-        self.left: set[int] = set()  # world ranks whose notice came
+        self.left: dict[int, str] = {}  # world rank whose notice came -> why it left (see how_left)
         self._world_group = grid.world_comm.Get_group()
         self._world_ranks: dict[tuple[int, int], int] = {}
         self._buffer = np.full(1, -1, dtype=np.int64)
@@ -75,9 +82,18 @@ class Departures:
         """The notice receive completed: records who left and posts the next receive."""
         if self._request is None or not self._request.test():
             return
-        if self._buffer[0] >= 0:
-            self.left.add(int(self._buffer[0]))
+        self._record()
         self._post()
+
+    def _record(self) -> None:
+        if self._buffer[0] >= 0:
+            rank, failed = divmod(int(self._buffer[0]), 2)
+            self.left[rank] = FAILED if failed else SHUT_DOWN
+
+    def how_left(self, world_rank: int) -> str:
+        """How ``world_rank`` left, for a message: ``has shut down (hp.shutdown)`` or ``failed with an uncaught
+        exception ...``."""
+        return self.left.get(world_rank, SHUT_DOWN)
 
     def stage_of(self, world_rank: int) -> int:
         return world_rank % self.stages
@@ -97,9 +113,10 @@ class Departures:
         found = self._world_ranks[key]
         return None if found < 0 else found
 
-    def announce(self) -> None:
-        """Tells every peer that this rank leaves (hp.shutdown, before the engine stops)."""
-        mine = np.array([self.rank], dtype=np.int64)
+    def announce(self, failed: bool = False) -> None:
+        """Tells every peer that this rank leaves: hp.shutdown (before the engine stops), or ``failed``: an
+        uncaught exception (``python -m hybridpipe``, before it aborts the job)."""
+        mine = np.array([2 * self.rank + int(failed)], dtype=np.int64)
         sends = [core().isend(mine.ctypes.data, mine.nbytes, peer, NOTICE_TAG, self.comm.py2f(), mine)
                  for peer in self.peers]
         for send in sends:
@@ -109,8 +126,7 @@ class Departures:
         """Cancels the notice receive (while the engine still runs); a notice it already took is recorded."""
         if self._request is not None:
             self._request.cancel()
-            if self._buffer[0] >= 0:
-                self.left.add(int(self._buffer[0]))
+            self._record()
             self._request = None
 
     def close(self) -> None:

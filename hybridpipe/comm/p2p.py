@@ -49,6 +49,7 @@ from .._ext import core
 from . import context
 from . import device as devices
 from .buffers import host_contiguous, raw_bytes
+from .departures import FAILED
 
 __all__ = ["HEADER_CAPACITY", "ERROR_TAG", "RemoteError", "Send", "Receive", "send", "send_error",
            "receive_error", "forget"]
@@ -179,11 +180,12 @@ def _wait_any(requests: Sequence[Any], abort: Sequence[Receive], peer: int, comm
         now = time.monotonic()
         name, _ = _peer(comm_f, peer, running)
         if left_at is not None and now >= left_at + DEPARTURE_GRACE_SECONDS:
-            error = PeerShutDownError(
-                f"{name} has shut down (hp.shutdown) while {_this_rank(running)} waits for {what}: the ranks of a "
-                "pipeline must make the same train_step / predict calls before hp.shutdown (are the ranks fed "
-                "different numbers of batches? shard the data by grid.replica over grid.data_replicas, the same "
-                "batches for every stage of a pipeline, as README shows)")
+            how = departures.how_left(departures.world_rank(comm_f, peer))  # type: ignore[union-attr, arg-type]
+            fix = ("fix the error that rank reports" if how == FAILED else
+                   "the ranks of a pipeline must make the same train_step / predict calls before hp.shutdown (are "
+                   "the ranks fed different numbers of batches? shard the data by grid.replica over "
+                   "grid.data_replicas, the same batches for every stage of a pipeline, as README shows)")
+            error = PeerShutDownError(f"{name} {how} while {_this_rank(running)} waits for {what}: {fix}")
             error.source = peer
             raise error
         waited = now - started

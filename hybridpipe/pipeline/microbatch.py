@@ -60,10 +60,15 @@ def micro_batch_sizes(batch_size: int, micro_batches: int) -> list[int]:
     """
     if micro_batches < 1:
         raise HybridPipeError(f"micro_batches must be >= 1 (got {micro_batches})")
+    if batch_size == 0:
+        raise HybridPipeError(f"the batch is empty (0 samples; micro_batches {micro_batches}): the data loader "
+                              "gave an empty batch, e.g. a dataset shard with no samples; check the dataset's length "
+                              "and its sharding over grid.data_replicas")
     if batch_size < micro_batches:
         raise HybridPipeError(
             f"batch size {batch_size} is smaller than micro_batches {micro_batches} "
-            f"(use a batch of at least {micro_batches} samples or micro_batches <= {batch_size})"
+            f"(use a batch of at least {micro_batches} samples or micro_batches <= {batch_size}; a dataset shorter "
+            "than one batch, or a short last batch, gives such a batch: DataLoader(..., drop_last=True))"
         )
     base, extra = divmod(batch_size, micro_batches)
     return [base + 1 if index < extra else base for index in range(micro_batches)]
