@@ -1,82 +1,33 @@
 """A user's mistakes end in a clear error (or warning) on every rank, within a stated time — never a hang.
 
-One table, :data:`MISTAKES`: what the user did, and per rank the exception type and a pattern its message
-must match (the cause and the fix), what hybridpipe must write to stderr, and the time limit. The MPI cases
-run together in ONE launch (``hybridpipe-run -np 2 --stages 2 python tests/misuse/scenarios.py ...``, each
-case between its own hp.init and hp.shutdown); the local ones in this process. docs/troubleshooting.md lists
-the same mistakes as symptom → cause → fix.
+The table is :data:`mistakes.MISTAKES` (tests/misuse/mistakes.py): what the user did, and per rank the exception
+type and a pattern its message must match (the cause and the fix), what hybridpipe must write to stderr, and
+the time limit. The MPI cases run together in ONE launch (``hybridpipe-run -np 2 --stages 2 python -m hybridpipe
+tests/misuse/scenarios.py ...``, each case between its own hp.init and hp.shutdown); the local ones in this
+process. docs/troubleshooting.md is generated from the same table (test_troubleshooting_page_is_generated).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
 import subprocess
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
+from mistakes import MISTAKES, PAGE, Mistake, render
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[2]
-LAUNCH_TIMEOUT_S = 90  # the launch as a whole; on the code before issue 27 it hung here
-
-
-@dataclass(frozen=True)
-class Mistake:
-    """One mistake and what must follow it.
-
-    Attributes:
-        name: a case of tests/misuse/scenarios.py (``ranks`` > 0) or a function of this file (``ranks`` 0).
-        what: what the user did.
-        errors: per rank (0 for a local case), ``(exception type name or None, regex its message must match)``.
-        stderr: per rank, a regex what hybridpipe wrote to stderr (and warnings) must match.
-        seconds: the most each rank may take, from the start of the case to the error.
-        ranks: the launch's ranks (0: runs in this process).
-    """
-
-    name: str
-    what: str
-    errors: dict[int, tuple[str | None, str]]
-    stderr: dict[int, str] = field(default_factory=dict)
-    seconds: float = 30.0
-    ranks: int = 0
-
-
-SHUT_DOWN = r"rank 1 \(stage 1\) has shut down \(hp.shutdown\) while this rank \(rank 0, stage 0\) waits for .*" \
-            r"the ranks of a pipeline must make the same train_step / predict calls.*grid.replica"
-TIMED_OUT = r"this rank \(rank 0, stage 0\) waited \d+ s for .* from rank 1 \(stage 1\) " \
-            r"\(HYBRIDPIPE_TIMEOUT_SECONDS=1.5\): it is stopped, dead, or not making the same train_step.*raise " \
-            r"HYBRIDPIPE_TIMEOUT_SECONDS"
-
-MISTAKES = [
-    Mistake("stage_shut_down_mid_step", "the last stage goes on to hp.shutdown() while the other calls train_step",
-            errors={0: ("PeerShutDownError", SHUT_DOWN), 1: (None, "")}, seconds=10, ranks=2),
-    Mistake("stage_silent_past_timeout", "a stage makes no train_step call for longer than the timeout",
-            errors={0: ("WaitTimeoutError", TIMED_OUT), 1: (None, "")},
-            stderr={0: r"hybridpipe WARNING: this rank \(rank 0, stage 0, host \S+\) has waited 0.\d s for .* from rank 1 "
-                       r"\(stage 1\) \(HYBRIDPIPE_STALL_CHECK_SECONDS=0.5\)"},
-            seconds=10, ranks=2),
-    Mistake("stages_overridden", "hybridpipe-run --stages 2, but the script calls hp.init(pipeline_stages=1)",
-            errors={rank: (None, "") for rank in range(2)},
-            stderr={0: r"UserWarning: hp.init\(pipeline_stages=1\) overrides HYBRIDPIPE_PIPELINE_STAGES=2 \(what "
-                       r"`hybridpipe-run --stages 2` sets\).*call hp.init\(\) without pipeline_stages"},
-            seconds=10, ranks=2),
-    Mistake("unknown_schedule", "PipelineModel(schedule='1f1c'): a misspelt schedule",
-            errors={0: ("ScheduleError", r"unknown schedule '1f1c' \(use one of 'gpipe', '1f1b'")}),
-    Mistake("inplace_layer_profiled", "balance='time' / the planner profile a model with nn.ReLU(inplace=True) layers",
-            errors={0: (None, "")}),
-    Mistake("plan_cli_user_errors", "python -m hybridpipe.plan on a factory that fails to import, returns the wrong "
-            "thing, or whose layers do not fit the sample; and on a model with in-place layers",
-            errors={0: (None, "")}),
-    Mistake("layer_fails_while_profiling", "balance='time' on layers that do not fit the sample",
-            errors={0: ("PartitionError", r"profiling layer 0 \(Linear\) on the sample failed: RuntimeError: .*"
-                                          r"check that the layers")}),
-]
+LAUNCH_TIMEOUT_S = 120  # the launch as a whole; on the code before issue 27 it hung here
+#: The last MPI case: its rank 1 raises out of the script, and python -m hybridpipe aborts the job (exit 1).
+ABORTING_CASE = "stage_raised_under_python_m"
 
 
 # ------------------------------------------------------------------ local cases
@@ -160,22 +111,108 @@ def plan_cli_user_errors() -> None:
             assert "Traceback" not in errors.getvalue(), errors.getvalue()
 
 
-LOCAL: dict[str, Callable[[], None]] = {f.__name__: f for f in (unknown_schedule, inplace_layer_profiled,
-                                                                 layer_fails_while_profiling, plan_cli_user_errors)}
+def model_before_init() -> None:
+    import hybridpipe as hp
+
+    assert not hp.is_initialized()
+    hp.PipelineModel(nn.Sequential(nn.Linear(8, 4)), loss_fn=nn.CrossEntropyLoss())
+
+
+@contextlib.contextmanager
+def environment(**values: str) -> Any:
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def bad_env_stages() -> None:
+    import hybridpipe as hp
+
+    with environment(HYBRIDPIPE_PIPELINE_STAGES="two"):
+        hp.init()
+
+
+def bad_env_value() -> None:
+    import hybridpipe as hp
+
+    for name, value, pattern in (("HYBRIDPIPE_FUSION_THRESHOLD", "4XB", r"is not a byte count \(use e.g. 4194304"),
+                                 ("HYBRIDPIPE_CHECK_FINITE", "please", r"is not a switch \(use 1 or 0\)"),
+                                 ("HYBRIDPIPE_STALL_CHECK_SECONDS", "-3", r"is not a positive number")):
+        with pytest.raises(hp.HybridPipeError, match=f"{name}='{re.escape(value)}' {pattern}"):
+            hp.Config.from_env({name: value})
+    hp.Config.from_env({"HYBRIDPIPE_TIMEOUT_SECONDS": "5m"})
+
+
+def ranks_not_multiple_of_stages() -> None:
+    from hybridpipe import launch
+
+    launch.build_command(["-np", "3", "--stages", "2", "python", "train.py"])
+
+
+def hostfile_missing_host(tmp_path: Path) -> None:
+    """Before any mpirun: the launcher refuses a host whose name does not resolve (``.invalid`` never does)."""
+    from hybridpipe import launch
+
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=1\nnosuchhost.invalid slots=1\n")
+    errors = io.StringIO()
+    with contextlib.redirect_stderr(errors):
+        assert launch.main(["--hostfile", str(hosts), "python", "-c", "raise SystemExit(3)"]) == 2
+    assert "does not resolve" in errors.getvalue(), errors.getvalue()
+    launch.check_hosts_resolve(hostfile=str(hosts))
+
+
+def hostfile_without_slots(tmp_path: Path) -> None:
+    from hybridpipe import launch
+
+    hosts = tmp_path / "hosts"
+    hosts.write_text("node1\nnode2\n")
+    launch.build_command(["--hostfile", str(hosts), "python", "train.py"])
+
+
+def dataset_shorter_than_batch() -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from hybridpipe.pipeline import microbatch
+
+    dataset = TensorDataset(torch.randn(3, 8), torch.randint(0, 4, (3,)))
+    assert len(DataLoader(dataset, batch_size=8, drop_last=True)) == 0  # the fix: no short batch at all
+    inputs, _ = next(iter(DataLoader(dataset, batch_size=8)))
+    microbatch.split(inputs, 4)  # what train_step does first, the same on every rank
+
+
+def empty_batch() -> None:
+    from hybridpipe.pipeline import microbatch
+
+    microbatch.split(torch.randn(0, 8), 4)
+
+
+LOCAL: dict[str, Callable[..., None]] = {f.__name__: f for f in (
+    unknown_schedule, inplace_layer_profiled, layer_fails_while_profiling, plan_cli_user_errors, model_before_init,
+    bad_env_stages, bad_env_value, ranks_not_multiple_of_stages, hostfile_missing_host, hostfile_without_slots,
+    dataset_shorter_than_batch, empty_batch)}
 
 
 # ------------------------------------------------------------------ running
 
 
 @pytest.fixture(scope="module")
-def launch() -> dict[tuple[str, int], dict[str, Any]]:
+def launch(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], dict[str, Any]]:
     """Every MPI case in one launch; (case, rank) -> that rank's outcome."""
-    names = [m.name for m in MISTAKES if m.ranks]
+    names = [m.name for m in MISTAKES if m.ranks and m.name != ABORTING_CASE] + [ABORTING_CASE]
     command = [str(Path(sys.executable).parent / "hybridpipe-run"), "-np", "2", "--stages", "2", sys.executable,
-               str(ROOT / "tests" / "misuse" / "scenarios.py"), *names]
+               "-m", "hybridpipe", str(ROOT / "tests" / "misuse" / "scenarios.py"), *names]
+    directory = tmp_path_factory.mktemp("misuse")
     try:
         result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "MISUSE_DIR": str(directory)})
     except subprocess.TimeoutExpired as error:
         pytest.fail(f"the launch hung past {LAUNCH_TIMEOUT_S} s:\n{error.stdout}\n{error.stderr}")
     outcomes = {}
@@ -183,26 +220,57 @@ def launch() -> dict[tuple[str, int], dict[str, Any]]:
         if line.startswith("MISUSE "):
             outcome = json.loads(line[len("MISUSE "):])
             outcomes[(outcome["case"], outcome["rank"])] = outcome
-    assert result.returncode == 0, f"exit {result.returncode}:\n{result.stdout}\n{result.stderr}"
+    # the last case ends the job by python -m hybridpipe's abort (rank 1's exception), after every other case
+    aborted = "[rank 1] uncaught exception; aborting every rank of the job" in result.stderr and \
+        "KeyError: \"a bug in the user's training loop\"" in result.stderr
+    assert result.returncode != 0 and aborted, f"exit {result.returncode}:\n{result.stdout}\n{result.stderr}"
+    missing = [(name, rank) for name in names for rank in range(2) if (name, rank) not in outcomes
+               and not (name, rank) == (ABORTING_CASE, 1)]
+    assert not missing, f"no outcome of {missing}:\n{result.stdout}\n{result.stderr}"
     return outcomes
 
 
-def run_local(mistake: Mistake) -> dict[str, Any]:
-    error = None
-    try:
-        LOCAL[mistake.name]()
-    except Exception as failure:
-        error = failure
+def run_local(mistake: Mistake, tmp_path: Path) -> dict[str, Any]:
+    error: BaseException | None = None
+    function = LOCAL[mistake.name]
+    errors = io.StringIO()
+    with contextlib.redirect_stderr(errors):
+        try:
+            function(tmp_path) if "tmp_path" in function.__code__.co_varnames[:function.__code__.co_argcount] \
+                else function()
+        except (Exception, SystemExit) as failure:
+            error = failure
     return {"error": type(error).__name__ if error else None, "message": str(error) if error else "",
-            "seconds": 0.0, "stderr": ""}
+            "seconds": 0.0, "stderr": errors.getvalue()}
 
 
 @pytest.mark.parametrize("mistake", MISTAKES, ids=[m.name for m in MISTAKES])
-def test_mistake(mistake: Mistake, request: pytest.FixtureRequest) -> None:
+def test_mistake(mistake: Mistake, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     for rank, (error, pattern) in mistake.errors.items():
-        outcome = request.getfixturevalue("launch")[(mistake.name, rank)] if mistake.ranks else run_local(mistake)
+        outcome = request.getfixturevalue("launch")[(mistake.name, rank)] if mistake.ranks \
+            else run_local(mistake, tmp_path)
         assert outcome["error"] == error, (rank, outcome)
         assert re.search(pattern, outcome["message"], re.DOTALL), (rank, pattern, outcome["message"])
         assert outcome["seconds"] <= mistake.seconds, (rank, outcome)
         if rank in mistake.stderr:
             assert re.search(mistake.stderr[rank], outcome["stderr"]), (rank, mistake.stderr[rank], outcome["stderr"])
+
+
+def test_the_catalog_is_whole() -> None:
+    """Every mistake has a case that makes it, and the other way round; at least 30 of them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("misuse_scenarios", Path(__file__).parent / "scenarios.py")
+    scenarios = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scenarios)
+    names = [m.name for m in MISTAKES]
+    assert len(names) == len(set(names)) >= 30, names
+    assert {m.name for m in MISTAKES if m.ranks} == set(scenarios.CASES), "scenarios.py and the table differ"
+    assert {m.name for m in MISTAKES if not m.ranks} == set(LOCAL), "the local cases and the table differ"
+    for mistake in MISTAKES:
+        assert mistake.symptom and mistake.cause and mistake.fix, mistake.name
+
+
+def test_troubleshooting_page_is_generated() -> None:
+    """docs/troubleshooting.md is the table's rendering: regenerate it with python tests/misuse/mistakes.py --write."""
+    assert PAGE.read_text() == render(), "docs/troubleshooting.md is stale: python tests/misuse/mistakes.py --write"
