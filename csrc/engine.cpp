@@ -370,6 +370,13 @@ void Engine::shutdown() {
   }
 }
 
+void Engine::leave_failed() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  failed_ = true;
+  stop_requested_ = true;
+  wake_.notify_all();
+}
+
 EngineStats Engine::stats(int group_id) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (group_id < 0 || group_id >= static_cast<int>(groups_.size())) {
@@ -999,7 +1006,7 @@ void Engine::fail_departed(Group& group) {
   int mine;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    mine = stop_requested_ && group.pending.empty() ? 1 : 0;
+    mine = stop_requested_ && group.pending.empty() ? (failed_ ? 2 : 1) : 0;
   }
   std::vector<int> left(group.size, 0);
   HP_MPI(MPI_Allgather, group.comm, &mine, 1, MPI_INT, left.data(), 1, MPI_INT, group.comm);
@@ -1007,8 +1014,10 @@ void Engine::fail_departed(Group& group) {
   if (group.pending.empty()) return;
   std::string ranks, names;
   int count = 0;
+  bool failed = false;
   for (int r = 0; r < group.size; ++r) {
     if (!left[r]) continue;
+    failed = failed || left[r] == 2;
     ranks += (ranks.empty() ? "" : ", ") + std::to_string(group.members.empty() ? r : group.members[r]);
     ++count;
   }
@@ -1021,11 +1030,20 @@ void Engine::fail_departed(Group& group) {
     names += (names.empty() ? "'" : ", '") + entry.name + "'";
   }
   const int me = group.members.empty() ? group.rank : group.members[group.rank];
+  const std::string who = std::string(count == 1 ? "rank " : "ranks ") + ranks;
+  const std::string waits = " while this rank (rank " + std::to_string(me) + ") waits for " +
+                            (count == 1 ? "it" : "them") + " in a collective on group '" + group.label + "' (" + names +
+                            "): ";
+  if (failed) {
+    fail_pending(group,
+                 who + " failed with an uncaught exception (python -m hybridpipe aborts the job; its traceback is in "
+                       "its output)" + waits + "fix the error that rank reports",
+                 ErrorKind::Departed);
+    return;
+  }
   fail_pending(group,
-               std::string(count == 1 ? "rank " : "ranks ") + ranks + (count == 1 ? " has" : " have") +
-                   " shut down (hp.shutdown) while this rank (rank " + std::to_string(me) + ") waits for " +
-                   (count == 1 ? "it" : "them") + " in a collective on group '" + group.label + "' (" + names +
-                   "): the ranks made different numbers of collective calls. Usually uneven data: one rank ran out "
+               who + (count == 1 ? " has" : " have") + " shut down (hp.shutdown)" + waits +
+                   "the ranks made different numbers of collective calls. Usually uneven data: one rank ran out "
                    "of batches first; give every rank the same number of batches (drop_last=True, or a sampler "
                    "that pads), or call hp.join() on a rank that runs out of data",
                ErrorKind::Departed);

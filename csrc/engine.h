@@ -198,6 +198,10 @@ class Engine {
   // Coordinated stop: returns once every rank of every group asked for it and nothing is pending.
   // Handles of a group that never became active fail (kind Stopped).
   void shutdown();
+  // This rank leaves without waiting for the others (an uncaught exception, before the job's abort): it takes
+  // no new work, and the ranks of its groups that wait for it in a collective fail at once (kind Departed),
+  // told that it failed. The thread goes on until shutdown() or the abort.
+  void leave_failed();
   EngineStats stats(int group);
   // Recorded events of `group` since the last call (empty unless options.record_events).
   std::vector<EngineEvent> take_events(int group);
@@ -357,6 +361,7 @@ class Engine {
   uint64_t next_handle_ = 1;
   bool stop_requested_ = false;
   bool shut_down_ = false;
+  bool failed_ = false;  // leave_failed() was called (guarded by mutex_)
   std::string fatal_;
   std::shared_ptr<TransferQueue> transfers_;  // point-to-point transfers this thread drives (or null)
   // Absent ranks: a private duplicate of group 0 for probes and answers, and every rank's host name.

@@ -556,6 +556,9 @@ PYBIND11_MODULE(_C, m) {
             py::gil_scoped_release no_gil;
             engine.shutdown();
           })
+      .def("leave_failed", &Engine::leave_failed,
+           "This rank failed (an uncaught exception): take no new work; ranks waiting for it in a collective fail "
+           "(ErrorKind.Departed) at once")
       .def(
           "set_device_allreduce",
           [](Engine& engine, int group, py::function function) {

@@ -4,8 +4,9 @@ uncaught exception on any rank aborts the whole job with that rank's traceback.
 Without it, a rank that raises exits while the others wait forever in a collective. This is what
 ``python -m mpi4py`` does; use it in job scripts: ``mpirun -n 8 python -m hybridpipe train.py``.
 Before the abort, a rank that runs hybridpipe tells the other stages of its pipeline that it failed (a
-departure notice, as ``hp.shutdown()`` sends) and gives them a moment: a stage waiting for its activation
-or gradient then raises ``PeerShutDownError`` naming the failed rank, instead of dying with no word.
+departure notice, as ``hp.shutdown()`` sends) and its engine that it leaves, and gives them a moment: a
+stage waiting for its activation or gradient, or a rank waiting for it in a collective, then raises
+``PeerShutDownError`` naming the failed rank, instead of dying with no word.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def _tell_the_others() -> None:
     if running is None:
         return
     try:
-        running.departures.announce(failed=True)
+        running.departures.announce(failed=True)  # the stages waiting for it in the pipeline
+        running.engine.leave_failed()  # the ranks waiting for it in a collective
     except Exception:  # the abort follows anyway
         return
     time.sleep(NOTICE_GRACE_SECONDS)

@@ -356,7 +356,7 @@ MISTAKES = [
         seconds=10, ranks=2,
         seen=("https://github.com/horovod/horovod/issues/3781",)),
     Mistake(
-        "stage_raised_under_python_m", CALLS, "A rank fails with an exception",
+        "stage_raised_under_python_m", CALLS, "A stage fails with an exception while another waits for it",
         symptom="Under `python -m hybridpipe`, the failing rank prints its traceback, and the stage waiting for it "
                 "raises `PeerShutDownError: rank 1 (stage 1) failed with an uncaught exception (python -m hybridpipe "
                 "aborts the job; its traceback is in its output) while this rank (rank 0, stage 0) waits for ...` "
@@ -367,7 +367,19 @@ MISTAKES = [
             "`hybridpipe-run ... python -m hybridpipe train.py`) so that one rank's exception ends the job.",
         errors={0: ("PeerShutDownError", r"rank 1 \(stage 1\) failed with an uncaught exception \(python -m "
                                          r"hybridpipe aborts the job.*\) while this rank \(rank 0, stage 0\) waits for "
-                                         r".*fix the error that rank reports")},
+                                         r"its activation gradient.*fix the error that rank reports")},
+        seconds=10, ranks=2),
+    Mistake(
+        "rank_raised_during_collective", CALLS, "A rank fails with an exception while others wait in a collective",
+        symptom="Under `python -m hybridpipe`: `PeerShutDownError: hp.allreduce: rank 1 failed with an uncaught "
+                "exception (python -m hybridpipe aborts the job; ...) while this rank (rank 0) waits for it in a "
+                "collective on group 'world' (...): fix the error that rank reports`, before the job is aborted.",
+        cause="A bug on one rank while the others are in `hp.allreduce`, `hp.DistributedOptimizer`'s `step()` or "
+              "any other collective.",
+        fix="Fix the error of the rank named (its traceback is in its output).",
+        errors={0: ("PeerShutDownError", r"hp.allreduce: rank 1 failed with an uncaught exception \(python -m "
+                                         r"hybridpipe aborts the job.*\) while this rank \(rank 0\) waits for it in a "
+                                         r"collective on group 'world' \('[^']+'\): fix the error that rank reports")},
         seconds=10, ranks=2),
     Mistake(
         "forgot_zero_grad", CALLS, "Gradients grow from step to step: `zero_grad` is missing",

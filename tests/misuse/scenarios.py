@@ -130,13 +130,18 @@ def uneven_batches_per_replica() -> None:
 
 
 def stage_raised_under_python_m() -> None:
-    """Under python -m hybridpipe, stage 1 raises (a bug in the user's code) while stage 0 waits for its
-    activation gradient. Rank 1's exception leaves the script (see the __main__ block below)."""
+    """Under python -m hybridpipe, stage 1 raises (a bug in the user's code) while stage 0 waits for it: first in
+    a collective (reported as the case ``rank_raised_during_collective``), then for its activation gradient.
+    Rank 1's exception leaves the script (ESCAPES)."""
     hp.init()
     model = small_pipeline()
-    model.train_step(*batch())
     if hp.grid().is_last_stage:
         raise KeyError("a bug in the user's training loop")
+    started = time.monotonic()
+    try:
+        hp.allreduce(torch.ones(2), name="loss")
+    except hp.PeerShutDownError as error:
+        FOLLOWERS_SEEN.append(outcome("rank_raised_during_collective", error, time.monotonic() - started))
     model.train_step(*batch())
 
 
@@ -363,6 +368,14 @@ CASES = {case.__name__: case for case in (
 
 #: Cases whose exception must leave the script on these ranks (python -m hybridpipe then aborts the job).
 ESCAPES = {"stage_raised_under_python_m": {1}}
+#: Cases reported from inside another case (the one given), and the outcomes they reported.
+FOLLOWERS = {"rank_raised_during_collective": "stage_raised_under_python_m"}
+FOLLOWERS_SEEN: list[dict] = []
+
+
+def outcome(name: str, error: BaseException | None, seconds: float, stderr: str = "") -> dict:
+    return {"case": name, "rank": world_rank(), "error": type(error).__name__ if error else None,
+            "message": str(error) if error else "", "seconds": round(seconds, 2), "stderr": stderr}
 
 
 def run(name: str) -> dict:
@@ -383,13 +396,15 @@ def run(name: str) -> dict:
     finally:
         seconds = time.monotonic() - started
         sys.stderr = stderr
-    outcome = {"case": name, "rank": rank, "error": type(error).__name__ if error else None,
-               "message": str(error) if error else "", "seconds": round(seconds, 2),
-               "stderr": captured.getvalue() + "".join(f"{w.category.__name__}: {w.message}\n" for w in caught)}
+    result = outcome(name, error, seconds,
+                     captured.getvalue() + "".join(f"{w.category.__name__}: {w.message}\n" for w in caught))
+    for followed in FOLLOWERS_SEEN:
+        print("MISUSE " + json.dumps(followed), flush=True)
+    FOLLOWERS_SEEN.clear()
     if name in ESCAPES:  # its partner never shuts down: report before waiting for it
-        print("MISUSE " + json.dumps(outcome), flush=True)
+        print("MISUSE " + json.dumps(result), flush=True)
     hp.shutdown()
-    return outcome
+    return result
 
 
 if __name__ == "__main__":
