@@ -33,9 +33,10 @@ test: $(STAMP)
 
 # Slow runs CI does not do: the restart tests that `make test` skips (a rank killed on one emulated
 # host and the job restarted; a 2 × 2 grid losing a host; a restarted run against one that never
-# failed), the MPI test files' long_ranks (8 ranks oversubscribed on this machine; launches whose
-# cases the other launches of the file already cover, kept out of `make test` for its time), then the
-# multi-host tests 20 times in a row (they must pass every time).
+# failed), a rank killed while saving a checkpoint (tests/misuse), the MPI test files' long_ranks (8
+# ranks oversubscribed on this machine; launches whose cases the other launches of the file already
+# cover, kept out of `make test` for its time), then the multi-host tests 20 times in a row (they must
+# pass every time).
 MULTIHOST_REPEATS ?= 20
 test-long: $(STAMP)
 	HYBRIDPIPE_LONG_TESTS=1 PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests/test_restart.py \
@@ -43,6 +44,7 @@ test-long: $(STAMP)
 	  tests/pipeline/test_pipeline_mpi.py tests/pipeline/test_schedules_mpi.py tests/test_optimizer_mpi.py \
 	  tests/test_runtime.py tests/test_example_lm.py tests/test_harness.py tests/comm/test_horovod_api.py tests/test_faults.py \
 	  tests/test_example_dp.py tests/test_examples_horovod.py tests/test_timeline.py tests/pipeline/test_split_mpi.py tests/test_example_hf.py \
+	  tests/misuse/test_misuse.py \
 	  -q -p no:cacheprovider
 	for i in $$(seq 1 $(MULTIHOST_REPEATS)); do \
 	  echo "multi-host run $$i of $(MULTIHOST_REPEATS)"; \

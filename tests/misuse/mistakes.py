@@ -31,6 +31,8 @@ class Mistake:
         seconds: the most each rank may take, from the start of the case to the error.
         ranks: the launch's ranks (0: runs in the test's own process).
         seen: public reports of the same mistake in other projects.
+        before: a case of scenarios.py run first, in a launch of its own that it ends (a rank killed); the
+            mistake's case then runs in another launch. Only under ``make test-long`` (HYBRIDPIPE_LONG_TESTS=1).
     """
 
     name: str
@@ -44,6 +46,7 @@ class Mistake:
     seconds: float = 30.0
     ranks: int = 0
     seen: tuple[str, ...] = ()
+    before: str = ""
 
 
 LAUNCH, MODEL, DATA, CALLS, NUMBERS, CHECKPOINTS, PLANNER = (
@@ -464,6 +467,15 @@ MISTAKES = [
         errors=_everyone("CheckpointError", r"step-00000002 has no manifest.json: the save did not finish \(use the "
                                             r"previous checkpoint"),
         seconds=15, ranks=2),
+    Mistake(
+        "checkpoint_rank_killed_while_saving", CHECKPOINTS, "A rank is killed while saving (a real kill)",
+        symptom="The job ends (the launcher stops the other ranks); the next run's `hp.resume` goes on from the "
+                "previous checkpoint, as in the case above, whatever partial files the killed save left.",
+        cause="A rank dies (out of memory, a node failure, a pre-emption) in the middle of `hp.save_checkpoint`.",
+        fix="Nothing beyond resuming from the directory; the incomplete `step-*` directory can be deleted. "
+            "(Tested with a real `os._exit` in `make test-long`.)",
+        errors=_everyone("CheckpointError", r"step-00000002 has no manifest.json: the save did not finish"),
+        seconds=60, ranks=2, before="kill_rank_1_while_saving"),
     # ------------------------------------------------------------------ planner
     Mistake(
         "inplace_layer_profiled", PLANNER, "In-place layers (`nn.ReLU(inplace=True)`) and profiling",

@@ -358,7 +358,42 @@ def checkpoint_save_interrupted() -> None:
     hp.load_checkpoint(directory / "step-00000002", model)
 
 
+def kill_rank_1_while_saving() -> None:
+    """The first launch of checkpoint_rank_killed_while_saving: step 1 is saved; while step 2 is saved, rank 1
+    (stage 1) dies in the middle of writing its file. The launcher then ends the job."""
+    hp.init()
+    directory = workdir("killed")
+    model = small_pipeline()
+    hp.save_checkpoint(directory, model, step=1)
+    if hp.grid().is_last_stage:
+        original = torch.save
+
+        def save(obj, f, *args, **kwargs):
+            if not isinstance(f, (str, os.PathLike)):
+                return original(obj, f, *args, **kwargs)
+            Path(f).write_bytes(b"partial")
+            os._exit(9)
+
+        torch.save = save
+    hp.save_checkpoint(directory, model, step=2)
+
+
+def checkpoint_rank_killed_while_saving() -> None:
+    """The second launch: hp.resume goes on from step 1; step 2 by name says why it cannot be loaded."""
+    hp.init()
+    directory = workdir("killed")
+    model = small_pipeline()
+    first = {key: value.clone() for key, value in model.state_dict().items()}
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)
+    info = hp.resume(directory, model)
+    assert info.step == 1 and same_weights(model, first), f"hp.resume did not go on from step 1: {info}"
+    hp.load_checkpoint(directory / "step-00000002", model)
+
+
 CASES = {case.__name__: case for case in (
+    kill_rank_1_while_saving, checkpoint_rank_killed_while_saving,
     stages_overridden, stage_shut_down_mid_step, stage_silent_past_timeout, collective_on_some_ranks,
     uneven_batches_per_replica, stage_raised_under_python_m, collective_shapes_differ, micro_batches_differ,
     schedule_differs, layer_count_differs, parameter_shapes_differ, stages_differ_per_rank, world_not_divisible,

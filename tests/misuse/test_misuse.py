@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -203,24 +204,33 @@ LOCAL: dict[str, Callable[..., None]] = {f.__name__: f for f in (
 # ------------------------------------------------------------------ running
 
 
-@pytest.fixture(scope="module")
-def launch(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], dict[str, Any]]:
-    """Every MPI case in one launch; (case, rank) -> that rank's outcome."""
-    followers = {"rank_raised_during_collective"}  # reported by the aborting case (scenarios.FOLLOWERS)
-    names = [m.name for m in MISTAKES if m.ranks and m.name not in {ABORTING_CASE, *followers}] + [ABORTING_CASE]
+LONG = os.environ.get("HYBRIDPIPE_LONG_TESTS") == "1"
+
+
+def run_launch(names: list[str], directory: Path) -> tuple[subprocess.CompletedProcess, dict[tuple[str, int], Any]]:
+    """``scenarios.py names...`` on 2 ranks (2 stages) under python -m hybridpipe; its outcomes by (case, rank)."""
     command = [str(Path(sys.executable).parent / "hybridpipe-run"), "-np", "2", "--stages", "2", sys.executable,
                "-m", "hybridpipe", str(ROOT / "tests" / "misuse" / "scenarios.py"), *names]
-    directory = tmp_path_factory.mktemp("misuse")
     try:
         result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
                                 env={**os.environ, "OMP_NUM_THREADS": "1", "MISUSE_DIR": str(directory)})
     except subprocess.TimeoutExpired as error:
-        pytest.fail(f"the launch hung past {LAUNCH_TIMEOUT_S} s:\n{error.stdout}\n{error.stderr}")
+        pytest.fail(f"the launch of {names} hung past {LAUNCH_TIMEOUT_S} s:\n{error.stdout}\n{error.stderr}")
     outcomes = {}
     for line in result.stdout.splitlines():
         if line.startswith("MISUSE "):
             outcome = json.loads(line[len("MISUSE "):])
             outcomes[(outcome["case"], outcome["rank"])] = outcome
+    return result, outcomes
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], dict[str, Any]]:
+    """Every MPI case (but the long ones) in one launch; (case, rank) -> that rank's outcome."""
+    followers = {"rank_raised_during_collective"}  # reported by the aborting case (scenarios.FOLLOWERS)
+    names = [m.name for m in MISTAKES if m.ranks and not m.before and m.name not in {ABORTING_CASE, *followers}] \
+        + [ABORTING_CASE]
+    result, outcomes = run_launch(names, tmp_path_factory.mktemp("misuse"))
     # the last case ends the job by python -m hybridpipe's abort (rank 1's exception), after every other case
     aborted = "[rank 1] uncaught exception; aborting every rank of the job" in result.stderr and \
         "KeyError: \"a bug in the user's training loop\"" in result.stderr
@@ -245,11 +255,27 @@ def run_local(mistake: Mistake, tmp_path: Path) -> dict[str, Any]:
             "seconds": 0.0, "stderr": errors.getvalue()}
 
 
+def run_after(mistake: Mistake, directory: Path) -> dict[tuple[str, int], Any]:
+    """A long case: the launch ``mistake.before`` (which ends the job: a rank killed), then the case's own."""
+    started = time.monotonic()
+    run_launch([mistake.before], directory)
+    assert time.monotonic() - started <= mistake.seconds, f"{mistake.before} took {time.monotonic() - started:.0f} s"
+    result, outcomes = run_launch([mistake.name], directory)
+    assert result.returncode == 0, f"exit {result.returncode}:\n{result.stdout}\n{result.stderr}"
+    return outcomes
+
+
 @pytest.mark.parametrize("mistake", MISTAKES, ids=[m.name for m in MISTAKES])
 def test_mistake(mistake: Mistake, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    if mistake.before and not LONG:
+        pytest.skip("its own launches: set HYBRIDPIPE_LONG_TESTS=1 (make test-long)")
+    outcomes = run_after(mistake, tmp_path) if mistake.before else None
     for rank, (error, pattern) in mistake.errors.items():
-        outcome = request.getfixturevalue("launch")[(mistake.name, rank)] if mistake.ranks \
-            else run_local(mistake, tmp_path)
+        if outcomes is not None:
+            outcome = outcomes[(mistake.name, rank)]
+        else:
+            outcome = request.getfixturevalue("launch")[(mistake.name, rank)] if mistake.ranks \
+                else run_local(mistake, tmp_path)
         assert outcome["error"] == error, (rank, outcome)
         assert re.search(pattern, outcome["message"], re.DOTALL), (rank, pattern, outcome["message"])
         assert outcome["seconds"] <= mistake.seconds, (rank, outcome)
@@ -266,8 +292,8 @@ def test_the_catalog_is_whole() -> None:
     spec.loader.exec_module(scenarios)
     names = [m.name for m in MISTAKES]
     assert len(names) == len(set(names)) >= 30, names
-    assert {m.name for m in MISTAKES if m.ranks} == set(scenarios.CASES) | set(scenarios.FOLLOWERS), \
-        "scenarios.py and the table differ"
+    assert {m.name for m in MISTAKES if m.ranks} | {m.before for m in MISTAKES if m.before} == \
+        set(scenarios.CASES) | set(scenarios.FOLLOWERS), "scenarios.py and the table differ"
     assert {m.name for m in MISTAKES if not m.ranks} == set(LOCAL), "the local cases and the table differ"
     for mistake in MISTAKES:
         assert mistake.symptom and mistake.cause and mistake.fix, mistake.name
