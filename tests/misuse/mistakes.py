@@ -324,7 +324,7 @@ MISTAKES = [
         "collective_on_some_ranks", CALLS, "A collective called on some ranks only",
         symptom="`PeerShutDownError: hp.allreduce: rank 1 has shut down (hp.shutdown) while this rank (rank 0) waits "
                 "for it in a collective on group 'world' (...)` at once; while the other rank is still running, the "
-                "stall warning names the ranks that did not submit it (`hybridpipe WARNING: allreduce 'metric' on "
+                "stall warning names the ranks that did not submit it (`hybridpipe WARNING: allreduce '...' on "
                 "group 'world' has waited 60.0 s: ranks [0] of the group submitted it, ranks [1] did not`) and "
                 "`HYBRIDPIPE_STALL_SHUTDOWN_SECONDS` turns that into an error (before: a hang).",
         cause="A collective inside `if hp.rank() == 0:` (a metric, a log, an evaluation on rank 0 only): the other "
