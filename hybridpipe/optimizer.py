@@ -523,6 +523,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     The state dict is broadcast as one pickled object, then loaded; tensors keep their dtype and move to
     each parameter's device. ``model`` and ``prefix`` are accepted for Horovod's signature and not needed
     (the state dict carries everything). ``root_rank``: as in :func:`broadcast_parameters`.
+
+    A ZeRO optimizer (``zero=1|2``) keeps each replica's own shard of the moments (the shards together are
+    the state): only its hyper-parameters are made root's.
     """
     target = _target(group, process_set, "broadcast_optimizer_state")
     with context.refusing("broadcast_optimizer_state", "broadcast_object", group, process_set):
@@ -530,6 +533,16 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
             raise TypeError(f"broadcast_optimizer_state takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
         root = _root_index(target, root_rank, "broadcast_optimizer_state")
     me = context.communicator(target, "broadcast_optimizer_state").Get_rank()
+    if getattr(optimizer, "_hp_zero", 0):
+        # ZeRO: each replica holds its own shard of the moments, so root's would be the wrong piece; the
+        # shards together are the one state. Only the hyper-parameters (lr, betas, ...) are made root's.
+        groups = broadcast_object([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+                                  if me == root else None,
+                                  root_rank if process_set is not None or isinstance(target, ProcessSet) else root,
+                                  group=target)
+        for group_, values in zip(optimizer.param_groups, groups):
+            group_.update(values)
+        return
     state = broadcast_object(optimizer.state_dict() if me == root else None,
                              root_rank if process_set is not None or isinstance(target, ProcessSet) else root,
                              group=target)

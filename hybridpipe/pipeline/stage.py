@@ -46,6 +46,7 @@ Design reasons:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 import weakref
@@ -68,7 +69,7 @@ from hybridpipe.pipeline.schedule import Action, ActionKind, stage_to_rank
 from hybridpipe.pipeline.skip import SkipContext, SkipRoute, skip_context
 
 __all__ = ["CHECKPOINT_MODES", "PipelineBroken", "StageExecutor", "StepResult", "gradient_phase", "splittable",
-           "input_gradient_targets", "weight_gradients"]
+           "input_gradient_targets", "weight_gradients", "deferred_parameters"]
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
 _TAG_PERIOD = 4096
@@ -88,11 +89,11 @@ def gradient_phase(parameter: torch.Tensor) -> str | None:
     this step follow, or its gradient is completed after the run: a tied weight) or ``"final"``
     (its gradient is complete when this one ends); None when ``parameter`` is not in a pipeline
     chunk or no backward runs."""
-    ref = getattr(parameter, _CHUNK_ATTRIBUTE, None)
-    chunk = ref() if ref is not None else None
-    if chunk is None or chunk.phase is None:
-        return None
-    return "partial" if id(parameter) in chunk.deferred else chunk.phase
+    for ref in getattr(parameter, _CHUNK_ATTRIBUTE, ()):  # several: a weight two chunks of this rank share
+        chunk = ref()
+        if chunk is not None and chunk.phase is not None:
+            return "partial" if id(parameter) in chunk.deferred else chunk.phase
+    return None
 
 
 class _RngState:
@@ -155,7 +156,8 @@ class _Chunk:
         self.copies_input = first_layer_works_in_place(module)
         reference = weakref.ref(self)
         for parameter in module.parameters():
-            setattr(parameter, _CHUNK_ATTRIBUTE, reference)
+            earlier = tuple(ref for ref in getattr(parameter, _CHUNK_ATTRIBUTE, ()) if ref() is not None)
+            setattr(parameter, _CHUNK_ATTRIBUTE, earlier + (reference,))
 
     @contextlib.contextmanager
     def in_phase(self, phase: str) -> Iterator[None]:
@@ -180,6 +182,7 @@ class _Stored:
     skips_in: dict[str, Any] = field(default_factory=dict)   # skip connections received from earlier chunks
     skips_out: dict[str, Any] = field(default_factory=dict)  # stashed here for later chunks (with their graph)
     calls: list[tuple[nn.Module, list[torch.Tensor], list[int]]] = field(default_factory=list)  # split backward
+    deferred: set[int] | None = None  # split backward: the parameters W differentiates (deferred_parameters)
     batch: Any = None               # the micro-batch's inputs, for a chunk that takes them (split modules)
 
 
@@ -223,6 +226,12 @@ class StageExecutor:
         self.virtual_stages = virtual_stages
         self.total_chunks = ranks * virtual_stages
         self.chunks = {stage: _Chunk(module, stage, self.total_chunks, ranks) for stage, module in modules.items()}
+        # a parameter two of this rank's chunks share (a weight tied within the rank, interleaved) is complete
+        # only after both chunks' last backwards: its reduction waits for the run's end, as tied weights' do
+        held = collections.Counter(id(p) for chunk in self.chunks.values() for p in chunk.module.parameters())
+        shared = [p for chunk in self.chunks.values() for p in chunk.module.parameters() if held[id(p)] > 1]
+        if shared:
+            self.defer_gradients(shared)
         self.first = 0 in self.chunks
         self.last = self.total_chunks - 1 in self.chunks
         self._tag_period = _TAG_PERIOD // virtual_stages
@@ -699,7 +708,8 @@ class StageExecutor:
             else:  # modified in place after the layer (e.g. ReLU(inplace=True)): not separable
                 chunk.fused_layers.add(_layer_name(chunk, layer) + " (output modified in place)")
         stored.calls = usable
-        fused, targets = input_gradient_targets(inputs, chunk.module.parameters(), usable)
+        stored.deferred = deferred_parameters(usable, chunk.module.modules())
+        fused, targets = input_gradient_targets(inputs, chunk.module.parameters(), usable, stored.deferred)
         if fused:
             chunk.fused_layers.update(_owners(chunk, fused))
         if targets:
@@ -714,7 +724,7 @@ class StageExecutor:
         stored = self._stored[key]
         start = time.monotonic()
         with chunk.in_phase("final" if step.final.get(chunk.stage) == index else "partial"):
-            weight_gradients(stored.calls)
+            weight_gradients(stored.calls, stored.deferred)
         timeline.record(f"W{m}", "backward", "compute", start, time.monotonic(),
                         {"stage": chunk.stage, "micro_batch": m})
         self._finish(step, chunk, key, stored)
@@ -757,22 +767,38 @@ class StageExecutor:
 _SPLITTABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.LayerNorm, nn.GroupNorm)
 
 
+def deferred_parameters(calls: list[tuple[nn.Module, list[torch.Tensor]]], modules: Iterable[nn.Module]) -> set[int]:
+    """The ids of the parameters whose gradients ``W`` may compute alone: owned by one module of the chunk
+    (``modules``), called once. A weight tied between two layers of one chunk (an embedding and its head) or a
+    layer called twice would not do: autograd from one call's outputs into the weight would also run through
+    the other use upstream, counting it twice. Such weights get their gradients in ``I`` (fused)."""
+    calls_of = collections.Counter(id(p) for layer, _ in calls for p in layer.parameters(recurse=False))
+    owners = collections.Counter(id(p) for module in modules for p in module.parameters(recurse=False))
+    return {key for key, count in calls_of.items() if count == 1 and owners[key] <= 1}
+
+
 def input_gradient_targets(inputs: list[torch.Tensor], parameters: Iterable[nn.Parameter],
-                           calls: list[tuple[nn.Module, list[torch.Tensor]]]) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
+                           calls: list[tuple[nn.Module, list[torch.Tensor]]],
+                           deferred: set[int] | None = None) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
     """What the input half (``I``) of a split backward differentiates, given the recorded ``calls`` of splittable
-    layers (``(layer, its outputs)``): ``(fused, targets)`` — the parameters no recorded call owns (their
-    gradients come in ``I``), and the inputs, those parameters and the recorded outputs."""
-    deferred = {id(p) for layer, _ in calls for p in layer.parameters(recurse=False)}
+    layers (``(layer, its outputs)``): ``(fused, targets)`` — the parameters not ``deferred`` (default: those no
+    recorded call owns; see :func:`deferred_parameters`), whose gradients come in ``I``, and the inputs, those
+    parameters and the outputs of the calls whose layers hold deferred ones."""
+    if deferred is None:
+        deferred = {id(p) for layer, _ in calls for p in layer.parameters(recurse=False)}
     fused = [p for p in parameters if p.requires_grad and id(p) not in deferred]
-    return fused, list(inputs) + fused + [t for _, outputs in calls for t in outputs]
+    outputs = [t for layer, outputs in calls if any(id(p) in deferred for p in layer.parameters(recurse=False))
+               for t in outputs]
+    return fused, list(inputs) + fused + outputs
 
 
-def weight_gradients(calls: list[tuple[nn.Module, list[torch.Tensor]]]) -> None:
+def weight_gradients(calls: list[tuple[nn.Module, list[torch.Tensor]]], deferred: set[int] | None = None) -> None:
     """The weight half (``W``) of a split backward: per recorded call, autograd from its outputs' gradients (left by
-    ``I``) into that layer's own parameters; the graph is freed after the last."""
+    ``I``) into that layer's own ``deferred`` parameters (default: all); the graph is freed after the last."""
     for position, (layer, outputs) in enumerate(calls):
         pairs = [(t, t.grad) for t in outputs if t.grad is not None]
-        parameters = [p for p in layer.parameters(recurse=False) if p.requires_grad]
+        parameters = [p for p in layer.parameters(recurse=False)
+                      if p.requires_grad and (deferred is None or id(p) in deferred)]
         if pairs and parameters:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], inputs=parameters,
                                     retain_graph=position < len(calls) - 1)
