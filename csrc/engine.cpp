@@ -1036,8 +1036,8 @@ void Engine::fail_departed(Group& group) {
                             "): ";
   if (failed) {
     fail_pending(group,
-                 who + " failed with an uncaught exception (python -m hybridpipe aborts the job; its traceback is in "
-                       "its output)" + waits + "fix the error that rank reports",
+                 who + " failed with an uncaught exception (its traceback is in its output)" + waits +
+                     "fix the error that rank reports",
                  ErrorKind::Departed);
     return;
   }

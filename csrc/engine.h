@@ -198,9 +198,9 @@ class Engine {
   // Coordinated stop: returns once every rank of every group asked for it and nothing is pending.
   // Handles of a group that never became active fail (kind Stopped).
   void shutdown();
-  // This rank leaves without waiting for the others (an uncaught exception, before the job's abort): it takes
-  // no new work, and the ranks of its groups that wait for it in a collective fail at once (kind Departed),
-  // told that it failed. The thread goes on until shutdown() or the abort.
+  // This rank leaves because of an uncaught exception (python -m hybridpipe before its abort, or hp.shutdown
+  // at interpreter exit): it takes no new work, and the ranks of its groups that wait for it in a collective
+  // fail at once (kind Departed), told that it failed. The thread goes on until shutdown() or the abort.
   void leave_failed();
   EngineStats stats(int group);
   // Recorded events of `group` since the last call (empty unless options.record_events).

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -213,20 +214,30 @@ def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | 
             raise
     global _atexit_registered
     if not _atexit_registered:  # runs before mpi4py's MPI_Finalize (atexit is last-in, first-out)
-        atexit.register(shutdown)
+        atexit.register(_shutdown_at_exit)
         _atexit_registered = True
     return the_grid
 
 
 def shutdown() -> None:
     """Frees hybridpipe's communicators. MPI itself stays up (mpi4py finalizes it at exit)."""
+    _shutdown(failed=False)
+
+
+def _shutdown_at_exit() -> None:
+    """hp.shutdown at interpreter exit; after an uncaught exception (``sys.last_value``, set before atexit
+    handlers run) the ranks waiting for this one are told that it failed, not that it shut down."""
+    _shutdown(failed=getattr(sys, "last_value", None) is not None)
+
+
+def _shutdown(failed: bool) -> None:
     global _runtime
     if _runtime is None:
         return
     from . import _trace as timeline
     from . import comm
 
-    events = comm.stop()  # collective: every rank's engine agrees to stop; frees user duplicates
+    events = comm.stop(failed)  # collective: every rank's engine agrees to stop; frees user duplicates
     timeline._stop(_runtime.grid, events)
     g = _runtime.grid
     for c in (g.data_comm, g.pipe_comm, _runtime.local_comm, g.world_comm):

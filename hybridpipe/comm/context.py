@@ -267,13 +267,16 @@ class CommContext:
         calls in the same order."""
         return next(self._sequences.setdefault(kind, itertools.count()))
 
-    def close(self) -> dict[str, list]:
+    def close(self, failed: bool = False) -> dict[str, list]:
         """Stops the engine (collective: every rank's engine agrees to stop), frees the user duplicates and
         the process sets' communicators; returns the engine's recorded events by group label (timeline).
 
         First it tells the pipeline's other stages that this rank leaves, so that one still waiting for it
-        raises PeerShutDownError instead of waiting for ever (departures.py)."""
-        self.departures.announce()
+        raises PeerShutDownError instead of waiting for ever (departures.py); ``failed``: because of an uncaught
+        exception, which the ranks waiting for it (in the pipeline or a collective) are told."""
+        self.departures.announce(failed)
+        if failed:
+            self.engine.leave_failed()
         self.departures.withdraw()
         self.engine.shutdown()
         self.departures.close()
@@ -304,13 +307,14 @@ def start(config: Config, grid: Any) -> CommContext:
     return _current
 
 
-def stop() -> dict[str, list]:
-    """Called by hp.shutdown: stops the context; returns the engine's events by group (timeline)."""
+def stop(failed: bool = False) -> dict[str, list]:
+    """Called by hp.shutdown: stops the context; returns the engine's events by group (timeline). ``failed``:
+    at interpreter exit after an uncaught exception (see CommContext.close)."""
     global _current
     if _current is None:
         return {}
     context, _current = _current, None
-    return context.close()
+    return context.close(failed)
 
 
 def current(function: str) -> CommContext:

@@ -6,9 +6,9 @@ its own. Each rank keeps a receive for such notices posted (from any source) whi
 and every point-to-point wait (:mod:`hybridpipe.comm.p2p`) watches it beside its own requests: a wait
 for a rank that has left ends in :class:`~hybridpipe.errors.PeerShutDownError` instead of hanging.
 
-A notice says why the rank leaves: ``hp.shutdown()``, or an uncaught exception of a script run under
-``python -m hybridpipe`` (which tells the others before it aborts the job, so that they name the rank that
-failed rather than report a broken connection).
+A notice says why the rank leaves: ``hp.shutdown()``, or an uncaught exception (``python -m hybridpipe``
+tells the others before it aborts the job; a plain script's ``hp.shutdown`` at interpreter exit finds the
+exception in ``sys.last_value``), so that they name the rank that failed and not the wrong fix.
 
 Why a notice and not a timeout: the rank that left still answers the engine's negotiation (it waits
 there, in ``hp.shutdown``, for the others to stop too), so nothing looks stalled; only it knows it
@@ -33,7 +33,7 @@ __all__ = ["Departures", "NOTICE_TAG", "SHUT_DOWN", "FAILED"]
 NOTICE_TAG = 7
 #: How a rank left (:meth:`Departures.how_left`).
 SHUT_DOWN = "has shut down (hp.shutdown)"
-FAILED = "failed with an uncaught exception (python -m hybridpipe aborts the job; its traceback is in its output)"
+FAILED = "failed with an uncaught exception (its traceback is in its output)"
 _ANNOUNCE_WAIT_SECONDS = 5.0  # a notice is a few bytes (sent eagerly): this only bounds a broken MPI
 
 

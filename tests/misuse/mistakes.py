@@ -361,28 +361,43 @@ MISTAKES = [
     Mistake(
         "stage_raised_under_python_m", CALLS, "A stage fails with an exception while another waits for it",
         symptom="Under `python -m hybridpipe`, the failing rank prints its traceback, and the stage waiting for it "
-                "raises `PeerShutDownError: rank 1 (stage 1) failed with an uncaught exception (python -m hybridpipe "
-                "aborts the job; its traceback is in its output) while this rank (rank 0, stage 0) waits for ...` "
-                "before the job is aborted (before: the others were killed without a word, or, without `python -m "
-                "hybridpipe`, hung).",
+                "raises `PeerShutDownError: rank 1 (stage 1) failed with an uncaught exception (its traceback is in "
+                "its output) while this rank (rank 0, stage 0) waits for ...: fix the error that rank reports` before "
+                "the job is aborted (before: the others were killed without a word).",
         cause="A bug (here a `KeyError`) on one rank only.",
         fix="Fix the error of the rank named; run job scripts as `mpirun ... python -m hybridpipe train.py` (or "
             "`hybridpipe-run ... python -m hybridpipe train.py`) so that one rank's exception ends the job.",
-        errors={0: ("PeerShutDownError", r"rank 1 \(stage 1\) failed with an uncaught exception \(python -m "
-                                         r"hybridpipe aborts the job.*\) while this rank \(rank 0, stage 0\) waits for "
-                                         r"its activation gradient.*fix the error that rank reports")},
+        errors={0: ("PeerShutDownError", r"rank 1 \(stage 1\) failed with an uncaught exception \(its traceback is "
+                                         r"in its output\) while this rank \(rank 0, stage 0\) waits for its "
+                                         r"activation gradient.*fix the error that rank reports")},
+        seconds=10, ranks=2),
+    Mistake(
+        "stage_raised_in_plain_script", CALLS, "A stage fails with an exception in a plain script",
+        symptom="Without `python -m hybridpipe`: the failing rank prints its traceback; at interpreter exit its "
+                "`hp.shutdown` tells the stages waiting for it, which raise `PeerShutDownError: rank 1 (stage 1) "
+                "failed with an uncaught exception (its traceback is in its output) while this rank (rank 0, stage 0) "
+                "waits for ...`, and the job ends with the failing rank's exit code (before: \"has shut down\" and a "
+                "fix about uneven data).",
+        cause="A bug on one rank only, in a script run as `mpirun ... python train.py`.",
+        fix="Fix the error of the rank named. (Python sets `sys.last_value` before the `atexit` hook that runs "
+            "`hp.shutdown`; the case calls that hook as the interpreter does, in the shared launch.)",
+        errors={0: ("PeerShutDownError", r"rank 1 \(stage 1\) failed with an uncaught exception \(its traceback is "
+                                         r"in its output\) while this rank \(rank 0, stage 0\) waits for its "
+                                         r"activation gradient.*fix the error that rank reports"),
+                1: (None, "")},
         seconds=10, ranks=2),
     Mistake(
         "rank_raised_during_collective", CALLS, "A rank fails with an exception while others wait in a collective",
-        symptom="Under `python -m hybridpipe`: `PeerShutDownError: hp.allreduce: rank 1 failed with an uncaught "
-                "exception (python -m hybridpipe aborts the job; ...) while this rank (rank 0) waits for it in a "
-                "collective on group 'world' (...): fix the error that rank reports`, before the job is aborted.",
+        symptom="`PeerShutDownError: hp.allreduce: rank 1 failed with an uncaught exception (its traceback is in its "
+                "output) while this rank (rank 0) waits for it in a collective on group 'world' (...): fix the error "
+                "that rank reports` (under `python -m hybridpipe` before the job is aborted; in a plain script when "
+                "the failing rank's `hp.shutdown` runs at exit).",
         cause="A bug on one rank while the others are in `hp.allreduce`, `hp.DistributedOptimizer`'s `step()` or "
               "any other collective.",
         fix="Fix the error of the rank named (its traceback is in its output).",
-        errors={0: ("PeerShutDownError", r"hp.allreduce: rank 1 failed with an uncaught exception \(python -m "
-                                         r"hybridpipe aborts the job.*\) while this rank \(rank 0\) waits for it in a "
-                                         r"collective on group 'world' \('[^']+'\): fix the error that rank reports")},
+        errors={0: ("PeerShutDownError", r"hp.allreduce: rank 1 failed with an uncaught exception \(its traceback is "
+                                         r"in its output\) while this rank \(rank 0\) waits for it in a collective "
+                                         r"on group 'world' \('[^']+'\): fix the error that rank reports")},
         seconds=10, ranks=2),
     Mistake(
         "forgot_zero_grad", CALLS, "Gradients grow from step to step: `zero_grad` is missing",

@@ -129,6 +129,27 @@ def uneven_batches_per_replica() -> None:
         optimizer.step()
 
 
+def stage_raised_in_plain_script() -> None:
+    """Stage 1 raises in a plain script (no python -m hybridpipe) while stage 0 waits for it. The interpreter
+    prints the traceback, sets sys.last_value and runs the atexit hooks, hybridpipe's hp.shutdown among them; the
+    case does the same (raising out of this script would end the shared launch)."""
+    hp.init()
+    model = small_pipeline()
+    if hp.grid().is_last_stage:
+        from hybridpipe import runtime
+
+        try:
+            raise KeyError("a bug in the user's training loop")
+        except KeyError as error:
+            sys.last_type, sys.last_value = type(error), error
+        try:
+            runtime._shutdown_at_exit()
+        finally:
+            del sys.last_type, sys.last_value
+        return
+    model.train_step(*batch())
+
+
 def stage_raised_under_python_m() -> None:
     """Under python -m hybridpipe, stage 1 raises (a bug in the user's code) while stage 0 waits for it: first in
     a collective (reported as the case ``rank_raised_during_collective``), then for its activation gradient.
@@ -395,7 +416,7 @@ def checkpoint_rank_killed_while_saving() -> None:
 CASES = {case.__name__: case for case in (
     kill_rank_1_while_saving, checkpoint_rank_killed_while_saving,
     stages_overridden, stage_shut_down_mid_step, stage_silent_past_timeout, collective_on_some_ranks,
-    uneven_batches_per_replica, stage_raised_under_python_m, collective_shapes_differ, micro_batches_differ,
+    uneven_batches_per_replica, stage_raised_in_plain_script, stage_raised_under_python_m, collective_shapes_differ, micro_batches_differ,
     schedule_differs, layer_count_differs, parameter_shapes_differ, stages_differ_per_rank, world_not_divisible,
     init_twice_other_grid, batches_differ_per_stage, train_step_vs_predict, model_used_after_shutdown,
     balance_wrong_sum, train_step_without_loss, forgot_zero_grad, nan_in_inputs, non_finite_in_a_layer,
