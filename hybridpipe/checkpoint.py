@@ -345,11 +345,15 @@ def _prepare(checkpoint: Path, manifest: dict, payloads: list[dict], model: Any,
                               "model (other sizes); build the model it was saved from, or load another checkpoint")
     if optimizer is None:
         return {key: tensors[key] for key in own}, None
-    if getattr(optimizer, "_hp_zero", 0) > 0:  # keeps its own pieces of the whole tensors (any saved D / level)
-        return {key: tensors[key] for key in own}, {"zero": (optimizer_state, groups)}
-    names = {id(p): name for name, p in model.named_parameters()}
     # a tied weight's state may be saved under another of its names (a grid where one rank held both)
     aliases = {name: tie for tie in getattr(model, "tied_parameter_names", ()) for name in tie}
+    if getattr(optimizer, "_hp_zero", 0) > 0:  # keeps its own pieces of the whole tensors (any saved D / level)
+        for tie in dict.fromkeys(map(tuple, aliases.values())):
+            saved_as = next((name for name in tie if name in optimizer_state), None)
+            for name in tie if saved_as is not None else ():
+                optimizer_state.setdefault(name, optimizer_state[saved_as])
+        return {key: tensors[key] for key in own}, {"zero": (optimizer_state, groups)}
+    names = {id(p): name for name, p in model.named_parameters()}
     current = optimizer.state_dict()
     position, state = 0, {}
     for index, group in enumerate(optimizer.param_groups):
