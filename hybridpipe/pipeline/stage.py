@@ -133,6 +133,7 @@ class StepResult:
         self.recomputed = 0             # forwards re-run during backward
         self.last_backward_finished = 0.0  # time.monotonic() when this rank's last backward ended
         self.versions: list[tuple[int, int, int]] = []  # (micro-batch, forward version, backward version)
+        self.actions: list[Action] = []  # the actions run, in the order they ran (tests compare the schedule)
 
 
 class _Chunk:
@@ -491,6 +492,7 @@ class StageExecutor:
         for index, action in enumerate(actions):
             self._progress(step)
             handlers[action.kind](step, self.chunks[action.stage], action, index)
+            step.result.actions.append(action)
         synchronous = all(chunk.stash is None for chunk in self.chunks.values())
         if synchronous and step.train and self._stored:
             leftover = ", ".join(f"{stage}:{m}" for stage, m in sorted(self._stored))
