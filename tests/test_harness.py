@@ -99,20 +99,58 @@ def test_failure_on_one_rank_fails_and_shows_every_rank_log():
     assert "tests/harness_cases/case_fail_rank1.py: rank 0: 1 passed; rank 1: 1 failed" in out
 
 
-def test_shared_files_run_in_one_launch_and_fail_on_their_own_tests():
-    result = run_pytest("case_shared_fail.py", str(CASES / "case_shared_pass.py"))
+@pytest.fixture(scope="module")
+def shared_launch() -> tuple[subprocess.CompletedProcess[str], float]:
+    """The three shared harness cases in one launch (one mpirun for the tests of two subjects), and its time."""
+    start = time.monotonic()
+    result = run_pytest("case_shared_fail.py", str(CASES / "case_shared_pass.py"), str(CASES / "case_shared_agree.py"))
+    return result, time.monotonic() - start
+
+
+def test_shared_files_run_in_one_launch_and_fail_on_their_own_tests(shared_launch):
+    result, _ = shared_launch
     out = result.stdout
     assert result.returncode == 1, out + result.stderr
-    # one mpirun for both files: the failure report's command names them both, and neither launches alone
+    # one mpirun for the files: the failure report's command names them all, and none launches alone
     command = next(line for line in out.splitlines() if line.startswith("command: "))
     assert "case_shared_fail.py" in command and "case_shared_pass.py" in command, command
     assert "test_fails_on_rank_one_in_a_shared_launch: passed on ranks [0], failed on ranks [1]" in out
     assert "shared hello from rank 1" in out and "rank 1 fails on purpose" in out
     assert "case_shared_fail.py: rank 0: 1 passed; rank 1: 1 failed" in out
-    assert "case_shared_pass.py: 1 passed on each of 2 ranks (" in out and "of a launch shared by 2 files" in out
+    assert "case_shared_pass.py: 1 passed on each of 2 ranks (" in out and "of a launch shared by 3 files" in out
     assert "FAILED tests/harness_cases/case_shared_fail.py::mpi[np2]" in out
     assert "FAILED tests/harness_cases/case_shared_pass.py" not in out  # its test passed: the other file's failure is not its own
-    assert "1 failed, 1 passed" in out
+    assert "2 failed, 1 passed" in out
+
+
+def test_ranks_agree_fails_every_rank_at_once_with_the_failing_ranks_message(shared_launch):
+    """tests/agree.py: a check failing on one rank inside a loop of collectives fails the test on every rank at
+    that iteration (no hang), with that rank's message; the next test still finds the ranks in step."""
+    result, elapsed = shared_launch
+    out = result.stdout
+    assert "test_rank_one_fails_in_a_loop_of_collectives: failed on ranks [0, 1]" in out
+    assert "OtherRankFailed: rank 1 failed (iteration 2) (failed on ranks [1] of 2); its message: " \
+           "AssertionError: rank 1 fails on purpose" in out
+    assert "not reached" not in out
+    assert "test_decorated_test_fails_on_rank_zero: failed on ranks [0, 1]" in out
+    assert "OtherRankFailed: rank 0 failed (failed on ranks [0] of 2); its message: AssertionError: rank 0 " \
+           "fails on purpose" in out
+    assert "case_shared_agree.py: 1 passed, 2 failed on each of 2 ranks" in out  # test_ranks_still_in_step passed
+    assert elapsed < 60, f"took {elapsed:.0f} s"
+
+
+@pytest.mark.skipif(os.environ.get("HYBRIDPIPE_LONG_TESTS") != "1",
+                    reason="slow: set HYBRIDPIPE_LONG_TESTS=1 (make test-long)")
+def test_ranks_agree_aborts_when_a_rank_never_comes():
+    """A rank stuck elsewhere (an unguarded failure desynchronised the ranks): the waiting ranks abort the job
+    after ranks_agree's timeout instead of hanging until the launch's."""
+    start = time.monotonic()
+    result = run_pytest("case_agree_stuck.py")
+    elapsed = time.monotonic() - start
+    out = result.stdout
+    assert result.returncode == 1, out + result.stderr
+    assert "ranks_agree: rank 0 waited 2 s for the other ranks' verdicts" in out
+    assert elapsed < 40, f"took {elapsed:.0f} s"
 
 
 @pytest.mark.skipif(os.environ.get("HYBRIDPIPE_LONG_TESTS") != "1",
@@ -136,3 +174,4 @@ def test_unreadable_marker_is_a_collection_error_without_import():
     assert result.returncode == 2, result.stdout + result.stderr
     assert "unreadable pytest.mark.mpi (ranks, timeout, long_ranks and shared must be literals" in result.stdout
     assert "must not be collected" not in result.stdout
+
