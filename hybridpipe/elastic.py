@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 
 from . import checkpoint, runtime
-from .errors import HorovodInternalError, NotInitializedError
+from .errors import HorovodInternalError, HybridPipeError, NotInitializedError
 from .optimizer import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["run", "State", "ObjectState", "TorchState", "HostsUpdatedInterrupt"]
@@ -127,6 +127,13 @@ class TorchState(ObjectState):
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  **kwargs: Any) -> None:
+        if getattr(model, "asynchronous", False):
+            raise HybridPipeError(
+                f"hp.elastic.TorchState: the PipelineModel's schedule {model.schedule_name!r} is asynchronous: it "
+                "keeps micro-batches in flight from one train_step to the next, which a roll back to the last "
+                "commit cannot undo on every stage. Use a synchronous schedule ('gpipe', '1f1b', "
+                "'interleaved-1f1b', 'zb-h1') with elastic, or restart from checkpoints (hp.save_checkpoint "
+                "flushes the pipeline; hybridpipe-run --restarts)")
         self.model, self.optimizer = model, optimizer
         super().__init__(**kwargs)
         self._saved_model = self._copy(model.state_dict()) if model is not None else None

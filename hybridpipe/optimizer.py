@@ -431,6 +431,15 @@ def DistributedOptimizer(  # noqa: N802 — Horovod's spelling, a factory that r
         raise ValueError(f"DistributedOptimizer op must be hp.Average, hp.Sum or hp.Adasum (got {op.name})")
     group = _target(group, process_set, "DistributedOptimizer")
     level = zero_module.check_level(zero)
+    for group_ in optimizer.param_groups:
+        owner = next((ref() for p in group_["params"] if (ref := getattr(p, "_hybridpipe_owner", None)) is not None
+                      and ref() is not None), None)
+        if owner is not None:
+            raise HybridPipeError(
+                f"hp.DistributedOptimizer(zero={zero}) wraps parameters of a PipelineModel whose schedule "
+                f"{owner.schedule_name!r} steps its own optimizer (optimizer=) inside train_step, averaging the "
+                "gradients over the replicas itself: do not wrap them (a second optimizer would update them "
+                "again); ZeRO needs a synchronous schedule ('gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1')")
     bases = (_DistributedOptimizerMixin, optimizer.__class__)
     if level:
         bases = (zero_module.ZeroMixin, *bases)
@@ -567,6 +576,12 @@ def clip_grad_norm_(model: Any, max_norm: float, norm_type: float = 2.0) -> floa
     Returns:
         The total norm before clipping.
     """
+    if getattr(model, "asynchronous", False):
+        raise HybridPipeError(
+            f"hp.clip_grad_norm_: schedule {model.schedule_name!r} is asynchronous: its stages update at different "
+            "times inside train_step, each with its own optimizer=, so there is no one global gradient to clip. "
+            "Clip per stage inside the optimizer you pass (e.g. a torch.optim.Optimizer subclass whose step() calls "
+            "torch.nn.utils.clip_grad_norm_ on its params first), or use a synchronous schedule")
     parameters = list(model.parameters()) if hasattr(model, "parameters") else list(model)
     elsewhere = copies_counted_elsewhere(model)  # tied copies whose norm a lower stage adds
     # ZeRO: the averaged gradient exists only as each replica's shard: its norm is summed over the data group

@@ -723,8 +723,8 @@ class PipelineModel(nn.Module):
             return f"schedule {self.schedule_name!r} does not split backwards"
         lines = []
         for stage, chunk in self._executor.chunks.items():
-            split = sorted(f"{name} ({type(m).__name__})" for name, m in chunk.module.named_modules()
-                           if m in chunk.splittable)
+            split = sorted(chunk.deferred_layers - chunk.fused_layers) if chunk.deferred_layers else \
+                sorted(f"{name} ({type(m).__name__})" for name, m in chunk.module.named_modules() if m in chunk.splittable)
             lines.append(f"stage {stage}: W deferred for {', '.join(split) or 'no layer'}; fused into I: "
                          f"{', '.join(sorted(chunk.fused_layers)) or 'nothing'}")
         return "\n".join(lines)

@@ -49,6 +49,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -151,6 +152,8 @@ class _Chunk:
         self.splittable: list[nn.Module] = []  # split backward: layers whose W is deferred
         self.recording: list[tuple[nn.Module, list[torch.Tensor], list[int]]] | None = None
         self.fused_layers: set[str] = set()  # split backward: layers whose weight gradients came in I
+        self.deferred_layers: set[str] = set()  # split backward: layers whose weight gradients came in W
+        self.unseen_warned = False  # split backward: the warning that splittable layers were not seen, given
         # a split module's chunk is called with the micro-batch's inputs too (every rank of a pipeline has them)
         self.takes_batch = bool(getattr(module, "hybridpipe_takes_batch", False))
         # its first layer works in place (nn.ReLU(inplace=True)): it gets a copy of its input (pipeline/inplace.py)
@@ -313,7 +316,9 @@ class StageExecutor:
     @staticmethod
     def _recorder(chunk: _Chunk) -> Callable:
         def record(layer: nn.Module, args: tuple, output: Any) -> None:
-            if chunk.recording is not None:
+            # while torch.compile traces, the outputs are not the ones autograd will see: record nothing, so
+            # the layer's weight gradients come in I (the split cannot reach inside a compiled region)
+            if chunk.recording is not None and not torch.compiler.is_compiling():
                 outputs = [t for t in iter_tensors(output) if t.requires_grad]
                 if outputs:
                     chunk.recording.append((layer, outputs, [t._version for t in outputs]))
@@ -712,8 +717,21 @@ class StageExecutor:
         stored.calls = usable
         stored.deferred = deferred_parameters(usable, chunk.module.modules())
         fused, targets = input_gradient_targets(inputs, chunk.module.parameters(), usable, stored.deferred)
+        chunk.deferred_layers.update(_owners(chunk, [p for p in chunk.module.parameters() if id(p) in stored.deferred]))
         if fused:
             chunk.fused_layers.update(_owners(chunk, fused))
+            seen = {id(layer) for layer, _ in usable}
+            unseen = [m for m in compiled_layers(chunk.module, chunk.splittable) if id(m) not in seen]
+            names = sorted(_owners(chunk, [p for m in unseen for p in m.parameters(recurse=False)]))
+            chunk.fused_layers.update(f"{name} (inside torch.compile)" for name in names)
+            chunk.fused_layers.difference_update(names)
+            if names and not chunk.unseen_warned:
+                chunk.unseen_warned = True
+                warnings.warn(f"schedule 'zb-h1', stage {chunk.stage}: the weight gradients of {', '.join(names)} "
+                              "are computed with the input gradients (I), not deferred to W: their calls run inside "
+                              "a compiled region (torch.compile), which the split cannot enter, so the bubble W would "
+                              "fill stays. Leave the Linear, Embedding, LayerNorm and convolution layers outside torch.compile to "
+                              "split them; model.split_backward_report() lists them", stacklevel=2)
         if targets:
             # partial: the hooks leave fused layers' gradients to DistributedOptimizer.synchronize()
             with chunk.in_phase("partial"):
@@ -821,6 +839,24 @@ def _layer_name(chunk: _Chunk, layer: nn.Module) -> str:
         if module is layer:
             return name or type(layer).__name__
     return type(layer).__name__
+
+
+def compiled_layers(module: nn.Module, layers: Iterable[nn.Module]) -> list[nn.Module]:
+    """Those of ``layers`` that run inside a compiled region of ``module``: under a ``torch.compile`` wrapper
+    or a module compiled in place (``module.compile()``)."""
+    wanted = {id(layer) for layer in layers}
+    found: dict[int, nn.Module] = {}
+
+    def visit(node: nn.Module, compiled: bool) -> None:
+        compiled = compiled or isinstance(node, torch._dynamo.eval_frame.OptimizedModule) or \
+            getattr(node, "_compiled_call_impl", None) is not None
+        if compiled and id(node) in wanted:
+            found[id(node)] = node
+        for child in node.children():
+            visit(child, compiled)
+
+    visit(module, False)
+    return list(found.values())
 
 
 def _owners(chunk: _Chunk, parameters: list[torch.Tensor]) -> set[str]:
