@@ -14,6 +14,8 @@ import hybridpipe as hp
 from hybridpipe.errors import HybridPipeError, PartitionError, ScheduleError
 from hybridpipe.pipeline import microbatch
 from hybridpipe.pipeline import schedule as sched
+from hybridpipe.pipeline.schedule import Schedule
+from agree import ranks_agree
 from training import Block, Embed, Head, replay_asynchronous, sequence_loss, two_bw_reference
 
 pytestmark = pytest.mark.mpi(ranks=[2, 4], long_ranks=[3], timeout=300, shared=True)  # P = 3 in make test-long
@@ -114,6 +116,123 @@ def test_synchronous_schedules_train_like_one_process(grid, schedule, checkpoint
         assert model.last_step.recomputed == recomputed * model.virtual_stages
     finally:
         model.close()
+
+
+# ------------------------------------------------------------------ the executor runs the schedule, bit for bit
+
+ALL_SYNCHRONOUS = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]  # at P = 4 in make test: "except_last" only
+SEED = 4321
+
+
+def dropout_mlp(stages: int) -> nn.Sequential:
+    """float64, a Dropout after every hidden layer (uniform balance gives every chunk some)."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(2 * stages):
+        layers += [nn.Linear(6, 6), nn.Tanh(), nn.Dropout(0.3)]
+    return nn.Sequential(*layers, nn.Linear(6, 3)).double()
+
+
+def replay_in_one_process(model: hp.PipelineModel, schedule: Schedule, inputs, targets, loss_fn):
+    """The pipeline's run in one process, action by action in each rank's order (any order across ranks that
+    respects the data flow): each rank's random stream seeded as the test seeds the ranks, drawn by its forwards
+    in its order (the dropout masks), no recompute; micro-batch gradients added up in each chunk's B / W order.
+    Returns {layer parameter name: gradient} and how many dropout outputs had zeros."""
+    stages, chunks = model.stages, model.chunks
+    layers = list(dropout_mlp(stages))
+    modules = [nn.Sequential(*[layers[i] for i in model.layers_of_chunk(c)]) for c in range(chunks)]
+    names = {id(p): f"{i}.{n}" for i, layer in enumerate(layers) for n, p in layer.named_parameters()}
+    xs, ys = microbatch.split(inputs, model.micro_batches), microbatch.split(targets, model.micro_batches)
+    weights = [len(y) / len(targets) for y in ys]
+    states = []
+    for rank in range(stages):
+        torch.manual_seed(SEED + rank)
+        states.append(torch.get_rng_state())
+    zeroed = []
+    for layer in layers:
+        if isinstance(layer, nn.Dropout):
+            layer.register_forward_hook(lambda module, args, out: zeroed.append(bool((out == 0).any())))
+    forward, gradient_in, accumulated = {}, {}, {}
+    position = [0] * stages
+
+    def ready(action: sched.Action) -> bool:
+        c, m = action.stage, action.micro_batch
+        if action.kind is sched.ActionKind.FORWARD:
+            return c == 0 or (c - 1, m) in forward
+        return c == chunks - 1 or (c, m) in gradient_in
+
+    def run(rank: int, action: sched.Action) -> None:
+        c, m = action.stage, action.micro_batch
+        kind = action.kind
+        if kind is sched.ActionKind.FORWARD:
+            torch.set_rng_state(states[rank])
+            x = xs[m] if c == 0 else forward[(c - 1, m)][1].detach().requires_grad_(True)
+            y = modules[c](x)
+            if c == chunks - 1:
+                y = loss_fn(y, ys[m]) * weights[m]
+            forward[(c, m)] = (x, y)
+            states[rank] = torch.get_rng_state()
+            return
+        x, y = forward[(c, m)]
+        wanted = []
+        if kind in (sched.ActionKind.BACKWARD, sched.ActionKind.BACKWARD_INPUT) and c > 0:
+            wanted.append(x)
+        if kind in (sched.ActionKind.BACKWARD, sched.ActionKind.BACKWARD_WEIGHT):
+            wanted += list(modules[c].parameters())
+        if not wanted:  # the first chunk's I: no input gradient to compute
+            return
+        grads = torch.autograd.grad(y, wanted, None if c == chunks - 1 else gradient_in[(c, m)], retain_graph=True)
+        if wanted and wanted[0] is x:
+            gradient_in[(c - 1, m)], grads = grads[0], grads[1:]
+        for parameter, grad in zip(wanted[-len(grads):] if grads else [], grads):
+            key = names[id(parameter)]
+            accumulated[key] = grad if key not in accumulated else accumulated[key] + grad
+
+    while any(position[r] < len(schedule[r]) for r in range(stages)):
+        moved = False
+        for rank in range(stages):
+            while position[rank] < len(schedule[rank]) and ready(schedule[rank][position[rank]]):
+                run(rank, schedule[rank][position[rank]])
+                position[rank] += 1
+                moved = True
+        assert moved, f"the replay is stuck at {position}"
+    return accumulated, sum(zeroed)
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"] if WORLD != 4 or LONG else ["except_last"])
+@pytest.mark.parametrize("schedule", ALL_SYNCHRONOUS)
+def test_executor_runs_the_schedules_actions_and_equals_their_replay_bit_for_bit(grid, schedule, checkpoint):
+    """What each rank's executor ran (last_step.actions) is the schedule's own list for that rank; its gradients
+    (float64, dropout, no optimizer) equal bit for bit a one-process replay adding micro-batch gradients in the
+    schedule's order with the same dropout masks (recompute must replay them: checkpoint "always" /
+    "except_last" under every synchronous schedule, virtual stages included)."""
+    stages = grid.pipeline_stages
+    micro_batches = 2 * stages
+    virtual = 2 if schedule == "interleaved-1f1b" else 1
+    loss_fn = nn.CrossEntropyLoss()
+    model = hp.PipelineModel(dropout_mlp(stages), loss_fn=loss_fn, micro_batches=micro_batches, balance="uniform",
+                             schedule=schedule, checkpoint=checkpoint, virtual_stages=virtual)
+    (inputs, targets), _ = data_for("mlp", grid, steps=1, per_replica=2 * micro_batches)[0]
+    inputs = inputs.double()
+    try:
+        torch.manual_seed(SEED + grid.stage)
+        model.train_step(inputs, targets)
+        ran = list(model.last_step.actions)
+        recomputed = model.last_step.recomputed
+        gradients = {name.removeprefix("layers."): p.grad for name, p in model.named_parameters()}
+    finally:
+        model.close()
+    own = sched.get_schedule(schedule, stages, micro_batches, virtual)
+    expected, zeroed = replay_in_one_process(model, own, inputs, targets, loss_fn)
+    with ranks_agree(what=f"{schedule}, checkpoint={checkpoint}"):
+        assert [str(a) for a in ran] == [str(a) for a in own[grid.stage]]
+        assert recomputed == {"never": 0, "except_last": micro_batches - 1, "always": micro_batches}[checkpoint] \
+            * virtual
+        assert zeroed > 0, "dropout zeroed nothing: the masks were not tested"
+        assert gradients and all(g is not None for g in gradients.values())
+        for name, gradient in gradients.items():
+            assert torch.equal(gradient, expected[name]), \
+                f"{name}: largest difference {(gradient - expected[name]).abs().max().item():.3g}"
 
 
 def test_interleaved_ranks_hold_every_pth_chunk_and_tag_messages_by_chunk(grid):
