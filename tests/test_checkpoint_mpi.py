@@ -20,6 +20,7 @@ from mpi4py import MPI
 from torch import nn
 
 import hybridpipe as hp
+from agree import ranks_agree
 from hybridpipe import checkpoint as checkpoint_module
 from hybridpipe import rng_state
 from hybridpipe.checkpoint import CheckpointError, latest_checkpoint, saved_balance
@@ -102,6 +103,7 @@ def saved(directory):
     return path
 
 
+@ranks_agree()
 def test_layout_is_complete_and_atomic(directory, saved):
     assert saved.name == "step-00000003"
     assert latest_checkpoint(directory) == saved
@@ -115,41 +117,47 @@ def test_layout_is_complete_and_atomic(directory, saved):
 def test_resume_on_another_grid_continues_exactly(directory, saved, stages):
     expected_losses, expected_state = reference()
     grid, model, optimizer = build(stages)
-    info = hp.load_checkpoint(directory, model, optimizer)
-    assert info == {"step": 3, "extra": {"note": "after 3 steps"}, "rng": "reseeded"}  # another partition
-    losses = train(model, optimizer, grid, batches()[3:])
-    mean_losses = [sum(v) / len(v) for v in zip(*hp.allgather_object(losses))]  # replicas see shards
-    if grid.data_replicas == 1:
-        assert mean_losses == pytest.approx(expected_losses[3:], rel=1e-5)
-    for name, value in model.state_dict().items():
-        torch.testing.assert_close(value, expected_state[name], rtol=1e-5, atol=1e-6, msg=name)
-    model.close()
+    try:
+        info = hp.load_checkpoint(directory, model, optimizer)
+        with ranks_agree(what="load_checkpoint"):
+            assert info == {"step": 3, "extra": {"note": "after 3 steps"}, "rng": "reseeded"}  # another partition
+        losses = train(model, optimizer, grid, batches()[3:])
+        mean_losses = [sum(v) / len(v) for v in zip(*hp.allgather_object(losses))]  # replicas see shards
+        with ranks_agree(what="after training"):
+            if grid.data_replicas == 1:
+                assert mean_losses == pytest.approx(expected_losses[3:], rel=1e-5)
+            for name, value in model.state_dict().items():
+                torch.testing.assert_close(value, expected_state[name], rtol=1e-5, atol=1e-6, msg=name)
+    finally:
+        model.close()
 
 
 def test_resume_in_a_single_process(directory, saved):
     """1 × 1: rank 0 alone (a world of its own) loads the 2 × 2 checkpoint."""
     hp.shutdown()
-    if WORLD.rank == 0:
-        expected_losses, expected_state = reference()
-        grid, model, optimizer = build(1, comm=MPI.COMM_SELF)
-        hp.load_checkpoint(directory, model, optimizer)
-        assert train(model, optimizer, grid, batches()[3:]) == pytest.approx(expected_losses[3:], rel=1e-5)
-        for name, value in model.state_dict().items():
-            torch.testing.assert_close(value, expected_state[name], rtol=1e-5, atol=1e-6, msg=name)
-        model.close()
-        hp.shutdown()
-    WORLD.Barrier()
+    with ranks_agree():  # (the others wait there for rank 0)
+        if WORLD.rank == 0:
+            expected_losses, expected_state = reference()
+            grid, model, optimizer = build(1, comm=MPI.COMM_SELF)
+            try:
+                hp.load_checkpoint(directory, model, optimizer)
+                assert train(model, optimizer, grid, batches()[3:]) == pytest.approx(expected_losses[3:], rel=1e-5)
+                for name, value in model.state_dict().items():
+                    torch.testing.assert_close(value, expected_state[name], rtol=1e-5, atol=1e-6, msg=name)
+            finally:
+                model.close()
+                hp.shutdown()
 
 
 def test_consolidate_gives_an_ordinary_state_dict(directory, saved, tmp_path):
-    if WORLD.rank == 0:
-        out = tmp_path / "full.pt"
-        result = subprocess.run([sys.executable, "-m", "hybridpipe.checkpoint", "consolidate", str(directory),
-                                 str(out)], capture_output=True, text=True, timeout=120)
-        assert result.returncode == 0, result.stderr
-        model = mlp()
-        model.load_state_dict(torch.load(out, weights_only=True), strict=True)
-    WORLD.Barrier()
+    with ranks_agree():  # (the others wait there for rank 0)
+        if WORLD.rank == 0:
+            out = tmp_path / "full.pt"
+            result = subprocess.run([sys.executable, "-m", "hybridpipe.checkpoint", "consolidate", str(directory),
+                                     str(out)], capture_output=True, text=True, timeout=120)
+            assert result.returncode == 0, result.stderr
+            model = mlp()
+            model.load_state_dict(torch.load(out, weights_only=True), strict=True)
 
 
 def test_interrupted_and_damaged_saves(directory, saved):
@@ -162,17 +170,21 @@ def test_interrupted_and_damaged_saves(directory, saved):
             data = (saved / "stage-0.pt").read_bytes()
             (partial / "stage-0.pt").write_bytes(data[: len(data) // 2])
         WORLD.Barrier()
-        assert hp.load_checkpoint(directory, model, optimizer)["step"] == 3  # the previous one
-        with pytest.raises(CheckpointError, match="has no manifest.json: the save did not finish"):
+        step = hp.load_checkpoint(directory, model, optimizer)["step"]
+        with ranks_agree(what="the previous checkpoint"):
+            assert step == 3  # the previous one
+        with ranks_agree(what="no manifest"), \
+                pytest.raises(CheckpointError, match="has no manifest.json: the save did not finish"):
             hp.load_checkpoint(partial, model, optimizer)
         # a truncated file under a manifest: refused with the file named, on every rank
         if grid.rank == 0:
             (partial / "stage-1.pt").write_bytes(b"not a checkpoint")
             (partial / "manifest.json").write_text((saved / "manifest.json").read_text())
         WORLD.Barrier()
-        with pytest.raises(CheckpointError, match=r"stage-0.pt is truncated or not a hybridpipe checkpoint"):
+        with ranks_agree(what="truncated"), \
+                pytest.raises(CheckpointError, match=r"stage-0.pt is truncated or not a hybridpipe checkpoint"):
             hp.load_checkpoint(partial, model, optimizer)
-        with pytest.raises(CheckpointError, match="no checkpoint in"):
+        with ranks_agree(what="nowhere"), pytest.raises(CheckpointError, match="no checkpoint in"):
             hp.load_checkpoint(directory / "nowhere", model, optimizer)
     finally:
         model.close()
@@ -186,6 +198,7 @@ def test_interrupted_and_damaged_saves(directory, saved):
     (4, [3, 2, 2, 1], {0: ["stage-0.pt"], 1: ["stage-0.pt", "stage-1.pt"], 2: ["stage-1.pt"], 3: ["stage-1.pt"]}),
     (1, "uniform", {0: ["stage-0.pt", "stage-1.pt"]}),                 # one stage holds every layer
 ])
+@ranks_agree()
 def test_each_rank_reads_only_the_files_of_its_layers(directory, saved, monkeypatch, stages, balance, expected):
     """Saved on 2 stages, balance [4, 4] (layers 0-3 | 4-7): a rank reads the manifest and the stage
     files that overlap its layers, nothing else."""
@@ -252,21 +265,26 @@ def test_dropout_run_continues_bit_for_bit_after_loading(dropout_run):
     checkpoint, _, expected, expected_draws = dropout_run
     grid, model, optimizer = build(2, layers=mlp_with_dropout())
     scramble()
-    assert hp.load_checkpoint(checkpoint, model, optimizer)["rng"] == "restored"
+    rng = hp.load_checkpoint(checkpoint, model, optimizer)["rng"]
     train(model, optimizer, grid, batches()[2:4])
-    for name, value in model.state_dict().items():
-        assert torch.equal(value, expected[name]), f"rank {grid.rank}: {name} differs"
-    assert draws() == expected_draws
+    with ranks_agree(what="restored"):
+        assert rng == "restored"
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, expected[name]), f"rank {grid.rank}: {name} differs"
+        assert draws() == expected_draws
     model.close()
     # control: without the generator states the dropout masks differ, and so do the parameters
     grid, model, optimizer = build(2, layers=mlp_with_dropout())
     scramble()
-    assert hp.load_checkpoint(checkpoint, model, optimizer, restore_rng=False)["rng"] == "skipped"
+    rng = hp.load_checkpoint(checkpoint, model, optimizer, restore_rng=False)["rng"]
     train(model, optimizer, grid, batches()[2:4])
-    assert any(not torch.equal(value, expected[name]) for name, value in model.state_dict().items())
+    with ranks_agree(what="not restored"):
+        assert rng == "skipped"
+        assert any(not torch.equal(value, expected[name]) for name, value in model.state_dict().items())
     model.close()
 
 
+@ranks_agree()
 def test_fewer_replicas_keep_the_states_of_the_same_stage_and_replica(dropout_run):
     """2 × 2 saved, loaded on two separate 2 × 1 grids (ranks 0-1 and 2-3): every rank gets the state
     of (its stage, replica 0), i.e. of world rank `stage` at the save."""
@@ -274,15 +292,17 @@ def test_fewer_replicas_keep_the_states_of_the_same_stage_and_replica(dropout_ru
     hp.shutdown()
     half = WORLD.Split(WORLD.rank // 2, WORLD.rank)
     grid, model, optimizer = build(2, comm=half, layers=mlp_with_dropout())
-    scramble()
-    assert hp.load_checkpoint(checkpoint, model, optimizer)["rng"] == "restored"
-    saved = states[grid.stage]  # world rank `stage` was (stage, replica 0) on 2 × 2
-    assert torch.equal(torch.get_rng_state(), saved["torch"])
-    assert random.getstate()[1] == tuple(saved["python"]["internal"].tolist())
-    assert np.array_equal(np.random.get_state()[1], saved["numpy"]["keys"].numpy())
-    model.close()
-    hp.shutdown()
-    half.Free()
+    try:
+        scramble()
+        assert hp.load_checkpoint(checkpoint, model, optimizer)["rng"] == "restored"
+        saved = states[grid.stage]  # world rank `stage` was (stage, replica 0) on 2 × 2
+        assert torch.equal(torch.get_rng_state(), saved["torch"])
+        assert random.getstate()[1] == tuple(saved["python"]["internal"].tolist())
+        assert np.array_equal(np.random.get_state()[1], saved["numpy"]["keys"].numpy())
+    finally:
+        model.close()
+        hp.shutdown()
+        half.Free()
 
 
 def test_another_partition_reseeds_deterministically_and_distinctly(dropout_run):
@@ -293,15 +313,19 @@ def test_another_partition_reseeds_deterministically_and_distinctly(dropout_run)
     for _ in range(2):
         grid, model, optimizer = build(4, layers=mlp_with_dropout(), balance=[3, 2, 2, 2])
         scramble()
-        assert hp.load_checkpoint(checkpoint, model, optimizer)["rng"] == "reseeded"
+        rng = hp.load_checkpoint(checkpoint, model, optimizer)["rng"]
         seen.append(torch.get_rng_state())
         model.close()
-    assert torch.equal(seen[0], seen[1])
+        with ranks_agree():
+            assert rng == "reseeded"
     everyone = WORLD.allgather(seen[0])
-    assert len({bytes(state.numpy()) for state in everyone}) == 4
-    assert not any(torch.equal(seen[0], saved["torch"]) for saved in states)
+    with ranks_agree():
+        assert torch.equal(seen[0], seen[1])
+        assert len({bytes(state.numpy()) for state in everyone}) == 4
+        assert not any(torch.equal(seen[0], saved["torch"]) for saved in states)
 
 
+@ranks_agree()
 def test_a_new_replica_is_reseeded_and_the_old_ones_restored(tmp_path_factory):
     """Saved on 2 × 1 (world ranks 0-1 only), loaded on 2 × 2: replica 0 gets its states back,
     replica 1 (new) is re-seeded."""
@@ -328,6 +352,7 @@ def test_a_new_replica_is_reseeded_and_the_old_ones_restored(tmp_path_factory):
     model.close()
 
 
+@ranks_agree()
 def test_checkpoint_without_rng_states_loads_with_a_note(dropout_run, tmp_path_factory):
     """Files written before RNG states were saved (no "rng" entry) load; generators are left alone and
     rank 0 warns."""
@@ -360,22 +385,25 @@ def test_resume_starts_from_scratch_on_an_empty_or_missing_directory(tmp_path_fa
     empty = Path(WORLD.bcast(str(tmp_path_factory.mktemp("empty")) if WORLD.rank == 0 else None, root=0))
     grid, model, optimizer = build(2)
     before = {name: value.clone() for name, value in model.state_dict().items()}
-    for directory in (empty, empty / "not-yet"):
-        state = hp.resume(directory, model, optimizer)
-        assert state == checkpoint_module.ResumeInfo() and state.step == 0 and not state.resumed
-    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+    states = [hp.resume(directory, model, optimizer) for directory in (empty, empty / "not-yet")]
     model.close()
+    with ranks_agree():
+        for state in states:
+            assert state == checkpoint_module.ResumeInfo() and state.step == 0 and not state.resumed
+        assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
 
 
 def test_resume_loads_the_latest_and_reuses_its_balance(directory, saved, monkeypatch):
     grid, model, optimizer = build(2)
-    assert saved_balance(directory) == [4, 4] and saved_balance(directory, pipeline_stages=4) is None
     state = hp.resume(directory, model, optimizer)
-    assert (state.step, state.extra, state.checkpoint, state.rng) == (3, {"note": "after 3 steps"}, saved,
-                                                                      "restored")
     monkeypatch.setenv("HYBRIDPIPE_CHECKPOINT_DIR", str(directory))
-    assert hp.resume(None, model, optimizer).checkpoint == saved  # the directory hybridpipe-run exports
+    exported = hp.resume(None, model, optimizer).checkpoint  # the directory hybridpipe-run exports
     model.close()
+    with ranks_agree():
+        assert saved_balance(directory) == [4, 4] and saved_balance(directory, pipeline_stages=4) is None
+        assert (state.step, state.extra, state.checkpoint, state.rng) == (3, {"note": "after 3 steps"}, saved,
+                                                                          "restored")
+        assert exported == saved
 
 
 def test_resume_refuses_a_directory_ranks_see_differently(directory, saved, tmp_path, monkeypatch):
@@ -383,10 +411,14 @@ def test_resume_refuses_a_directory_ranks_see_differently(directory, saved, tmp_
     raises, naming who saw what."""
     grid, model, optimizer = build(2)
     mine = directory if grid.rank == 0 else tmp_path
-    with pytest.raises(CheckpointError, match=r"ranks see different checkpoints .*\(no checkpoint on rank\(s\) "
-                                              r"1-3; step-00000003 on rank\(s\) 0\).*shared file system"):
-        hp.resume(mine, model, optimizer)
-    monkeypatch.delenv("HYBRIDPIPE_CHECKPOINT_DIR", raising=False)
-    with pytest.raises(CheckpointError, match=r"HYBRIDPIPE_CHECKPOINT_DIR is not set.*--checkpoint-dir"):
-        hp.resume(None, model, optimizer)
-    model.close()
+    try:
+        with ranks_agree(what="different directories"), pytest.raises(
+                CheckpointError, match=r"ranks see different checkpoints .*\(no checkpoint on rank\(s\) "
+                                       r"1-3; step-00000003 on rank\(s\) 0\).*shared file system"):
+            hp.resume(mine, model, optimizer)
+        monkeypatch.delenv("HYBRIDPIPE_CHECKPOINT_DIR", raising=False)
+        with ranks_agree(what="no directory"), pytest.raises(
+                CheckpointError, match=r"HYBRIDPIPE_CHECKPOINT_DIR is not set.*--checkpoint-dir"):
+            hp.resume(None, model, optimizer)
+    finally:
+        model.close()
