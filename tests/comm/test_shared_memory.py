@@ -14,6 +14,7 @@ import torch
 from mpi4py import MPI
 
 import hybridpipe as hp
+from agree import ranks_agree
 from hybridpipe._ext import core
 from hybridpipe.comm import context
 from hybridpipe.config import Config
@@ -231,3 +232,72 @@ def test_info_says_why_there_is_no_segment():
     assert info["available"] is False and info["reason"] == "switched off (shared_memory=False)"
     info = core().shared_memory_info(MPI.COMM_SELF.py2f(), core().AllreduceOptions())
     assert info["available"] is False and info["reason"] == "one rank: nothing to share"
+
+
+# ------------------------------------------------------------------ fusion, value by value
+
+HALF_EXACT = {"float16": 2048, "bfloat16": 256}  # integers up to these are exact in the half types
+# per dtype, tensors of odd sizes next to each other (one bucket per dtype; empty ones inside), then a float32 bucket
+# over 1 MiB: out of place through the segment its outputs are written with streaming stores
+FUSED = [(dtype, count) for dtype in DTYPES for count in (1, 7, 1000, 0, 4099, 3)] + \
+    [("float32", count) for count in (1, 5, 200_001, 3, 70_001)]
+FUSION_PATHS = {
+    "ring": dict(shared_memory=False),
+    "segment": dict(),
+    "segment_4KiB_chunks": dict(shared_memory_chunk_bytes=4096),
+}
+
+
+def exact_contribution(seed, count, dtype, rank, n):
+    """Integers whose sums and minima every dtype holds exactly, whatever the order of the additions."""
+    bound = HALF_EXACT.get(dtype, 10_000 * n) // n
+    values = np.random.default_rng([seed, rank, count]).integers(-bound, bound + 1, count)
+    return torch.from_numpy(values).to(getattr(torch, dtype))
+
+
+def exact_reference(group, op):
+    stacked = np.stack([t.to(torch.int64).numpy() for t in group])
+    return stacked.sum(0) if op == "sum" else stacked.min(0)
+
+
+def check_exact(results, tensors, op, path):
+    for index, ((dtype, count), group, got) in enumerate(zip(FUSED, tensors, results)):
+        assert got.dtype == getattr(torch, dtype) and got.shape == (count,), (path, index)
+        want = exact_reference(group, op)
+        wrong = np.flatnonzero(got.to(torch.int64).numpy() != want)
+        assert wrong.size == 0, (f"{path}, {op}: tensor {index} ({dtype}, {count} elements) differs at elements "
+                                 f"{wrong[:5].tolist()} (got {got[wrong[:5]].tolist()}, want {want[wrong[:5]].tolist()})")
+
+
+@pytest.mark.parametrize("path", list(FUSION_PATHS))
+def test_fused_buckets_of_every_dtype_come_back_exact_element_by_element(path):
+    """Tensors of odd sizes and every dtype fused into buckets (the fusion buffer's pack / unpack at every
+    offset), reduced through the ring, the shared-memory segment or the segment streaming 4 KiB chunks, by
+    grouped_allreduce (out of place and in place) and by the engine (out of place: the 1 MiB bucket's outputs
+    written with streaming stores): every element of every tensor equal to numpy's."""
+    hp.shutdown()
+    hp.init(config=Config(small_message_bytes=0, unfused_bytes=0, **FUSION_PATHS[path]))
+    rank, n = hp.rank(), hp.size()
+    for op, hp_op in (("sum", hp.Sum), ("min", hp.Min)):
+        tensors = [[exact_contribution(500 + i, count, dtype, r, n) for r in range(n)]
+                   for i, (dtype, count) in enumerate(FUSED)]
+        mine = [group[rank].clone() for group in tensors]
+        results = hp.grouped_allreduce(mine, op=hp_op)
+        with ranks_agree(what=f"{path}, {op}, grouped_allreduce"):
+            check_exact(results, tensors, op, path)
+            assert all(torch.equal(t, group[rank]) for t, group in zip(mine, tensors)), "an input was written to"
+        hp.grouped_allreduce_(mine, op=hp_op)
+        with ranks_agree(what=f"{path}, {op}, grouped_allreduce_"):
+            check_exact(mine, tensors, op, path)
+        mine = [group[rank].clone() for group in tensors]
+        before = hp.engine_stats("world")
+        handles = [hp.allreduce_async(t, name=f"fused.{path}.{op}.{i}", op=hp_op, group="world")
+                   for i, t in enumerate(mine)]
+        results = [hp.synchronize(handle) for handle in handles]
+        after = hp.engine_stats("world")
+        with ranks_agree(what=f"{path}, {op}, engine"):
+            check_exact(results, tensors, op, path)
+            assert after["tensors"] - before["tensors"] == len(FUSED)
+            assert after["buckets"] - before["buckets"] < len(FUSED) - 1, "the engine fused nothing"
+            through_segment = after["shared_memory"] - before["shared_memory"]
+            assert (through_segment == 0) if path == "ring" else (through_segment > 0), (before, after)
