@@ -5,7 +5,7 @@ from mpi4py import MPI
 
 import hybridpipe as hp
 
-pytestmark = pytest.mark.mpi(ranks=4, long_ranks=8)
+pytestmark = pytest.mark.mpi(ranks=4, long_ranks=8, shared=True)  # one mpirun with the other 4-rank files
 
 WORLD = MPI.COMM_WORLD
 
