@@ -10,7 +10,7 @@ DEMO_RANKS ?= 4
 DEMO_STAGES ?= 2
 MPIRUN_FLAGS := $(shell [ "$$(id -u)" = 0 ] && echo --allow-run-as-root) --oversubscribe
 
-.PHONY: setup build test test-long test-mpich gpu-check demo demo-hf demo-allreduce bench docs clean
+.PHONY: setup build test test-long test-mpich mutants gpu-check demo demo-hf demo-allreduce bench docs clean
 
 setup: $(STAMP)
 
@@ -51,6 +51,13 @@ test-long: $(STAMP)
 	  echo "multi-host run $$i of $(MULTIHOST_REPEATS)"; \
 	  PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests/test_multihost.py -q -p no:cacheprovider || exit 1; \
 	done
+
+# Mutation check (not part of make test; many minutes): tests/mutants.py plants each bug of its list in a
+# scratch copy of HEAD under /tmp (C++ ones rebuild the extension there), runs the test files that should catch
+# it, and reports which tests killed it and how long each file ran. MUTANTS="name ..." runs some only.
+MUTANTS ?=
+mutants: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tests/mutants.py $(if $(MUTANTS),--only $(MUTANTS),)
 
 # The same multi-host tests under MPICH: a second venv (.venv-mpich) with the mpich wheel, mpi4py built
 # against it, and hybridpipe's extension compiled with MPICH's mpicxx.
