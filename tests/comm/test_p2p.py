@@ -17,6 +17,7 @@ import torch
 from mpi4py import MPI
 
 import hybridpipe as hp
+from agree import ranks_agree
 from hybridpipe import _ext
 from hybridpipe.comm import p2p
 
@@ -89,8 +90,9 @@ def test_tensor_round_trip_every_dtype_and_shape(comm, dtype):
     for case, shape in enumerate(SHAPES):
         got = exchange(comm, make(dtype, shape, seed=100 * case + comm.rank), tag=10)
         want = make(dtype, shape, seed=100 * case + source)
-        assert_same(got, want)
-        assert got.is_contiguous() and not got.requires_grad
+        with ranks_agree(comm, what=f"shape {shape}"):  # a rank leaving early would strand the next exchange
+            assert_same(got, want)
+            assert got.is_contiguous() and not got.requires_grad
 
 
 def test_small_values_travel_in_one_message_large_ones_with_payloads(comm):
@@ -247,9 +249,11 @@ def test_shapes_change_between_messages_on_the_same_tags(comm):
     lengths = [5, 9, 1, 0, 9, 3]
     for step, length in enumerate(lengths):  # one message in flight at a time
         forward = exchange(comm, activation(step, length, comm.rank), tag=80)
-        assert_same_structure(forward, activation(step, length, source))
+        with ranks_agree(comm, what=f"step {step} forward"):
+            assert_same_structure(forward, activation(step, length, source))
         backward = exchange(comm, forward[0] * 2, tag=82)
-        assert_same(backward, activation(step, length, (source - 1) % comm.size)[0] * 2)
+        with ranks_agree(comm, what=f"step {step} backward"):
+            assert_same(backward, activation(step, length, (source - 1) % comm.size)[0] * 2)
     # all receives posted first, then every message of the sequence is sent at once
     receives = [p2p.Receive(source, 84, comm) for _ in lengths]
     sends = [p2p.send(activation(step, length, comm.rank), dest, 84, comm) for step, length in enumerate(lengths)]
@@ -342,17 +346,9 @@ def test_same_tag_receives_waited_or_polled_out_of_order(comm):
 def test_poll_false_before_send_true_after(comm):
     if comm.rank == 0:
         receive = p2p.Receive(1, 100, comm)
-        assert receive.poll() is False
-        assert receive.poll() is False
+        early = [receive.poll(), receive.poll()]
         comm.Barrier()  # A: rank 1 sends only after this
         comm.Barrier()  # B: rank 1 has sent
-        deadline = time.monotonic() + 30
-        while not receive.poll():
-            assert time.monotonic() < deadline, "poll() stayed False after the send"
-            time.sleep(1e-4)
-        assert receive.poll() is True
-        assert_same_structure(receive.wait(), structure(1))
-        assert receive.poll() is True and receive.wait() is receive.wait()  # done stays done
     elif comm.rank == 1:
         comm.Barrier()
         send = p2p.send(structure(1), 0, 100, comm)
@@ -361,7 +357,16 @@ def test_poll_false_before_send_true_after(comm):
     else:
         comm.Barrier()
         comm.Barrier()
-    comm.Barrier()
+    with ranks_agree(comm):  # (the others wait there for rank 0's checks)
+        if comm.rank == 0:
+            assert early == [False, False]
+            deadline = time.monotonic() + 30
+            while not receive.poll():
+                assert time.monotonic() < deadline, "poll() stayed False after the send"
+                time.sleep(1e-4)
+            assert receive.poll() is True
+            assert_same_structure(receive.wait(), structure(1))
+            assert receive.poll() is True and receive.wait() is receive.wait()  # done stays done
 
 
 # ------------------------------------------------------------------ buffers and modification
@@ -394,7 +399,8 @@ def test_dropped_send_keeps_its_buffers_until_sent(comm):
     junk = [torch.full((3_000_000,), 7.0) for _ in range(4)]  # reuse the freed memory, if any
     comm.Barrier()  # progresses the send while the receiver has not posted yet
     got = p2p.Receive(source, 120, comm).wait()
-    assert_same(got, make(torch.float32, (3_000_000,), source) * 2)
+    with ranks_agree(comm):
+        assert_same(got, make(torch.float32, (3_000_000,), source) * 2)
     del junk
     comm.Barrier()
     # the dropped send's buffers are released once MPI is done with them (every rank takes the same
@@ -430,9 +436,10 @@ def test_transfers_progress_while_python_holds_the_gil(comm, request):
             arrived = answer._header_request.done
         finally:
             sys.setswitchinterval(before)
-        assert arrived, "the answer did not arrive while Python held the GIL (the communication thread waited for it)"
-        assert_same(answer.wait(), make(torch.float32, (64,), 0) * 2)
-    comm.Barrier()
+    with ranks_agree(comm):  # (the others wait there for rank 0's checks)
+        if comm.rank == 0:
+            assert arrived, "the answer did not arrive while Python held the GIL (the communication thread waited)"
+            assert_same(answer.wait(), make(torch.float32, (64,), 0) * 2)
 
 
 # ------------------------------------------------------------------ errors

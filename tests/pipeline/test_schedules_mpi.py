@@ -105,8 +105,9 @@ def test_synchronous_schedules_train_like_one_process(grid, schedule, checkpoint
             expected = loss_fn(reference(all_inputs), all_targets)
             expected.backward()
             reference_optimizer.step()
-            if grid.data_replicas == 1:
-                assert loss == pytest.approx(expected.item(), rel=1e-5)
+            with ranks_agree(what="loss"):  # before the next train_step: a rank leaving would strand the others
+                if grid.data_replicas == 1:
+                    assert loss == pytest.approx(expected.item(), rel=1e-5)
         assert_parameters_equal(model, dict(reference.named_parameters()))
         actions = model._schedule(schedule)
         assert model.last_step.peak_stored == sched.peak_in_flight(actions)
@@ -240,10 +241,11 @@ def test_interleaved_ranks_hold_every_pth_chunk_and_tag_messages_by_chunk(grid):
     model = hp.PipelineModel(mlp(stages), loss_fn=nn.CrossEntropyLoss(), micro_batches=stages,
                              schedule="interleaved-1f1b", virtual_stages=2)
     try:
-        assert len(model.balance) == 2 * stages
-        chunks = [model.layers_of_chunk(c) for c in (grid.stage, grid.stage + stages)]
-        assert list(model.layers_of_stage(grid.stage)) == [i for chunk in chunks for i in chunk]
-        assert sorted(int(k) for k in model.layers) == list(model.layers_of_stage(grid.stage))
+        with ranks_agree(what="layout"):
+            assert len(model.balance) == 2 * stages
+            chunks = [model.layers_of_chunk(c) for c in (grid.stage, grid.stage + stages)]
+            assert list(model.layers_of_stage(grid.stage)) == [i for chunk in chunks for i in chunk]
+            assert sorted(int(k) for k in model.layers) == list(model.layers_of_stage(grid.stage))
         (inputs, targets), _ = data_for("mlp", grid, steps=1, per_replica=stages)[0]
         reference = mlp(stages)
         with torch.no_grad():
@@ -262,13 +264,14 @@ def test_zero_bubble_defers_linear_weight_gradients_and_reports_fused_layers(gri
         (inputs, targets), _ = data_for("transformer", grid, steps=1, per_replica=stages)[0]
         model.train_step(inputs, targets)
         report = model.split_backward_report()
-        assert report.startswith(f"stage {grid.stage}: W deferred for ")
-        deferred, fused = report.split("; fused into I: ")
-        assert "mlp.0 (Linear)" in deferred and "norm1 (LayerNorm)" in deferred  # every Block's
-        assert "attention (MultiheadAttention)" in fused  # no split rule: its weights' gradients come in I
-        assert "out_proj" in fused  # a Linear that MultiheadAttention uses without calling it
-        if grid.is_first_stage:
-            assert "tokens (Embedding)" in deferred and "(Embed)" in fused  # Embed.positions is its own
+        with ranks_agree(what="report"):
+            assert report.startswith(f"stage {grid.stage}: W deferred for ")
+            deferred, fused = report.split("; fused into I: ")
+            assert "mlp.0 (Linear)" in deferred and "norm1 (LayerNorm)" in deferred  # every Block's
+            assert "attention (MultiheadAttention)" in fused  # no split rule: its weights' gradients come in I
+            assert "out_proj" in fused  # a Linear that MultiheadAttention uses without calling it
+            if grid.is_first_stage:
+                assert "tokens (Embedding)" in deferred and "(Embed)" in fused  # Embed.positions is its own
         flat = hp.PipelineModel(mlp(stages), loss_fn=nn.CrossEntropyLoss(), micro_batches=stages, schedule="zb-h1")
         try:
             (x, y), _ = data_for("mlp", grid, steps=1, per_replica=stages)[0]
@@ -317,31 +320,34 @@ def test_pipedream_stashes_weights_and_equals_a_replay_of_its_schedule(grid, ver
         for inputs, targets in replica_micro_batch_data(data, grid, micro_batches):
             loss = model.train_step(inputs, targets)
             finished = model.weight_versions()
-            assert (loss is None) == (not finished)  # the mean over micro-batches finished here
-            if finished:
-                assert loss == pytest.approx(sum(model.last_step.losses.values()) / len(finished))
+            with ranks_agree(what="step loss"):
+                assert (loss is None) == (not finished)  # the mean over micro-batches finished here
+                if finished:
+                    assert loss == pytest.approx(sum(model.last_step.losses.values()) / len(finished))
             records += finished
             losses.update(model.last_step.losses)
         model.flush()
         records += model.weight_versions()
         losses.update(model.last_step.losses)
-        assert sorted(losses) == list(range(steps * micro_batches))
-        assert all(other == losses for other in hp.allgather_object(losses, group="pipe"))  # the last stage's
-        assert sorted(m for m, _, _ in records) == list(range(steps * micro_batches))
-        lag = stages - 1 if vertical_sync else stages - grid.stage - 1
-        for m, forward, backward in records:
-            assert forward == backward  # weight stashing
-            assert forward == max(m - lag, 0)  # staleness: P - s - 1 updates (vertical sync: stage 0's)
+        everyone = hp.allgather_object(losses, group="pipe")
         modules, used = replay_asynchronous("pipedream", mlp(stages), model.balance,
                                             micro_batch_stream(data, micro_batches), nn.CrossEntropyLoss(), factory,
                                             vertical_sync, micro_batches)
-        assert sorted(used[grid.stage]) == sorted((m, f) for m, f, _ in records)
-        offset = sum(model.balance[:grid.stage])
-        expected = {f"{offset + int(name.split('.')[0])}.{name.split('.', 1)[1]}": p
-                    for name, p in modules[grid.stage].named_parameters()}
-        assert_parameters_equal(model, expected)
-        kept = model._executor.chunks[grid.stage].stash.peak_versions
-        assert kept <= (stages + 1 if vertical_sync else stages - grid.stage)  # P - s; vertical sync: older ones too
+        with ranks_agree(what="after flush"):
+            assert sorted(losses) == list(range(steps * micro_batches))
+            assert all(other == losses for other in everyone)  # the last stage's
+            assert sorted(m for m, _, _ in records) == list(range(steps * micro_batches))
+            lag = stages - 1 if vertical_sync else stages - grid.stage - 1
+            for m, forward, backward in records:
+                assert forward == backward  # weight stashing
+                assert forward == max(m - lag, 0)  # staleness: P - s - 1 updates (vertical sync: stage 0's)
+            assert sorted(used[grid.stage]) == sorted((m, f) for m, f, _ in records)
+            offset = sum(model.balance[:grid.stage])
+            expected = {f"{offset + int(name.split('.')[0])}.{name.split('.', 1)[1]}": p
+                        for name, p in modules[grid.stage].named_parameters()}
+            assert_parameters_equal(model, expected)
+            kept = model._executor.chunks[grid.stage].stash.peak_versions
+            assert kept <= (stages + 1 if vertical_sync else stages - grid.stage)  # P - s; vertical sync: older too
     finally:
         model.close()
 
@@ -430,14 +436,16 @@ def test_asynchronous_checkpoint_flushes_saves_the_pipeline_optimizer_and_resume
             straight.train_step(inputs, targets)
             resumed.train_step(inputs, targets)
         hp.save_checkpoint(path, resumed, step=2)  # flushes: nothing in flight after it
-        assert resumed._executor.in_flight == []
+        with ranks_agree(what="flushed"):
+            assert resumed._executor.in_flight == []
         # 2BW restarts its double buffer from loaded weights (W(-1) = W(0) again): so does `straight`
         hp.save_checkpoint(f"{path}-straight", straight, step=2)
         hp.load_checkpoint(f"{path}-straight", straight)
         fresh = build()
         try:
             hp.load_checkpoint(path, fresh)
-            assert fresh.optimizer.state_dict()["state"], "the pipeline's AdamW state was saved and loaded"
+            with ranks_agree(what="loaded"):
+                assert fresh.optimizer.state_dict()["state"], "the pipeline's AdamW state was saved and loaded"
             for inputs, targets in data[2:]:
                 straight.train_step(inputs, targets)
                 fresh.train_step(inputs, targets)
