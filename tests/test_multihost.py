@@ -24,11 +24,15 @@ PIPELINE_WORKER = ROOT / "tests" / "multihost" / "pipeline_worker.py"
 HIERARCHICAL_WORKER = ROOT / "tests" / "multihost" / "hierarchical_worker.py"
 
 
-def run_worker(hosts: EmulatedHosts, *args: str, worker: Path = WORKER, round_robin: bool = False,
-               ranks_per_host=2, env: dict[str, str] | None = None) -> str:
+def launch_worker(hosts: EmulatedHosts, *args: str, worker: Path = WORKER, round_robin: bool = False,
+                  ranks_per_host=2, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     command = hosts.mpirun_command(ranks_per_host, [sys.executable, str(worker), *args],
                                    env={"OMP_NUM_THREADS": "1", **(env or {})}, round_robin=round_robin)
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=150)
+
+
+def run_worker(hosts: EmulatedHosts, *args: str, **kwargs) -> str:
+    result = launch_worker(hosts, *args, **kwargs)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     for rank in range(4):
@@ -36,18 +40,37 @@ def run_worker(hosts: EmulatedHosts, *args: str, worker: Path = WORKER, round_ro
     return output
 
 
-def test_shared_memory_serves_only_the_groups_inside_one_host(emulated_hosts):
+@pytest.fixture(scope="module")
+def block_placement(emulated_hosts) -> subprocess.CompletedProcess[str]:
+    """One launch of worker.py on 2 hosts × 2 ranks (ranks 0, 1 on one host) for the three tests below
+    (each launch costs 10-15 s of start-up here): first the interleaved order, in a fresh process as when
+    it stalled, then the default order, then, after hp.shutdown() and with HYBRIDPIPE_HIERARCHICAL=0 set
+    before hp.init() reads it, hierarchical_worker.py's 2 + 2 checks. Each test checks its own part."""
+    return launch_worker(emulated_hosts, "interleaved", "default", "flat")
+
+
+def part_output(result: subprocess.CompletedProcess[str], part: str) -> str:
+    """The launch's output, after checking that it exited 0 and that every rank finished ``part``."""
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    for rank in range(4):
+        assert f"rank {rank} ok: {part}" in output, output
+    return output
+
+
+def test_shared_memory_serves_only_the_groups_inside_one_host(block_placement):
     """2 hosts × 2 ranks, 2 stages: world spans both hosts (ring over TCP); the data or pipe
     groups that stay inside one host use the shared-memory allreduce; all reduce correctly."""
-    output = run_worker(emulated_hosts)
-    assert "on hp" in output and len({line.split(" on ")[-1] for line in output.splitlines() if " ok: " in line}) == 2
+    output = part_output(block_placement, "default")
+    assert "on hp" in output
+    assert len({line.split(" on ")[-1] for line in output.splitlines() if " ok: default: " in line}) == 2
 
 
-def test_direct_collectives_right_after_engine_traffic_of_another_group(emulated_hosts):
+def test_direct_collectives_right_after_engine_traffic_of_another_group(block_placement):
     """The order that stalled for minutes when each engine group had its own thread and direct
     collectives ran on the calling thread (docs/sharp_bits.md): each group's direct collectives right
-    after the previous group's engine traffic."""
-    run_worker(emulated_hosts, "--interleaved")
+    after the previous group's engine traffic (the first part of the launch: a fresh process)."""
+    part_output(block_placement, "interleaved")
 
 
 def test_pipelines_spanning_hosts_train_as_one_process(emulated_hosts):
@@ -69,9 +92,9 @@ def test_hierarchical_allreduce_every_dtype_and_op_equals_numpy(emulated_hosts, 
     run_worker(emulated_hosts, "+".join(map(str, layout)), worker=HIERARCHICAL_WORKER, ranks_per_host=layout)
 
 
-def test_hierarchical_off_takes_the_flat_ring(emulated_hosts):
-    """HYBRIDPIPE_HIERARCHICAL=0: the same values, and the hierarchy is never used."""
-    run_worker(emulated_hosts, "2+2", worker=HIERARCHICAL_WORKER, env={"HYBRIDPIPE_HIERARCHICAL": "0"})
+def test_hierarchical_off_takes_the_flat_ring(block_placement):
+    """HYBRIDPIPE_HIERARCHICAL=0 on 2 + 2 ranks: the same values, and the hierarchy is never used."""
+    part_output(block_placement, "flat")
 
 
 def test_the_command_runs_a_job_across_hosts_and_returns_its_exit_code(tmp_path):

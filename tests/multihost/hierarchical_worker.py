@@ -1,7 +1,8 @@
 """One rank of tests/test_multihost.py's hierarchical allreduce cases: world spans 2 emulated hosts
 (2 + 2 or 3 + 1 ranks). Every dtype and op through hp.allreduce, hp.grouped_allreduce and the
 engine (allreduce_async_) against numpy; the hierarchy's call count proves which path ran, and with
-HYBRIDPIPE_HIERARCHICAL=0 the flat ring must run instead. Prints "rank R ok".
+HYBRIDPIPE_HIERARCHICAL=0 the flat ring must run instead (worker.py's part "flat" calls main after
+setting it). Prints "rank R ok: LABEL".
 """
 
 import os
@@ -49,11 +50,11 @@ def check(got, dtype, count, size, salt, op, what):
         np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance * 4 * size, err_msg=f"{what} {dtype} {op}")
 
 
-def main() -> int:
+def main(layout_text: str, label: str = "hierarchical") -> int:
     hp.init()
     world = MPI.COMM_WORLD
     size = world.size
-    layout = [int(n) for n in sys.argv[1].split("+")]
+    layout = [int(n) for n in layout_text.split("+")]
     flat = os.environ.get("HYBRIDPIPE_HIERARCHICAL") == "0"
     comm = context.communicator(None, "test")
     info = call(None, "hierarchy", lambda: core().hierarchy_info(comm.py2f()))
@@ -89,10 +90,10 @@ def main() -> int:
         for i, (n, tensor) in enumerate(zip(counts, tensors)):
             check(tensor, dtype, n, size, salt + i, "Sum", "engine")
         salt += len(counts)
-    print(f"rank {world.rank} ok on {MPI.Get_processor_name()}", flush=True)
+    print(f"rank {world.rank} ok: {label} on {MPI.Get_processor_name()}", flush=True)
     hp.shutdown()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1]))

@@ -1,14 +1,23 @@
 """One rank of tests/test_multihost.py: 4 ranks on 2 emulated hosts (network namespaces), 2 stages.
 
 Checks that the shared-memory allreduce serves exactly the communicators whose ranks share a host
-(the others take the ring over TCP), and that every path reduces correctly. Prints "rank R ok".
+(the others take the ring over TCP), and that every path reduces correctly.
 
-With --interleaved it runs each group's direct collectives right after the previous group's engine
-traffic instead of all direct collectives first. That order stalled for minutes over Open MPI's TCP
-transport while each engine group had a thread of its own and direct collectives ran on the calling
-thread (docs/sharp_bits.md); with one communication thread it passes, and is a test.
+The arguments name the parts to run, in order, in this one process (a launch on the emulated hosts
+costs 10-15 s of start-up here, so tests/test_multihost.py runs its block-placement cases in one):
+
+* ``default``: every group's direct collectives first, then every group's engine traffic.
+* ``interleaved``: each group's direct collectives right after the previous group's engine traffic.
+  That order stalled for minutes over Open MPI's TCP transport while each engine group had a thread
+  of its own and direct collectives ran on the calling thread (docs/sharp_bits.md); with one
+  communication thread it passes, and is a test.
+* ``flat`` (always last): after hp.shutdown(), with HYBRIDPIPE_HIERARCHICAL=0 set before hp.init() reads it,
+  hierarchical_worker.py's 2 + 2 checks (the hierarchy is never used, the values are the same).
+
+Prints "rank R ok: PART ..." after each part.
 """
 
+import os
 import sys
 
 import numpy as np
@@ -25,15 +34,33 @@ def contribution(seed, count, rank):
     return torch.from_numpy(np.random.default_rng([seed, rank, count]).standard_normal(count))
 
 
-def main() -> int:
+def main(parts: list[str]) -> int:
+    unknown = set(parts) - {"default", "interleaved", "flat"}
+    assert parts and not unknown, f"parts: default, interleaved, flat (got {parts})"
     grid = hp.init(pipeline_stages=2)
     world = MPI.COMM_WORLD
     hosts = call(None, 'hosts', lambda: world.allgather(MPI.Get_processor_name()))
     assert len(set(hosts)) == 2, f"expected two emulated hosts, got {hosts}"
+    for part in parts:
+        if part == "flat":
+            continue
+        collectives_and_engine(interleaved=part == "interleaved", hosts=hosts)
+        print(f"rank {world.rank} ok: {part}: stage {grid.stage} replica {grid.replica} on {hosts[world.rank]}",
+              flush=True)
+    hp.shutdown()
+    if "flat" in parts:
+        import hierarchical_worker  # beside this file
+
+        os.environ["HYBRIDPIPE_HIERARCHICAL"] = "0"  # read by the next hp.init (Config.from_env)
+        hierarchical_worker.main("2+2", label="flat")
+    return 0
+
+
+def collectives_and_engine(interleaved: bool, hosts: list[str]) -> None:
+    world = MPI.COMM_WORLD
     options = context.allreduce_options_for(hp.config())
     groups = {}
-    interleaved = "--interleaved" in sys.argv
-    # direct collectives of every group first, then the engine's (unless --interleaved)
+    # direct collectives of every group first, then the engine's (unless interleaved)
     for label in ("world", "data", "pipe"):
         comm = context.communicator(label, "test")
         members = call(label, 'members', lambda: comm.allgather(world.rank))
@@ -53,9 +80,6 @@ def main() -> int:
     if not interleaved:
         for label, (comm, one_host) in groups.items():
             engine_traffic(label, comm, one_host)
-    print(f"rank {world.rank} ok: stage {grid.stage} replica {grid.replica} on {hosts[world.rank]}", flush=True)
-    hp.shutdown()
-    return 0
 
 
 def engine_traffic(label, comm, one_host):
@@ -74,4 +98,4 @@ def engine_traffic(label, comm, one_host):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
