@@ -55,14 +55,24 @@ class LossScaler:
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
         self.growth_interval = growth_interval
         self.group = group
+        # the gradients it unscales are averaged over this many replicas (a PipelineModel sets its grid's data
+        # replicas): each replica's losses are scaled by scale / replicas, so that every micro-batch's backward
+        # carries the values one process would on the global batch (the same overflows), and unscaling the
+        # average multiplies by replicas / scale
+        self.replicas = 1
         self._growth_tracker = 0
         self._unscaled = False
         self._found_inf: bool | None = None
         self.skipped_steps = 0
 
     def get_scale(self) -> float:
-        """The scale the next ``train_step`` multiplies its losses by."""
+        """The scale: the next ``train_step`` multiplies its losses by it (divided by ``replicas``)."""
         return self._scale
+
+    @property
+    def loss_multiplier(self) -> float:
+        """What each replica's losses are multiplied by: ``scale / replicas`` (see ``replicas``)."""
+        return self._scale / self.replicas
 
     @property
     def scale(self) -> float:
@@ -82,7 +92,7 @@ class LossScaler:
                                   "once per step, before clipping")
         if callable(getattr(optimizer, "synchronize", None)) and not getattr(optimizer, "_hp_synchronized", True):
             optimizer.synchronize()
-        inverse = torch.tensor(1.0 / self._scale, dtype=torch.float32)
+        inverse = torch.tensor(1.0 / self.loss_multiplier, dtype=torch.float32)
         found = False
         with torch.no_grad():
             for grad in self._gradients(optimizer):

@@ -253,6 +253,8 @@ class PipelineModel(nn.Module):
             self._executor.autocast = torch.bfloat16 if precision == "bf16" else torch.float16
         # fp16: the dynamic loss scaler every rank agrees on (hybridpipe/amp.py); None otherwise
         self.scaler: LossScaler | None = LossScaler() if precision == "fp16" else None
+        if self.scaler is not None:
+            self.scaler.replicas = grid.data_replicas
         self.optimizer: torch.optim.Optimizer | None = None
         self._stream: AsyncStream | None = None
         self._next_micro_batch = 0
@@ -660,7 +662,7 @@ class PipelineModel(nn.Module):
         total = sum(sizes)
         weights = [size / total for size in sizes]
         if not self.asynchronous:
-            self._executor.loss_scale = self.scaler.get_scale() if self.scaler is not None else 1.0
+            self._executor.loss_scale = self.scaler.loss_multiplier if self.scaler is not None else 1.0
             earlier = self._tied.set_aside() if self._tied is not None else None
             try:
                 result = self._executor.run(self._schedule(self.schedule_name), self.micro_batches, chunks,

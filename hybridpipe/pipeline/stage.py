@@ -153,7 +153,7 @@ class _Chunk:
         self.recording: list[tuple[nn.Module, list[torch.Tensor], list[int]]] | None = None
         self.fused_layers: set[str] = set()  # split backward: layers whose weight gradients came in I
         self.deferred_layers: set[str] = set()  # split backward: layers whose weight gradients came in W
-        self.unseen_warned = False  # split backward: the warning that splittable layers were not seen, given
+        self.compiled: list[str] = []  # split backward: layers inside torch.compile (the chunk is not split)
         # a split module's chunk is called with the micro-batch's inputs too (every rank of a pipeline has them)
         self.takes_batch = bool(getattr(module, "hybridpipe_takes_batch", False))
         # its first layer works in place (nn.ReLU(inplace=True)): it gets a copy of its input (pipeline/inplace.py)
@@ -310,6 +310,18 @@ class StageExecutor:
         """Zero-bubble schedules: defer the weight gradients of the splittable layers to ``W``."""
         for chunk in self.chunks.values():
             chunk.splittable = [m for m in chunk.module.modules() if splittable(m)]
+            compiled = compiled_layers(chunk.module, chunk.module.modules())
+            if compiled:
+                # a compiled region's backward is one opaque function that may not be kept for a later W
+                # (retain_graph; AOT autograd's donated buffers): this chunk's backward is not split
+                chunk.compiled = sorted(_owners(chunk, [p for m in compiled for p in m.parameters(recurse=False)]))
+                chunk.splittable = []
+                warnings.warn(f"schedule 'zb-h1', chunk {chunk.stage}: it holds torch.compile'd layers "
+                              f"({', '.join(chunk.compiled[:4])}{', ...' if len(chunk.compiled) > 4 else ''}), whose "
+                              "backward cannot be split, so this chunk computes its weight gradients with the input "
+                              "gradients (as 1F1B does) and the bubble W would fill stays; compile only modules "
+                              "without Linear/Embedding/LayerNorm/convolution layers to keep the split. "
+                              "model.split_backward_report() shows it", stacklevel=3)
             for layer in chunk.splittable:
                 layer.register_forward_hook(self._recorder(chunk))
 
@@ -720,18 +732,8 @@ class StageExecutor:
         chunk.deferred_layers.update(_owners(chunk, [p for p in chunk.module.parameters() if id(p) in stored.deferred]))
         if fused:
             chunk.fused_layers.update(_owners(chunk, fused))
-            seen = {id(layer) for layer, _ in usable}
-            unseen = [m for m in compiled_layers(chunk.module, chunk.splittable) if id(m) not in seen]
-            names = sorted(_owners(chunk, [p for m in unseen for p in m.parameters(recurse=False)]))
-            chunk.fused_layers.update(f"{name} (inside torch.compile)" for name in names)
-            chunk.fused_layers.difference_update(names)
-            if names and not chunk.unseen_warned:
-                chunk.unseen_warned = True
-                warnings.warn(f"schedule 'zb-h1', stage {chunk.stage}: the weight gradients of {', '.join(names)} "
-                              "are computed with the input gradients (I), not deferred to W: their calls run inside "
-                              "a compiled region (torch.compile), which the split cannot enter, so the bubble W would "
-                              "fill stays. Leave the Linear, Embedding, LayerNorm and convolution layers outside torch.compile to "
-                              "split them; model.split_backward_report() lists them", stacklevel=2)
+            chunk.fused_layers.update(f"{name} (inside torch.compile)" for name in chunk.compiled)
+            chunk.fused_layers.difference_update(chunk.compiled)
         if targets:
             # partial: the hooks leave fused layers' gradients to DistributedOptimizer.synchronize()
             with chunk.in_phase("partial"):

@@ -46,8 +46,8 @@ MEANING: dict[str, str] = {
     "checkpoint": "`hp.save_checkpoint` after two steps, `hp.load_checkpoint` on the other grid of as many ranks "
                   "(2×1 ↔ 1×2, 2×2 ↔ 4×1), two more steps",
     "elastic": "`hp.elastic.TorchState` + `@hp.elastic.run`, a failure injected at the second step (rolled back)",
-    "compile": "a block of the model wrapped in `torch.compile` (zb-h1 computes its weight gradients with the "
-               "input gradients and says so: a warning and `split_backward_report()`)",
+    "compile": "a block of the model wrapped in `torch.compile` (zb-h1 does not split the backward of a chunk "
+               "holding one, and says so: a warning and `split_backward_report()`)",
 }
 
 ASYNCHRONOUS = ("pipedream", "2bw")
@@ -97,6 +97,11 @@ REFUSALS: tuple[Refusal, ...] = (
 def refusal_for(case: dict) -> Refusal | None:
     """The first refusal that applies to ``case`` (None: it must train like one process)."""
     return next((r for r in REFUSALS if r.when(case)), None)
+
+
+def refusals_for(case: dict) -> list[Refusal]:
+    """Every refusal that applies to ``case`` (hybridpipe raises one of them, whichever it meets first)."""
+    return [r for r in REFUSALS if r.when(case)]
 
 
 def _default_case() -> dict:
@@ -194,7 +199,7 @@ def _grids(case: dict) -> tuple[str, ...]:
 def case_id(case: dict) -> str:
     """A short, stable name: the options that differ from the plain case."""
     plain = _default_case()
-    return "-".join(f"{k}={v}" for k, v in case.items() if v != plain[k] or k in ("schedule", "grid"))
+    return "-".join(f"{k}={v}" for k, v in case.items() if v != plain.get(k) or k in ("schedule", "grid"))
 
 
 def markdown(cases: Iterable[dict] | None = None) -> str:
