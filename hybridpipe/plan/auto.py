@@ -3,8 +3,9 @@
 Design reasons:
 
 * Write the one-process model and the optimizer; the framework decides how to cut and replicate
-  it (the TF-Replicator idea). World rank 0 profiles the layers on the sample (one process, as
-  ``balance="time"`` does), every rank receives the profile, and every rank runs the same
+  it (the TF-Replicator idea). The layers are profiled on the sample a slice per rank, in turn (rank r
+  builds and measures only its slice on the activation rank r - 1 passes it, while the others sleep: no
+  rank builds the whole model), every rank receives the profile, and every rank runs the same
   deterministic search for the running world: the same plan everywhere, with no second
   communication.
 * The grid follows the plan: ``hp.init`` is (re)made with the plan's stage count, so call
@@ -92,6 +93,56 @@ def built_layers(layers: Sequence[Any]) -> list[nn.Module]:
         return [layer.build() if isinstance(layer, LayerSpec) else layer for layer in layers]
 
 
+def profile_in_turns(layers: list[Any], sample: tuple[Any, Any], loss_fn: Any, optimizer: Any, comm: Any) -> Any:
+    """Profiles a layer list without building it whole on one rank: the world's ranks take contiguous slices
+    of the layers in turn, rank r building (``hp.LayerSpec``) and profiling only its slice on the activation
+    the slices before produced, then broadcasting its slice's output for the next; the others wait in that
+    broadcast (asleep after a short spin), so each rank measures alone. Collective over ``comm``. Returns the
+    whole profile's JSON on rank 0 of ``comm`` (an exception instead, if some rank's slice failed)."""
+    from hybridpipe.pipeline.microbatch import map_tensors
+
+    ranks, rank = comm.Get_size(), comm.Get_rank()
+    bounds = [round(i * len(layers) / ranks) for i in range(ranks + 1)]
+    value: Any = sample[0]
+    result: Any = None
+    for turn in range(ranks):
+        if turn == rank and not isinstance(value, _Failed) and bounds[rank] < bounds[rank + 1]:
+            try:
+                built = built_layers(layers[bounds[rank]:bounds[rank + 1]])
+                last = bounds[rank + 1] == len(layers)
+                result = profile(built, value, loss_fn, sample[1] if last else None, optimizer=optimizer)
+                with torch.no_grad():
+                    for layer in built:
+                        value = layer(map_tensors(value, torch.clone))
+                del built
+            except Exception as error:  # noqa: BLE001 - every rank must raise, not only this one
+                value = _Failed(f"layers {bounds[rank]}-{bounds[rank + 1] - 1} (profiled on world rank {rank}): "
+                                f"{type(error).__name__}: {error}")
+        value = call(None, "auto", lambda: comm.bcast(value, root=turn))
+    if isinstance(value, _Failed):
+        return RuntimeError(value.message)
+    pieces = call(None, "auto", lambda: comm.gather(result, root=0))
+    if rank != 0:
+        return None
+    return merge_profiles([piece for piece in pieces if piece is not None]).to_json()
+
+
+@dataclasses.dataclass
+class _Failed:
+    message: str
+
+
+def merge_profiles(pieces: list[Profile]) -> Profile:
+    """One profile from those of consecutive slices of the layers (each measured on its own input)."""
+    first, last = pieces[0], pieces[-1]
+    heaviest = max(pieces, key=lambda piece: sum(layer.parameter_bytes for layer in piece.layers))
+    return dataclasses.replace(first, layers=[layer for piece in pieces for layer in piece.layers],
+                               loss_ms=last.loss_ms, update_ms_per_mb=heaviest.update_ms_per_mb,
+                               update_temporary_factor=heaviest.update_temporary_factor,
+                               update_temporary_per_tensor=heaviest.update_temporary_per_tensor,
+                               note=f"{first.note}; in {len(pieces)} slices, one per rank in turn")
+
+
 def _micro_batch(inputs: Any, size: int) -> Any:
     """The first ``size`` samples of ``inputs`` (tensors whose first dimension is the batch), when it has more."""
     from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
@@ -110,8 +161,8 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
 
     Args:
         layers: The model as layers, as ``hp.PipelineModel`` takes them (built modules, or ``hp.LayerSpec``
-            entries: then each rank builds only its stage's layers, and world rank 0 builds them all once
-            to profile them); or any ``nn.Module`` (e.g. a transformers model): its unit calls are profiled
+            entries: then each rank builds only its stage's layers, and to profile them the world's ranks
+            build and measure a slice each, in turn, passing the activation on); or any ``nn.Module`` (e.g. a transformers model): its unit calls are profiled
             as the layers, the plan's balance becomes ``split=`` (qualified module names) and the plan and the
             model's ``split_report()`` are printed on world rank 0.
         loss_fn: ``loss_fn(output, target)`` (a module's own output: a ``ModelOutput``, a tuple, a tensor).
@@ -164,16 +215,15 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
                               "leave asynchronous out, or hand in a layer list")
     if plan is None:
         measured: Any = None
-        if grid.rank == 0:
+        if grid.rank == 0 and module:
             try:
                 if module:
                     measured = profile_module(layers, sample[0], loss_fn, sample[1],
                                               optimizer=optimizer)[0].to_json()
-                else:
-                    measured = profile(built_layers(list(layers)), sample[0], loss_fn, sample[1],
-                                       optimizer=optimizer).to_json()
             except Exception as error:  # every rank must raise, not only rank 0
                 measured = error
+        if not module:
+            measured = profile_in_turns(list(layers), sample, loss_fn, optimizer, grid.world_comm)
         measured = call(None, "auto", lambda: grid.world_comm.bcast(
             measured if not isinstance(measured, Exception) else f"{type(measured).__name__}: {measured}", root=0))
         if not measured.startswith("{"):

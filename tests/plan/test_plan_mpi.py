@@ -215,3 +215,43 @@ def test_memory_estimates_are_within_20_percent_of_measured_peaks(schedule):
         hp.init()
     assert abs(predicted - measured) <= 0.2 * measured, (
         f"stage {hp.rank()}: predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
+
+
+BUILT: list[int] = []
+
+
+class _Counted(nn.Linear):
+    """A Linear that records its construction (which rank built which layer)."""
+
+    def __init__(self, index: int, width: int) -> None:
+        super().__init__(width, width)
+        BUILT.append(index)
+
+
+def test_auto_profiles_a_layer_list_a_slice_per_rank_without_building_it_whole():
+    """hp.auto's profile of LayerSpecs: each rank builds only its slice (6 layers, 2 ranks: 3 each), and the
+    merged profile describes every layer as one process's profile does (sizes exactly; times measured)."""
+    from hybridpipe.plan.auto import profile_in_turns
+    from hybridpipe.plan.profile import Profile, profile
+
+    width = 12
+    specs = [hp.LayerSpec(_Counted, i, width) for i in range(6)]
+    sample = (torch.randn(4, width), torch.randn(4, width))
+    BUILT.clear()
+    measured = profile_in_turns(specs, sample, nn.MSELoss(), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                hp.grid().world_comm)
+    rank = hp.rank()
+    assert BUILT == ([0, 1, 2] if rank == 0 else [3, 4, 5]), BUILT
+    if rank == 0:
+        merged = Profile.from_json(measured)
+        whole = profile([_Counted(i, width) for i in range(6)], sample[0], nn.MSELoss(), sample[1])
+        assert [layer.name for layer in merged.layers] == [layer.name for layer in whole.layers]
+        assert [(layer.parameter_bytes, layer.output_bytes) for layer in merged.layers] == \
+            [(layer.parameter_bytes, layer.output_bytes) for layer in whole.layers]
+        assert merged.loss_ms > 0 and all(layer.forward_ms > 0 for layer in merged.layers)
+    else:
+        assert measured is None
+    # a slice that fails to build fails every rank, naming the layers and the rank
+    bad = specs[:3] + [hp.LayerSpec(nn.Linear, width + 1, width)] + specs[4:]
+    failed = profile_in_turns(bad, sample, nn.MSELoss(), None, hp.grid().world_comm)
+    assert isinstance(failed, RuntimeError) and "layers 3-5 (profiled on world rank 1)" in str(failed), failed
