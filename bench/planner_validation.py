@@ -117,6 +117,11 @@ CONFIGS = {
            (4, 4, 8, "1f1b"),
            (8, 1, 1, "1f1b"), (8, 2, 4, "1f1b"), (8, 4, 4, "1f1b")],
 }
+# the same LM written as one nn.Module (a ModuleList of blocks), handed to hp.PipelineModel / hp.auto whole: profiled
+# by its unit calls, the chosen balance turned into split= names (issue 26: hp.auto(module)'s plan against the
+# best configuration measured)
+CONFIGS["lmmod"] = CONFIGS["lm"] + [(2, 2, 4, "gpipe"), (2, 2, 2, "1f1b")]
+MODULES = {"lmmod"}
 QUICK = {"mlp": [(2, 1, 1, "1f1b"), (2, 2, 4, "1f1b")]}
 DRIFT_LIMIT = 0.05  # a run whose predictions from a model's first and last profile differ by more says more
 #                     about the machine than about the model
@@ -148,12 +153,41 @@ def model_parts(name: str, args: argparse.Namespace) -> tuple[list[Any], Any, An
     def lm_batch(n: int, seed: int) -> tuple[Any, Any]:
         return train_lm.sample_batch(corpus, n, args.lm_seq_len, seed)
 
-    return (train_lm.build_layers(lm_args), train_lm.lm_loss, lm_batch,
+    layers: Any = train_lm.build_layers(lm_args)
+    if name in MODULES:
+        torch.manual_seed(0)
+        layers = LanguageModel([spec.build() for spec in layers])
+    return (layers, train_lm.lm_loss, lm_batch,
             lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01))
+
+
+def LanguageModel(layers: list[Any]) -> Any:  # noqa: N802 - a factory of an nn.Module, named as a class
+    """train_lm's layers as a model is usually written: one module, its blocks in a ModuleList."""
+    from torch import nn
+
+    class _LanguageModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding, self.blocks, self.head = layers[0], nn.ModuleList(layers[1:-1]), layers[-1]
+
+        def forward(self, ids: Any) -> Any:
+            x = self.embedding(ids)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    return _LanguageModel()
 
 
 def global_batch(name: str, args: argparse.Namespace) -> int:
     return args.mlp_batch if name == "mlp" else args.lm_batch
+
+
+def module_split(module: Any, sample: Any, balance: list[int]) -> list[str]:
+    """The ``split=`` names of a module cut by ``balance`` over its unit calls (as hp.auto turns a plan)."""
+    from hybridpipe.plan.module_profile import module_layers, split_of
+
+    return split_of(module_layers(module, sample).names, balance)
 
 
 # ------------------------------------------------------------------------------------------ worker
@@ -169,10 +203,16 @@ def worker_main(args: argparse.Namespace) -> int:
     try:
         layers, loss_fn, batch, optimizer = model_parts(config.model, args)
         chunks = {"virtual_stages": config.virtual_stages} if config.virtual_stages > 1 else {}
-        model = hp.PipelineModel(layers, loss_fn, micro_batches=config.micro_batches, balance=config.balance,
-                                 schedule=config.schedule, checkpoint="never", seed_layers=0, **chunks)
-        opt = hp.DistributedOptimizer(optimizer(list(model.parameters())), named_parameters=model.named_parameters())
         inputs, targets = batch(global_batch(config.model, args) // grid.data_replicas, 1000 + grid.replica)
+        if config.model in MODULES:
+            sample = inputs[:max(1, len(inputs) // config.micro_batches)]
+            model = hp.PipelineModel(layers, loss_fn, micro_batches=config.micro_batches, sample=sample,
+                                     split=module_split(layers, sample, config.balance), schedule=config.schedule,
+                                     checkpoint="never", **chunks)
+        else:
+            model = hp.PipelineModel(layers, loss_fn, micro_batches=config.micro_batches, balance=config.balance,
+                                     schedule=config.schedule, checkpoint="never", seed_layers=0, **chunks)
+        opt = hp.DistributedOptimizer(optimizer(list(model.parameters())), named_parameters=model.named_parameters())
         times = timed_steps(model, opt, inputs, targets, args.warmup + args.steps)
         slowest = hp.allreduce(torch.tensor(times[args.warmup:], dtype=torch.float64), op=hp.Max)
         if grid.rank == 0:
@@ -194,6 +234,10 @@ def profile_model(name: str, args: argparse.Namespace):
     torch.set_num_threads(1)
     layers, loss_fn, batch, optimizer = model_parts(name, args)
     inputs, targets = batch(max(1, global_batch(name, args) // 2), 7)
+    if name in MODULES:
+        from hybridpipe.plan.module_profile import profile_module
+
+        return profile_module(layers, inputs, loss_fn, targets, optimizer=optimizer)[0]
     return profile(built_layers(layers), inputs, loss_fn, targets, optimizer=optimizer)
 
 
@@ -375,7 +419,8 @@ def ceiling_verdict(model_error: float, machine_error: float, machine_misses: in
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="mlp,lm", help="mlp and/or lm (default both)")
+    parser.add_argument("--models", default="mlp,lm", help="mlp, lm and/or lmmod (the LM as one nn.Module, split by "
+                        "hp.PipelineModel; default mlp,lm)")
     parser.add_argument("--ranks", default="2,4", help="rank counts (default 2,4)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per configuration and round (default 8)")
     parser.add_argument("--rounds", type=int, default=2,
@@ -408,7 +453,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in args.models if m not in CONFIGS]
     if unknown or not args.models:
-        parser.error(f"--models: unknown {unknown} (use mlp and/or lm)")
+        parser.error(f"--models: unknown {unknown} (use mlp, lm and/or lmmod)")
     try:
         args.ranks = int_list(args.ranks, "--ranks")
     except argparse.ArgumentTypeError as error:
