@@ -101,11 +101,11 @@ class ZeroMixin:
         for gi, group in enumerate(self.param_groups):  # type: ignore[attr-defined]
             params = [p for p in group["params"] if p.requires_grad]
             dtypes = {p.dtype for p in params}
-            devices = {p.device.type for p in params}
-            if len(dtypes) > 1 or devices - {"cpu"}:
+            devices = {p.device for p in params}
+            if len(dtypes) > 1 or len(devices) > 1:
                 raise NotSupportedError(f"DistributedOptimizer(zero={level}): param group {gi} mixes dtypes "
-                                        f"{sorted(map(str, dtypes))} or is not on the CPU ({sorted(devices)}): put "
-                                        "each dtype in its own param group")
+                                        f"{sorted(map(str, dtypes))} or devices ({sorted(map(str, devices))}): put "
+                                        "each dtype and device in its own param group")
             if buffers.dtype_code(params[0] if params else torch.empty(0)) not in (0, 1, 2, 3):
                 raise NotSupportedError(f"DistributedOptimizer(zero={level}): param group {gi} has dtype "
                                         f"{params[0].dtype}; sharding needs floating-point parameters")
@@ -124,13 +124,15 @@ class ZeroMixin:
                 shard_numel += bucket.piece
                 self._hp_buckets.append(bucket)
                 layout.append(f"{gi}:" + ",".join(f"{item.name}={item.numel}" for item in items))
-            shard = torch.nn.Parameter(torch.zeros(shard_numel, dtype=dtype))
+            device = params[0].device if params else torch.device("cpu")
+            shard = torch.nn.Parameter(torch.zeros(shard_numel, dtype=dtype, device=device))  # on the params' device
             shard.grad = torch.zeros_like(shard)
             self._hp_shards.append(shard)
             group["params"] = [shard]
         self._hp_bucket_of = {item.name: bucket.index for bucket in self._hp_buckets for item in bucket.items}
         self._hp_zready: dict[int, set[str]] = {}
         self._hp_zhandles: dict[int, Any] = {}
+        self._hp_zstaged: dict[int, torch.Tensor] = {}  # bucket -> its reduced piece in host memory (a GPU shard)
         self._hp_layout_digest = zlib.crc32("|".join(layout).encode()) & 0x3FFFFFFF
         from .optimizer import allgather_object
 
@@ -156,12 +158,13 @@ class ZeroMixin:
             self._hp_zero_submit(index)
 
     def _hp_zero_submit(self, index: int) -> None:
-        for handle in self._hp_zhandles.values():  # buckets already reduced: their flat copies go now
+        for done, handle in list(self._hp_zhandles.items()):  # buckets already reduced: their flat copies go now
             if handle.poll():
-                handle.wait()
+                self._hp_zero_finish(done, handle)
         bucket = self._hp_buckets[index]
         shard = self._hp_shards[bucket.group]
-        flat = torch.zeros(bucket.padded, dtype=shard.dtype)
+        staged = staged_through_host(shard)
+        flat = _host_buffer(bucket.padded, shard, zeros=True)
         for item in bucket.items:
             grad = item.parameter.grad
             if grad is not None:
@@ -172,6 +175,8 @@ class ZeroMixin:
         if self._hp_prescale != 1.0:
             flat.mul_(self._hp_prescale)
         out = shard.grad[bucket.shard_offset:bucket.shard_offset + bucket.piece]
+        if staged:  # the engine reduces host memory: a GPU shard's piece lands here, then goes to the device
+            out = self._hp_zstaged[index] = _host_buffer(bucket.piece, shard)
         state = context.current("DistributedOptimizer")
         group_id = state.engine_group(self._hp_group, "DistributedOptimizer")
         name = f"{self._hp_prefix}.zero.rs{index}"
@@ -194,8 +199,8 @@ class ZeroMixin:
                 self._hp_zero_submit(index)
         wait_start = time.monotonic()
         handles, self._hp_zhandles = self._hp_zhandles, {}
-        for handle in handles.values():
-            handle.wait()
+        for index, handle in handles.items():
+            self._hp_zero_finish(index, handle)
         self._hp_submitted, self._hp_zready, self._hp_counts = set(), {}, {}
         for shard in self._hp_shards:
             if self._hp_postscale != 1.0:
@@ -205,6 +210,16 @@ class ZeroMixin:
         timeline.record("synchronize", "optimizer", "optimizer", wait_start, time.monotonic(),
                         {"buckets": len(handles)})
         self._hp_synchronized = True
+
+    def _hp_zero_finish(self, index: int, handle: Any) -> None:
+        """Waits for bucket ``index``'s reduce-scatter; a staged piece then goes to the shard's gradient."""
+        handle.wait()
+        self._hp_zhandles.pop(index, None)
+        staged = self._hp_zstaged.pop(index, None)
+        if staged is not None:
+            bucket = self._hp_buckets[index]
+            grad = self._hp_shards[bucket.group].grad
+            grad[bucket.shard_offset:bucket.shard_offset + bucket.piece].copy_(staged)
 
     # ------------------------------------------------------------------ the step
 
@@ -241,7 +256,9 @@ class ZeroMixin:
                 unpack_oldest()
             shard = self._hp_shards[bucket.group]
             piece = shard.detach()[bucket.shard_offset:bucket.shard_offset + bucket.piece]
-            full = torch.empty(bucket.padded, dtype=shard.dtype)
+            if staged_through_host(shard):
+                piece = _host_buffer(bucket.piece, shard).copy_(piece)
+            full = _host_buffer(bucket.padded, shard)
             name = f"{self._hp_prefix}.zero.ag{bucket.index}"
             kind = (self._hp_layout_digest + 7919 * (bucket.index + 1)) & 0x3FFFFFFF
             counts = [bucket.piece] * self._hp_zsize
@@ -382,6 +399,23 @@ class ZeroMixin:
                         elif key not in new:
                             new[key] = value.clone() if torch.is_tensor(value) else value
             self.state[shard] = new  # type: ignore[attr-defined]
+
+
+#: tests: stage CPU shards through separate host buffers too, as GPU shards are (the CUDA path's logic on a CPU)
+STAGE_CPU_SHARDS = False
+
+
+def staged_through_host(shard: torch.Tensor) -> bool:
+    """Whether the engine's reduce-scatter / allgather of ``shard``'s buckets go through host buffers: a shard on
+    a GPU (the engine reduces host memory), or any with :data:`STAGE_CPU_SHARDS`."""
+    return shard.device.type != "cpu" or STAGE_CPU_SHARDS
+
+
+def _host_buffer(numel: int, shard: torch.Tensor, zeros: bool = False) -> torch.Tensor:
+    """A host tensor of ``shard``'s dtype (pinned for a CUDA shard: faster copies each way)."""
+    pinned = shard.device.type == "cuda"
+    make = torch.zeros if zeros else torch.empty
+    return make(numel, dtype=shard.dtype, pin_memory=pinned)
 
 
 # every ZeRO optimizer by its shards' and its parameters' ids (clip_grad_norm_ and checkpoints find them)

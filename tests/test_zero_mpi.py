@@ -254,3 +254,21 @@ def test_zero_with_fp16_scaler_and_clipping_equals_zero_0(grid):
     (zero0, norms0), (zero1, norms1) = finals
     assert norms1 == pytest.approx(norms0, rel=1e-5) and min(norms0) > 0.05  # the clip was active
     assert_matches(zero1.items(), zero0)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_staged_through_host_buffers_equals_one_process(grid, zero, monkeypatch):
+    """The GPU path's staging (each bucket's reduced piece in a host buffer, then copied into the shard's
+    gradient; the updated pieces copied to a host buffer for the allgather) run on CPU shards: the same
+    training as one process, clipping included (make gpu-check runs it with CUDA shards)."""
+    from hybridpipe import zero as zero_module
+
+    monkeypatch.setattr(zero_module, "STAGE_CPU_SHARDS", True)
+    batches = global_batches(grid.data_replicas)
+    expected = reference(OPTIMIZERS["adamw"], batches, clip=0.05)
+    model, optimizer = train(grid, "adamw", zero, batches, clip=0.05)
+    try:
+        assert_matches(model.named_parameters(), expected)
+        assert not optimizer._hp_zstaged and not optimizer._hp_zhandles  # every staged piece was copied in
+    finally:
+        model.close()

@@ -14,8 +14,7 @@ Design reasons:
   one process on the same global batch; PipeDream and 2BW train differently.
 * The plan's ZeRO level goes to the ``hp.DistributedOptimizer`` it builds; ``precision`` (passed on
   to ``hp.PipelineModel``) goes to the search too, which halves the activation bytes for bf16 / fp16.
-  ZeRO shards CPU parameters only (hybridpipe/zero.py), so a model placed on another device is
-  planned with ``zero=0``.
+  ZeRO shards parameters on any device (a GPU shard's buckets are reduced through host buffers).
 * An ordinary ``nn.Module`` (not an ``nn.Sequential`` or a layer list) is profiled by its unit calls
   (hybridpipe/plan/module_profile.py): the search balances them as layers, and the chosen balance becomes
   the ``split=`` names of ``hp.PipelineModel(module, sample=..., split=...)``. Its asynchronous schedules
@@ -200,14 +199,7 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
     grid = state.grid
     if zero is not None and (isinstance(zero, bool) or zero not in ZERO_LEVELS):
         raise HybridPipeError(f"hp.auto: zero must be 0, 1, 2 or None to let the planner choose (got {zero!r})")
-    device = model_options.get("device")
-    if zero is None:
-        zero_levels = ZERO_LEVELS if device is None or torch.device(device).type == "cpu" else (0,)
-    elif zero and device is not None and torch.device(device).type != "cpu":
-        raise HybridPipeError(f"hp.auto: zero={zero} shards CPU parameters only (device={device!r}): use zero=0 "
-                              "or None")
-    else:
-        zero_levels = (zero,)
+    zero_levels = ZERO_LEVELS if zero is None else (zero,)
     module = is_module(layers)
     if module and asynchronous:
         raise HybridPipeError(f"hp.auto: asynchronous=True: the asynchronous schedules (pipedream, 2bw) are not yet "

@@ -447,6 +447,39 @@ def test_distributed_optimizer_on_the_gpu_equals_one_process(world, groups):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda text: f"{name}: {text}")
 
 
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_shards_gpu_parameters_and_equals_one_process(world, zero):
+    """ZeRO on CUDA parameters: the shard and the AdamW moments live on the GPU (1/D of them), the buckets are
+    reduced through pinned host buffers, and training equals one process, clipping included."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).cuda()
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).cuda()
+    model.load_state_dict(reference.state_dict())
+    optimizer = hp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01),
+                                        named_parameters=model.named_parameters(), zero=zero)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        x, y = torch.randn(8 * hp.size(), 16, generator=generator), torch.randn(8 * hp.size(), 4, generator=generator)
+        x, y = x.cuda(), y.cuda()
+        mine = slice(8 * hp.rank(), 8 * (hp.rank() + 1))
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        optimizer.synchronize()
+        hp.clip_grad_norm_(model, 0.05)
+        with optimizer.skip_synchronize():
+            optimizer.step()
+        reference_optimizer.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        reference_optimizer.step()
+    assert all(shard.is_cuda for shard in optimizer._hp_shards)
+    assert all(v.is_cuda for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim())
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.is_cuda
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda text: f"{name}: {text}")
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pipeline_on_the_gpu_equals_one_process(schedule):
     hp.shutdown()  # the module's 1-stage grid; these come last in the file
