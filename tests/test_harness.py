@@ -74,11 +74,20 @@ def test_file_passing_on_every_rank_passes_with_a_summary_line():
     assert summary in result.stdout
 
 
-def test_keyword_reaches_the_ranks_and_all_skipped_means_skipped():
-    result = run_pytest("case_pass.py", "-k", "not allreduce", "-rs")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "1 skipped on each of 2 ranks" in result.stdout
-    assert "every test skipped on all 2 ranks: Skipped: nothing to see" in result.stdout
+@pytest.fixture(scope="module")
+def pass_and_fail_run() -> subprocess.CompletedProcess[str]:
+    """case_pass.py with -k "not allreduce" (its other test skips everywhere) and case_fail_rank1.py (which
+    the keyword leaves selected) in one parent pytest: two mpiruns, one pytest and torch start-up less.
+    Each file's verdict is its own: the tests below check each file's lines."""
+    return run_pytest("case_pass.py", str(CASES / "case_fail_rank1.py"), "-k", "not allreduce", "-rs")
+
+
+def test_keyword_reaches_the_ranks_and_all_skipped_means_skipped(pass_and_fail_run):
+    out = pass_and_fail_run.stdout
+    assert "mpi[np2] tests/harness_cases/case_pass.py: 1 skipped on each of 2 ranks" in out, out
+    assert "every test skipped on all 2 ranks: Skipped: nothing to see" in out
+    # skipped, not failed: the run's one failure is case_fail_rank1.py's (its exit code 1 is checked below)
+    assert "FAILED tests/harness_cases/case_pass.py" not in out and "1 failed, 1 skipped in " in out, out
 
 
 def test_keyword_matching_no_test_in_the_file_launches_nothing():
@@ -88,8 +97,8 @@ def test_keyword_matching_no_test_in_the_file_launches_nothing():
     assert "MPI launches" not in result.stdout
 
 
-def test_failure_on_one_rank_fails_and_shows_every_rank_log():
-    result = run_pytest("case_fail_rank1.py")
+def test_failure_on_one_rank_fails_and_shows_every_rank_log(pass_and_fail_run):
+    result = pass_and_fail_run
     out = result.stdout
     assert result.returncode == 1, out + result.stderr
     assert "test_fails_on_rank_one: passed on ranks [0], failed on ranks [1]" in out
