@@ -12,7 +12,7 @@ import hybridpipe as hp
 from hybridpipe import _ext
 from hybridpipe.comm import context
 
-pytestmark = pytest.mark.mpi(ranks=[3])
+pytestmark = pytest.mark.mpi(ranks=[3], shared=True)  # one mpirun with the other shared 3-rank files
 
 
 @pytest.fixture(scope="module", autouse=True)
