@@ -52,6 +52,7 @@ from hybridpipe.pipeline.partition import (
     BALANCE_METHODS,
     BalanceReport,
     _check_stage_count,
+    even_out_identical,
     partition_by_weights,
     partition_uniform,
     profile_layers,
@@ -472,6 +473,9 @@ class PipelineModel(nn.Module):
         if isinstance(profiled, str):
             raise PartitionError(f'balance="{method}": profiling the layers on world rank 0 failed ({profiled})')
         layer_ms, parameters, memory = profiled
+        # identical layers (same class, parameter count and memory) weigh the same: noise does not move cuts
+        layer_ms = even_out_identical(layer_ms, [(getattr(layer, "cls", type(layer)).__name__, count, held_bytes)
+                                                 for layer, count, held_bytes in zip(layers, parameters, memory)])
         if method == "memory":
             balance_list = partition_by_weights(layer_ms, stages, memory=memory, memory_limit=limit)
         else:

@@ -44,6 +44,7 @@ __all__ = [
     "BalanceReport",
     "partition_uniform",
     "partition_by_weights",
+    "even_out_identical",
     "validate_balance",
     "SharedParameter",
     "find_shared_parameters",
@@ -159,6 +160,19 @@ def _smallest_bound(prefix: list[float], stages: int, other: list[tuple[list[flo
         else:
             low = middle + 1
     return float(candidates[low])
+
+
+def even_out_identical(weights: Sequence[float], keys: Sequence[Any]) -> list[float]:
+    """``weights`` with every group of layers that share a key (identical layers: the same class, parameter and
+    activation sizes) given the group's median: a noisy profile does not make equal layers unequal, so cuts
+    between them are decided by position (the partition's own rule), the same on every run."""
+    if len(keys) != len(weights):
+        raise PartitionError(f"{len(keys)} keys for {len(weights)} weights: give one key per layer")
+    groups: dict[Any, list[float]] = {}
+    for key, weight in zip(keys, weights):
+        groups.setdefault(key, []).append(float(weight))
+    medians = {key: statistics.median(values) for key, values in groups.items()}
+    return [medians[key] for key in keys]
 
 
 def partition_by_weights(

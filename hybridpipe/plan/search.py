@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from hybridpipe.errors import HybridPipeError, PartitionError, ScheduleError
 from hybridpipe.pipeline import schedule as sched
-from hybridpipe.pipeline.partition import partition_by_weights
+from hybridpipe.pipeline.partition import even_out_identical, partition_by_weights
 from hybridpipe.plan.cost import (ZERO_LEVELS, Candidate, Cluster, Prediction, activation_factor,
                                   held_micro_batches, memory_per_rank, predict, profile_precision, step_lower_bound)
 from hybridpipe.plan.profile import Profile
@@ -247,7 +247,10 @@ def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tu
                               f"{replicas} of {cluster.ranks} ranks (a model of {layers} layers has at most "
                               f"{layers} stages): use a multiple of {min(replicas)}" + (
                                   f" or {fitting}" if fitting else ""))
-    time_per_layer = [layer.forward_ms + layer.backward_ms for layer in profile.layers]
+    # identical layers (same class and sizes) weigh the same: their cuts do not follow the profile's noise
+    time_per_layer = even_out_identical([layer.forward_ms + layer.backward_ms for layer in profile.layers],
+                                        [(layer.name, layer.parameter_bytes, layer.output_bytes,
+                                          layer.activation_bytes) for layer in profile.layers])
     balances: dict[int, tuple[int, ...]] = {}
     rejected: list[tuple[Candidate, float]] = []
     limit = cluster.memory_per_rank
