@@ -13,6 +13,7 @@ import json
 import os
 import random
 import re
+import sys
 import traceback
 from pathlib import Path
 
@@ -26,12 +27,16 @@ from hybridpipe import errors as hp_errors
 from hybridpipe.pipeline import microbatch
 from hybridpipe.testing import compatibility as compat
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "pipeline"))
+from skip_models import WIDTH as SKIP_WIDTH, AddBack, StashProjection  # noqa: E402 - the skip tests' own ends
+
 
 pytestmark = pytest.mark.mpi(ranks=[4], timeout=300, shared=True)
 
 torch.set_num_threads(1)
 WORLD = MPI.COMM_WORLD
 VOCAB, WIDTH, LENGTH, ROWS, MICRO_BATCHES, STEPS, MAX_NORM = 16, 8, 3, 16, 4, 4, 0.2
+assert SKIP_WIDTH == WIDTH
 LONG = os.environ.get("HYBRIDPIPE_LONG_TESTS") == "1"
 CASES = compat.covering_cases(3 if LONG else 2)
 if os.environ.get("HYBRIDPIPE_COMPAT_CASES"):  # debugging: run only these, e.g. '[{"schedule": "1f1b", "tied": "yes"}]'
@@ -54,23 +59,6 @@ SLOTS = slots(CASES)
 
 
 # ------------------------------------------------------------------ the model
-
-
-@hp.skippable(stash=["residual"])
-class StashProjection(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.projection = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hp.stash("residual", self.projection(x))
-        return x
-
-
-@hp.skippable(pop=["residual"])
-class AddBack(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + hp.pop("residual")
 
 
 def block() -> nn.Module:

@@ -420,17 +420,17 @@ def test_the_extensions_cuda_reduction_kernel_against_torch(world, dtype):
         assert torch.equal(accumulator, expected), (op, dtype)
 
 
-@pytest.mark.parametrize("groups", [None, 0], ids=["device-buckets", "one-by-one"])
-def test_distributed_optimizer_on_the_gpu_equals_one_process(world, groups):
+def gpu_pair() -> tuple[nn.Module, nn.Module]:
+    """A CUDA MLP and its one-process reference with the same weights."""
     torch.manual_seed(0)
     reference = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).cuda()
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).cuda()
     model.load_state_dict(reference.state_dict())
-    optimizer = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                        named_parameters=model.named_parameters(), groups=groups)
-    # left unset on the GPU: buckets in reverse model order (one here: 700 floats); groups=0: the engine
-    assert optimizer._hp_groups == ([["2.bias", "2.weight", "0.bias", "0.weight"]] if groups is None else [])
-    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    return model, reference
+
+
+def train_against_one_process(model, optimizer, reference, reference_optimizer, clip: float | None = None) -> None:
+    """4 steps: each rank its 8 rows of the global batch, the reference all of it; then the weights agree."""
     generator = torch.Generator().manual_seed(3)
     for _ in range(4):
         x, y = torch.randn(8 * hp.size(), 16, generator=generator), torch.randn(8 * hp.size(), 4, generator=generator)
@@ -438,46 +438,45 @@ def test_distributed_optimizer_on_the_gpu_equals_one_process(world, groups):
         mine = slice(8 * hp.rank(), 8 * (hp.rank() + 1))
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
-        optimizer.step()
+        if clip is None:
+            optimizer.step()
+        else:
+            optimizer.synchronize()
+            hp.clip_grad_norm_(model, clip)
+            with optimizer.skip_synchronize():
+                optimizer.step()
         reference_optimizer.zero_grad()
         nn.functional.mse_loss(reference(x), y).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
         reference_optimizer.step()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert p.is_cuda
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda text: f"{name}: {text}")
+
+
+@pytest.mark.parametrize("groups", [None, 0], ids=["device-buckets", "one-by-one"])
+def test_distributed_optimizer_on_the_gpu_equals_one_process(world, groups):
+    model, reference = gpu_pair()
+    optimizer = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                        named_parameters=model.named_parameters(), groups=groups)
+    # left unset on the GPU: buckets in reverse model order (one here: 700 floats); groups=0: the engine
+    assert optimizer._hp_groups == ([["2.bias", "2.weight", "0.bias", "0.weight"]] if groups is None else [])
+    train_against_one_process(model, optimizer, reference,
+                              torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9))
 
 
 @pytest.mark.parametrize("zero", [1, 2])
 def test_zero_shards_gpu_parameters_and_equals_one_process(world, zero):
     """ZeRO on CUDA parameters: the shard and the AdamW moments live on the GPU (1/D of them), the buckets are
     reduced through pinned host buffers, and training equals one process, clipping included."""
-    torch.manual_seed(0)
-    reference = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).cuda()
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).cuda()
-    model.load_state_dict(reference.state_dict())
+    model, reference = gpu_pair()
     optimizer = hp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01),
                                         named_parameters=model.named_parameters(), zero=zero)
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
-    generator = torch.Generator().manual_seed(3)
-    for _ in range(4):
-        x, y = torch.randn(8 * hp.size(), 16, generator=generator), torch.randn(8 * hp.size(), 4, generator=generator)
-        x, y = x.cuda(), y.cuda()
-        mine = slice(8 * hp.rank(), 8 * (hp.rank() + 1))
-        optimizer.zero_grad()
-        nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
-        optimizer.synchronize()
-        hp.clip_grad_norm_(model, 0.05)
-        with optimizer.skip_synchronize():
-            optimizer.step()
-        reference_optimizer.zero_grad()
-        nn.functional.mse_loss(reference(x), y).backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
-        reference_optimizer.step()
+    train_against_one_process(model, optimizer, reference, torch.optim.AdamW(reference.parameters(), lr=0.01),
+                              clip=0.05)
     assert all(shard.is_cuda for shard in optimizer._hp_shards)
     assert all(v.is_cuda for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim())
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert p.is_cuda
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda text: f"{name}: {text}")
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
