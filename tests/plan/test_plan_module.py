@@ -58,7 +58,7 @@ def test_a_module_is_profiled_by_its_unit_calls_and_planned_as_split_names(capsy
 
     # a slow link: a pipeline beats allreducing the gradients, so the plan cuts the module
     spec = f"{__file__}:factory"
-    common = ["--sample-batch", "8", "--global-batch", "16", "--ranks", "2", "--intra-host-gbps", "0.001"]
+    common = ["--sample-batch", "8", "--global-batch", "16", "--ranks", "2", "--intra-host-gbps", "0.0001"]
     saved = tmp_path / "profile.json"
     assert main([spec, *common, "--explain", "--save-profile", str(saved)]) == 0
     printed = capsys.readouterr().out
