@@ -14,7 +14,8 @@ costs 10-15 s of start-up here, so tests/test_multihost.py runs its block-placem
 * ``flat`` (always last): after hp.shutdown(), with HYBRIDPIPE_HIERARCHICAL=0 set before hp.init() reads it,
   hierarchical_worker.py's 2 + 2 checks (the hierarchy is never used, the values are the same).
 
-Prints "rank R ok: PART ..." after each part.
+Prints "rank R ok: PART ..." after each part. No argument means ``default``; ``--interleaved`` (as
+docs/sharp_bits.md writes it) means ``interleaved``.
 """
 
 import os
@@ -98,4 +99,4 @@ def engine_traffic(label, comm, one_host):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main([part.removeprefix("--") for part in sys.argv[1:]] or ["default"]))
