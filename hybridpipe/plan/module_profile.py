@@ -13,9 +13,10 @@ Design reasons:
   and T5's encoder output count. Bytes are per sample (the sample's bytes over its batch size).
 * Times: one whole forward (with autograd, as training runs it), timed at each unit call's end; a call's
   forward is the time since the previous call ended, so the glue before it (masks, position ids) counts
-  with it, as every stage replays it. The whole backward is measured and shared among the calls in
-  proportion to their forward time (a per-call backward would need hooks on every output's gradient; the
-  proportion is what the layer profiles show for the blocks of a model, about 2×). Measured at the sample
+  with it, as every stage replays it. Each call's backward is timed by a hook on the gradient of its
+  input: from the next call's input gradient (or the backward's start) to its own (a call whose input
+  needs no gradient, such as token ids, runs to the backward's end); only when no hook fires is the whole
+  backward shared in proportion to the forward times. Measured at the sample
   micro-batch and at a quarter of it and fitted as a fixed cost per call plus a cost per sample, as
   ``hybridpipe.plan.profile`` does for layers.
 * The bytes autograd keeps are counted per call (``saved_tensors_hooks``, parameters and buffers left out),
@@ -157,7 +158,14 @@ def _time_calls(module: nn.Module, layers: ModuleLayers, inputs: Any, loss_fn: C
     kept: list[dict[int, int]] = [{} for _ in range(count)]
     held = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
 
-    def pre(_module: nn.Module, _args: Any) -> None:
+    backward_ends: list[float | None] = [None] * count  # when the gradient of each call's input was complete
+
+    def pre(_module: nn.Module, args: Any) -> None:
+        if state["depth"] == 0 and state["index"] < count and torch.is_grad_enabled():
+            first = next((t for t in iter_tensors(args) if t.requires_grad), None)
+            if first is not None:
+                index = state["index"]
+                first.register_hook(lambda grad: backward_ends.__setitem__(index, time.perf_counter()))
         state["depth"] += 1
 
     def post(_module: nn.Module, _args: Any, _output: Any) -> None:
@@ -184,11 +192,13 @@ def _time_calls(module: nn.Module, layers: ModuleLayers, inputs: Any, loss_fn: C
     buffers = [(b, b.clone()) for b in module.buffers()]  # e.g. batch norm's running statistics
     forward: list[list[float]] = [[] for _ in range(count)]
     backward: list[float] = []
+    per_call: list[list[float]] = [[] for _ in range(count)]
     losses: list[float] = []
     try:
         with torch.enable_grad():
             for run in range(warmup + repeats):
                 state["index"], state["depth"] = 0, 0
+                backward_ends[:] = [None] * count
                 for record in kept:
                     record.clear()
                 started = time.perf_counter()
@@ -218,6 +228,17 @@ def _time_calls(module: nn.Module, layers: ModuleLayers, inputs: Any, loss_fn: C
                     previous = ends[index]
                 backward.append((backward_finished - backward_started) * 1e3)
                 losses.append((loss_finished - loss_started) * 1e3)
+                # each call's backward: from the gradient of the next call's input (or the backward's start) to
+                # that of its own input; a call whose input needs no gradient (the first: token ids) ends when
+                # the backward does, one without such an event gives its time to the call before it
+                since = backward_started
+                for index in reversed(range(count)):
+                    end = backward_ends[index] if index else (backward_ends[0] or backward_finished)
+                    if end is None:
+                        per_call[index].append(0.0)
+                        continue
+                    per_call[index].append(max(0.0, (end - since) * 1e3))
+                    since = end
     finally:
         for handle in handles:
             handle.remove()
@@ -229,7 +250,11 @@ def _time_calls(module: nn.Module, layers: ModuleLayers, inputs: Any, loss_fn: C
     forward_ms = [max(0.0, statistics.median(times)) for times in forward]
     total = sum(forward_ms) or 1.0
     backward_total = statistics.median(backward)
-    backward_ms = [backward_total * ms / total for ms in forward_ms]
+    measured = [statistics.median(times) for times in per_call]
+    if sum(measured) > 0:  # per call, scaled to the median total (the medians of the parts need not add up)
+        backward_ms = [backward_total * ms / sum(measured) for ms in measured]
+    else:  # nothing took a gradient hook: shared in proportion to the forward times
+        backward_ms = [backward_total * ms / total for ms in forward_ms]
     return forward_ms, backward_ms, [sum(record.values()) for record in kept], statistics.median(losses)
 
 

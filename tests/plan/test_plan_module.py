@@ -80,3 +80,54 @@ def test_a_meta_module_is_refused_with_the_fix():
         module = Skipping()
     with pytest.raises(Exception, match="meta device: there is nothing to time"):
         profile_module(module, {"features": torch.randn(4, 6)}, lambda o, t: o["logits"].sum(), None)
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity forward; a backward that takes 200 ms (as a layer whose backward dwarfs its forward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        import time
+
+        time.sleep(0.2)
+        return grad
+
+
+class _HeavyBackward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return _SlowBackward.apply(self.linear(x))
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList([nn.Linear(16, 16), _HeavyBackward(), nn.Linear(16, 16)])
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, ids):
+        x = self.embedding(ids)
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+def test_each_unit_calls_backward_is_measured_not_shared_by_forward_time():
+    """A block whose backward sleeps 200 ms (its forward is as cheap as its neighbours') gets that backward in
+    the profile; shared in proportion to the forward times, every block would get about a fifth of it."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 32, (4, 6))
+    profile, _ = profile_module(_Stack(), ids, lambda out, y: F.cross_entropy(out.reshape(-1, 32), y.reshape(-1)),
+                                torch.randint(0, 32, (4, 6)), repeats=3, warmup=1)
+    backward = [layer.backward_ms * profile.sample_batch + layer.backward_call_ms for layer in profile.layers]
+    names = [layer.name for layer in profile.layers]
+    heavy = backward[names.index(next(n for n in names if "_HeavyBackward" in n or "blocks.1" in n))]
+    assert heavy > 150, (names, backward)  # in proportion to the forward times it got a fifth to a third
