@@ -10,7 +10,11 @@ Usage:
     python -m hybridpipe.plan --model gpt3-1.3b --gpu h100 --ranks 64      # a built-in model, from its FLOPs
     python -m hybridpipe.plan --simulate --model gpt3-1.3b --gpu h100 --gpus-per-host 8 \\
         --intra-host-gbps 900*8 --inter-host-gbps 8*400 --latency-us 5 [--sizes 8:1024] [--scaling weak] \\
-        [--global-batch 64] [--plot scaling.png] [--markdown]           # the best plan at 8 ... 1024 GPUs
+        [--global-batch 64] [--plot scaling.png] [--markdown] [--json]  # the best plan at 8 ... 1024 GPUs
+    python -m hybridpipe.plan --simulate --data-parallel-only --model vgg16 --gpu p100 --gpus-per-host 4 \\
+        --inter-host-gbps 25 --batch-per-gpu 64 [--hierarchical-allreduce] [--json]   # Horovod's benchmark
+    python -m hybridpipe.plan --simulate --pipeline-only --model transformer24 --gpu p100 --gpus-per-host 8 \\
+        --sizes 2,4,8 --micro-batches 32                                   # GPipe's Table 3
     python -m hybridpipe.plan --simulate --profile profile.json --global-batch 256 --gpus-per-host 8 ...
     hybridpipe-run -np 8 python -m hybridpipe.plan calibrate --output cluster.json
     python -m hybridpipe.plan --pipedream-profile ../shared/pipedream/vgg16.json --servers 4 --gpus-per-server 4 \\
@@ -41,7 +45,8 @@ from hybridpipe.plan.profile import Profile, profile
 from hybridpipe.plan import models
 from hybridpipe.plan.models import ACCELERATORS, MODELS
 from hybridpipe.plan.search import CHECKPOINT_CHOICES, SYNCHRONOUS_CHOICES, Plan, format_bytes, plan
-from hybridpipe.plan.simulate import DEFAULT_SIZES, parse_sizes, plot_scaling, render_scaling, scaling
+from hybridpipe.plan.simulate import (DEFAULT_SIZES, Engine, data_parallel_scaling, parse_sizes, pipeline_scaling,
+                                      plot_scaling, render_data_parallel, render_pipeline, render_scaling, scaling)
 
 
 def load_factory(spec: str):
@@ -214,16 +219,80 @@ def describe_cluster(cluster: Cluster) -> str:
             f"between hosts, {cluster.latency_us:g} µs latency{memory}{overhead}")
 
 
+def _json_lines(rows: list[dict]) -> str:
+    import json
+
+    return "\n".join(json.dumps(row) for row in rows)
+
+
+def data_parallel_main(args: argparse.Namespace, model_profile: Profile, cluster: Cluster, sizes: list[int]) -> str:
+    """``--simulate --data-parallel-only``: every GPU a replica of ``--batch-per-gpu`` samples, gradients reduced
+    during the backward as Horovod does (:func:`hybridpipe.plan.simulate.data_parallel_scaling`)."""
+    engine = Engine(hierarchical=args.hierarchical_allreduce,
+                    gpu_variation=Engine.gpu_variation if args.gpu_variation is None else args.gpu_variation)
+    memory_tbps = ACCELERATORS[args.gpu].memory_tbps if args.model else 0.0
+    rows = data_parallel_scaling(model_profile, cluster, sizes, args.batch_per_gpu, engine, memory_tbps)
+    if args.json:
+        return _json_lines([row.to_json() for row in rows])
+    source = (f"{args.model} on {args.gpu} ({model_profile.note.rsplit('; ', 1)[-1]})" if args.model
+              else f"the profile {args.profile or args.factory} (measured on {model_profile.device})")
+    reduction = ("hierarchical (inside each host, then between hosts)" if engine.hierarchical
+                 else "one NCCL ring through every GPU")
+    lines = [f"predicted data-parallel scaling of {source}", f"cluster: {describe_cluster(cluster)}",
+             f"weak scaling: {args.batch_per_gpu} samples per GPU; gradients reduced during the backward: "
+             f"{engine.cycle_ms:g} ms cycle, {engine.fusion_bytes / 2**20:g} MiB fusion buffer, {reduction}; "
+             f"GPUs {engine.gpu_variation:.0%} apart in speed (the slowest sets the pace)", "",
+             render_data_parallel(rows, markdown=args.markdown)]
+    return "\n".join(lines)
+
+
+def pipeline_main(args: argparse.Namespace, model_profile: Profile, cluster: Cluster, sizes: list[int]) -> str:
+    """``--simulate --pipeline-only``: each size one pipeline of that many stages, GPipe's schedule and
+    re-materialization, ``--micro-batches`` of ``--global-batch``."""
+    rows = pipeline_scaling(model_profile, cluster, sizes, args.global_batch, args.micro_batches)
+    if args.json:
+        return _json_lines([row.to_json() for row in rows])
+    return "\n".join([f"predicted pipeline scaling of {args.model or args.profile or args.factory} "
+                      f"(one replica, gpipe, checkpoint always, {args.micro_batches} micro-batches of "
+                      f"{args.global_batch / args.micro_batches:g})", f"cluster: {describe_cluster(cluster)}", "",
+                      render_pipeline(rows, markdown=args.markdown)])
+
+
 def simulate_main(args: argparse.Namespace, model_profile: Profile, memory: float, schedules: tuple[str, ...]) -> str:
-    """``--simulate``: the best plan at each size of ``--sizes``, as a table (and a plot with ``--plot``)."""
+    """``--simulate``: the best plan at each size of ``--sizes``, as a table (and a plot with ``--plot``), or
+    one JSON object per size with ``--json``."""
     sizes = parse_sizes(args.sizes)
     cluster = _build_cluster(args, sizes[0], memory)
+    if args.data_parallel_only:
+        return data_parallel_main(args, model_profile, cluster, sizes)
+    if args.pipeline_only:
+        return pipeline_main(args, model_profile, cluster, sizes)
     started = time.perf_counter()
     rows = scaling(model_profile, cluster, sizes, args.global_batch, weak=args.scaling == "weak",
                    schedules=schedules, checkpoints=CHECKPOINT_CHOICES,
                    optimizer_state_factor=args.optimizer_state_factor, zero_levels=zero_levels(args.zero),
                    precision=args.precision)
     elapsed = time.perf_counter() - started
+    if args.json:  # the one-GPU plan is the reference (or the first size that has a plan, taken as linear)
+        one = scaling(model_profile, dataclasses.replace(cluster, ranks=1), [1],
+                      max(1, args.global_batch // sizes[0]) if args.scaling == "weak" else args.global_batch,
+                      weak=False, schedules=schedules, checkpoints=CHECKPOINT_CHOICES,
+                      optimizer_state_factor=args.optimizer_state_factor, zero_levels=zero_levels(args.zero),
+                      precision=args.precision)[0]
+        base = next((row for row in rows if row.plan is not None), None)
+        per_gpu = (one.plan.samples_per_second if one.plan is not None
+                   else base.plan.samples_per_second / base.ranks if base is not None else None)
+        objects = []
+        for row in rows:
+            rate = row.plan.samples_per_second if row.plan is not None else None
+            speedup = rate / per_gpu if rate is not None and per_gpu else None
+            objects.append({"gpus": row.ranks, "global_batch": row.global_batch, "samples_per_second": rate,
+                            "speedup_over_one_gpu": speedup, "efficiency": speedup / row.ranks if speedup else None,
+                            "baseline": "1 GPU" if one.plan is not None else f"{base.ranks} GPUs as linear"
+                            if base is not None else None,
+                            "plan": row.plan.describe() if row.plan is not None else None,
+                            "problem": row.problem or None})
+        return _json_lines(objects)
     source = (f"{args.model} on {args.gpu} at {args.efficiency:g} of its peak" if args.model
               else f"the profile {args.profile or args.factory} (measured on {model_profile.device})")
     batch = (f"weak scaling: global batch {args.global_batch} at {sizes[0]} GPUs, growing with them"
@@ -303,6 +372,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scaling", choices=["weak", "strong"], default="weak",
                         help="--simulate: weak grows the global batch with the ranks (from --global-batch at the "
                              "first size), strong keeps it (default weak)")
+    parser.add_argument("--data-parallel-only", action="store_true",
+                        help="--simulate: one stage, every GPU a replica (Horovod's setting), weak scaling from "
+                             "--batch-per-gpu; gradients reduced during the backward with Horovod's cycle and "
+                             "fusion buffer over NCCL's ring (--model: times from the GPU's published throughput "
+                             "on that network where there is one)")
+    parser.add_argument("--batch-per-gpu", type=int, default=None,
+                        help="--data-parallel-only: samples per GPU per step (default: --global-batch / the first "
+                             "size)")
+    parser.add_argument("--hierarchical-allreduce", action="store_true",
+                        help="--data-parallel-only: reduce inside each host, then between hosts (default: one ring "
+                             "through every GPU, as NCCL 2 in Horovod's 2018 runs)")
+    parser.add_argument("--gpu-variation", type=float, default=None,
+                        help="--data-parallel-only: spread of GPU speeds as a fraction of the median (default 0.08, "
+                             "Sinha et al. SC'22); the slowest GPU sets the pace")
+    parser.add_argument("--pipeline-only", action="store_true",
+                        help="--simulate: each size one pipeline of that many stages (GPipe's setting: gpipe "
+                             "schedule, re-materialization, --micro-batches)")
+    parser.add_argument("--micro-batches", type=int, default=32,
+                        help="--pipeline-only: micro-batches per step (default 32, GPipe's Table 3)")
     parser.add_argument("--plot", help="--simulate: write a PNG of throughput and efficiency here")
     parser.add_argument("--markdown", action="store_true", help="--simulate: print the table as Markdown")
     parser.add_argument("--cluster", help="links measured by `calibrate` (JSON); --ranks may differ from it")
@@ -341,7 +429,9 @@ def main(argv: list[str] | None = None) -> int:
                            help="between GPUs of a server, bytes per second (e.g. 10e9)")
     pipedream.add_argument("--inter-bandwidth", type=rate, metavar="BYTES_PER_S",
                            help="between servers, bytes per second (e.g. 1.25e9 for 10 Gbit/s)")
-    pipedream.add_argument("--json", action="store_true", help="print the plan as one line of JSON")
+    pipedream.add_argument("--json", action="store_true", help="print the plan as one line of JSON (--simulate: one "
+                           "line per size, each an object with gpus, samples_per_second, speedup_over_one_gpu, "
+                           "efficiency)")
     pipedream.add_argument("--overlap", choices=["none", "layer", "stage"], default="none",
                            help="a replicated stage's allreduce against its compute: none (added, as PipeDream's "
                                 "optimizer; default), layer (each layer's hides behind its own compute), stage "
@@ -363,6 +453,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--ranks is required (or --simulate to plan for each of --sizes)")
     if args.simulate and args.ranks is not None:
         parser.error("--simulate plans for each of --sizes; leave out --ranks (e.g. --sizes 8:1024)")
+    if (args.data_parallel_only or args.pipeline_only) and not args.simulate:
+        parser.error("--data-parallel-only and --pipeline-only shape --simulate's sizes; add --simulate")
+    if args.data_parallel_only and args.pipeline_only:
+        parser.error("give one of --data-parallel-only (every GPU a replica) and --pipeline-only (every GPU a stage)")
+    if args.batch_per_gpu is not None and not args.data_parallel_only:
+        parser.error("--batch-per-gpu is for --data-parallel-only (otherwise give --global-batch)")
     if args.gpu and not args.model:
         parser.error("--gpu costs a built-in --model; a profile carries its own times (describe the cluster "
                      "with --gpus-per-host, --intra-host-gbps, --inter-host-gbps, --memory-per-rank)")
@@ -374,8 +470,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--global-batch is required with a profile")
     layers = None
     try:
+        if args.data_parallel_only and args.batch_per_gpu is None:
+            args.batch_per_gpu = max(1, args.global_batch // parse_sizes(args.sizes)[0])
         if args.model:
-            model_profile = models.model_profile(args.model, args.gpu, args.efficiency, args.call_overhead_us)
+            measured = (args.data_parallel_only and MODELS[args.model].kind != "transformer"
+                        and models.published_seconds_per_image(args.model, args.gpu) is not None)
+            model_profile = models.model_profile(args.model, args.gpu, args.efficiency, args.call_overhead_us,
+                                                 measured=measured)
         elif args.profile:
             model_profile = Profile.load(args.profile)
         else:

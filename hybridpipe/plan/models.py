@@ -26,12 +26,14 @@ Design reasons:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from hybridpipe.errors import HybridPipeError
 from hybridpipe.plan.profile import LayerCost, Profile
 
-__all__ = ["Accelerator", "ACCELERATORS", "ModelPreset", "MODELS", "model_profile", "OPTIMIZER_STATE_FACTOR"]
+__all__ = ["Accelerator", "ACCELERATORS", "ModelPreset", "MODELS", "model_profile", "OPTIMIZER_STATE_FACTOR",
+           "conv_layers", "PUBLISHED_IMAGES_PER_SECOND", "published_seconds_per_image"]
 
 GIB = 2**30
 OPTIMIZER_STATE_FACTOR = {"bf16": 6.0, "fp16": 6.0, "fp32": 1.0}  # 16-bit: Adam, fp32 master; fp32: momentum
@@ -107,6 +109,17 @@ MODELS = {preset.name: preset for preset in (
     _gpt3("gpt3-13b", 40, 5140, 40, "2M", 1024), _gpt3("gpt3-175b", 96, 12288, 96, "3.2M", 1536),
     ModelPreset("resnet101", "resnet", "fp32", 64 * 8,
                 note="ResNet-101 (He et al. 2016) at 224×224, fp32; batch 64 images per GPU"),
+    ModelPreset("inception3", "cnn", "fp32", 64 * 8,
+                note="Inception V3 (Szegedy et al. 2016) at 299×299 without the auxiliary head, fp32; batch 64 "
+                     "images per GPU"),
+    ModelPreset("vgg16", "cnn", "fp32", 64 * 8,
+                note="VGG-16 (Simonyan and Zisserman 2015) at 224×224, fp32; batch 64 images per GPU"),
+    # GPipe's 24-layer Transformer (Huang et al. 2019, Table 3, GPUs): its Table 1 defines Transformer-L's layer
+    # as model dimension 2048, feed-forward 8192 (4 × 2048), 32 heads; the vocabulary of 32k word pieces and
+    # 1024-token sequences are assumed (the ratios between partition counts hardly depend on them)
+    ModelPreset("transformer24", "transformer", "fp32", 32, 24, 2048, 32, context=1024, vocabulary=32000,
+                note="GPipe's Transformer with 24 layers (Huang et al. 2019): d_model 2048, feed-forward 8192, "
+                     "32 heads as its Table 1's Transformer-L; 1024 tokens, vocabulary 32000 assumed; fp32"),
 )}
 
 
@@ -159,8 +172,216 @@ def _resnet101(tflops: float, call_ms: float) -> tuple[list[LayerCost], float, f
     return layers, 3 * 224 * 224 * b, 0.0
 
 
+# ---- convolutional networks of tf_cnn_benchmarks, counted from their definitions -------------------------------
+# Each entry: (layer name, multiply-adds per image, parameters, output elements per image, stored elements per
+# image). A "layer" is a unit a pipeline can cut between (a convolution of the stem, an Inception module, a
+# bottleneck block, a fully connected layer); its parameters include its batch-norm's scale and shift.
+
+ConvLayer = tuple[str, float, float, float, float]
+
+
+class _Shapes:
+    """Tracks one branch's activation shape through convolutions, counting multiply-adds and parameters."""
+
+    def __init__(self, channels: int, size: int) -> None:
+        self.channels, self.height, self.width = channels, size, size
+        self.macs = self.params = self.stored = 0.0
+
+    def conv(self, out: int, kh: int, kw: int | None = None, stride: int = 1, pad: tuple[int, int] | int = 0,
+             bn: bool = True, bias: bool = False) -> _Shapes:
+        kw = kh if kw is None else kw
+        ph, pw = (pad, pad) if isinstance(pad, int) else pad
+        self.height = (self.height + 2 * ph - kh) // stride + 1
+        self.width = (self.width + 2 * pw - kw) // stride + 1
+        self.macs += self.height * self.width * kh * kw * self.channels * out
+        self.params += kh * kw * self.channels * out + (2 * out if bn else 0) + (out if bias else 0)
+        self.stored += self.channels * self.height * self.width * stride * stride  # its input (approximately)
+        self.stored += out * self.height * self.width * (3 if bn else 1)  # conv, batch-norm, ReLU outputs
+        self.channels = out
+        return self
+
+    def pool(self, kernel: int, stride: int, pad: int = 0) -> _Shapes:
+        self.height = (self.height + 2 * pad - kernel) // stride + 1
+        self.width = (self.width + 2 * pad - kernel) // stride + 1
+        self.stored += self.channels * self.height * self.width
+        return self
+
+    @property
+    def elements(self) -> float:
+        return self.channels * self.height * self.width
+
+
+def _module(name: str, channels: int, size: int, branches) -> tuple[ConvLayer, int, int]:
+    """An Inception module: each branch a function of a fresh :class:`_Shapes`; outputs concatenated."""
+    made = [branch(_Shapes(channels, size)) for branch in branches]
+    out = sum(b.channels for b in made)
+    height = made[0].height
+    layer = (name, sum(b.macs for b in made), sum(b.params for b in made), out * height * height,
+             sum(b.stored for b in made) + channels * size * size)
+    return layer, out, height
+
+
+def inception3_layers() -> list[ConvLayer]:
+    """Inception V3 (Szegedy et al. 2016) at 299 × 299, torchvision's / tf_cnn_benchmarks' layout without the
+    auxiliary head: 23.8 M parameters, 5.7 G multiply-adds."""
+    layers: list[ConvLayer] = []
+    x = _Shapes(3, 299)
+    for name, args, pool in (("Conv2d_1a_3x3", (32, 3, 3, 2), None), ("Conv2d_2a_3x3", (32, 3), None),
+                             ("Conv2d_2b_3x3", (64, 3, 3, 1, 1), (3, 2)), ("Conv2d_3b_1x1", (80, 1), None),
+                             ("Conv2d_4a_3x3", (192, 3), (3, 2))):
+        before = (x.macs, x.params, x.stored)
+        x.conv(*args)
+        if pool:
+            x.pool(*pool)
+        layers.append((name, x.macs - before[0], x.params - before[1], x.elements, x.stored - before[2]))
+    channels, size = x.channels, x.height
+
+    def a(pool_features):
+        return (lambda b: b.conv(64, 1), lambda b: b.conv(48, 1).conv(64, 5, pad=2),
+                lambda b: b.conv(64, 1).conv(96, 3, pad=1).conv(96, 3, pad=1),
+                lambda b: b.pool(3, 1, 1).conv(pool_features, 1))
+
+    def c(c7):
+        return (lambda b: b.conv(192, 1),
+                lambda b: b.conv(c7, 1).conv(c7, 1, 7, pad=(0, 3)).conv(192, 7, 1, pad=(3, 0)),
+                lambda b: (b.conv(c7, 1).conv(c7, 7, 1, pad=(3, 0)).conv(c7, 1, 7, pad=(0, 3))
+                           .conv(c7, 7, 1, pad=(3, 0)).conv(192, 1, 7, pad=(0, 3))),
+                lambda b: b.pool(3, 1, 1).conv(192, 1))
+
+    def e_branch(b, first):  # a 1×1 (and 3×3), then 1×3 and 3×1 side by side, concatenated
+        b.conv(first[0], 1)
+        if len(first) > 1:
+            b.conv(first[1], 3, pad=1)
+        c_in, h = b.channels, b.height
+        left, right = _Shapes(c_in, h).conv(384, 1, 3, pad=(0, 1)), _Shapes(c_in, h).conv(384, 3, 1, pad=(1, 0))
+        b.macs += left.macs + right.macs
+        b.params += left.params + right.params
+        b.stored += left.stored + right.stored
+        b.channels = 768
+        return b
+
+    e = (lambda b: b.conv(320, 1), lambda b: e_branch(b, (384,)), lambda b: e_branch(b, (448, 384)),
+         lambda b: b.pool(3, 1, 1).conv(192, 1))
+    modules = [("Mixed_5b", a(32)), ("Mixed_5c", a(64)), ("Mixed_5d", a(64)),
+               ("Mixed_6a", (lambda b: b.conv(384, 3, stride=2),
+                             lambda b: b.conv(64, 1).conv(96, 3, pad=1).conv(96, 3, stride=2),
+                             lambda b: b.pool(3, 2))),
+               ("Mixed_6b", c(128)), ("Mixed_6c", c(160)), ("Mixed_6d", c(160)), ("Mixed_6e", c(192)),
+               ("Mixed_7a", (lambda b: b.conv(192, 1).conv(320, 3, stride=2),
+                             lambda b: b.conv(192, 1).conv(192, 1, 7, pad=(0, 3)).conv(192, 7, 1, pad=(3, 0))
+                             .conv(192, 3, stride=2),
+                             lambda b: b.pool(3, 2))),
+               ("Mixed_7b", e), ("Mixed_7c", e)]
+    for name, branches in modules:
+        layer, channels, size = _module(name, channels, size, branches)
+        layers.append(layer)
+    layers.append(("Logits", channels * 1000, channels * 1000 + 1000, 1000, channels * size * size + channels))
+    return layers
+
+
+def vgg16_layers() -> list[ConvLayer]:
+    """VGG-16 (Simonyan and Zisserman 2015, configuration D) at 224 × 224: 13 convolutions with biases (no
+    batch-norm) and three fully connected layers: 138.4 M parameters, 15.5 G multiply-adds."""
+    layers: list[ConvLayer] = []
+    x = _Shapes(3, 224)
+    for index, (width, pool) in enumerate(((64, 0), (64, 1), (128, 0), (128, 1), (256, 0), (256, 0), (256, 1),
+                                           (512, 0), (512, 0), (512, 1), (512, 0), (512, 0), (512, 1))):
+        before = (x.macs, x.params, x.stored)
+        x.conv(width, 3, pad=1, bn=False, bias=True)
+        if pool:
+            x.pool(2, 2)
+        layers.append((f"conv{index + 1}", x.macs - before[0], x.params - before[1], x.elements,
+                       x.stored - before[2]))
+    features = x.elements
+    for name, fan_in, out in (("fc6", features, 4096), ("fc7", 4096, 4096), ("fc8", 4096, 1000)):
+        layers.append((name, fan_in * out, fan_in * out + out, out, fan_in + 2 * out))
+    return layers
+
+
+def resnet_layers(stages: tuple[tuple[int, int, int], ...] = ((3, 64, 1), (4, 128, 2), (23, 256, 2), (3, 512, 2))
+                  ) -> list[ConvLayer]:
+    """A bottleneck ResNet (He et al. 2016; torchvision's layout, stride in the 3×3) at 224 × 224: ResNet-101
+    by default (44.5 M parameters, 7.8 G multiply-adds); ``RESNET_STAGES`` has ResNet-50 and -152."""
+    layers: list[ConvLayer] = [("Stem", 112 * 112 * 49 * 3 * 64, 49 * 3 * 64 + 2 * 64, 64 * 56 * 56,
+                                3 * 224 * 224 + 3 * 64 * 112 * 112 + 64 * 56 * 56)]
+    channels, size = 64, 56
+    for blocks, width, stride in stages:
+        for index in range(blocks):
+            step = stride if index == 0 else 1
+            out, downsample = size // step, index == 0
+            macs = (size * size * channels * width + out * out * 9 * width * width + out * out * width * 4 * width
+                    + (out * out * channels * 4 * width if downsample else 0))
+            weights = (channels * width + 9 * width * width + 4 * width * width
+                       + (channels * 4 * width if downsample else 0)) + 2 * 6 * width + (8 * width if downsample else 0)
+            stored = (channels * size * size + 2 * width * size * size + 2 * width * out * out
+                      + 4 * width * out * out * (3 if downsample else 2))
+            layers.append(("Bottleneck", macs, weights, 4 * width * out * out, stored))
+            channels, size = 4 * width, out
+    layers.append(("Classifier", channels * 1000, channels * 1000 + 1000, 1000, channels * size * size + channels))
+    return layers
+
+
+RESNET_STAGES = {"resnet50": ((3, 64, 1), (4, 128, 2), (6, 256, 2), (3, 512, 2)),
+                 "resnet101": ((3, 64, 1), (4, 128, 2), (23, 256, 2), (3, 512, 2)),
+                 "resnet152": ((3, 64, 1), (8, 128, 2), (36, 256, 2), (3, 512, 2))}
+
+
+def conv_layers(name: str) -> list[ConvLayer]:
+    """The layer table of a convolutional preset (``inception3``, ``vgg16``, ``resnet50``/``101``/``152``)."""
+    if name == "inception3":
+        return inception3_layers()
+    if name == "vgg16":
+        return vgg16_layers()
+    if name in RESNET_STAGES:
+        return resnet_layers(RESNET_STAGES[name])
+    raise HybridPipeError(f"no layer table for {name!r} (have inception3, vgg16, {', '.join(RESNET_STAGES)})")
+
+
+# Images per second one GPU trains, as published: TensorFlow's performance page ("Benchmarks", Details for
+# NVIDIA DGX-1 (Tesla P100), training, synthetic data, batch 64 per GPU, tf_cnn_benchmarks, May 2017):
+# InceptionV3 142, ResNet-50 219, ResNet-152 91.8, VGG16 154. ResNet-101 is not on the page: its time per image
+# is interpolated between ResNet-50's and ResNet-152's in proportion to multiply-adds (same blocks, same kernels).
+PUBLISHED_IMAGES_PER_SECOND = {("p100", "inception3"): 142.0, ("p100", "resnet50"): 219.0,
+                               ("p100", "resnet152"): 91.8, ("p100", "vgg16"): 154.0}
+PUBLISHED_BATCH = 64
+
+
+def published_seconds_per_image(name: str, accelerator: str) -> float | None:
+    """One training image's time on one GPU (forward and backward) from :data:`PUBLISHED_IMAGES_PER_SECOND`,
+    ResNet-101 interpolated by multiply-adds between ResNet-50 and -152; None where nothing is published."""
+    if (accelerator, name) in PUBLISHED_IMAGES_PER_SECOND:
+        return 1.0 / PUBLISHED_IMAGES_PER_SECOND[(accelerator, name)]
+    if name == "resnet101" and (accelerator, "resnet50") in PUBLISHED_IMAGES_PER_SECOND:
+        macs = {n: sum(layer[1] for layer in conv_layers(n)) for n in ("resnet50", "resnet101", "resnet152")}
+        low, high = (1.0 / PUBLISHED_IMAGES_PER_SECOND[(accelerator, n)] for n in ("resnet50", "resnet152"))
+        return low + (high - low) * (macs["resnet101"] - macs["resnet50"]) / (macs["resnet152"] - macs["resnet50"])
+    return None
+
+
+def _conv_net(name: str, tflops: float, call_ms: float) -> tuple[list[LayerCost], float, float]:
+    b, size = BYTES["fp32"], 299 if name == "inception3" else 224
+    layers = [_layer(layer, 2 * macs, out * b, stored * b, params * b, tflops, call_ms)
+              for layer, macs, params, out, stored in conv_layers(name)]
+    return layers, 3 * size * size * b, 0.0
+
+
+def _as_published(name: str, accelerator: str, layers: list[LayerCost], batch_update_ms: float) -> list[LayerCost]:
+    """The layers' times scaled so that a step of :data:`PUBLISHED_BATCH` images (forward, backward and the
+    optimizer's ``batch_update_ms``) takes what :func:`published_seconds_per_image` says (their shares kept:
+    each layer's FLOPs over the total)."""
+    seconds = published_seconds_per_image(name, accelerator)
+    if seconds is None:
+        published = ", ".join(f"{model} on {gpu}" for gpu, model in PUBLISHED_IMAGES_PER_SECOND)
+        raise HybridPipeError(f"no published single-GPU throughput for {name} on {accelerator} (there is for "
+                              f"{published}, and resnet101 interpolated on p100)")
+    total_ms = sum(layer.forward_ms + layer.backward_ms for layer in layers)
+    scale = (seconds * 1e3 - batch_update_ms / PUBLISHED_BATCH) / total_ms
+    return [dataclasses.replace(layer, forward_ms=layer.forward_ms * scale, backward_ms=layer.backward_ms * scale,
+                                forward_call_ms=0.0, backward_call_ms=0.0) for layer in layers]
+
+
 def model_profile(name: str, accelerator: str = "h100", efficiency: float = 0.5,
-                  call_overhead_us: float = 50.0) -> Profile:
+                  call_overhead_us: float = 50.0, measured: bool = False) -> Profile:
     """The :class:`Profile` of a built-in model on an accelerator.
 
     Args:
@@ -168,6 +389,9 @@ def model_profile(name: str, accelerator: str = "h100", efficiency: float = 0.5,
         accelerator: One of :data:`ACCELERATORS` (its peak in the model's precision is used).
         efficiency: The fraction of that peak the layers reach, in (0, 1].
         call_overhead_us: A layer's fixed forward cost per call (its backward: twice that).
+        measured: Time the layers from the GPU's published training throughput on this network
+            (:data:`PUBLISHED_IMAGES_PER_SECOND`) instead of its peak: each layer keeps its share of the FLOPs,
+            with no fixed cost per call; ``efficiency`` is then unused.
 
     Raises:
         HybridPipeError: an unknown name, an efficiency outside (0, 1], or an accelerator without the
@@ -190,12 +414,20 @@ def model_profile(name: str, accelerator: str = "h100", efficiency: float = 0.5,
     call_ms = call_overhead_us / 1e3
     if preset.kind == "transformer":
         layers, input_bytes, loss_ms = _transformer(preset, tflops, call_ms)
+    elif preset.kind == "cnn":
+        layers, input_bytes, loss_ms = _conv_net(name, tflops, call_ms)
     else:
         layers, input_bytes, loss_ms = _resnet101(tflops, call_ms)
     update_ms_per_mb = UPDATE_TRAFFIC[preset.precision] * 2**20 / (device.memory_tbps * 1e12) * 1e3
+    if measured:
+        layers = _as_published(name, accelerator, layers,
+                               update_ms_per_mb * sum(layer.parameter_bytes for layer in layers) / 2**20)
     return Profile(layers=layers, sample_batch=1, input_bytes=input_bytes, loss_ms=loss_ms,
                    update_ms_per_mb=update_ms_per_mb, device=f"{accelerator} (modelled)",
-                   note=f"{preset.note}; times from FLOPs at {efficiency:g} × {device.peak_tflops[preset.precision]:g} "
-                        f"TFLOP/s ({preset.precision}) plus {call_overhead_us:g} µs per forward call",
+                   note=f"{preset.note}; " + (
+                       f"times from the published {1 / published_seconds_per_image(name, accelerator):.1f} images/s "
+                       "of one GPU, shared by FLOPs" if measured else
+                       f"times from FLOPs at {efficiency:g} × {device.peak_tflops[preset.precision]:g} TFLOP/s "
+                       f"({preset.precision}) plus {call_overhead_us:g} µs per forward call"),
                    extra={"model": name, "accelerator": accelerator, "efficiency": efficiency,
                           "precision": preset.precision})

@@ -17,6 +17,7 @@ Design reasons:
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 
@@ -25,7 +26,9 @@ from hybridpipe.plan.cost import Cluster
 from hybridpipe.plan.profile import Profile
 from hybridpipe.plan.search import Plan, plan
 
-__all__ = ["ScalingRow", "parse_sizes", "scaling", "render_scaling", "plot_scaling", "DEFAULT_SIZES"]
+__all__ = ["ScalingRow", "parse_sizes", "scaling", "render_scaling", "plot_scaling", "DEFAULT_SIZES", "Engine",
+           "DataParallelRow", "ring_allreduce_seconds", "data_parallel_step", "data_parallel_scaling",
+           "render_data_parallel", "PipelineRow", "pipeline_scaling", "render_pipeline"]
 
 DEFAULT_SIZES = "8:1024"
 
@@ -187,3 +190,235 @@ def plot_scaling(series: dict[str, list[ScalingRow]], path: str, title: str, sam
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     pyplot.close(figure)
+
+
+# ---- data parallelism as Horovod ran it (--data-parallel-only) -----------------------------------------------------
+
+@dataclass(frozen=True)
+class Engine:
+    """How gradients are reduced while the backward runs: Horovod's background loop over NCCL 2's ring.
+
+    Attributes (each from a source, none fitted to a scaling result):
+        cycle_ms: The loop's period: each cycle gathers the gradients that became ready since the last one
+            and reduces them (HOROVOD_CYCLE_TIME: 5 ms until Horovod 0.21, whose change log says "changed
+            default cycle time from 5ms to 1ms").
+        fusion_bytes: The fusion buffer: ready gradients are packed into allreduces of at most this much
+            (HOROVOD_FUSION_THRESHOLD, 64 MB until 0.21; docs/tensor-fusion); a larger tensor goes alone.
+        base_us, intra_hop_us, inter_hop_us, plateau: NCCL's own latency model of a ring allreduce
+            (src/graph/tuning.cc, Ring / Simple protocol): ``base + (steps − inter_steps) · intra_hop +
+            inter_steps · inter_hop`` with ``steps = 2(n−1)`` and ``inter_steps = 2(hosts−1)``, times 1.9
+            for a large allreduce across hosts ("plateau effect of ring"); hops over PCIe 5.7 µs, over the
+            network 9.6 µs, base 8.4 µs.
+        hierarchical: Reduce-scatter inside each host, a ring between hosts of each GPU's share (all of a
+            host's GPUs through its network at once), allgather inside (Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE,
+            off by default); else one flat ring through every GPU, as NCCL 2 built it in 2018.
+        gpu_variation: How far apart GPUs of the same model run in one cluster, as a fraction of the median
+            GPU's speed: Sinha et al., "Not All GPUs Are Created Equal" (SC 2022), measured 8 % on average
+            (up to 22 %) across the GPUs of four clusters, from manufacturing and power management. A
+            synchronous step waits for the slowest of its GPUs: speeds spread evenly over the band around
+            the median put the slowest of ``n`` at ``1 − v/2 + v/(n+1)`` of the median (1 for one GPU, the
+            baseline); every replica's compute is stretched to its pace.
+    """
+
+    cycle_ms: float = 5.0
+    fusion_bytes: float = 64 * 2**20
+    base_us: float = 8.4
+    intra_hop_us: float = 5.7
+    inter_hop_us: float = 9.6
+    plateau: float = 1.9
+    hierarchical: bool = False
+    gpu_variation: float = 0.08
+
+    def slowest_pace(self, gpus: int) -> float:
+        """The slowest of ``gpus`` GPUs' speed as a fraction of the median's (see ``gpu_variation``)."""
+        return 1 - self.gpu_variation / 2 + self.gpu_variation / (gpus + 1)
+
+
+@dataclass
+class DataParallelRow:
+    """One size of :func:`data_parallel_scaling`."""
+
+    gpus: int
+    global_batch: int
+    step_seconds: float
+    samples_per_second: float
+    speedup_over_one_gpu: float
+    efficiency: float            # speedup ÷ GPUs
+    exposed_seconds: float       # the step beyond one GPU's: reduction not hidden behind the backward
+    allreduces: int              # fused allreduces per step
+    network_seconds: float       # the allreduces' total time (hidden or not)
+
+    def to_json(self) -> dict:
+        return {"gpus": self.gpus, "global_batch": self.global_batch, "step_seconds": round(self.step_seconds, 6),
+                "samples_per_second": round(self.samples_per_second, 3),
+                "speedup_over_one_gpu": round(self.speedup_over_one_gpu, 3), "efficiency": round(self.efficiency, 4),
+                "exposed_seconds": round(self.exposed_seconds, 6), "allreduces": self.allreduces,
+                "network_seconds": round(self.network_seconds, 6)}
+
+
+def ring_allreduce_seconds(nbytes: float, gpus: int, cluster: Cluster, engine: Engine) -> float:
+    """One NCCL allreduce of ``nbytes`` over ``gpus`` GPUs, ``cluster.per_host`` to a host (NCCL's model, see
+    :class:`Engine`): its latency, plus ``2(n−1)/n · bytes`` over the slowest link of the ring (a host's network
+    when the ring leaves the host, else the link inside it). Hierarchical: the ring inside each host over
+    ``bytes/g`` shares, around a ring between the hosts carrying each host's whole ``2(H−1)/H · bytes``."""
+    if gpus < 2 or nbytes <= 0:
+        return 0.0
+    per_host = min(cluster.per_host, gpus)
+    hosts = -(-gpus // per_host)
+    intra, inter = cluster.intra_host_gbps * 1e9 / 8, cluster.inter_host_gbps * 1e9 / 8  # bytes/s
+    if engine.hierarchical and hosts > 1 and per_host > 1:
+        inside = 2 * (per_host - 1) * engine.intra_hop_us * 1e-6 + 2 * (per_host - 1) / per_host * nbytes / intra
+        between = (engine.base_us + 2 * (hosts - 1) * engine.inter_hop_us) * 1e-6 * engine.plateau
+        return engine.base_us * 1e-6 + inside + between + 2 * (hosts - 1) / hosts * nbytes / inter
+    steps, inter_steps = 2 * (gpus - 1), 2 * (hosts - 1)
+    latency = (engine.base_us + (steps - inter_steps) * engine.intra_hop_us + inter_steps * engine.inter_hop_us) * 1e-6
+    if hosts > 1 and nbytes >= gpus / 16 * 65536:
+        latency *= engine.plateau
+    slowest = min(intra, inter) if hosts > 1 else intra
+    return latency + steps / gpus * nbytes / slowest
+
+
+def negotiation_seconds(gpus: int, cluster: Cluster) -> float:
+    """Horovod's coordinator each cycle: every rank's list of ready tensors gathered to rank 0, the list to
+    reduce broadcast back (two binomial trees of ``log2 n`` messages of ``cluster.latency_us``)."""
+    return 2 * math.ceil(math.log2(gpus)) * cluster.latency_us * 1e-6 if gpus > 1 else 0.0
+
+
+def data_parallel_step(profile: Profile, cluster: Cluster, gpus: int, batch_per_gpu: int,
+                       engine: Engine = Engine(), memory_tbps: float = 0.0) -> tuple[float, float, int, float]:
+    """One step of ``gpus`` replicas, ``batch_per_gpu`` samples each: (step seconds, its compute-only part,
+    fused allreduces, their total seconds).
+
+    The forward, then the backward layer by layer from the last: a layer's gradients are ready when its own
+    backward ends. Horovod's loop wakes every ``cycle_ms`` (or when its previous reductions end, if later),
+    negotiates, packs the gradients ready by then into fusion buffers (copied in and out at the memory
+    bandwidth) and reduces each buffer with :func:`ring_allreduce_seconds`, one after another. The step ends
+    when the backward and the last reduction have, then the optimizer's update (the profile's time per MiB).
+    Every replica computes at the pace of the slowest GPU (:meth:`Engine.slowest_pace`)."""
+    slow = cluster.compute_slowdown / engine.slowest_pace(gpus)
+    forward = sum(layer.forward_seconds(batch_per_gpu) for layer in profile.layers) * slow
+    ready: list[tuple[float, float]] = []  # (time, bytes), in the order the backward makes them
+    now = forward
+    for layer in reversed(profile.layers):
+        now += layer.backward_seconds(batch_per_gpu) * slow
+        if layer.parameter_bytes:
+            ready.append((now, float(layer.parameter_bytes)))
+    compute = now + profile.loss_ms * batch_per_gpu * slow / 1e3
+    update = profile.update_ms_per_mb * profile.parameter_bytes / 2**20 / 1e3 * slow
+    if gpus < 2:
+        return compute + update, compute + update, 0, 0.0
+    copy = 2 / (memory_tbps * 1e12) if memory_tbps > 0 else 0.0  # seconds per byte into and out of the buffer
+    cycle, index, tick, finished, count, busy = engine.cycle_ms * 1e-3, 0, 0.0, 0.0, 0, 0.0
+    while index < len(ready):
+        if ready[index][0] > tick:  # nothing ready: wait for the cycle in which the next one is
+            tick += math.ceil((ready[index][0] - tick) / cycle - 1e-9) * cycle
+        cost, bucket = negotiation_seconds(gpus, cluster), 0.0
+        while index < len(ready) and ready[index][0] <= tick:
+            nbytes = ready[index][1]
+            if bucket and bucket + nbytes > engine.fusion_bytes:
+                cost += ring_allreduce_seconds(bucket, gpus, cluster, engine) + bucket * copy
+                count += 1
+                bucket = 0.0
+            bucket += nbytes
+            index += 1
+        cost += ring_allreduce_seconds(bucket, gpus, cluster, engine) + bucket * copy
+        count += 1
+        busy += cost
+        finished = tick + cost
+        tick = max(tick + cycle, finished)
+    return max(compute, finished) + update, compute + update, count, busy
+
+
+def data_parallel_scaling(profile: Profile, cluster: Cluster, sizes: list[int], batch_per_gpu: int,
+                          engine: Engine = Engine(), memory_tbps: float = 0.0) -> list[DataParallelRow]:
+    """Weak scaling of plain data parallelism (one stage, every GPU a replica of ``batch_per_gpu`` samples)
+    against one GPU training alone (no reduction at all): speedup ``= n · t(1) / t(n)``, efficiency = speedup / n."""
+    if batch_per_gpu < 1:
+        raise HybridPipeError(f"--batch-per-gpu must be >= 1 (got {batch_per_gpu})")
+    alone = data_parallel_step(profile, cluster, 1, batch_per_gpu, engine, memory_tbps)[0]
+    rows = []
+    for gpus in sizes:
+        step, compute, count, busy = data_parallel_step(profile, dataclasses.replace(cluster, ranks=gpus), gpus,
+                                                        batch_per_gpu, engine, memory_tbps)
+        speedup = gpus * alone / step
+        rows.append(DataParallelRow(gpus, gpus * batch_per_gpu, step, gpus * batch_per_gpu / step, speedup,
+                                    speedup / gpus, step - compute, count, busy))
+    return rows
+
+
+def render_data_parallel(rows: list[DataParallelRow], markdown: bool = False, sample: str = "samples") -> str:
+    """The table of :func:`data_parallel_scaling`."""
+    header = ["GPUs", "global batch", "step s", f"{sample}/s", "speedup vs 1 GPU", "efficiency", "exposed s",
+              "allreduces", "network s"]
+    table = [[str(r.gpus), str(r.global_batch), f"{r.step_seconds:.3f}", f"{r.samples_per_second:,.1f}",
+              f"{r.speedup_over_one_gpu:.1f}", f"{r.efficiency:.3f}", f"{r.exposed_seconds:.3f}", str(r.allreduces),
+              f"{r.network_seconds:.3f}"] for r in rows]
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" for _ in header) + "|"]
+        return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in table])
+    widths = [max(len(cells[i]) for cells in [header] + table) for i in range(len(header))]
+    return "\n".join(["  ".join(c.rjust(w) for c, w in zip(cells, widths)) for cells in
+                      [header, ["-" * w for w in widths]] + table])
+
+
+# ---- one pipeline per size (--pipeline-only): GPipe's partition counts ---------------------------------------------
+
+@dataclass
+class PipelineRow:
+    """One partition count of :func:`pipeline_scaling`."""
+
+    gpus: int
+    balance: tuple[int, ...]
+    step_seconds: float
+    samples_per_second: float
+    speedup_over_one_gpu: float
+    efficiency: float
+    normalized_to_first: float   # throughput over the first size's (GPipe's Table 3 normalizes to K = 2)
+
+    def to_json(self) -> dict:
+        return {"gpus": self.gpus, "stages": self.gpus, "balance": list(self.balance),
+                "step_seconds": round(self.step_seconds, 6), "samples_per_second": round(self.samples_per_second, 3),
+                "speedup_over_one_gpu": round(self.speedup_over_one_gpu, 3), "efficiency": round(self.efficiency, 4),
+                "normalized_to_first": round(self.normalized_to_first, 3)}
+
+
+def pipeline_scaling(profile: Profile, cluster: Cluster, sizes: list[int], global_batch: int, micro_batches: int,
+                     schedule: str = "gpipe", checkpoint: str = "always") -> list[PipelineRow]:
+    """Each size ``K`` as one pipeline of ``K`` stages (no replicas), GPipe's setting: the layers cut by the
+    optimal contiguous partition of their time, ``micro_batches`` micro-batches, ``schedule`` with
+    re-materialization ``checkpoint`` (GPipe recomputes every stage's forward), costed by
+    :func:`hybridpipe.plan.cost.predict` (transfers over the cluster's links). The one-GPU reference is the
+    same model on one GPU, its memory not checked."""
+    from hybridpipe.pipeline.partition import partition_by_weights
+    from hybridpipe.plan.cost import Candidate, predict
+
+    weights = [layer.forward_seconds(1) + layer.backward_seconds(1) for layer in profile.layers]
+
+    def step(gpus: int) -> tuple[tuple[int, ...], float]:
+        balance = tuple(partition_by_weights(weights, gpus)) if gpus > 1 else (len(weights),)
+        candidate = Candidate(gpus, 1, balance, micro_batches, schedule, checkpoint)
+        return balance, predict(profile, dataclasses.replace(cluster, ranks=gpus), candidate, global_batch).step_seconds
+
+    alone = step(1)[1]
+    rows = []
+    for gpus in sizes:
+        balance, seconds = step(gpus)
+        speedup = alone / seconds
+        rows.append(PipelineRow(gpus, balance, seconds, global_batch / seconds, speedup, speedup / gpus, 0.0))
+    for row in rows:
+        row.normalized_to_first = rows[0].step_seconds / row.step_seconds
+    return rows
+
+
+def render_pipeline(rows: list[PipelineRow], markdown: bool = False, sample: str = "samples") -> str:
+    """The table of :func:`pipeline_scaling`."""
+    header = ["GPUs (stages)", "balance", "step s", f"{sample}/s", "speedup vs 1 GPU", "efficiency",
+              f"vs {rows[0].gpus} GPUs" if rows else "vs first"]
+    table = [[str(r.gpus), "-".join(map(str, r.balance)), f"{r.step_seconds:.3f}", f"{r.samples_per_second:,.2f}",
+              f"{r.speedup_over_one_gpu:.2f}", f"{r.efficiency:.3f}", f"{r.normalized_to_first:.2f}"] for r in rows]
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" for _ in header) + "|"]
+        return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in table])
+    widths = [max(len(cells[i]) for cells in [header] + table) for i in range(len(header))]
+    return "\n".join(["  ".join(c.rjust(w) for c, w in zip(cells, widths)) for cells in
+                      [header, ["-" * w for w in widths]] + table])
