@@ -218,6 +218,12 @@ class Engine:
             synchronous step waits for the slowest of its GPUs: speeds spread evenly over the band around
             the median put the slowest of ``n`` at ``1 − v/2 + v/(n+1)`` of the median (1 for one GPU, the
             baseline); every replica's compute is stretched to its pace.
+        wire_efficiency: The payload's share of a link's line rate between hosts: RoCE v2 under a 1500-byte
+            Ethernet MTU carries 1024 bytes per packet with 82 of preamble and gap (20), Ethernet header and
+            FCS (18), IPv4 (20), UDP (8), InfiniBand's BTH (12) and ICRC (4): 1024/1106 (TCP under the same
+            MTU: 1448/1538, nearly the same).
+        cycle_phases: The loop's cycles are not aligned with the step: the reduction's end is averaged over
+            this many evenly spaced phases of the cycle (1: a tick at the step's start).
     """
 
     cycle_ms: float = 5.0
@@ -228,6 +234,8 @@ class Engine:
     plateau: float = 1.9
     hierarchical: bool = False
     gpu_variation: float = 0.08
+    cycle_phases: int = 5
+    wire_efficiency: float = 1024 / 1106
 
     def slowest_pace(self, gpus: int) -> float:
         """The slowest of ``gpus`` GPUs' speed as a fraction of the median's (see ``gpu_variation``)."""
@@ -265,7 +273,8 @@ def ring_allreduce_seconds(nbytes: float, gpus: int, cluster: Cluster, engine: E
         return 0.0
     per_host = min(cluster.per_host, gpus)
     hosts = -(-gpus // per_host)
-    intra, inter = cluster.intra_host_gbps * 1e9 / 8, cluster.inter_host_gbps * 1e9 / 8  # bytes/s
+    intra = cluster.intra_host_gbps * 1e9 / 8  # bytes/s
+    inter = cluster.inter_host_gbps * 1e9 / 8 * engine.wire_efficiency
     if engine.hierarchical and hosts > 1 and per_host > 1:
         inside = 2 * (per_host - 1) * engine.intra_hop_us * 1e-6 + 2 * (per_host - 1) / per_host * nbytes / intra
         between = (engine.base_us + 2 * (hosts - 1) * engine.inter_hop_us) * 1e-6 * engine.plateau
@@ -308,7 +317,20 @@ def data_parallel_step(profile: Profile, cluster: Cluster, gpus: int, batch_per_
     if gpus < 2:
         return compute + update, compute + update, 0, 0.0
     copy = 2 / (memory_tbps * 1e12) if memory_tbps > 0 else 0.0  # seconds per byte into and out of the buffer
-    cycle, index, tick, finished, count, busy = engine.cycle_ms * 1e-3, 0, 0.0, 0.0, 0, 0.0
+    runs = [_reduce_during_backward(ready, gpus, cluster, engine, copy, phase / engine.cycle_phases)
+            for phase in range(engine.cycle_phases)]
+    finished = sum(run[0] for run in runs) / len(runs)
+    count = round(sum(run[1] for run in runs) / len(runs))
+    busy = sum(run[2] for run in runs) / len(runs)
+    return max(compute, finished) + update, compute + update, count, busy
+
+
+def _reduce_during_backward(ready: list[tuple[float, float]], gpus: int, cluster: Cluster, engine: Engine,
+                            copy: float, phase: float) -> tuple[float, int, float]:
+    """Horovod's loop over gradients ready at the given times, its cycles ticking at ``(phase + k) · cycle``:
+    (when the last reduction ends, the fused allreduces, their total seconds)."""
+    cycle, index, finished, count, busy = engine.cycle_ms * 1e-3, 0, 0.0, 0, 0.0
+    tick = phase * cycle
     while index < len(ready):
         if ready[index][0] > tick:  # nothing ready: wait for the cycle in which the next one is
             tick += math.ceil((ready[index][0] - tick) / cycle - 1e-9) * cycle
@@ -326,7 +348,7 @@ def data_parallel_step(profile: Profile, cluster: Cluster, gpus: int, batch_per_
         busy += cost
         finished = tick + cost
         tick = max(tick + cycle, finished)
-    return max(compute, finished) + update, compute + update, count, busy
+    return finished, count, busy
 
 
 def data_parallel_scaling(profile: Profile, cluster: Cluster, sizes: list[int], batch_per_gpu: int,

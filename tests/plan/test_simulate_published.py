@@ -96,15 +96,17 @@ def test_ring_allreduce_is_nccls_model():
     cluster = Cluster(ranks=8, ranks_per_host=4, intra_host_gbps=80, inter_host_gbps=25)
     engine = Engine()
     nbytes = 64 * 2**20
-    # 8 GPUs on 2 hosts: 14 steps, 2 of them between hosts; large: x1.9; 2·7/8 of the bytes at 25 Gbit/s
+    # 8 GPUs on 2 hosts: 14 steps, 2 of them between hosts; large: x1.9; 2·7/8 of the bytes at 25 Gbit/s of
+    # which RoCE's packets carry 1024 payload bytes in 1106
+    network = 3.125e9 * 1024 / 1106
     latency = (8.4 + 12 * 5.7 + 2 * 9.6) * 1.9 * 1e-6
-    assert ring_allreduce_seconds(nbytes, 8, cluster, engine) == pytest.approx(latency + 14 / 8 * nbytes / 3.125e9)
+    assert ring_allreduce_seconds(nbytes, 8, cluster, engine) == pytest.approx(latency + 14 / 8 * nbytes / network)
     # one host: the PCIe link, no plateau
     inside = (8.4 + 6 * 5.7) * 1e-6 + 6 / 4 * nbytes / 10e9
     assert ring_allreduce_seconds(nbytes, 4, cluster, engine) == pytest.approx(inside)
     # hierarchical: inside each host over shares, then the hosts' ring carrying each host's 2(H−1)/H
     hierarchical = ring_allreduce_seconds(nbytes, 8, cluster, Engine(hierarchical=True))
-    expected = (8.4e-6 + 6 * 5.7e-6 + 6 / 4 * nbytes / 10e9 + (8.4 + 2 * 9.6) * 1.9e-6 + nbytes / 3.125e9)
+    expected = (8.4e-6 + 6 * 5.7e-6 + 6 / 4 * nbytes / 10e9 + (8.4 + 2 * 9.6) * 1.9e-6 + nbytes / network)
     assert hierarchical == pytest.approx(expected)
     assert ring_allreduce_seconds(nbytes, 1, cluster, engine) == 0.0
 
@@ -115,7 +117,7 @@ def test_cycle_fusion_and_the_slowest_gpu():
                         parameter_bytes=48 * 2**20) for i in range(2)]
     profile = Profile(layers=layers, sample_batch=1, input_bytes=0, loss_ms=0.0, update_ms_per_mb=0.0)
     cluster = Cluster(ranks=8, ranks_per_host=4, intra_host_gbps=80, inter_host_gbps=25, latency_us=0)
-    engine = Engine(gpu_variation=0.0)
+    engine = Engine(gpu_variation=0.0, cycle_phases=1)
     step, compute, count, busy = data_parallel_step(profile, cluster, 8, 1, engine)
     assert compute == pytest.approx(0.050)
     one = ring_allreduce_seconds(48 * 2**20, 8, cluster, engine)
@@ -124,13 +126,17 @@ def test_cycle_fusion_and_the_slowest_gpu():
     assert step == pytest.approx(max(0.030 + one, 0.050) + one)
     # a fusion buffer holding both, and both ready in one cycle (a long cycle): one allreduce
     fused = data_parallel_step(profile, cluster, 8, 1, Engine(gpu_variation=0.0, cycle_ms=60.0,
-                                                              fusion_bytes=128 * 2**20))
+                                                              fusion_bytes=128 * 2**20, cycle_phases=1))
     assert fused[2] == 1
     # the slowest of n GPUs spread 8 %: 1 GPU at the median, many approach 4 % slower
     assert Engine().slowest_pace(1) == pytest.approx(1.0)
     assert Engine().slowest_pace(512) == pytest.approx(0.96 + 0.08 / 513)
     slow = data_parallel_step(profile, cluster, 8, 1, Engine())[1]
     assert slow == pytest.approx(0.050 / Engine().slowest_pace(8))
+    # the cycle's phase: L1 (ready at 30 ms) waits up to a cycle; averaged over the phases it waits 2 ms
+    phases = [data_parallel_step(profile, cluster, 8, 1, Engine(gpu_variation=0.0, cycle_phases=1, cycle_ms=10.0))[0],
+              data_parallel_step(profile, cluster, 8, 1, Engine(gpu_variation=0.0, cycle_phases=2, cycle_ms=10.0))[0]]
+    assert phases[1] > phases[0]
 
 
 def test_flags_are_checked(capsys):
