@@ -19,7 +19,7 @@ from hybridpipe._ext import core
 from hybridpipe.comm import context
 from hybridpipe.config import Config
 
-pytestmark = pytest.mark.mpi(ranks=[3], long_ranks=[4], timeout=300)
+pytestmark = pytest.mark.mpi(ranks=[3], long_ranks=[4], timeout=300, shared=True)  # one 3-rank launch with test_collective_errors
 
 DTYPES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3, "int32": 4, "int64": 5}
 OPS = {"sum": 0, "average": 1, "min": 2, "max": 3}
