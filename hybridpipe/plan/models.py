@@ -144,31 +144,11 @@ def _transformer(preset: ModelPreset, tflops: float, call_ms: float) -> tuple[li
     return layers, s * 8, loss_ms  # input: token ids (int64)
 
 
-RESNET101_STAGES = ((3, 64, 1), (4, 128, 2), (23, 256, 2), (3, 512, 2))  # blocks, width, stride of the first
-
-
 def _resnet101(tflops: float, call_ms: float) -> tuple[list[LayerCost], float, float]:
+    """ResNet-101's layers costed at ``tflops`` (the counts of :func:`resnet_layers`)."""
     b = BYTES["fp32"]
-    # stem: 7×7/2 convolution 3→64 at 112², batch-norm, ReLU, 3×3/2 max-pool to 56²
-    layers = [_layer("Stem", 2 * 112 * 112 * 49 * 3 * 64, 64 * 56 * 56 * b,
-                     (3 * 224 * 224 + 3 * 64 * 112 * 112 + 64 * 56 * 56) * b, (49 * 3 * 64 + 2 * 64) * b,
-                     tflops, call_ms)]
-    channels, size = 64, 56
-    for blocks, width, stride in RESNET101_STAGES:
-        for index in range(blocks):
-            step = stride if index == 0 else 1
-            out, downsample = size // step, index == 0
-            macs = (size * size * channels * width + out * out * 9 * width * width + out * out * width * 4 * width
-                    + (out * out * channels * 4 * width if downsample else 0))
-            weights = (channels * width + 9 * width * width + 4 * width * width
-                       + (channels * 4 * width if downsample else 0)) + 2 * 6 * width + (8 * width if downsample else 0)
-            stored = (channels * size * size + 2 * width * size * size + 2 * width * out * out
-                      + 4 * width * out * out * (3 if downsample else 2))
-            layers.append(_layer("Bottleneck", 2 * macs, 4 * width * out * out * b, stored * b, weights * b, tflops,
-                                 call_ms))
-            channels, size = 4 * width, out
-    layers.append(_layer("Classifier", 2 * channels * 1000, 1000 * b, (channels * size * size + channels) * b,
-                         (channels * 1000 + 1000) * b, tflops, call_ms))
+    layers = [_layer(name, 2 * macs, outputs * b, stored * b, weights * b, tflops, call_ms)
+              for name, macs, weights, outputs, stored in resnet_layers()]
     return layers, 3 * 224 * 224 * b, 0.0
 
 
