@@ -375,12 +375,7 @@ def render_data_parallel(rows: list[DataParallelRow], markdown: bool = False, sa
     table = [[str(r.gpus), str(r.global_batch), f"{r.step_seconds:.3f}", f"{r.samples_per_second:,.1f}",
               f"{r.speedup_over_one_gpu:.1f}", f"{r.efficiency:.3f}", f"{r.exposed_seconds:.3f}", str(r.allreduces),
               f"{r.network_seconds:.3f}"] for r in rows]
-    if markdown:
-        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" for _ in header) + "|"]
-        return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in table])
-    widths = [max(len(cells[i]) for cells in [header] + table) for i in range(len(header))]
-    return "\n".join(["  ".join(c.rjust(w) for c, w in zip(cells, widths)) for cells in
-                      [header, ["-" * w for w in widths]] + table])
+    return _render(header, table, markdown)
 
 
 # ---- one pipeline per size (--pipeline-only): GPipe's partition counts ---------------------------------------------
@@ -438,6 +433,11 @@ def render_pipeline(rows: list[PipelineRow], markdown: bool = False, sample: str
               f"vs {rows[0].gpus} GPUs" if rows else "vs first"]
     table = [[str(r.gpus), "-".join(map(str, r.balance)), f"{r.step_seconds:.3f}", f"{r.samples_per_second:,.2f}",
               f"{r.speedup_over_one_gpu:.2f}", f"{r.efficiency:.3f}", f"{r.normalized_to_first:.2f}"] for r in rows]
+    return _render(header, table, markdown)
+
+
+def _render(header: list[str], table: list[list[str]], markdown: bool) -> str:
+    """A right-aligned text table, or a Markdown one."""
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" for _ in header) + "|"]
         return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in table])
