@@ -213,8 +213,7 @@ class ZeroMixin:
 
     def _hp_zero_finish(self, index: int, handle: Any) -> None:
         """Waits for bucket ``index``'s reduce-scatter; a staged piece then goes to the shard's gradient."""
-        handle.wait()
-        self._hp_zhandles.pop(index, None)
+        handle.wait()  # (waited again by synchronize: the bucket stays in _hp_zhandles, so it is not submitted twice)
         staged = self._hp_zstaged.pop(index, None)
         if staged is not None:
             bucket = self._hp_buckets[index]
