@@ -542,19 +542,16 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
             raise TypeError(f"broadcast_optimizer_state takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
         root = _root_index(target, root_rank, "broadcast_optimizer_state")
     me = context.communicator(target, "broadcast_optimizer_state").Get_rank()
+    source = root_rank if process_set is not None or isinstance(target, ProcessSet) else root  # as broadcast_object takes it
     if getattr(optimizer, "_hp_zero", 0):
         # ZeRO: each replica holds its own shard of the moments, so root's would be the wrong piece; the
         # shards together are the one state. Only the hyper-parameters (lr, betas, ...) are made root's.
         groups = broadcast_object([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-                                  if me == root else None,
-                                  root_rank if process_set is not None or isinstance(target, ProcessSet) else root,
-                                  group=target)
+                                  if me == root else None, source, group=target)
         for group_, values in zip(optimizer.param_groups, groups):
             group_.update(values)
         return
-    state = broadcast_object(optimizer.state_dict() if me == root else None,
-                             root_rank if process_set is not None or isinstance(target, ProcessSet) else root,
-                             group=target)
+    state = broadcast_object(optimizer.state_dict() if me == root else None, source, group=target)
     optimizer.load_state_dict(state)
 
 

@@ -247,8 +247,7 @@ def pipedream_replay(case: dict, model: nn.Sequential, stages: int, stream: list
 # ------------------------------------------------------------------ hybridpipe
 
 
-def pipeline(case: dict, grid: hp.Grid) -> tuple[hp.PipelineModel, object]:
-    stages = grid.pipeline_stages
+def pipeline(case: dict) -> tuple[hp.PipelineModel, object]:
     layers = build(case, dtype_of(case))
     if case["compile"] == "yes":  # aot_eager: what torch.compile does to autograd, without a C++ build
         at = compiled_layer(case)
@@ -263,7 +262,6 @@ def pipeline(case: dict, grid: hp.Grid) -> tuple[hp.PipelineModel, object]:
         return model, model.optimizer
     optimizer = hp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.02),
                                         named_parameters=model.named_parameters(), zero=case["zero"])
-    del stages
     return model, optimizer
 
 
@@ -275,7 +273,7 @@ def train(case: dict, model: hp.PipelineModel, optimizer, grid: hp.Grid, data: l
         if case["schedule"] in compat.ASYNCHRONOUS:
             if case["clip"] == "yes":
                 hp.clip_grad_norm_(model, MAX_NORM)
-            model.train_step(*_async_order(shard, grid))
+            model.train_step(*shard)  # micro-batch m of every replica forms global micro-batch m
             continue
         optimizer.zero_grad()
         model.train_step(*shard)
@@ -298,10 +296,6 @@ def train(case: dict, model: hp.PipelineModel, optimizer, grid: hp.Grid, data: l
         model.flush()
 
 
-def _async_order(shard, grid):
-    return shard  # the replica's rows; micro-batch m of every replica forms global micro-batch m
-
-
 def run_case(case: dict, comm, directory: Path) -> None:
     stages, _ = compat.grid_shape(case["grid"])
     refusal = compat.refusal_for(case)
@@ -310,7 +304,7 @@ def run_case(case: dict, comm, directory: Path) -> None:
     if refusal is not None:
         refusals = compat.refusals_for(case)  # the library raises whichever it meets first
         with pytest.raises(tuple(getattr(hp_errors, r.error) for r in refusals)) as raised:
-            model, optimizer = pipeline(case, grid)
+            model, optimizer = pipeline(case)
             try:
                 elastic_train(case, model, optimizer, grid, data[:2])
             finally:
@@ -320,7 +314,7 @@ def run_case(case: dict, comm, directory: Path) -> None:
         return
     expected = one_process(case, data)
     first, second = (data[:STEPS // 2], data[STEPS // 2:]) if case["checkpoint"] == "resume" else (data, [])
-    model, optimizer = pipeline(case, grid)
+    model, optimizer = pipeline(case)
     try:
         elastic_train(case, model, optimizer, grid, first)
         if second:
@@ -329,7 +323,7 @@ def run_case(case: dict, comm, directory: Path) -> None:
             hp.shutdown()
             stages, _ = compat.grid_shape(compat.RESUME_GRID[case["grid"]])
             grid = hp.init(pipeline_stages=stages, comm=comm)
-            model, optimizer = pipeline(case, grid)
+            model, optimizer = pipeline(case)
             hp.load_checkpoint(directory, model, optimizer)
             elastic_train(case, model, optimizer, grid, second)
         check(case, model, expected)

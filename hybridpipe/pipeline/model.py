@@ -72,7 +72,7 @@ from hybridpipe.pipeline.schedule import (
     validate,
 )
 from hybridpipe.pipeline.asynchronous import install_step_guard
-from hybridpipe.pipeline.stage import CHECKPOINT_MODES, StageExecutor, StepResult
+from hybridpipe.pipeline.stage import CHECKPOINT_MODES, StageExecutor, StepResult, split_summary
 
 __all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModel"]
 
@@ -729,10 +729,9 @@ class PipelineModel(nn.Module):
             return f"schedule {self.schedule_name!r} does not split backwards"
         lines = []
         for stage, chunk in self._executor.chunks.items():
-            split = sorted(chunk.deferred_layers - chunk.fused_layers) if chunk.deferred_layers else \
-                sorted(f"{name} ({type(m).__name__})" for name, m in chunk.module.named_modules() if m in chunk.splittable)
-            lines.append(f"stage {stage}: W deferred for {', '.join(split) or 'no layer'}; fused into I: "
-                         f"{', '.join(sorted(chunk.fused_layers)) or 'nothing'}")
+            deferred, fused = split_summary(chunk)
+            lines.append(f"stage {stage}: W deferred for {', '.join(deferred) or 'no layer'}; fused into I: "
+                         f"{', '.join(fused) or 'nothing'}")
         return "\n".join(lines)
 
     def _apply_update(self, stage: int, micro_batch: int) -> None:

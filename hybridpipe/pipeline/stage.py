@@ -70,7 +70,7 @@ from hybridpipe.pipeline.schedule import Action, ActionKind, stage_to_rank
 from hybridpipe.pipeline.skip import SkipContext, SkipRoute, skip_context
 
 __all__ = ["CHECKPOINT_MODES", "PipelineBroken", "StageExecutor", "StepResult", "gradient_phase", "splittable",
-           "input_gradient_targets", "weight_gradients", "deferred_parameters"]
+           "input_gradient_targets", "weight_gradients", "deferred_parameters", "split_summary"]
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
 _TAG_PERIOD = 4096
@@ -152,7 +152,8 @@ class _Chunk:
         self.splittable: list[nn.Module] = []  # split backward: layers whose W is deferred
         self.recording: list[tuple[nn.Module, list[torch.Tensor], list[int]]] | None = None
         self.fused_layers: set[str] = set()  # split backward: layers whose weight gradients came in I
-        self.deferred_layers: set[str] = set()  # split backward: layers whose weight gradients came in W
+        self.deferred_ids: set[int] = set()  # split backward: parameters whose weight gradients came in W
+        self.owners: Mapping[int, int] = {}  # split backward: how many of the chunk's modules own each parameter
         self.compiled: list[str] = []  # split backward: layers inside torch.compile (the chunk is not split)
         # a split module's chunk is called with the micro-batch's inputs too (every rank of a pipeline has them)
         self.takes_batch = bool(getattr(module, "hybridpipe_takes_batch", False))
@@ -310,6 +311,7 @@ class StageExecutor:
         """Zero-bubble schedules: defer the weight gradients of the splittable layers to ``W``."""
         for chunk in self.chunks.values():
             chunk.splittable = [m for m in chunk.module.modules() if splittable(m)]
+            chunk.owners = collections.Counter(id(p) for m in chunk.module.modules() for p in m.parameters(recurse=False))
             compiled = compiled_layers(chunk.module, chunk.module.modules())
             if compiled:
                 # a compiled region's backward is one opaque function that may not be kept for a later W
@@ -727,13 +729,11 @@ class StageExecutor:
             else:  # modified in place after the layer (e.g. ReLU(inplace=True)): not separable
                 chunk.fused_layers.add(_layer_name(chunk, layer) + " (output modified in place)")
         stored.calls = usable
-        stored.deferred = deferred_parameters(usable, chunk.module.modules())
+        stored.deferred = deferred_parameters(usable, chunk.owners)
         fused, targets = input_gradient_targets(inputs, chunk.module.parameters(), usable, stored.deferred)
-        chunk.deferred_layers.update(_owners(chunk, [p for p in chunk.module.parameters() if id(p) in stored.deferred]))
+        chunk.deferred_ids |= stored.deferred
         if fused:
             chunk.fused_layers.update(_owners(chunk, fused))
-            chunk.fused_layers.update(f"{name} (inside torch.compile)" for name in chunk.compiled)
-            chunk.fused_layers.difference_update(chunk.compiled)
         if targets:
             # partial: the hooks leave fused layers' gradients to DistributedOptimizer.synchronize()
             with chunk.in_phase("partial"):
@@ -789,14 +789,26 @@ class StageExecutor:
 _SPLITTABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.LayerNorm, nn.GroupNorm)
 
 
-def deferred_parameters(calls: list[tuple[nn.Module, list[torch.Tensor]]], modules: Iterable[nn.Module]) -> set[int]:
+def deferred_parameters(calls: list[tuple[nn.Module, list[torch.Tensor]]], owners: Mapping[int, int]) -> set[int]:
     """The ids of the parameters whose gradients ``W`` may compute alone: owned by one module of the chunk
-    (``modules``), called once. A weight tied between two layers of one chunk (an embedding and its head) or a
-    layer called twice would not do: autograd from one call's outputs into the weight would also run through
-    the other use upstream, counting it twice. Such weights get their gradients in ``I`` (fused)."""
+    (``owners``: id -> how many of its modules own the parameter), called once. A weight tied between two
+    layers of one chunk (an embedding and its head) or a layer called twice would not do: autograd from one
+    call's outputs into the weight would also run through the other use upstream, counting it twice. Such
+    weights get their gradients in ``I`` (fused)."""
     calls_of = collections.Counter(id(p) for layer, _ in calls for p in layer.parameters(recurse=False))
-    owners = collections.Counter(id(p) for module in modules for p in module.parameters(recurse=False))
-    return {key for key, count in calls_of.items() if count == 1 and owners[key] <= 1}
+    return {key for key, count in calls_of.items() if count == 1 and owners.get(key, 0) <= 1}
+
+
+def split_summary(chunk: _Chunk) -> tuple[list[str], list[str]]:
+    """``split_backward_report``'s names for a chunk: the layers whose weight gradients came in ``W`` (before any
+    step: the splittable ones) and those fused into ``I`` (a compiled one marked so)."""
+    compiled = set(chunk.compiled)
+    fused = sorted(f"{name} (inside torch.compile)" if name in compiled else name for name in chunk.fused_layers)
+    if not chunk.deferred_ids:
+        return sorted(f"{name} ({type(m).__name__})" for name, m in chunk.module.named_modules()
+                      if m in chunk.splittable), fused
+    deferred = _owners(chunk, [p for p in chunk.module.parameters() if id(p) in chunk.deferred_ids])
+    return sorted(deferred - chunk.fused_layers), fused
 
 
 def input_gradient_targets(inputs: list[torch.Tensor], parameters: Iterable[nn.Parameter],

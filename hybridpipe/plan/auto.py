@@ -161,8 +161,8 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
     Args:
         layers: The model as layers, as ``hp.PipelineModel`` takes them (built modules, or ``hp.LayerSpec``
             entries: then each rank builds only its stage's layers, and to profile them the world's ranks
-            build and measure a slice each, in turn, passing the activation on); or any ``nn.Module`` (e.g. a transformers model): its unit calls are profiled
-            as the layers, the plan's balance becomes ``split=`` (qualified module names) and the plan and the
+            build and measure a slice each, in turn, passing the activation on); or any ``nn.Module`` (e.g. a
+            transformers model): its unit calls are profiled as the layers, the plan's balance becomes ``split=`` (qualified module names) and the plan and the
             model's ``split_report()`` are printed on world rank 0.
         loss_fn: ``loss_fn(output, target)`` (a module's own output: a ``ModelOutput``, a tuple, a tensor).
         sample: ``(inputs, targets)`` of one micro-batch to profile (on world rank 0); a module's inputs as
