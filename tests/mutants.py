@@ -2,7 +2,10 @@
 :data:`MUTANTS` in turn in a scratch copy of the committed tree, runs the test files that should catch it,
 and reports which tests killed it and how long each file ran.
 
-A mutant that no test kills, or that is only caught by a launch timing out, is a gap in the suite. The
+A mutant that no test kills, or that is only caught by a launch timing out, is a gap in the suite; so is one
+killed later than :data:`KILL_LIMIT_S` after its file's start. A file's kill time is when its first test failed
+(on the first rank to report it), measured by this module loaded into each pytest as a plugin
+(``-p mutants``); the file then runs on, so that every killing test is listed. The
 scratch copy lives under ``/tmp`` (``--scratch``); the working tree is never touched. C++ mutants rebuild the
 extension in the scratch copy (a minute or two each); the unmutated build is put back afterwards.
 
@@ -23,6 +26,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+KILL_LIMIT_S = 60.0  # issue 34: every mutant killed within a minute of its file's start
+CLOCK_DIRECTORY = "HYBRIDPIPE_MUTANT_CLOCK_DIR"
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Plugin hook (``-p mutants`` in the runs below): the wall-clock time of this process's first failing test
+    report, written once to ``$HYBRIDPIPE_MUTANT_CLOCK_DIR/failed-<pid>``."""
+    directory = os.environ.get(CLOCK_DIRECTORY)
+    if not (directory and report.failed):
+        return
+    path = Path(directory) / f"failed-{os.getpid()}"
+    if not path.exists():
+        path.write_text(repr(time.time()))
 
 
 @dataclass(frozen=True)
@@ -133,10 +149,16 @@ class FileRun:
     seconds: float
     failed: list[str] = field(default_factory=list)
     problem: str = ""  # no report, timed out, ...
+    killed_at_s: float | None = None  # from the file's start to its first failing test
 
     @property
     def killed(self) -> bool:
         return bool(self.failed or self.problem)
+
+    @property
+    def late(self) -> bool:
+        """Killed, but by nothing within KILL_LIMIT_S of the start (a timeout counts as late)."""
+        return self.killed and (self.killed_at_s is None or self.killed_at_s > KILL_LIMIT_S)
 
 
 def scratch_copy(directory: Path) -> Path:
@@ -160,18 +182,22 @@ def run_file(tree: Path, file: str, ranks: int, timeout_s: float) -> FileRun:
     """One test file against the mutated tree: under mpirun (``ranks`` > 0, each rank's report read back) or
     in plain pytest."""
     report_dir = Path(tempfile.mkdtemp(prefix="mutant-"))
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    clock_dir = report_dir / "clock"
+    clock_dir.mkdir()
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", CLOCK_DIRECTORY: str(clock_dir),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(tree / "tests"), os.environ.get("PYTHONPATH")]))}
     env.pop("HYBRIDPIPE_LONG_TESTS", None)
-    pytest = [sys.executable, "-m", "pytest", file, "-q", "-p", "no:cacheprovider", "-rf"]
+    pytest = [sys.executable, "-m", "pytest", file, "-q", "-p", "no:cacheprovider", "-p", "mutants", "-rf"]
     if ranks:
         env.update(HYBRIDPIPE_UNDER_MPIRUN="1", HYBRIDPIPE_TEST_REPORT_DIR=str(report_dir))
         if ranks > (os.cpu_count() or 1):
             env["OMPI_MCA_mpi_yield_when_idle"] = "1"  # oversubscribed, as tests/conftest.py launches it
         root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
         command = ["mpirun", *root, "--oversubscribe", "-n", str(ranks), "-x", "HYBRIDPIPE_UNDER_MPIRUN",
-                   "-x", "HYBRIDPIPE_TEST_REPORT_DIR", *pytest]
+                   "-x", "HYBRIDPIPE_TEST_REPORT_DIR", "-x", CLOCK_DIRECTORY, "-x", "PYTHONPATH", *pytest]
     else:
         command = pytest
+    started = time.time()
     start = time.monotonic()
     process = subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)
@@ -183,6 +209,8 @@ def run_file(tree: Path, file: str, ranks: int, timeout_s: float) -> FileRun:
         output, _ = process.communicate()
         problem = f"timed out after {timeout_s:g} s"
     seconds = time.monotonic() - start
+    first_failures = [float(path.read_text()) for path in clock_dir.glob("failed-*")]
+    killed_at = min(first_failures) - started if first_failures else None
     failed: set[str] = set()
     if ranks:
         missing = []
@@ -199,7 +227,7 @@ def run_file(tree: Path, file: str, ranks: int, timeout_s: float) -> FileRun:
         if process.returncode not in (0, 1) and not problem:
             problem = f"pytest exit code {process.returncode}"
     shutil.rmtree(report_dir, ignore_errors=True)
-    return FileRun(file, ranks, seconds, sorted(failed), problem)
+    return FileRun(file, ranks, seconds, sorted(failed), problem, killed_at)
 
 
 def main() -> int:
@@ -234,20 +262,26 @@ def main() -> int:
                 for name, data in original_build.items():
                     (tree / "hybridpipe" / name).write_bytes(data)
         killed = any(run.killed for run in runs)
-        print(f"{mutant.name}: {'KILLED' if killed else 'SURVIVED'} ({mutant.what})", flush=True)
+        in_time = any(run.killed and not run.late for run in runs)
+        verdict = ("KILLED" if in_time else f"KILLED LATE (nothing within {KILL_LIMIT_S:g} s)") if killed else "SURVIVED"
+        print(f"{mutant.name}: {verdict} ({mutant.what})", flush=True)
         for run in runs:
-            where = f"{run.file} ({f'np{run.ranks}' if run.ranks else 'plain'}, {run.seconds:.0f} s)"
+            at = "" if run.killed_at_s is None else f"first failure at {run.killed_at_s:.0f} s, "
+            where = f"{run.file} ({f'np{run.ranks}' if run.ranks else 'plain'}, {at}file {run.seconds:.0f} s)"
             tests = ", ".join(test.split("::", 1)[1] for test in run.failed[:4]) + \
                 (f" and {len(run.failed) - 4} more" if len(run.failed) > 4 else "")
             print(f"    {where}: {len(run.failed)} failed{': ' + tests if tests else ''}"
                   f"{'; ' + run.problem if run.problem else ''}", flush=True)
-        results.append({"mutant": mutant.name, "killed": killed, "runs": [vars(run) for run in runs]})
+        results.append({"mutant": mutant.name, "killed": killed, "in_time": in_time,
+                        "runs": [vars(run) for run in runs]})
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     survivors = [r["mutant"] for r in results if not r["killed"]]
-    print(f"{len(results) - len(survivors)} of {len(results)} mutants killed" +
-          (f"; survived: {', '.join(survivors)}" if survivors else ""))
-    return 1 if survivors else 0
+    late = [r["mutant"] for r in results if r["killed"] and not r["in_time"]]
+    print(f"{len(results) - len(survivors)} of {len(results)} mutants killed, "
+          f"{len(results) - len(survivors) - len(late)} within {KILL_LIMIT_S:g} s of their file's start" +
+          (f"; survived: {', '.join(survivors)}" if survivors else "") + (f"; late: {', '.join(late)}" if late else ""))
+    return 1 if survivors or late else 0
 
 
 if __name__ == "__main__":
