@@ -48,17 +48,38 @@ def make_optimizer(parameters):
     return torch.optim.AdamW(parameters, lr=0.01)
 
 
-def reference():
+def reference(steps: int = STEPS):
     model = mlp()
     optimizer = make_optimizer(model.parameters())
     losses = []
-    for x, y in batches():
+    for x, y in batches()[:steps]:
         optimizer.zero_grad()
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
     return losses, {f"layers.{k}": v for k, v in model.state_dict().items()}
+
+
+def reference_optimizer_state(steps: int = 3) -> dict[str, dict]:
+    """The single-process AdamW state by parameter name after ``steps`` steps (the checkpoint's: 3)."""
+    model = mlp()
+    optimizer = make_optimizer(model.parameters())
+    for x, y in batches()[:steps]:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return {f"layers.{name}": optimizer.state[parameter] for name, parameter in model.named_parameters()}
+
+
+def assert_optimizer_state_is(model, optimizer, expected: dict[str, dict]) -> None:
+    """Every parameter of this rank has the expected AdamW state, value by value."""
+    for name, parameter in model.named_parameters():
+        state = optimizer.state.get(parameter)
+        assert state, f"{name}: no optimizer state after loading"
+        assert float(state["step"]) == float(expected[name]["step"]), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state[key], expected[name][key], rtol=1e-5, atol=1e-9, msg=f"{name} {key}")
 
 
 def train(model, optimizer, grid, steps):
@@ -121,6 +142,7 @@ def test_resume_on_another_grid_continues_exactly(directory, saved, stages):
         info = hp.load_checkpoint(directory, model, optimizer)
         with ranks_agree(what="load_checkpoint"):
             assert info == {"step": 3, "extra": {"note": "after 3 steps"}, "rng": "reseeded"}  # another partition
+            assert_optimizer_state_is(model, optimizer, reference_optimizer_state())  # before training on it
         losses = train(model, optimizer, grid, batches()[3:])
         mean_losses = [sum(v) / len(v) for v in zip(*hp.allgather_object(losses))]  # replicas see shards
         with ranks_agree(what="after training"):
