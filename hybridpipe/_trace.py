@@ -162,7 +162,7 @@ def stop_timeline() -> None:
 
 
 def _header_of(rank: int, grid: Any) -> list[dict]:
-    stage, replica = rank % grid.pipeline_stages, rank // grid.pipeline_stages
+    stage, replica = grid.place_of(rank)
     return [{"ph": "M", "name": "process_name", "pid": rank,
              "args": {"name": f"rank {rank} (stage {stage}, replica {replica})"}},
             {"ph": "M", "name": "process_sort_index", "pid": rank, "args": {"sort_index": rank}}]

@@ -192,7 +192,7 @@ def mpirun_command(
 
 # ---------------------------------------------------------------------- hybridpipe-run
 
-USAGE = """hybridpipe-run [-np N] [--stages P] [-H host1:4,host2:4 | --hostfile FILE] [options] PROGRAM [ARGS]
+USAGE = """hybridpipe-run [-np N] [--stages P | --stage-replicas R0,R1,..] [-H host1:4,host2:4 | --hostfile FILE] [options] PROGRAM [ARGS]
 
 Starts PROGRAM on N ranks forming a P-stage × (N/P)-replica grid: builds the mpirun (or, inside a
 Slurm allocation, srun) command, passes the settings as HYBRIDPIPE_* environment variables, packs
@@ -203,6 +203,7 @@ examples:
   hybridpipe-run -np 4 --stages 2 python train.py --epochs 3
   hybridpipe-run -np 16 --stages 4 -H node1:8,node2:8 --timeline trace.json python train.py
   hybridpipe-run -np 8 --stages 2 --dry-run python train.py      # print the command only
+  hybridpipe-run --stage-replicas 3,1 python train.py             # stage 0 on 3 ranks, stage 1 on 1
   hybridpipe-run --stages 2 --hostfile hosts --restarts 3 --checkpoint-dir ckpt python train.py
 """
 
@@ -213,6 +214,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="number of ranks (default: the slots of -H/--hostfile, a multiple of --stages)")
     parser.add_argument("--stages", type=int, default=1, help="pipeline stages P (N must be a multiple); "
                         "sets HYBRIDPIPE_PIPELINE_STAGES, the default of hp.init()")
+    parser.add_argument("--stage-replicas", metavar="R0,R1,...",
+                        help="each stage's own replica count, e.g. 3,1 (PipeDream's 3-1; -np defaults to their sum); "
+                             "sets HYBRIDPIPE_STAGE_REPLICAS, the default of hp.init()")
     hosts = parser.add_mutually_exclusive_group()
     hosts.add_argument("-H", "--hosts", help="host:slots list, e.g. node1:4,node2:4")
     hosts.add_argument("--hostfile", help="an MPI hostfile (Open MPI: 'node1 slots=4'; MPICH: 'node1:4')")
@@ -244,6 +248,22 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("give the program to run, e.g. `python train.py`")
     if args.stages < 1:
         parser.error(f"--stages must be >= 1 (got {args.stages})")
+    if args.stage_replicas is not None:
+        from .errors import GridError
+        from .runtime import parse_stage_replicas
+
+        try:
+            counts = parse_stage_replicas(args.stage_replicas, where="--stage-replicas")
+        except GridError as error:
+            parser.error(str(error))
+        if args.stages not in (1, len(counts)):
+            parser.error(f"--stages {args.stages} with --stage-replicas {args.stage_replicas} ({len(counts)} stages): "
+                         "give one of them")
+        if args.np is not None and args.np != sum(counts):
+            parser.error(f"-np {args.np} but --stage-replicas {args.stage_replicas} adds up to {sum(counts)} ranks: "
+                         f"pass -np {sum(counts)} (or leave -np out)")
+        args.stages, args.np = len(counts), sum(counts)
+        args.stage_replicas = ",".join(map(str, counts))
     if args.restarts < 0:
         parser.error(f"--restarts must be >= 0 (got {args.restarts})")
     if args.np is None and not (args.hosts or args.hostfile):
@@ -337,6 +357,8 @@ def _rank_count(args: argparse.Namespace) -> tuple[int, list[str]]:
 
 def _settings(args: argparse.Namespace, attempt: int) -> dict[str, str]:
     env = {"HYBRIDPIPE_PIPELINE_STAGES": str(args.stages)}
+    if args.stage_replicas:
+        env["HYBRIDPIPE_STAGE_REPLICAS"] = args.stage_replicas
     if args.checkpoint_dir:
         env["HYBRIDPIPE_CHECKPOINT_DIR"] = os.path.abspath(args.checkpoint_dir)
     if args.restarts or attempt:

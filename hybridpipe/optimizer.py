@@ -34,6 +34,7 @@ import torch
 
 from . import _trace as timeline
 from .comm import buffers, collectives, context, engine, exchange
+from . import runtime
 from . import zero as zero_module
 from .pipeline import stage
 from .pipeline.tied import copies_counted_elsewhere
@@ -430,6 +431,10 @@ def DistributedOptimizer(  # noqa: N802 — Horovod's spelling, a factory that r
     if op not in (Average, Sum, collectives.Adasum):
         raise ValueError(f"DistributedOptimizer op must be hp.Average, hp.Sum or hp.Adasum (got {op.name})")
     group = _target(group, process_set, "DistributedOptimizer")
+    if op == Average and group == _DEFAULT_GROUP and runtime.is_initialized() and not runtime.grid().uniform:
+        # hp.init(stage_replicas=...): micro-batches go round-robin over a stage's replicas and each one's loss is
+        # already weighted for the whole mini-batch, so the replicas' gradients add up to the mini-batch's
+        op = Sum
     level = zero_module.check_level(zero)
     for group_ in optimizer.param_groups:
         owner = next((ref() for p in group_["params"] if (ref := getattr(p, "_hybridpipe_owner", None)) is not None

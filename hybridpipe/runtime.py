@@ -4,12 +4,18 @@ Rank mapping: ``stage = rank % pipeline_stages`` and ``replica = rank // pipelin
 stages of one pipeline are consecutive ranks, so when mpirun packs ranks by node (its default,
 and what `hybridpipe-run` asks for) a pipeline's neighbours share a node and activations move
 through shared memory, while the data-parallel allreduce of a stage crosses nodes.
+
+A grid whose stages have their own replica counts (``hp.init(stage_replicas=[3, 1])``, PipeDream's
+"3-1") numbers its ranks the same way: replica 0 of every stage, then replica 1 of every stage that
+has one, and so on ([3, 1]: stage 0 on ranks 0, 2, 3 and stage 1 on rank 1), so that a uniform
+``stage_replicas`` gives exactly the grid of ``pipeline_stages``.
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import os
 import sys
 import warnings
@@ -20,7 +26,7 @@ import numpy as np
 from .config import Config
 from .errors import GridError, NotInitializedError
 
-__all__ = ["Grid", "init", "shutdown", "is_initialized", "grid", "rank", "size", "local_rank",
+__all__ = ["Grid", "layout", "describe_stage_replicas", "parse_stage_replicas", "init", "shutdown", "is_initialized", "grid", "rank", "size", "local_rank",
            "local_size", "config"]
 
 
@@ -30,14 +36,16 @@ class Grid:
 
     Attributes:
         pipeline_stages: P, stages per pipeline.
-        data_replicas: D, copies of each stage (world size = P × D).
+        data_replicas: D, copies of my stage (world size = P × D on a uniform grid).
         stage: this rank's stage, 0 ≤ stage < P.
         replica: this rank's replica (which pipeline it belongs to), 0 ≤ replica < D.
         rank: rank in the communicator given to ``hp.init`` (default COMM_WORLD).
-        size: P × D.
+        size: P × D (on a non-uniform grid, the sum of ``stage_replicas``).
         world_comm: hybridpipe's private duplicate of that communicator.
-        pipe_comm: the P ranks of my replica, ranked by stage (rank in it == stage).
+        pipe_comm: the P ranks of my replica, ranked by stage (rank in it == stage); on a non-uniform
+            grid, every rank (one pipeline spans the job), ranked as in ``world_comm``.
         data_comm: the D ranks of my stage, ranked by replica (rank in it == replica).
+        stage_replicas: every stage's replica count, e.g. ``(3, 1)``; ``(D,) * P`` on a uniform grid.
 
     Example:
         >>> g = hp.init(pipeline_stages=2)     # mpirun -np 4 → 2 stages × 2 replicas
@@ -54,13 +62,49 @@ class Grid:
     world_comm: Any = dataclasses.field(repr=False, compare=False)
     pipe_comm: Any = dataclasses.field(repr=False, compare=False)
     data_comm: Any = dataclasses.field(repr=False, compare=False)
+    stage_replicas: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.stage_replicas:
+            object.__setattr__(self, "stage_replicas", (self.data_replicas,) * self.pipeline_stages)
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every stage has the same number of replicas (a P × D grid)."""
+        return len(set(self.stage_replicas)) == 1
+
+    @property
+    def config(self) -> str:
+        """The grid as PipeDream writes it: ``"3-1"`` (replicas per stage), ``"straight"`` (one rank per
+        stage), or ``"4"`` (one stage: data parallelism)."""
+        return describe_stage_replicas(self.stage_replicas)
 
     def rank_of(self, stage: int, replica: int) -> int:
         """The rank that holds ``stage`` of pipeline ``replica``."""
-        if not (0 <= stage < self.pipeline_stages and 0 <= replica < self.data_replicas):
-            raise GridError(f"(stage={stage}, replica={replica}) is outside the "
-                            f"{self.pipeline_stages} × {self.data_replicas} grid")
-        return replica * self.pipeline_stages + stage
+        if not (0 <= stage < self.pipeline_stages and 0 <= replica < self.stage_replicas[stage]):
+            shape = f"{self.pipeline_stages} × {self.data_replicas}" if self.uniform else self.config
+            raise GridError(f"(stage={stage}, replica={replica}) is outside the {shape} grid")
+        if self.uniform:
+            return replica * self.pipeline_stages + stage
+        return layout(self.stage_replicas).index((stage, replica))
+
+    def place_of(self, rank: int) -> tuple[int, int]:
+        """``(stage, replica)`` of ``rank``."""
+        if not 0 <= rank < self.size:
+            raise GridError(f"rank {rank} is outside 0..{self.size - 1}")
+        return layout(self.stage_replicas)[rank]
+
+    def ranks_of_stage(self, stage: int) -> list[int]:
+        """The ranks holding ``stage``, by replica."""
+        return [self.rank_of(stage, replica) for replica in range(self.stage_replicas[stage])]
+
+    def pipeline_peers(self) -> list[int]:
+        """The ranks this rank may exchange pipeline messages with: my replica's other stages, or on a
+        non-uniform grid (micro-batches go round-robin over each stage's replicas) every rank of another stage."""
+        if self.uniform:
+            return [self.rank_of(stage, self.replica) for stage in range(self.pipeline_stages) if stage != self.stage]
+        return [rank for stage in range(self.pipeline_stages) if stage != self.stage
+                for rank in self.ranks_of_stage(stage)]
 
     @property
     def is_first_stage(self) -> bool:
@@ -72,10 +116,52 @@ class Grid:
 
     def table(self) -> str:
         """The grid as text: one row per stage, one column per replica, cells are ranks."""
-        header = "stage \\ replica " + " ".join(f"{r:>5}" for r in range(self.data_replicas))
-        rows = [f"{s:>15} " + " ".join(f"{self.rank_of(s, r):>5}" for r in range(self.data_replicas))
+        widest = max(self.stage_replicas)
+        header = "stage \\ replica " + " ".join(f"{r:>5}" for r in range(widest))
+        rows = [f"{s:>15} " + " ".join(f"{self.rank_of(s, r):>5}" if r < self.stage_replicas[s] else f"{'-':>5}"
+                                       for r in range(widest)).rstrip(" -")
                 for s in range(self.pipeline_stages)]
         return "\n".join([header, *rows])
+
+
+@functools.lru_cache(maxsize=16)
+def layout(stage_replicas: tuple[int, ...]) -> list[tuple[int, int]]:
+    """``(stage, replica)`` of each rank: replica 0 of every stage, then replica 1 of the stages that have one,
+    and so on (for equal counts, ``rank = replica × P + stage``)."""
+    return [(stage, replica) for replica in range(max(stage_replicas)) for stage, count in enumerate(stage_replicas)
+            if replica < count]
+
+
+def describe_stage_replicas(stage_replicas: Any) -> str:
+    """PipeDream's name of a configuration: ``"15-1"``, ``"straight"`` (every count 1), ``"16"`` (one stage)."""
+    counts = list(stage_replicas)
+    if len(counts) == 1:
+        return str(counts[0])
+    if all(count == 1 for count in counts):
+        return "straight"
+    return "-".join(str(count) for count in counts)
+
+
+def parse_stage_replicas(value: Any, size: int | None = None, where: str = "stage_replicas") -> tuple[int, ...]:
+    """``[3, 1]``, ``(3, 1)`` or ``"3,1"`` / ``"3-1"`` → ``(3, 1)``; checked (positive ints, summing to ``size``)."""
+    if isinstance(value, str):
+        parts = [part.strip() for part in value.replace("-", ",").split(",") if part.strip()]
+        try:
+            counts = [int(part) for part in parts]
+        except ValueError:
+            raise GridError(f"{where}={value!r} is not a list of replica counts; write e.g. 3,1 (stage 0 on 3 ranks, "
+                            "stage 1 on 1)") from None
+    elif isinstance(value, (list, tuple)):
+        counts = list(value)
+    else:
+        raise GridError(f"{where} must be a list of replica counts per stage, e.g. [3, 1], got {value!r}")
+    if not counts or any(isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 1 for c in counts):
+        raise GridError(f"{where}={value!r}: every stage needs a replica count >= 1 (e.g. [3, 1])")
+    counts = [int(c) for c in counts]
+    if size is not None and sum(counts) != size:
+        raise GridError(f"{where}={value!r} sums to {sum(counts)} ranks but the job has {size}: the counts must add "
+                        f"up to the world size (launch with -np {sum(counts)}, or change the counts)")
+    return tuple(counts)
 
 
 @dataclasses.dataclass
@@ -104,8 +190,17 @@ def _agree_on_stages(comm: Any, pipeline_stages: int) -> None:
                         f"every rank must call hp.init with the same pipeline_stages")
 
 
+def _agree_on_replicas(comm: Any, stage_replicas: tuple[int, ...]) -> None:
+    """Every rank must ask for the same replica counts; otherwise raise on every rank (no hang)."""
+    values = comm.allgather(stage_replicas)
+    if len(set(values)) > 1:
+        listing = ", ".join(f"rank {r}: {list(v) if v else None}" for r, v in enumerate(values))
+        raise GridError(f"ranks passed different stage_replicas to hp.init ({listing}); every rank must call "
+                        "hp.init with the same stage_replicas")
+
+
 def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | None = None,
-         process_sets: Any = None) -> Grid:
+         process_sets: Any = None, stage_replicas: Any = None) -> Grid:
     """Starts hybridpipe on ``comm`` (default ``MPI.COMM_WORLD``) and builds the rank grid.
 
     Collective: every rank of ``comm`` must call it with the same ``pipeline_stages``. Calling it
@@ -120,6 +215,11 @@ def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | 
         config: settings; default ``Config.from_env()`` (the HYBRIDPIPE_* variables).
         process_sets: hp.ProcessSet objects to register (Horovod's ``hvd.init(process_sets=...)``;
             ids 1, 2, … in list order), or ``"dynamic"`` (accepted; hp.add_process_set always works).
+        stage_replicas: each stage's own replica count, e.g. ``[3, 1]`` (PipeDream's "3-1"): the counts sum
+            to the world size, and ``pipeline_stages`` (if given) is their number. Every rank then passes the
+            whole mini-batch to ``train_step``; micro-batch m runs on replica ``m mod stage_replicas[s]`` of
+            stage s. Default: $HYBRIDPIPE_STAGE_REPLICAS (``hybridpipe-run --stage-replicas 3,1``), else a
+            uniform grid.
 
     Returns:
         This rank's Grid.
@@ -135,6 +235,17 @@ def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | 
     if communication.process_sets.is_communicator(pipeline_stages) and comm is None:  # Horovod's hvd.init(comm)
         pipeline_stages, comm = None, pipeline_stages
     sets = communication.process_sets.init_argument(process_sets)
+    launcher_replicas = os.environ.get("HYBRIDPIPE_STAGE_REPLICAS", "").strip()
+    if stage_replicas is None and pipeline_stages is None and launcher_replicas:
+        stage_replicas = parse_stage_replicas(launcher_replicas, where="HYBRIDPIPE_STAGE_REPLICAS")
+    ignores_replicas = stage_replicas is None and launcher_replicas != ""  # hp.init(pipeline_stages=...) given
+    if stage_replicas is not None:
+        stage_replicas = parse_stage_replicas(stage_replicas)
+        if pipeline_stages is not None and not communication.process_sets.is_communicator(pipeline_stages) \
+                and pipeline_stages != len(stage_replicas):
+            raise GridError(f"hp.init(pipeline_stages={pipeline_stages}, stage_replicas={list(stage_replicas)}): "
+                            f"{len(stage_replicas)} replica counts for {pipeline_stages} stages; pass one count per "
+                            "stage, or stage_replicas alone")
     launcher_stages = os.environ.get("HYBRIDPIPE_PIPELINE_STAGES", "").strip()
     overrides = pipeline_stages is not None and launcher_stages != ""
     if pipeline_stages is None:
@@ -148,6 +259,8 @@ def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | 
         raise GridError(f"pipeline_stages must be an int, got {pipeline_stages!r} "
                         f"({type(pipeline_stages).__name__})")
     pipeline_stages = int(pipeline_stages)
+    if stage_replicas is not None:
+        pipeline_stages = len(stage_replicas)
     from mpi4py import MPI
 
     from . import _ext
@@ -159,7 +272,8 @@ def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | 
     if _runtime is not None:
         current = _runtime.grid
         same_comm = MPI.Comm.Compare(_runtime.base_comm, base) in (MPI.IDENT, MPI.CONGRUENT)
-        if current.pipeline_stages == pipeline_stages and same_comm:
+        same_replicas = stage_replicas is None or tuple(stage_replicas) == current.stage_replicas
+        if current.pipeline_stages == pipeline_stages and same_replicas and same_comm:
             unregistered = [s for s in sets if s.process_set_id is None]
             if unregistered:
                 communication.current("init").register_process_sets(unregistered, "init")
@@ -175,10 +289,20 @@ def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | 
                       f"{launcher_stages} (what `hybridpipe-run --stages {launcher_stages}` sets): the job runs "
                       f"{pipeline_stages} stage(s) × {replicas} replica(s) of {size} ranks; call hp.init() without "
                       f"pipeline_stages to follow --stages, or launch with --stages {pipeline_stages}", stacklevel=2)
+    if ignores_replicas and base.Get_rank() == 0:
+        warnings.warn(f"hp.init(pipeline_stages={pipeline_stages}) overrides HYBRIDPIPE_STAGE_REPLICAS="
+                      f"{launcher_replicas} (what `hybridpipe-run --stage-replicas {launcher_replicas}` sets): the job "
+                      "runs a uniform grid; call hp.init() without pipeline_stages to follow --stage-replicas",
+                      stacklevel=2)
     if pipeline_stages < 1:
         raise GridError(f"pipeline_stages must be >= 1, got {pipeline_stages} (use 1 for pure data parallelism)")
     _agree_on_stages(base, pipeline_stages)
-    if size % pipeline_stages:
+    if stage_replicas is not None:
+        _agree_on_replicas(base, stage_replicas)
+        parse_stage_replicas(list(stage_replicas), size)  # the counts must add up to the world size
+        if len(set(stage_replicas)) == 1:
+            stage_replicas = None  # a uniform grid: exactly the grid of pipeline_stages
+    if stage_replicas is None and size % pipeline_stages:
         smaller = max(d for d in range(1, pipeline_stages + 1) if size % d == 0)
         bigger = (size // pipeline_stages + 1) * pipeline_stages
         raise GridError(f"world size {size} is not divisible by pipeline_stages {pipeline_stages} "
@@ -187,13 +311,19 @@ def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | 
     world = base.Dup()
     world.Set_errhandler(MPI.ERRORS_RETURN)
     rank = world.Get_rank()
-    stage, replica = rank % pipeline_stages, rank // pipeline_stages
-    pipe_comm = world.Split(color=replica, key=stage)
+    if stage_replicas is None:
+        stage, replica = rank % pipeline_stages, rank // pipeline_stages
+        pipe_comm = world.Split(color=replica, key=stage)
+        counts = (size // pipeline_stages,) * pipeline_stages
+    else:  # one pipeline spans the job: micro-batches go round-robin over each stage's replicas
+        stage, replica = layout(stage_replicas)[rank]
+        pipe_comm = world.Dup()
+        counts = tuple(stage_replicas)
     data_comm = world.Split(color=stage, key=replica)
     local_comm = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    the_grid = Grid(pipeline_stages=pipeline_stages, data_replicas=size // pipeline_stages, stage=stage,
+    the_grid = Grid(pipeline_stages=pipeline_stages, data_replicas=counts[stage], stage=stage,
                     replica=replica, rank=rank, size=size, world_comm=world, pipe_comm=pipe_comm,
-                    data_comm=data_comm)
+                    data_comm=data_comm, stage_replicas=counts)
     _runtime = _Runtime(grid=the_grid, base_comm=base, local_comm=local_comm,
                         config=(config or Config.from_env()).validated())
     from . import _trace as timeline

@@ -96,6 +96,20 @@ def test_bad_arguments_exit_2_with_the_reason(capsys):
         assert reason in capsys.readouterr().err
 
 
+def test_stage_replicas_set_the_rank_count_and_the_variable(capsys):
+    command, _ = launch.build_command(["--stage-replicas", "3,1", "python", "t.py"])
+    joined = " ".join(command)
+    assert "-n 4" in joined and "-x HYBRIDPIPE_STAGE_REPLICAS=3,1" in joined and "HYBRIDPIPE_PIPELINE_STAGES=2" in joined
+    for argv, reason in ((["-np", "5", "--stage-replicas", "3-1", "python", "t.py"],
+                          "-np 5 but --stage-replicas 3-1 adds up to 4 ranks: pass -np 4"),
+                         (["--stage-replicas", "3,0", "python", "t.py"], "every stage needs a replica count >= 1"),
+                         (["--stages", "3", "--stage-replicas", "3,1", "python", "t.py"], "give one of them")):
+        with pytest.raises(SystemExit) as exited:
+            launch.main(argv)
+        assert exited.value.code == 2, argv
+        assert reason in capsys.readouterr().err
+
+
 def write_job_fakes(tmp_path: Path) -> dict:
     fake_program(tmp_path / "bin", "srun", "srun fake")
     nodefile = tmp_path / "nodefile"

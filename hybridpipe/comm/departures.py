@@ -49,10 +49,10 @@ class Departures:
 
         self.comm = grid.world_comm.Dup()
         self.comm.Set_errhandler(MPI.ERRORS_RETURN)
-        self.rank, self.stages = grid.rank, grid.pipeline_stages
-        # who may wait for me (and whom I may wait for) through the pipeline: my replica's other stages
-        self.peers = [grid.rank_of(stage, grid.replica) for stage in range(grid.pipeline_stages)
-                      if stage != grid.stage]
+        self.rank, self._place_of = grid.rank, grid.place_of
+        # who may wait for me (and whom I may wait for) through the pipeline: my replica's other stages (on a
+        # non-uniform grid, every rank of another stage)
+        self.peers = grid.pipeline_peers()
         self.left: dict[int, str] = {}  # world rank whose notice came -> why it left (see how_left)
         self._world_group = grid.world_comm.Get_group()
         self._world_ranks: dict[tuple[int, int], int] = {}
@@ -96,7 +96,7 @@ class Departures:
         return self.left.get(world_rank, SHUT_DOWN)
 
     def stage_of(self, world_rank: int) -> int:
-        return world_rank % self.stages
+        return self._place_of(world_rank)[0]
 
     def world_rank(self, comm_f: int, rank: int) -> int | None:
         """``rank`` of the communicator with Fortran handle ``comm_f`` as a rank of the world (None: not in it)."""

@@ -142,7 +142,9 @@ class Registry:
     def __init__(self, grid: Any) -> None:
         self.grid, self.rank = grid, grid.rank
         data = [grid.rank_of(grid.stage, r) for r in range(grid.data_replicas)]
-        pipe = [grid.rank_of(s, grid.replica) for s in range(grid.pipeline_stages)]
+        # a non-uniform grid (stage_replicas) has one pipeline, the whole job
+        pipe = [grid.rank_of(s, grid.replica) for s in range(grid.pipeline_stages)] if grid.uniform else \
+            list(range(grid.size))
         self.entries: dict[int, SetEntry] = {
             GLOBAL_ID: SetEntry(list(range(grid.size)), grid.world_comm, "world", "world"),
             DATA_ID: SetEntry(data, grid.data_comm, "data", "data"),

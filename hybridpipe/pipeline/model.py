@@ -208,6 +208,8 @@ class PipelineModel(nn.Module):
             raise HybridPipeError(f"virtual_stages must be a positive int (got {virtual_stages!r})")
         self.asynchronous = name in ASYNCHRONOUS
         self._check_schedule_options(name, stages, micro_batches, virtual_stages, optimizer, vertical_sync)
+        if not grid.uniform:
+            self._check_stage_replicas(grid, name, virtual_stages)
         if not self.asynchronous:
             get_schedule(name, stages, micro_batches, virtual_stages)  # size conditions → ScheduleError
         object.__setattr__(self, "loss_fn", loss_fn)  # not a submodule: no keys in state_dict
@@ -241,21 +243,29 @@ class PipelineModel(nn.Module):
         object.__setattr__(self, "_stage_module", chunk_modules[self.stage])
         # private: our tags never meet anyone else's messages
         self._comm = call("pipe", "PipelineModel", grid.pipe_comm.Dup)
-        self._executor = StageExecutor(chunk_modules, self.stage, stages, self._comm, self.device, virtual_stages)
+        # a non-uniform grid: pipe_comm is the world; micro-batch m of stage s runs on its replica m mod R_s
+        replica_ranks = None if grid.uniform else [grid.ranks_of_stage(s) for s in range(stages)]
+        self._executor = StageExecutor(chunk_modules, self.stage, stages, self._comm, self.device, virtual_stages,
+                                       replica_ranks)
         self._executor.use_skips(self.skip_routes)
         if name == "zb-h1":
             self._executor.split_backward()
         # ties across ranks: sets of the holding ranks (collective over the grid), copies broadcast from the lowest
         self._tied: TiedWeights | None = None
         if any(tie.across_ranks for tie in ties):
+            if not grid.uniform:
+                raise HybridPipeError(f"weights tied across stages ({', '.join(ties[0].names)}) are not supported on a "
+                                      f"grid with its own replica count per stage (stage_replicas "
+                                      f"{list(grid.stage_replicas)}): use a uniform grid (pipeline_stages=...), or "
+                                      "untie them")
             self._tied = TiedWeights(ties, built, grid)
             self._executor.defer_gradients(self._tied.parameters)
         if precision != "fp32":
             self._executor.autocast = torch.bfloat16 if precision == "bf16" else torch.float16
         # fp16: the dynamic loss scaler every rank agrees on (hybridpipe/amp.py); None otherwise
         self.scaler: LossScaler | None = LossScaler() if precision == "fp16" else None
-        if self.scaler is not None:
-            self.scaler.replicas = grid.data_replicas
+        if self.scaler is not None:  # (a non-uniform grid sums its replicas' gradients: nothing to divide)
+            self.scaler.replicas = grid.data_replicas if grid.uniform else 1
         self.optimizer: torch.optim.Optimizer | None = None
         self._stream: AsyncStream | None = None
         self._next_micro_batch = 0
@@ -266,6 +276,17 @@ class PipelineModel(nn.Module):
             if verify or (verify is None and not meta):
                 self._verify(sample)
             self._split.plan.trace.unit_outputs.clear()
+
+    @staticmethod
+    def _check_stage_replicas(grid: runtime.Grid, name: str, virtual_stages: int) -> None:
+        """What a grid with its own replica count per stage (``hp.init(stage_replicas=...)``) runs."""
+        where = f"stage_replicas {list(grid.stage_replicas)} ({grid.config})"
+        if name not in ("gpipe", "1f1b", "zb-h1"):
+            raise HybridPipeError(f"schedule {name!r} does not run on a grid with {where}: use 'gpipe', '1f1b' or "
+                                  "'zb-h1', or a uniform grid (hp.init(pipeline_stages=...))")
+        if virtual_stages != 1:
+            raise HybridPipeError(f"virtual_stages={virtual_stages} does not run on a grid with {where}: use "
+                                  "virtual_stages=1, or a uniform grid")
 
     def _build_layers(self, layer_list: list, balance: Any, sample_input: Any, seed_layers: int | None,
                       grid: runtime.Grid, name: str, micro_batches: int, memory_limit: Any,
@@ -632,7 +653,11 @@ class PipelineModel(nn.Module):
             schedule = get_schedule(name, self.stages, self.micro_batches, self.virtual_stages)
             validate(schedule, self.stages, self.micro_batches, virtual_stages=self.virtual_stages,
                      require_backward=name != "forward")
-            self._schedule_cache[key] = schedule[self.stage]
+            actions = schedule[self.stage]
+            replicas = self.grid.stage_replicas[self.stage]
+            if not self.grid.uniform:  # PipeDream's round-robin: my micro-batches, in the schedule's order
+                actions = [a for a in actions if a.micro_batch % replicas == self.grid.replica]
+            self._schedule_cache[key] = actions
         return self._schedule_cache[key]
 
     def train_step(self, inputs: Any, targets: Any) -> float | None:

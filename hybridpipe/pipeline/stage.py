@@ -144,8 +144,6 @@ class _Chunk:
         self.module, self.stage = module, stage
         self.index = stage // ranks          # position among this rank's chunks
         self.first, self.last = stage == 0, stage == chunks - 1
-        self.previous_rank = stage_to_rank(stage - 1, ranks)
-        self.next_rank = stage_to_rank(stage + 1, ranks)
         self.phase: str | None = None        # see gradient_phase
         self.deferred: set[int] = set()      # ids of parameters whose gradient is completed after the run
         self.stash: WeightStash | None = None  # asynchronous schedules
@@ -221,13 +219,22 @@ class StageExecutor:
         comm: The pipeline's communicator (rank ``r`` = pipeline rank ``r``), private to this executor.
         device: Where this rank computes.
         virtual_stages: ``v``, chunks per rank (``v·P`` chunks in all).
+        replica_ranks: A grid whose stages have their own replica counts (``hp.init(stage_replicas=...)``):
+            for each pipeline rank ``r``, the ranks of ``comm`` holding its replicas; micro-batch ``m`` of
+            pipeline rank ``r`` runs on ``replica_ranks[r][m % len(replica_ranks[r])]`` (PipeDream's
+            round-robin), and each rank is given only its own micro-batches' actions. Default: one
+            replica each, pipeline rank ``r`` being rank ``r`` of ``comm``.
     """
 
     def __init__(self, modules: Mapping[int, nn.Module] | nn.Module, rank: int, ranks: int, comm: Any,
-                 device: torch.device, virtual_stages: int = 1) -> None:
+                 device: torch.device, virtual_stages: int = 1,
+                 replica_ranks: Sequence[Sequence[int]] | None = None) -> None:
         if isinstance(modules, nn.Module):
             modules = {rank: modules}
         self.rank, self.ranks, self.comm, self.device = rank, ranks, comm, device
+        self.replica_ranks = [list(r) for r in replica_ranks] if replica_ranks is not None else \
+            [[r] for r in range(ranks)]
+        self.comm_rank = comm.Get_rank()
         self.virtual_stages = virtual_stages
         self.total_chunks = ranks * virtual_stages
         self.chunks = {stage: _Chunk(module, stage, self.total_chunks, ranks) for stage, module in modules.items()}
@@ -264,14 +271,21 @@ class StageExecutor:
         """This rank's first chunk (= its rank)."""
         return self.rank
 
+    def _peer(self, stage: int, micro_batch: int) -> int:
+        """The rank of ``comm`` that runs micro-batch ``micro_batch`` of (virtual) stage ``stage``."""
+        replicas = self.replica_ranks[stage_to_rank(stage, self.ranks)]
+        return replicas[micro_batch % len(replicas)]
+
     def _neighbours(self) -> list[int]:
+        """The ranks of ``comm`` this rank exchanges activations or gradients with (every replica of the
+        neighbouring stages)."""
         peers = set()
         for chunk in self.chunks.values():
             if not chunk.first:
-                peers.add(chunk.previous_rank)
+                peers.update(self.replica_ranks[stage_to_rank(chunk.stage - 1, self.ranks)])
             if not chunk.last:
-                peers.add(chunk.next_rank)
-        peers.discard(self.rank)
+                peers.update(self.replica_ranks[stage_to_rank(chunk.stage + 1, self.ranks)])
+        peers.discard(self.comm_rank)
         return sorted(peers)
 
     def use_weight_stash(self, policy: str, vertical_sync: bool, micro_batches: int) -> None:
@@ -349,7 +363,7 @@ class StageExecutor:
         if not gradient and dest_stage - 1 in self._print_pending:  # the run's first activation from that chunk
             self._print_pending.discard(dest_stage - 1)
             value = (_BATCH_MARK, self.batch_print, value)
-        dest = stage_to_rank(dest_stage, self.ranks)
+        dest = self._peer(dest_stage, micro_batch)
         self._sends.append(p2p.send(value, dest, self._tag(dest_stage, micro_batch, gradient), self.comm))
 
     def _receive(self, source: int, tag: int, requires_grad: bool) -> p2p.Receive:
@@ -454,7 +468,7 @@ class StageExecutor:
         # the sends are dropped, not waited for: each keeps its buffers until MPI is done with them
         for peer in self._neighbours():
             if peer != came_from:
-                p2p.send_error(text, self.rank, peer, self.comm)
+                p2p.send_error(text, self.comm_rank, peer, self.comm)
         self._sends = []
 
     def _wait(self, receive: p2p.Receive, what: str = "value") -> Any:
@@ -476,18 +490,18 @@ class StageExecutor:
             m = action.micro_batch
             if action.kind is ActionKind.FORWARD and not chunk.first:
                 step.forward_in[(action.stage, m)] = self._receive(
-                    chunk.previous_rank, self._tag(action.stage, m, False), step.train)
+                    self._peer(action.stage - 1, m), self._tag(action.stage, m, False), step.train)
             elif action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT) and not chunk.last:
                 step.backward_in[(action.stage, m)] = self._receive(
-                    chunk.next_rank, self._tag(action.stage, m, True), False)
+                    self._peer(action.stage + 1, m), self._tag(action.stage, m, True), False)
             if action.kind is ActionKind.FORWARD:
                 for route in self._skips_into(action.stage):
                     step.skip_in[(route.name, m)] = self._receive(
-                        stage_to_rank(route.stash_chunk, self.ranks), self._skip_tag(route, m, False), step.train)
+                        self._peer(route.stash_chunk, m), self._skip_tag(route, m, False), step.train)
             elif action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
                 for route in self._skips_from(action.stage):
                     step.skip_grad_in[(route.name, m)] = self._receive(
-                        stage_to_rank(route.pop_chunk, self.ranks), self._skip_tag(route, m, True), False)
+                        self._peer(route.pop_chunk, m), self._skip_tag(route, m, True), False)
 
     def _progress(self, step: _Step) -> None:
         # Post payload receives for headers that arrived meanwhile. Headers open in posting order,
@@ -590,7 +604,7 @@ class StageExecutor:
             value = stored.skips_out[route.name]
             if stored.recompute:  # stashed without a graph: the popping chunk must still return its gradient
                 value = map_tensors(value, lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t)
-            self._sends.append(p2p.send(value, stage_to_rank(route.pop_chunk, self.ranks),
+            self._sends.append(p2p.send(value, self._peer(route.pop_chunk, m),
                                         self._skip_tag(route, m, False), self.comm))
         if stored.recompute or not step.train:
             stored.skips_out = {}  # the backward's recompute stashes them again, with their graph
@@ -707,7 +721,7 @@ class StageExecutor:
         for route in self._skips_into(chunk.stage):  # straight back to the stashing chunk's rank
             tensor = stored.skips_in[route.name]
             grad = tensor.grad if isinstance(tensor, torch.Tensor) and tensor.requires_grad else None
-            self._sends.append(p2p.send([grad], stage_to_rank(route.stash_chunk, self.ranks),
+            self._sends.append(p2p.send([grad], self._peer(route.stash_chunk, m),
                                         self._skip_tag(route, m, True), self.comm))
         if not chunk.first:
             input_grads = [t.grad if t.requires_grad else None for t in iter_tensors(stored.x)]
@@ -769,21 +783,24 @@ class StageExecutor:
     # ------------------------------------------------------------------ results
 
     def _share_result(self, step: _Step) -> None:
-        """The last chunk's rank sends the losses (training) or the outputs (forward-only) to every rank."""
+        """The last chunk's rank (each of its replicas, with their micro-batches) sends the losses (training) or
+        the outputs (forward-only) to every rank."""
         result = step.result
+        merged: dict[int, Any] = {}
         if self.last:
-            payload = result.losses if step.train else [step.outputs[m] for m in sorted(step.outputs)]
-            for peer in range(self.ranks):
-                if peer != self.rank:
-                    self._sends.append(p2p.send(payload, peer, _RESULT_TAG, self.comm))
-        else:
-            payload = self._wait(self._receive(self.ranks - 1, _RESULT_TAG, False))
+            merged = dict(result.losses) if step.train else dict(step.outputs)
+            for peer in range(self.comm.Get_size()):
+                if peer != self.comm_rank:
+                    self._sends.append(p2p.send(merged, peer, _RESULT_TAG, self.comm))
+        for source in self.replica_ranks[self.ranks - 1]:
+            if source != self.comm_rank:
+                merged.update(self._wait(self._receive(source, _RESULT_TAG, False)))
         if step.train:
-            result.losses = {int(m): float(v) for m, v in payload.items()}
+            result.losses = {int(m): float(v) for m, v in merged.items()}
             result.loss = sum(loss * step.weights.get(m, 0.0) for m, loss in result.losses.items()) \
                 if step.weights else 0.0
         else:
-            result.outputs = list(payload)
+            result.outputs = [merged[m] for m in sorted(merged)]
 
 
 _SPLITTABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.LayerNorm, nn.GroupNorm)

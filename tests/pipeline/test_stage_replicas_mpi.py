@@ -1,0 +1,210 @@
+"""Grids whose stages have their own replica counts (``hp.init(stage_replicas=[3, 1])``, PipeDream's "3-1") under a
+real mpirun on 4 ranks: every rank passes the whole mini-batch, micro-batch m runs on replica m mod R_s of stage s,
+and training equals one process on that mini-batch (float64, gpipe, 1f1b and zb-h1; M a multiple of the replica
+counts or not); the grid's numbering, a checkpoint saved on 3-1 and loaded on 2 × 2 and 1 × 4, and the refusals."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+import hybridpipe as hp
+from hybridpipe.errors import GridError, HybridPipeError
+from agree import ranks_agree
+
+pytestmark = pytest.mark.mpi(ranks=[4], timeout=240, shared=True)
+
+torch.set_num_threads(1)
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(3):
+        layers += [nn.Linear(6, 6), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(6, 3)).double()
+
+
+def batches(steps: int, size: int = 10) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(7)
+    return [(torch.randn(size, 6, generator=generator, dtype=torch.float64),
+             torch.randint(0, 3, (size,), generator=generator)) for _ in range(steps)]
+
+
+def one_process(steps: list, lr: float = 0.1) -> tuple[nn.Sequential, list[float]]:
+    """The same mini-batches through the whole model in one process (SGD with momentum)."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses = []
+    for inputs, targets in steps:
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+def train(model: hp.PipelineModel, optimizer, steps: list) -> list[float]:
+    losses = []
+    for inputs, targets in steps:
+        optimizer.zero_grad()
+        losses.append(model.train_step(inputs, targets))
+        optimizer.step()
+    return losses
+
+
+def check_against(model: hp.PipelineModel, reference: nn.Sequential) -> None:
+    want = dict(reference.named_parameters())
+    own = dict(model.named_parameters())
+    assert own
+    for name, parameter in own.items():
+        torch.testing.assert_close(parameter, want[name.removeprefix("layers.")], rtol=1e-9, atol=1e-12,
+                                   msg=lambda text: f"{name}: {text}")
+
+
+def build(schedule: str, micro_batches: int, balance: list[int]) -> tuple[hp.PipelineModel, torch.optim.Optimizer]:
+    model = hp.PipelineModel(list(mlp()), loss_fn=nn.functional.cross_entropy, micro_batches=micro_batches,
+                             balance=balance, schedule=schedule)
+    optimizer = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                        named_parameters=model.named_parameters())
+    return model, optimizer
+
+
+CASES = [  # stage_replicas, schedule, micro-batches, balance
+    ([3, 1], "gpipe", 6, [5, 2]),
+    ([3, 1], "1f1b", 4, [4, 3]),
+    ([1, 3], "1f1b", 4, [3, 4]),     # M not a multiple of 3: replica 0 of stage 1 runs two micro-batches
+    ([1, 3], "gpipe", 5, [2, 5]),
+    ([2, 1, 1], "1f1b", 5, [3, 2, 2]),
+    ([2, 1, 1], "gpipe", 4, [2, 2, 3]),
+    ([1, 1, 2], "zb-h1", 3, [2, 2, 3]),
+]
+
+
+@pytest.mark.parametrize("replicas,schedule,micro_batches,balance", CASES,
+                         ids=[f"{'-'.join(map(str, c[0]))}-{c[1]}-M{c[2]}" for c in CASES])
+def test_trains_like_one_process(replicas, schedule, micro_batches, balance):
+    grid = hp.init(stage_replicas=replicas)
+    try:
+        steps = batches(3)
+        model, optimizer = build(schedule, micro_batches, balance)
+        losses = train(model, optimizer, steps)
+        reference, reference_losses = one_process(steps)
+        actions = model.last_step.actions
+        with ranks_agree():
+            assert grid.stage_replicas == tuple(replicas) and grid.data_replicas == replicas[grid.stage]
+            # this rank ran its own micro-batches only, each forward and backward once
+            mine = sorted({a.micro_batch for a in actions})
+            assert mine == [m for m in range(micro_batches) if m % replicas[grid.stage] == grid.replica]
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference_losses), rtol=1e-12, atol=0)
+            check_against(model, reference)
+        model.close()
+    finally:
+        hp.shutdown()
+
+
+def test_grid_numbering_and_describe():
+    grid = hp.init(stage_replicas=[3, 1])
+    try:
+        with ranks_agree():
+            assert [grid.place_of(r) for r in range(4)] == [(0, 0), (1, 0), (0, 1), (0, 2)]
+            assert (grid.stage, grid.replica) == grid.place_of(grid.rank)
+            assert grid.ranks_of_stage(0) == [0, 2, 3] and grid.ranks_of_stage(1) == [1]
+            assert grid.config == "3-1" and not grid.uniform
+            assert grid.data_comm.Get_size() == grid.data_replicas and grid.data_comm.Get_rank() == grid.replica
+            assert sorted(grid.pipeline_peers()) == ([1] if grid.stage == 0 else [0, 2, 3])
+            assert "-" in grid.table().splitlines()[2] or grid.table().splitlines()[2].split()[-1] == "1"
+    finally:
+        hp.shutdown()
+    same = hp.init(stage_replicas=[2, 2])  # uniform counts: exactly the grid of pipeline_stages=2
+    try:
+        with ranks_agree():
+            assert same.uniform and same.config == "2-2" and (same.stage, same.replica) == (same.rank % 2, same.rank // 2)
+    finally:
+        hp.shutdown()
+
+
+def test_the_launcher_variable_sets_the_grid(monkeypatch):
+    monkeypatch.setenv("HYBRIDPIPE_STAGE_REPLICAS", "1,3")  # what hybridpipe-run --stage-replicas 1,3 sets
+    grid = hp.init()
+    try:
+        with ranks_agree():
+            assert grid.stage_replicas == (1, 3) and grid.place_of(grid.rank) == (grid.stage, grid.replica)
+    finally:
+        hp.shutdown()
+    with pytest.warns(UserWarning, match="overrides HYBRIDPIPE_STAGE_REPLICAS=1,3") if hp_rank() == 0 else \
+            contextlib.nullcontext():
+        grid = hp.init(pipeline_stages=2)
+    try:
+        with ranks_agree():
+            assert grid.uniform and grid.stage_replicas == (2, 2)
+    finally:
+        hp.shutdown()
+
+
+def hp_rank() -> int:
+    from mpi4py import MPI
+    return MPI.COMM_WORLD.Get_rank()
+
+
+def test_bad_stage_replicas_are_refused_on_every_rank():
+    with ranks_agree():
+        with pytest.raises(GridError, match=r"sums to 3 ranks but the job has 4.*-np 3"):
+            hp.init(stage_replicas=[2, 1])
+        with pytest.raises(GridError, match=r"replica count >= 1"):
+            hp.init(stage_replicas=[4, 0])
+        with pytest.raises(GridError, match=r"2 replica counts for 3 stages"):
+            hp.init(pipeline_stages=3, stage_replicas=[3, 1])
+    from mpi4py import MPI
+    mine = [3, 1] if MPI.COMM_WORLD.Get_rank() else [1, 3]
+    with ranks_agree():
+        with pytest.raises(GridError, match=r"ranks passed different stage_replicas.*rank 0: \[1, 3\]"):
+            hp.init(stage_replicas=mine)
+        assert not hp.is_initialized()
+
+
+def test_schedules_that_do_not_run_say_so():
+    hp.init(stage_replicas=[3, 1])
+    try:
+        with ranks_agree():
+            with pytest.raises(HybridPipeError, match=r"schedule 'interleaved-1f1b' does not run on a grid with "
+                                                      r"stage_replicas \[3, 1\] \(3-1\)"):
+                hp.PipelineModel(list(mlp()), loss_fn=nn.functional.cross_entropy, micro_batches=4, balance=[2, 1, 2, 2],
+                                 schedule="interleaved-1f1b", virtual_stages=2)
+    finally:
+        hp.shutdown()
+
+
+def test_checkpoint_saved_on_3_1_resumes_on_uniform_grids(tmp_path_factory):
+    from mpi4py import MPI
+
+    directory = MPI.COMM_WORLD.bcast(str(tmp_path_factory.mktemp("ckpt")) if MPI.COMM_WORLD.Get_rank() == 0 else None)
+    steps = batches(4)
+    hp.init(stage_replicas=[3, 1])
+    try:
+        model, optimizer = build("1f1b", 4, [4, 3])
+        train(model, optimizer, steps[:2])
+        hp.save_checkpoint(directory, model, optimizer, step=2)
+        model.close()
+    finally:
+        hp.shutdown()
+    # 10 samples do not split into 4 equal shards: the 1 × 4 grid trains on the first 8 of each later batch
+    later = {2: steps[2:], 1: [(x[:8], y[:8]) for x, y in steps[2:]]}
+    for stages in (2, 1):
+        grid = hp.init(pipeline_stages=stages)
+        try:
+            shards = [(x.chunk(grid.data_replicas)[grid.replica], y.chunk(grid.data_replicas)[grid.replica])
+                      for x, y in later[stages]]
+            model, optimizer = build("1f1b", 2 if stages == 2 else 1, [4, 3] if stages == 2 else [7])
+            hp.load_checkpoint(directory, model, optimizer)
+            train(model, optimizer, shards)
+            reference, _ = one_process(steps[:2] + later[stages])
+            with ranks_agree():
+                check_against(model, reference)
+            model.close()
+        finally:
+            hp.shutdown()
