@@ -1,7 +1,9 @@
 """The segmented ring allreduce (hybridpipe.comm.ring) on CPU tensors over mpi4py: the same function, in the same
 order, drives the device ring on GPUs (hybridpipe.comm.collectives._device_ring_allreduce). Its reductions here
 are lazy — a reduction is carried out only when the ring says it waits for it — so a segment sent before its
-reduction was waited for, or a scratch chunk refilled before the reduction reading it ran, gives a wrong sum."""
+reduction was waited for, or a scratch chunk refilled before the reduction reading it ran, gives a wrong sum.
+Each ring and its checks run in a ``ranks_agree`` block: a check failing on one rank fails every rank there, and a
+rank left in the ring by an exception on another makes the others abort the launch, not hang."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
+from agree import ranks_agree
 from hybridpipe.comm import ring
 from hybridpipe.comm.context import call
 
@@ -68,22 +71,25 @@ def comm():
 def test_the_segmented_ring_sums_exactly_for_any_length_and_segment(comm, count, per_segment):
     seed = count * 7 + per_segment
     flat = contribution(comm.rank, count, seed)
-    lazy = run_ring(flat, per_segment, comm)
-    expected = sum(contribution(r, count, seed) for r in range(comm.size))
-    assert torch.equal(flat, expected)
-    assert lazy.done == lazy.started  # every reduction the ring started, it waited for
-    # the reduce-scatter reduces n - 1 chunks, each in its segments
-    chunks = ring.chunk_bounds(count, comm.size)
-    incoming = [(comm.rank - step - 1) % comm.size for step in range(comm.size - 1)]
-    assert lazy.started == sum(len(ring.segment_bounds(chunks[c][1], per_segment)) for c in incoming)
+    with ranks_agree(comm):
+        lazy = run_ring(flat, per_segment, comm)
+        expected = sum(contribution(r, count, seed) for r in range(comm.size))
+        assert torch.equal(flat, expected)
+        assert lazy.done == lazy.started  # every reduction the ring started, it waited for
+        # the reduce-scatter reduces n - 1 chunks, each in its segments
+        chunks = ring.chunk_bounds(count, comm.size)
+        incoming = [(comm.rank - step - 1) % comm.size for step in range(comm.size - 1)]
+        assert lazy.started == sum(len(ring.segment_bounds(chunks[c][1], per_segment)) for c in incoming)
 
 
 def test_the_reduction_is_the_one_passed_in(comm):
     flat = contribution(comm.rank, 37, 3)
-    run_ring(flat, 4, comm, op=torch.maximum)
-    assert torch.equal(flat, torch.stack([contribution(r, 37, 3) for r in range(comm.size)]).amax(0))
+    with ranks_agree(comm):
+        run_ring(flat, 4, comm, op=torch.maximum)
+        assert torch.equal(flat, torch.stack([contribution(r, 37, 3) for r in range(comm.size)]).amax(0))
 
 
+@ranks_agree()
 def test_the_cut_is_the_same_on_every_rank_and_covers_the_buffer_once():
     assert ring.chunk_bounds(10, 4) == [(0, 3), (3, 3), (6, 2), (8, 2)]
     assert ring.chunk_bounds(2, 4) == [(0, 1), (1, 1), (2, 0), (2, 0)]
@@ -134,13 +140,14 @@ def test_the_device_ring_runs_the_segmented_ring_with_the_device_steps_in_place(
     flat = contribution(comm.rank, 1001, 11).float().reshape(7, 143)  # any shape: flattened in place
     expected = torch.stack([contribution(r, 1001, 11).float() for r in range(comm.size)])
     expected = expected.amax(0) if op == "Max" else expected.sum(0) / (comm.size if op == "Average" else 1)
-    call(None, "device ring test", lambda: collectives._device_ring_allreduce(flat, getattr(hp, op), comm, 64))
-    assert torch.equal(flat.reshape(-1), expected)
-    per = 64 // 4  # 16 float32 elements a segment
-    chunks = ring.chunk_bounds(1001, comm.size)
-    incoming = [(comm.rank - step - 1) % comm.size for step in range(comm.size - 1)]
-    assert len(kernels) == sum(len(ring.segment_bounds(chunks[c][1], per)) for c in incoming)
-    assert set(kernels) == {getattr(hp, op)}
-    recorded = [e for kind, e in _HostEvent.log if kind == "record"]
-    assert len(recorded) == len(kernels) and sorted(e for kind, e in _HostEvent.log if kind == "synchronize") == \
-        sorted(recorded)  # every reduction's event is waited for, once
+    with ranks_agree(comm):
+        call(None, "device ring test", lambda: collectives._device_ring_allreduce(flat, getattr(hp, op), comm, 64))
+        assert torch.equal(flat.reshape(-1), expected)
+        per = 64 // 4  # 16 float32 elements a segment
+        chunks = ring.chunk_bounds(1001, comm.size)
+        incoming = [(comm.rank - step - 1) % comm.size for step in range(comm.size - 1)]
+        assert len(kernels) == sum(len(ring.segment_bounds(chunks[c][1], per)) for c in incoming)
+        assert set(kernels) == {getattr(hp, op)}
+        recorded = [e for kind, e in _HostEvent.log if kind == "record"]
+        assert len(recorded) == len(kernels) and sorted(e for kind, e in _HostEvent.log if kind == "synchronize") == \
+            sorted(recorded)  # every reduction's event is waited for, once
