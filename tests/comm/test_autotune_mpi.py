@@ -12,6 +12,7 @@ from mpi4py import MPI
 from torch import nn
 
 import hybridpipe as hp
+from agree import ranks_agree
 from hybridpipe.comm import autotune, context
 from hybridpipe.config import Config
 
@@ -51,23 +52,26 @@ def test_autotune_agrees_on_the_fastest_setting_and_training_stays_exact(tmp_pat
         everyone = hp.allgather_object((tuner.done, tuner.chosen, tuple(in_effect), len(tuner.trials)))
     finally:
         hp.shutdown()
-    assert len(set(everyone)) == 1, everyone  # the same choice, in effect, on every rank
-    done, chosen, in_effect, count = everyone[0]
-    assert done and count == trials and in_effect == chosen
-    fastest = min(tuner.trials, key=lambda t: t["step_seconds"])
-    assert chosen == (fastest["fusion_threshold_bytes"], fastest["cycle_time_ms"])
-    assert {t["fusion_threshold_bytes"] for t in tuner.trials if t["phase"] == "fusion"} == set(autotune.FUSION_THRESHOLDS)
-    for name, parameter in model.named_parameters():
-        torch.testing.assert_close(parameter, dict(reference.named_parameters())[name], rtol=1e-5, atol=1e-6)
-    if MPI.COMM_WORLD.rank == 0:
-        with open(log, newline="") as stream:
-            rows = list(csv.DictReader(stream))
-        assert list(rows[0]) == autotune.COLUMNS
-        assert len(rows) == trials + 1 and rows[-1]["trial"] == "chosen"
-        assert int(rows[-1]["fusion_threshold_bytes"]) == chosen[0]
-        assert float(rows[-1]["cycle_time_ms"]) == chosen[1]
+    with ranks_agree():  # (the others wait there for rank 0's checks of the log)
+        assert len(set(everyone)) == 1, everyone  # the same choice, in effect, on every rank
+        done, chosen, in_effect, count = everyone[0]
+        assert done and count == trials and in_effect == chosen
+        fastest = min(tuner.trials, key=lambda t: t["step_seconds"])
+        assert chosen == (fastest["fusion_threshold_bytes"], fastest["cycle_time_ms"])
+        assert {t["fusion_threshold_bytes"] for t in tuner.trials if t["phase"] == "fusion"} == \
+            set(autotune.FUSION_THRESHOLDS)
+        for name, parameter in model.named_parameters():
+            torch.testing.assert_close(parameter, dict(reference.named_parameters())[name], rtol=1e-5, atol=1e-6)
+        if MPI.COMM_WORLD.rank == 0:
+            with open(log, newline="") as stream:
+                rows = list(csv.DictReader(stream))
+            assert list(rows[0]) == autotune.COLUMNS
+            assert len(rows) == trials + 1 and rows[-1]["trial"] == "chosen"
+            assert int(rows[-1]["fusion_threshold_bytes"]) == chosen[0]
+            assert float(rows[-1]["cycle_time_ms"]) == chosen[1]
 
 
+@ranks_agree()
 def test_autotune_settings_are_checked():
     with pytest.raises(hp.errors.HybridPipeError, match="autotune_steps_per_sample=0 must be >= 1"):
         Config(autotune_steps_per_sample=0).validated()
