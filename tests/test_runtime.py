@@ -1,9 +1,13 @@
-"""hp.init / the rank grid / shutdown under a real mpirun, errors raised on every rank."""
+"""hp.init / the rank grid / shutdown under a real mpirun, errors raised on every rank. Checks go through
+ranks_agree (a test's collectives first, its checks after), so a check failing on one rank fails every rank at
+that point instead of leaving the others in the next collective."""
 
 import pytest
+import torch
 from mpi4py import MPI
 
 import hybridpipe as hp
+from agree import ranks_agree
 
 pytestmark = pytest.mark.mpi(ranks=4, long_ranks=8, shared=True)  # one mpirun with the other 4-rank files
 
@@ -17,46 +21,55 @@ def clean_runtime():
     hp.shutdown()
 
 
+@ranks_agree()
 def test_calls_before_init_name_the_fix():
     assert not hp.is_initialized()
     for call in (hp.rank, hp.size, hp.grid, hp.local_rank, hp.local_size):
         with pytest.raises(hp.NotInitializedError, match=r"hp\.\w+\(\) was called before hp\.init\(\)"):
             call()
     with pytest.raises(hp.NotInitializedError, match=r"hp\.allreduce\(\) was called before hp\.init"):
-        hp.allreduce(__import__("torch").ones(1))
+        hp.allreduce(torch.ones(1))
 
 
 @pytest.mark.parametrize("stages", [1, 2, 4])
 def test_grid_mapping_and_communicators(stages):
     n, world_rank = WORLD.Get_size(), WORLD.Get_rank()
-    grid = hp.init(pipeline_stages=stages)
-    assert (grid.pipeline_stages, grid.data_replicas, grid.size) == (stages, n // stages, n)
-    assert (grid.stage, grid.replica, grid.rank) == (world_rank % stages, world_rank // stages, world_rank)
-    assert grid.rank_of(grid.stage, grid.replica) == world_rank
-    # pipe_comm: my pipeline's stages, ranked by stage, consecutive world ranks (node-local when packed)
-    assert grid.pipe_comm.Get_size() == stages and grid.pipe_comm.Get_rank() == grid.stage
-    assert grid.pipe_comm.allgather(world_rank) == list(range(grid.replica * stages, (grid.replica + 1) * stages))
-    # data_comm: my stage's replicas, ranked by replica
-    assert grid.data_comm.Get_size() == n // stages and grid.data_comm.Get_rank() == grid.replica
-    assert grid.data_comm.allgather(world_rank) == list(range(grid.stage, n, stages))
-    assert grid.is_first_stage == (grid.stage == 0) and grid.is_last_stage == (grid.stage == stages - 1)
-    assert (hp.rank(), hp.size(), hp.grid()) == (world_rank, n, grid)
-    # all ranks of this test run on one host
-    assert (hp.local_rank(), hp.local_size()) == (world_rank, n)
-    assert "stage \\ replica" in grid.table() and str(n - 1) in grid.table()
+    with ranks_agree():
+        grid = hp.init(pipeline_stages=stages)
+        in_my_pipeline = grid.pipe_comm.allgather(world_rank)
+        in_my_stage = grid.data_comm.allgather(world_rank)
+        assert (grid.pipeline_stages, grid.data_replicas, grid.size) == (stages, n // stages, n)
+        assert (grid.stage, grid.replica, grid.rank) == (world_rank % stages, world_rank // stages, world_rank)
+        assert grid.rank_of(grid.stage, grid.replica) == world_rank
+        # pipe_comm: my pipeline's stages, ranked by stage, consecutive world ranks (node-local when packed)
+        assert grid.pipe_comm.Get_size() == stages and grid.pipe_comm.Get_rank() == grid.stage
+        assert in_my_pipeline == list(range(grid.replica * stages, (grid.replica + 1) * stages))
+        # data_comm: my stage's replicas, ranked by replica
+        assert grid.data_comm.Get_size() == n // stages and grid.data_comm.Get_rank() == grid.replica
+        assert in_my_stage == list(range(grid.stage, n, stages))
+        assert grid.is_first_stage == (grid.stage == 0) and grid.is_last_stage == (grid.stage == stages - 1)
+        assert (hp.rank(), hp.size(), hp.grid()) == (world_rank, n, grid)
+        # all ranks of this test run on one host
+        assert (hp.local_rank(), hp.local_size()) == (world_rank, n)
+        assert "stage \\ replica" in grid.table() and str(n - 1) in grid.table()
 
 
 def test_init_twice_same_grid_returns_it_and_other_grid_is_an_error():
     grid = hp.init(pipeline_stages=2)
-    assert hp.init(pipeline_stages=2) is grid
-    with pytest.raises(hp.GridError, match=r"already initialized with pipeline_stages=2 on \d+ ranks; "
-                                           r".*\(call hp.shutdown\(\) first\)"):
+    with ranks_agree(what="the same grid again"):
+        assert hp.init(pipeline_stages=2) is grid
+    with ranks_agree(what="another grid"), pytest.raises(
+            hp.GridError, match=r"already initialized with pipeline_stages=2 on \d+ ranks; "
+                                r".*\(call hp.shutdown\(\) first\)"):
         hp.init(pipeline_stages=1)
     hp.shutdown()
-    assert not hp.is_initialized()
-    assert hp.init(pipeline_stages=1).pipeline_stages == 1
+    shut_down = not hp.is_initialized()
+    with ranks_agree(what="after hp.shutdown"):
+        stages = hp.init(pipeline_stages=1).pipeline_stages
+        assert shut_down and stages == 1
 
 
+@ranks_agree()
 def test_world_size_not_divisible_names_both_fixes():
     n = WORLD.Get_size()
     with pytest.raises(hp.GridError) as error:
@@ -67,16 +80,19 @@ def test_world_size_not_divisible_names_both_fixes():
 
 
 @pytest.mark.parametrize("bad", [0, -2])
+@ranks_agree()
 def test_stages_below_one(bad):
     with pytest.raises(hp.GridError, match=rf"pipeline_stages must be >= 1, got {bad}"):
         hp.init(pipeline_stages=bad)
 
 
+@ranks_agree()
 def test_stages_not_an_int():
     with pytest.raises(hp.GridError, match=r"pipeline_stages must be an int, got '2' \(str\)"):
         hp.init(pipeline_stages="2")
 
 
+@ranks_agree()
 def test_ranks_disagreeing_on_stages_fail_everywhere():
     stages = 2 if WORLD.Get_rank() == 0 else 1
     with pytest.raises(hp.GridError, match=r"ranks passed different pipeline_stages to hp.init \(rank 0: 2, rank 1: 1"):
@@ -87,8 +103,13 @@ def test_ranks_disagreeing_on_stages_fail_everywhere():
 def test_init_on_a_sub_communicator():
     world_rank = WORLD.Get_rank()
     half = WORLD.Split(color=world_rank % 2, key=world_rank)
-    grid = hp.init(pipeline_stages=2, comm=half)
-    assert grid.size == WORLD.Get_size() // 2 and grid.rank == world_rank // 2
-    assert hp.allreduce(__import__("torch").tensor([world_rank]), op=hp.Sum).item() == sum(half.allgather(world_rank))
-    hp.shutdown()
-    half.Free()
+    try:
+        with ranks_agree():
+            grid = hp.init(pipeline_stages=2, comm=half)
+            total = hp.allreduce(torch.tensor([world_rank]), op=hp.Sum).item()
+            members = half.allgather(world_rank)
+            assert grid.size == WORLD.Get_size() // 2 and grid.rank == world_rank // 2
+            assert total == sum(members)
+    finally:
+        hp.shutdown()
+        half.Free()
