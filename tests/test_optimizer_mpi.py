@@ -1,5 +1,6 @@
 """DistributedOptimizer on the 2-D grid under a real mpirun: parameters after 3 steps equal one-process
-training on the same global batches, for grids 1×1, 2×1, 1×2, 2×2 and 4×2."""
+training on the same global batches, for grids 1×1, 2×1, 1×2, 2×2 and 4×2. Training and its checks run in
+ranks_agree blocks (the steps first, the checks after), so a check failing on one rank fails every rank there."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from mpi4py import MPI
 from torch import nn
 
 import hybridpipe as hp
+from agree import ranks_agree
 from hybridpipe.errors import HybridPipeError
 
 pytestmark = pytest.mark.mpi(ranks=[2], long_ranks=[1, 4, 8], timeout=400, shared=True)
@@ -82,13 +84,15 @@ def test_pipeline_and_data_parallel_equal_one_process(grid, schedule, optimizer_
                              schedule=schedule)
     optimizer = hp.DistributedOptimizer(OPTIMIZERS[optimizer_name](model.parameters()),
                                         named_parameters=model.named_parameters())
-    assert isinstance(optimizer, type(OPTIMIZERS[optimizer_name]([nn.Parameter(torch.zeros(1))])))
     try:
-        for batch in batches:
-            optimizer.zero_grad()
-            model.train_step(*shard(batch, grid))
-            optimizer.step()
-        assert_matches(model.named_parameters(), expected)
+        with ranks_agree(what="the wrapped class"):
+            assert isinstance(optimizer, type(OPTIMIZERS[optimizer_name]([nn.Parameter(torch.zeros(1))])))
+        with ranks_agree(what="after training"):
+            for batch in batches:
+                optimizer.zero_grad()
+                model.train_step(*shard(batch, grid))
+                optimizer.step()
+            assert_matches(model.named_parameters(), expected)
     finally:
         model.close()
 
@@ -106,18 +110,19 @@ def test_horovod_style_plain_module(grid):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * (hvd.rank() > 0))
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # ... until rank 0's are broadcast
-    optimizer = OPTIMIZERS["adamw"](model.parameters())
-    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=1.0)  # schedulers still work
-    for batch in batches:
-        optimizer.zero_grad()
-        inputs, targets = shard(batch, grid)
-        nn.functional.cross_entropy(model(inputs), targets).backward()
-        optimizer.step()
-        scheduler.step()
-    assert_matches(model.named_parameters(), expected)
+    with ranks_agree():
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # ... until rank 0's are broadcast
+        optimizer = OPTIMIZERS["adamw"](model.parameters())
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=1.0)  # schedulers still work
+        for batch in batches:
+            optimizer.zero_grad()
+            inputs, targets = shard(batch, grid)
+            nn.functional.cross_entropy(model(inputs), targets).backward()
+            optimizer.step()
+            scheduler.step()
+        assert_matches(model.named_parameters(), expected)
 
 
 def test_backward_passes_per_step_two_equals_a_doubled_batch(grid):
@@ -127,12 +132,13 @@ def test_backward_passes_per_step_two_equals_a_doubled_batch(grid):
     optimizer = hp.DistributedOptimizer(OPTIMIZERS["sgd"](model.parameters()),
                                         named_parameters=model.named_parameters(), backward_passes_per_step=2)
     try:
-        for index in range(0, len(batches), 2):
-            optimizer.zero_grad()
-            for batch in batches[index:index + 2]:
-                model.train_step(*shard(batch, grid))
-            optimizer.step()
-        assert_matches(model.named_parameters(), expected)
+        with ranks_agree():
+            for index in range(0, len(batches), 2):
+                optimizer.zero_grad()
+                for batch in batches[index:index + 2]:
+                    model.train_step(*shard(batch, grid))
+                optimizer.step()
+            assert_matches(model.named_parameters(), expected)
     finally:
         model.close()
 
@@ -148,11 +154,12 @@ def test_clip_grad_norm_is_global_over_stages_and_replicas(grid):
     optimizer = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                         named_parameters=model.named_parameters())
     try:
-        model.train_step(*shard(batches[0], grid))
-        optimizer.synchronize()
-        norm = hp.clip_grad_norm_(model, 0.05)
-        assert norm == pytest.approx(expected_norm, rel=1e-5)
-        assert_matches(((n, p.grad) for n, p in model.named_parameters()), expected)
+        with ranks_agree():
+            model.train_step(*shard(batches[0], grid))
+            optimizer.synchronize()
+            norm = hp.clip_grad_norm_(model, 0.05)
+            assert norm == pytest.approx(expected_norm, rel=1e-5)
+            assert_matches(((n, p.grad) for n, p in model.named_parameters()), expected)
         with optimizer.skip_synchronize():
             optimizer.step()
     finally:
@@ -167,13 +174,14 @@ def test_fp16_compression_is_close(grid):
                                         named_parameters=model.named_parameters(),
                                         compression=hp.Compression.fp16)
     try:
-        for batch in batches:
-            optimizer.zero_grad()
-            model.train_step(*shard(batch, grid))
-            optimizer.step()
-        assert_matches(model.named_parameters(), expected, rtol=1e-2, atol=1e-3)
-        for _, p in model.named_parameters():
-            assert p.dtype == torch.float32
+        with ranks_agree():
+            for batch in batches:
+                optimizer.zero_grad()
+                model.train_step(*shard(batch, grid))
+                optimizer.step()
+            assert_matches(model.named_parameters(), expected, rtol=1e-2, atol=1e-3)
+            for _, p in model.named_parameters():
+                assert p.dtype == torch.float32
     finally:
         model.close()
 
@@ -197,46 +205,57 @@ def test_a_parameter_without_gradient_on_some_ranks_is_treated_alike(grid):
                                         named_parameters=model.named_parameters())
     x = torch.ones(3, 4)
     model(x, use_b=grid.replica == 0).sum().backward()  # head b gets a gradient on replica 0 only
-    optimizer.synchronize()
-    everyone = hp.allgather_object({n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()})
-    for name, grad in everyone[0].items():
-        for other in everyone[1:]:
-            torch.testing.assert_close(other[name], grad)
-    # head b's gradient is replica 0's divided by the number of replicas (others contributed zeros)
-    assert model.b.weight.grad is not None
+    with ranks_agree():
+        optimizer.synchronize()
+        everyone = hp.allgather_object({n: None if p.grad is None else p.grad.clone()
+                                        for n, p in model.named_parameters()})
+        for name, grad in everyone[0].items():
+            for other in everyone[1:]:
+                torch.testing.assert_close(other[name], grad)
+        # head b's gradient is replica 0's divided by the number of replicas (others contributed zeros)
+        assert model.b.weight.grad is not None
     with optimizer.skip_synchronize():
         optimizer.step()
 
 
 def test_objects(grid):
-    assert hp.broadcast_object({"step": 7 + grid.replica}, root_rank=0) == {"step": 7}
-    assert hp.allgather_object(grid.replica) == list(range(grid.data_replicas))
-    assert hp.allgather_object(grid.rank, group="world") == list(range(grid.size))
-    with pytest.raises(ValueError, match=rf"root_rank {grid.data_replicas} is outside"):
+    with ranks_agree():
+        broadcast = hp.broadcast_object({"step": 7 + grid.replica}, root_rank=0)
+        replicas = hp.allgather_object(grid.replica)
+        ranks = hp.allgather_object(grid.rank, group="world")
+        assert broadcast == {"step": 7}
+        assert replicas == list(range(grid.data_replicas))
+        assert ranks == list(range(grid.size))
+    with ranks_agree(what="a root outside"), pytest.raises(
+            ValueError, match=rf"root_rank {grid.data_replicas} is outside"):
         hp.broadcast_object(1, root_rank=grid.data_replicas)
 
 
 def test_errors(grid):
     model = nn.Linear(2, 2)
-    with pytest.raises(TypeError, match="wraps a torch.optim.Optimizer, got list"):
+    with ranks_agree(what="a list"), pytest.raises(TypeError, match="wraps a torch.optim.Optimizer, got list"):
         hp.DistributedOptimizer([1, 2])
-    with pytest.raises(ValueError, match="op must be hp.Average, hp.Sum or hp.Adasum \\(got Min\\)"):
+    with ranks_agree(what="op=Min"), pytest.raises(
+            ValueError, match="op must be hp.Average, hp.Sum or hp.Adasum \\(got Min\\)"):
         hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1), op=hp.Min)
-    with pytest.raises(ValueError, match="backward_passes_per_step must be a positive int \\(got 0\\)"):
+    with ranks_agree(what="backward_passes_per_step=0"), pytest.raises(
+            ValueError, match="backward_passes_per_step must be a positive int \\(got 0\\)"):
         hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1), backward_passes_per_step=0)
-    with pytest.raises(ValueError, match="named_parameters misses 1 parameters"):
+    with ranks_agree(what="a missing name"), pytest.raises(ValueError, match="named_parameters misses 1 parameters"):
         hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1),
                                 named_parameters=[("weight", model.weight)])
-    with pytest.raises(ValueError, match="duplicate names \\['w'\\]"):
+    with ranks_agree(what="duplicate names"), pytest.raises(ValueError, match="duplicate names \\['w'\\]"):
         hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1),
                                 named_parameters=[("w", model.weight), ("w", model.bias)])
     optimizer = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1),
                                         named_parameters=model.named_parameters())
     model(torch.ones(1, 2)).sum().backward()
-    with pytest.raises(HybridPipeError, match="call opt.synchronize\\(\\) first"):
+    with ranks_agree(what="skip_synchronize without synchronize"), pytest.raises(
+            HybridPipeError, match="call opt.synchronize\\(\\) first"):
         with optimizer.skip_synchronize():
             optimizer.step()
-    optimizer.step()  # the group is still consistent: every rank reduced once
+    with ranks_agree(what="step afterwards"):
+        optimizer.step()  # the group is still consistent: every rank reduced once
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -249,14 +268,16 @@ def test_reductions_start_during_the_last_backward_not_at_step(grid, schedule):
     names = sorted(name for name, _ in model.named_parameters())
     try:
         before = hp.engine_stats("data")["tensors"]
-        model.train_step(*shard(batches[0], grid))
-        assert optimizer.in_flight() == names  # queued by the hooks, once each, before step()
-        with pytest.raises(HybridPipeError, match=r"zero_grad\(\) while \d+ gradient allreduces are in flight"):
-            optimizer.zero_grad()
-        optimizer.step()
-        assert optimizer.in_flight() == []
-        # each gradient once, plus step()'s one has-gradient agreement (also on the engine)
-        assert hp.engine_stats("data")["tensors"] - before == len(names) + 1
+        with ranks_agree(what="after the last backward"):
+            model.train_step(*shard(batches[0], grid))
+            assert optimizer.in_flight() == names  # queued by the hooks, once each, before step()
+            with pytest.raises(HybridPipeError, match=r"zero_grad\(\) while \d+ gradient allreduces are in flight"):
+                optimizer.zero_grad()
+        with ranks_agree(what="after step"):
+            optimizer.step()
+            assert optimizer.in_flight() == []
+            # each gradient once, plus step()'s one has-gradient agreement (also on the engine)
+            assert hp.engine_stats("data")["tensors"] - before == len(names) + 1
         optimizer.zero_grad()
     finally:
         model.close()
@@ -298,11 +319,12 @@ def test_overlap_first_allreduce_starts_before_the_last_backward_ends(grid):
         model.train_step(*shard(global_batches(grid.data_replicas, steps=1)[0], grid))
         backward_end = model.last_step.last_backward_finished
         handles = [optimizer._hp_handles[name][0] for name in optimizer.in_flight()]
-        optimizer.synchronize()
-        first_start = min(h.started_at for h in handles)
-        # a ring needs every replica's gradient: compare with the replica that finished last
-        # (ranks run at different speeds on a busy machine; the clock is the same on one host)
-        slowest_end = max(hp.allgather_object(backward_end))
-        assert 0 < first_start < slowest_end, (first_start, slowest_end)
+        with ranks_agree():
+            optimizer.synchronize()
+            # a ring needs every replica's gradient: compare with the replica that finished last
+            # (ranks run at different speeds on a busy machine; the clock is the same on one host)
+            slowest_end = max(hp.allgather_object(backward_end))
+            first_start = min(h.started_at for h in handles)
+            assert 0 < first_start < slowest_end, (first_start, slowest_end)
     finally:
         model.close()
