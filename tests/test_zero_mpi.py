@@ -2,7 +2,8 @@
 steps equal one-process training on the same global batches (and so the unsharded optimizer), on the
 grids 1×2 (2 ranks), 1×4 and 2×2 (4 ranks), with SGD-momentum and AdamW; the optimizer state per
 replica is at most 1/D of the unsharded state plus one bucket; clipping is global over shards and
-stages; a checkpoint saved sharded loads into another zero level."""
+stages; a checkpoint saved sharded loads into another zero level. Training and its checks run in ranks_agree
+blocks (the steps first, the checks after), so a check failing on one rank fails every rank there."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from mpi4py import MPI
 from torch import nn
 
 import hybridpipe as hp
+from agree import ranks_agree
 from hybridpipe.config import Config
 
 pytestmark = pytest.mark.mpi(ranks=[2, 4], timeout=300, shared=True)
@@ -105,16 +107,17 @@ def test_zero_equals_one_process(grid, zero, optimizer_name):
     expected = reference(OPTIMIZERS[optimizer_name], batches)
     model, optimizer = train(grid, optimizer_name, zero, batches)
     try:
-        assert_matches(model.named_parameters(), expected)
-        assert optimizer.zero == zero and isinstance(optimizer, torch.optim.Optimizer)
-        # optimizer state: at most 1/D of the unsharded state plus one bucket (the padding)
-        local = sum(p.numel() * p.element_size() for p in model.parameters())
-        moments = 1 if optimizer_name == "sgd" else 2
-        assert 0 < state_bytes(optimizer) <= moments * (local / grid.data_replicas + CONFIG.fusion_threshold_bytes)
-        if zero == 2:  # the gradients were freed once sent: only the shard's remain
-            assert all(p.grad is None for p in model.parameters())
-        else:
-            assert all(p.grad is not None for p in model.parameters())
+        with ranks_agree():
+            assert_matches(model.named_parameters(), expected)
+            assert optimizer.zero == zero and isinstance(optimizer, torch.optim.Optimizer)
+            # optimizer state: at most 1/D of the unsharded state plus one bucket (the padding)
+            local = sum(p.numel() * p.element_size() for p in model.parameters())
+            moments = 1 if optimizer_name == "sgd" else 2
+            assert 0 < state_bytes(optimizer) <= moments * (local / grid.data_replicas + CONFIG.fusion_threshold_bytes)
+            if zero == 2:  # the gradients were freed once sent: only the shard's remain
+                assert all(p.grad is None for p in model.parameters())
+            else:
+                assert all(p.grad is not None for p in model.parameters())
     finally:
         model.close()
 
@@ -124,7 +127,8 @@ def test_zero_clip_grad_norm_is_global(grid):
     expected = reference(OPTIMIZERS["sgd"], batches, clip=0.05)
     model, _ = train(grid, "sgd", 2, batches, clip=0.05)
     try:
-        assert_matches(model.named_parameters(), expected)
+        with ranks_agree():
+            assert_matches(model.named_parameters(), expected)
     finally:
         model.close()
 
@@ -137,25 +141,26 @@ def test_zero_backward_passes_per_step(grid):
     reference_model = mlp()
     reference_optimizer = OPTIMIZERS["adamw"](reference_model.parameters())
     try:
-        for index in range(0, len(batches), 2):
-            optimizer.zero_grad()
-            reference_optimizer.zero_grad()
-            for batch in batches[index:index + 2]:
-                model.train_step(*shard(batch, grid))
-                (nn.functional.cross_entropy(reference_model(batch[0]), batch[1]) / 2).backward()
-            optimizer.step()
-            reference_optimizer.step()
-        assert_matches(model.named_parameters(),
-                       {f"layers.{n}": p.detach() for n, p in reference_model.named_parameters()})
+        with ranks_agree():
+            for index in range(0, len(batches), 2):
+                optimizer.zero_grad()
+                reference_optimizer.zero_grad()
+                for batch in batches[index:index + 2]:
+                    model.train_step(*shard(batch, grid))
+                    (nn.functional.cross_entropy(reference_model(batch[0]), batch[1]) / 2).backward()
+                optimizer.step()
+                reference_optimizer.step()
+            assert_matches(model.named_parameters(),
+                           {f"layers.{n}": p.detach() for n, p in reference_model.named_parameters()})
     finally:
         model.close()
 
 
 def test_zero_bad_level_and_unsupported_options(grid):
     model = nn.Linear(3, 3)
-    with pytest.raises(ValueError, match="zero must be 0, 1 or 2"):
+    with ranks_agree(what="zero=3"), pytest.raises(ValueError, match="zero must be 0, 1 or 2"):
         hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), zero=3)
-    with pytest.raises(hp.errors.NotSupportedError, match="compression"):
+    with ranks_agree(what="compression"), pytest.raises(hp.errors.NotSupportedError, match="compression"):
         hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression=hp.Compression.fp16, zero=1)
 
 
@@ -173,12 +178,13 @@ def test_zero_checkpoint_loads_into_another_zero_level(grid, tmp_path_factory):
         optimizer = hp.DistributedOptimizer(OPTIMIZERS["adamw"](model.parameters()),
                                             named_parameters=model.named_parameters(), zero=zero)
         try:
-            hp.load_checkpoint(directory, model, optimizer)
-            for batch in batches[2:]:
-                optimizer.zero_grad()
-                model.train_step(*shard(batch, grid))
-                optimizer.step()
-            assert_matches(model.named_parameters(), expected)
+            with ranks_agree(what=f"loaded with zero={zero}"):
+                hp.load_checkpoint(directory, model, optimizer)
+                for batch in batches[2:]:
+                    optimizer.zero_grad()
+                    model.train_step(*shard(batch, grid))
+                    optimizer.step()
+                assert_matches(model.named_parameters(), expected)
         finally:
             model.close()
 
@@ -205,13 +211,14 @@ def test_zero_checkpoint_saved_with_four_replicas_loads_with_two(tmp_path_factor
             optimizer = hp.DistributedOptimizer(OPTIMIZERS["sgd"](model.parameters()),
                                                 named_parameters=model.named_parameters(), zero=zero)
             try:
-                hp.load_checkpoint(directory, model, optimizer)
-                for inputs, targets in batches[2:]:  # the same global batch of 32, now 16 per replica
-                    rows = slice(grid.replica * 16, (grid.replica + 1) * 16)
-                    optimizer.zero_grad()
-                    model.train_step(inputs[rows], targets[rows])
-                    optimizer.step()
-                assert_matches(model.named_parameters(), expected)
+                with ranks_agree(what=f"loaded with zero={zero}"):
+                    hp.load_checkpoint(directory, model, optimizer)
+                    for inputs, targets in batches[2:]:  # the same global batch of 32, now 16 per replica
+                        rows = slice(grid.replica * 16, (grid.replica + 1) * 16)
+                        optimizer.zero_grad()
+                        model.train_step(inputs[rows], targets[rows])
+                        optimizer.step()
+                    assert_matches(model.named_parameters(), expected)
             finally:
                 model.close()
     finally:
@@ -224,7 +231,8 @@ def test_zero_2_under_other_schedules(grid, schedule):
     expected = reference(OPTIMIZERS["adamw"], batches)
     model, _ = train(grid, "adamw", 2, batches, schedule=schedule)
     try:
-        assert_matches(model.named_parameters(), expected)
+        with ranks_agree():
+            assert_matches(model.named_parameters(), expected)
     finally:
         model.close()
 
@@ -241,19 +249,22 @@ def test_zero_with_fp16_scaler_and_clipping_equals_zero_0(grid):
                                             named_parameters=model.named_parameters(), zero=zero)
         norms = []
         try:
-            for batch in batches:
+            for step, batch in enumerate(batches):
                 optimizer.zero_grad()
                 model.train_step(*shard(batch, grid))
                 model.scaler.unscale_(optimizer)
                 norms.append(hp.clip_grad_norm_(model, 0.05))
-                assert model.scaler.step(optimizer)
+                with ranks_agree(what=f"zero={zero}, step {step}"):
+                    stepped = model.scaler.step(optimizer)
+                    assert stepped
                 model.scaler.update()
             finals.append(({n: p.detach().clone() for n, p in model.named_parameters()}, norms))
         finally:
             model.close()
     (zero0, norms0), (zero1, norms1) = finals
-    assert norms1 == pytest.approx(norms0, rel=1e-5) and min(norms0) > 0.05  # the clip was active
-    assert_matches(zero1.items(), zero0)
+    with ranks_agree():
+        assert norms1 == pytest.approx(norms0, rel=1e-5) and min(norms0) > 0.05  # the clip was active
+        assert_matches(zero1.items(), zero0)
 
 
 @pytest.mark.parametrize("zero", [1, 2])
@@ -268,7 +279,8 @@ def test_zero_staged_through_host_buffers_equals_one_process(grid, zero, monkeyp
     expected = reference(OPTIMIZERS["adamw"], batches, clip=0.05)
     model, optimizer = train(grid, "adamw", zero, batches, clip=0.05)
     try:
-        assert_matches(model.named_parameters(), expected)
-        assert not optimizer._hp_zstaged and not optimizer._hp_zhandles  # every staged piece was copied in
+        with ranks_agree():
+            assert_matches(model.named_parameters(), expected)
+            assert not optimizer._hp_zstaged and not optimizer._hp_zhandles  # every staged piece was copied in
     finally:
         model.close()
