@@ -7,6 +7,9 @@
   on another), so a resumed run trains as the uninterrupted one; a checkpoint without it still loads;
 * ``hp.elastic.TorchState`` + ``@hp.elastic.run`` around a 2 × 2 PipelineModel: the state syncs within
   each stage's replicas, a roll back restores it, and training equals one process.
+
+Checks run in ranks_agree blocks after the steps they check, so a check failing on one rank fails every rank
+there instead of leaving the others in the next step's collectives.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from mpi4py import MPI
 from torch import nn
 
 import hybridpipe as hp
+from agree import ranks_agree
 
 pytestmark = pytest.mark.mpi(ranks=[4], timeout=240, shared=True)
 
@@ -86,27 +90,31 @@ def test_a_tied_weight_counts_once_in_the_clipped_norm(grid_2x2, zero):
     reference = tied_model()
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
     model = hp.PipelineModel(tied_model(), loss_fn=sequence_loss, micro_batches=2, balance=[2, 3])
-    assert model.tied_parameter_names == [("layers.0.weight", "layers.4.weight")]
-    optimizer = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
-                                        named_parameters=model.named_parameters(), zero=zero)
     try:
-        for batch in batches:
+        with ranks_agree(what="the tie"):
+            assert model.tied_parameter_names == [("layers.0.weight", "layers.4.weight")]
+        optimizer = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+                                            named_parameters=model.named_parameters(), zero=zero)
+        for step, batch in enumerate(batches):
             reference_optimizer.zero_grad()
             sequence_loss(reference(batch[0]), batch[1]).backward()
             expected_norm = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm))
             reference_optimizer.step()
             optimizer.zero_grad()
-            model.train_step(*shard(batch, grid))
-            optimizer.synchronize()
-            norm = hp.clip_grad_norm_(model, max_norm)
-            print(f"zero={zero}: norm {norm:.6f}, one process {expected_norm:.6f}")
-            assert expected_norm > max_norm  # the clipping bites
-            assert norm == pytest.approx(expected_norm, rel=1e-12)
+            with ranks_agree(what=f"step {step}"):
+                model.train_step(*shard(batch, grid))
+                optimizer.synchronize()
+                norm = hp.clip_grad_norm_(model, max_norm)
+                print(f"zero={zero}: norm {norm:.6f}, one process {expected_norm:.6f}")
+                assert expected_norm > max_norm  # the clipping bites
+                assert norm == pytest.approx(expected_norm, rel=1e-12)
             with optimizer.skip_synchronize():
                 optimizer.step()
-        assert_like(model, dict(reference.named_parameters(remove_duplicate=False)), rtol=1e-10, atol=1e-12)
-        infinity = hp.clip_grad_norm_(model, 1e9, norm_type=float("inf"))
-        assert infinity == pytest.approx(max(p.grad.abs().max().item() for p in reference.parameters()), rel=1e-12)
+        with ranks_agree(what="after the steps"):
+            infinity = hp.clip_grad_norm_(model, 1e9, norm_type=float("inf"))
+            assert_like(model, dict(reference.named_parameters(remove_duplicate=False)), rtol=1e-10, atol=1e-12)
+            assert infinity == pytest.approx(max(p.grad.abs().max().item() for p in reference.parameters()),
+                                             rel=1e-12)
     finally:
         model.close()
 
@@ -167,29 +175,40 @@ def test_fp16_resumes_with_the_loss_scalers_state(tmp_path_factory):
     directory = Path(WORLD.bcast(str(tmp_path_factory.mktemp("fp16")) if WORLD.rank == 0 else None))
     batches = list(enumerate(vector_batches(6)))
     grid, model, optimizer, poison = fp16_run(2)
-    fp16_steps(grid, model, optimizer, poison, batches, poisoned={1})
-    through = scaler_state(model)
-    assert (through["scale"], through["skipped_steps"]) == (2.0 ** 16, 1)  # halved at 1, grown after 2, 3, 4
-    expected = {name.removeprefix("layers."): p.detach().clone() for name, p in model.named_parameters()}
-    expected = {k: v for held in hp.allgather_object(expected, group="pipe") for k, v in held.items()}
-    model.close()
+    try:
+        with ranks_agree(what="run through"):
+            fp16_steps(grid, model, optimizer, poison, batches, poisoned={1})
+            expected = {name.removeprefix("layers."): p.detach().clone() for name, p in model.named_parameters()}
+            expected = {k: v for held in hp.allgather_object(expected, group="pipe") for k, v in held.items()}
+            through = scaler_state(model)
+            assert (through["scale"], through["skipped_steps"]) == (2.0 ** 16, 1)  # halved at 1, grown after 2-4
+    finally:
+        model.close()
 
     grid, model, optimizer, poison = fp16_run(2)
-    fp16_steps(grid, model, optimizer, poison, batches[:3], poisoned={1})
-    saved = scaler_state(model)
-    assert (saved["scale"], saved["growth_tracker"], saved["skipped_steps"]) == (2.0 ** 15, 1, 1)
-    hp.save_checkpoint(directory, model, optimizer, step=3)
-    model.close()
+    try:
+        with ranks_agree(what="before the save"):
+            fp16_steps(grid, model, optimizer, poison, batches[:3], poisoned={1})
+            saved = scaler_state(model)
+            assert (saved["scale"], saved["growth_tracker"], saved["skipped_steps"]) == (2.0 ** 15, 1, 1)
+        hp.save_checkpoint(directory, model, optimizer, step=3)
+    finally:
+        model.close()
     for stages, exact in ((2, True), (4, False)):
         grid, model, optimizer, poison = fp16_run(stages)
-        assert model.scaler.get_scale() == 2.0 ** 16  # a fresh scaler
-        hp.load_checkpoint(directory, model, optimizer)
-        restored = scaler_state(model)
-        assert restored == saved, f"{stages} stages: the scaler was not restored ({restored} here, {saved} saved)"
-        fp16_steps(grid, model, optimizer, poison, batches[3:])
-        assert scaler_state(model) == through
-        assert_like(model, expected, exact=exact, rtol=1e-3, atol=1e-5)  # 4 × 1: fp16 rounds other sums
-        model.close()
+        try:
+            with ranks_agree(what=f"{stages} stages: a fresh scaler"):
+                assert model.scaler.get_scale() == 2.0 ** 16
+            with ranks_agree(what=f"{stages} stages: loaded"):
+                hp.load_checkpoint(directory, model, optimizer)
+                restored = scaler_state(model)
+                assert restored == saved, f"the scaler was not restored ({restored} here, {saved} saved)"
+            with ranks_agree(what=f"{stages} stages: trained on"):
+                fp16_steps(grid, model, optimizer, poison, batches[3:])
+                assert scaler_state(model) == through
+                assert_like(model, expected, exact=exact, rtol=1e-3, atol=1e-5)  # 4 × 1: fp16 rounds other sums
+        finally:
+            model.close()
 
     # a checkpoint without scaler state (saved in fp32) loads into a fp16 model: the scaler is left alone
     init(2)
@@ -197,14 +216,18 @@ def test_fp16_resumes_with_the_loss_scalers_state(tmp_path_factory):
     hp.save_checkpoint(directory / "fp32", plain)
     plain.close()
     grid, model, optimizer, poison = fp16_run(2)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        hp.load_checkpoint(directory / "fp32", model)
-    assert model.scaler.get_scale() == 2.0 ** 16
-    if WORLD.rank == 0:
-        assert any("holds no loss-scaler state" in str(w.message) for w in caught), [str(w.message) for w in caught]
-    model.close()
-    hp.shutdown()
+    try:
+        with ranks_agree(what="a checkpoint without scaler state"):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                hp.load_checkpoint(directory / "fp32", model)
+            assert model.scaler.get_scale() == 2.0 ** 16
+            if WORLD.rank == 0:
+                assert any("holds no loss-scaler state" in str(w.message) for w in caught), [
+                    str(w.message) for w in caught]
+    finally:
+        model.close()
+        hp.shutdown()
 
 
 # ------------------------------------------------------------------ elastic around a pipeline
@@ -251,13 +274,15 @@ def test_elastic_trains_a_pipeline_like_one_process(grid_2x2):
         return state.step
 
     try:
-        assert train(state) == steps
-        assert starts == [0, 2]
-        assert_like(model, dict(reference.named_parameters()), rtol=1e-9, atol=1e-12)
-        # the sync really is per stage: one stage's state, broadcast within its replicas only
-        mine = {name: p.detach().clone() for name, p in model.named_parameters()}
-        replicas = hp.allgather_object(mine, group="data")
-        for other in replicas[1:]:
-            assert other.keys() == mine.keys() and all(torch.equal(other[k], replicas[0][k]) for k in mine)
+        with ranks_agree():
+            trained = train(state)
+            # the sync really is per stage: one stage's state, broadcast within its replicas only
+            mine = {name: p.detach().clone() for name, p in model.named_parameters()}
+            replicas = hp.allgather_object(mine, group="data")
+            assert trained == steps
+            assert starts == [0, 2]
+            assert_like(model, dict(reference.named_parameters()), rtol=1e-9, atol=1e-12)
+            for other in replicas[1:]:
+                assert other.keys() == mine.keys() and all(torch.equal(other[k], replicas[0][k]) for k in mine)
     finally:
         model.close()
