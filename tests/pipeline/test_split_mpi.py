@@ -4,7 +4,8 @@ and ResNet, and hand-written ones (a U-Net's skips, a block applied twice, a key
 dict) -- split over a real mpirun and trained 3 steps: the parameters equal one process training the same
 micro-batches (float64). Also: names are the module's own, a full state_dict loads into the stages, a branch on
 an activation is refused, split points by name. make test runs a slice of the (model, grid, schedule)
-matrix; make test-long runs all of it."""
+matrix; make test-long runs all of it. Checks go through ranks_agree (or agreed()), after the steps they check:
+a check failing on one rank fails every rank there, none is left waiting in the next step or in close()."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 import hybridpipe as hp
+from agree import ranks_agree
 from hybridpipe.pipeline import microbatch
 from hybridpipe.pipeline.split import SplitError
 from split_models import MODELS, Branching
@@ -110,31 +112,38 @@ def test_trains_like_one_process(grid, float64, name, schedule):
     agreed(problem)
     # the stages of a pipeline hold every parameter between them, tied ones on several
     held = hp.allgather_object(sorted(own), group="world")
-    assert set().union(*map(set, held)) == set(expected)
     model.close()
+    with ranks_agree():
+        assert set().union(*map(set, held)) == set(expected)
 
 
 def test_names_state_dict_and_report(grid, float64):
     if grid.pipeline_stages != 4 and not LONG:
         pytest.skip("one grid in make test (every grid in make test-long)")
     model, reference, _, _ = build("gpt2", grid, "1f1b", split="auto")
-    full = reference.state_dict()
-    own = model.state_dict()
-    assert own and set(own) <= set(full)
-    assert all(not value.is_meta for value in own.values())
-    # a full state_dict of the unsplit module (another initialization) loads into the stages
-    torch.manual_seed(123)
-    other = type(reference)(reference.config).double().state_dict()
-    model.load_state_dict(other)
-    for key, value in model.state_dict().items():
-        assert torch.equal(value, other[key]), key
-    with pytest.raises(hp.HybridPipeError, match="unexpected keys \\['nonsense'\\]"):
-        model.load_state_dict({**other, "nonsense": torch.zeros(1)})
-    assert ("transformer.wte.weight", "lm_head.weight") in model.tied_parameter_names
-    report = model.split_report()
-    assert "chunk 0 (stage 0)" in report and "transformer.wte" in report and "lm_head" in report
-    assert re.search(r"receives 1 value\(s\).*\n\s+transformer\.h\.\d: \(2, 12, 16\) float64", report), report
-    model.close()
+    try:
+        full = reference.state_dict()
+        own = model.state_dict()
+        with ranks_agree(what="state_dict"):
+            assert own and set(own) <= set(full)
+            assert all(not value.is_meta for value in own.values())
+        # a full state_dict of the unsplit module (another initialization) loads into the stages
+        torch.manual_seed(123)
+        other = type(reference)(reference.config).double().state_dict()
+        with ranks_agree(what="load_state_dict"):
+            model.load_state_dict(other)
+            for key, value in model.state_dict().items():
+                assert torch.equal(value, other[key]), key
+        with ranks_agree(what="an unexpected key"), pytest.raises(
+                hp.HybridPipeError, match="unexpected keys \\['nonsense'\\]"):
+            model.load_state_dict({**other, "nonsense": torch.zeros(1)})
+        with ranks_agree(what="ties and the split report"):
+            assert ("transformer.wte.weight", "lm_head.weight") in model.tied_parameter_names
+            report = model.split_report()
+            assert "chunk 0 (stage 0)" in report and "transformer.wte" in report and "lm_head" in report
+            assert re.search(r"receives 1 value\(s\).*\n\s+transformer\.h\.\d: \(2, 12, 16\) float64", report), report
+    finally:
+        model.close()
 
 
 def test_split_points_by_name(grid, float64):
@@ -144,9 +153,12 @@ def test_split_points_by_name(grid, float64):
         if grid.pipeline_stages == 4 else ["transformer.h.2"]
     model, *_ = build("gpt2", grid, "1f1b", split=names)
     first_block = {0: "transformer.wte", 1: names[0]}.get(grid.stage, names[grid.stage - 1])
-    assert any(n.startswith(first_block) for n, _ in model.named_parameters())
+    holds_it = any(n.startswith(first_block) for n, _ in model.named_parameters())
     model.close()
-    with pytest.raises(SplitError, match="split point 'transformer.h.9' is not a unit"):
+    with ranks_agree(what="the stage's first block"):
+        assert holds_it, f"stage {grid.stage} does not begin with {first_block}"
+    with ranks_agree(what="a split point that is not a unit"), pytest.raises(
+            SplitError, match="split point 'transformer.h.9' is not a unit"):
         build("gpt2", grid, "1f1b", split=["transformer.h.9"] * (grid.pipeline_stages - 1))
 
 
@@ -154,11 +166,13 @@ def test_branch_on_an_activation_is_refused(grid):
     if grid.pipeline_stages != 2 and not LONG:
         pytest.skip("one grid in make test (every grid in make test-long)")
     torch.manual_seed(0)
-    with pytest.raises(SplitError) as error:
-        hp.PipelineModel(Branching(), loss_fn=torch.nn.functional.mse_loss, micro_batches=2, sample=torch.randn(2, 6))
-    message = str(error.value)
-    assert "reads the value of an activation" in message and "layers.1" in message
-    assert "split_models.py" in message and "x.mean() > 0" in message and "move the branch into a module" in message
+    with ranks_agree():
+        with pytest.raises(SplitError) as error:
+            hp.PipelineModel(Branching(), loss_fn=torch.nn.functional.mse_loss, micro_batches=2,
+                             sample=torch.randn(2, 6))
+        message = str(error.value)
+        assert "reads the value of an activation" in message and "layers.1" in message
+        assert "split_models.py" in message and "x.mean() > 0" in message and "move the branch into a module" in message
 
 
 def test_stages_that_begin_with_an_in_place_layer(grid, float64):
@@ -217,7 +231,8 @@ def test_a_meta_module_is_built_stage_by_stage(grid, tmp_path_factory):
         problem = problem or (None if 3.0 < loss < 4.5 else f"first loss {loss} (vocabulary 48: ln 48 = 3.87)")
         agreed(problem)
         model.close()
-    with pytest.raises(hp.HybridPipeError, match="verify=True needs the module's weights"):
+    with ranks_agree(what="verify=True"), pytest.raises(
+            hp.HybridPipeError, match="verify=True needs the module's weights"):
         with torch.device("meta"):
             module = GPT2LMHeadModel(full.config)
         hp.PipelineModel(module, loss_fn=loss_fn, micro_batches=4, sample={"input_ids": inputs["input_ids"][:2]},
@@ -232,15 +247,19 @@ def test_stages_given_different_batches_fail_on_every_rank(grid, float64):
     if grid.pipeline_stages != 4 and not LONG:
         pytest.skip("one grid in make test (every grid in make test-long)")
     model, _, batch, _ = build("keyword_dict", grid, "1f1b", split="auto", verify=False)
-    assert model.check_batches  # on by default (HYBRIDPIPE_CHECK_BATCHES)
-    same = batch(PER_REPLICA, 7)
-    model.train_step(*same)
-    model.check_batches = False
-    model.train_step(*batch(PER_REPLICA, 8 + grid.stage))  # unchecked: runs (and would train on garbage)
-    model.check_batches = True
-    with pytest.raises(hp.HybridPipeError) as error:
-        model.train_step(*batch(PER_REPLICA, 8 + grid.stage))
-    text = str(error.value)
-    assert "was given a different batch than stage" in text and "num_replicas=grid.data_replicas" in text, text
-    assert "same shapes, different values" in text, text
-    model.close()
+    try:
+        with ranks_agree(what="the default"):
+            assert model.check_batches  # on by default (HYBRIDPIPE_CHECK_BATCHES)
+        same = batch(PER_REPLICA, 7)
+        model.train_step(*same)
+        model.check_batches = False
+        model.train_step(*batch(PER_REPLICA, 8 + grid.stage))  # unchecked: runs (and would train on garbage)
+        model.check_batches = True
+        with ranks_agree(what="different batches"):
+            with pytest.raises(hp.HybridPipeError) as error:
+                model.train_step(*batch(PER_REPLICA, 8 + grid.stage))
+            text = str(error.value)
+            assert "was given a different batch than stage" in text and "num_replicas=grid.data_replicas" in text, text
+            assert "same shapes, different values" in text, text
+    finally:
+        model.close()
