@@ -263,7 +263,7 @@ def main() -> int:
                     (tree / "hybridpipe" / name).write_bytes(data)
         killed = any(run.killed for run in runs)
         in_time = any(run.killed and not run.late for run in runs)
-        verdict = ("KILLED" if in_time else f"KILLED LATE (nothing within {KILL_LIMIT_S:g} s)") if killed else "SURVIVED"
+        verdict = "SURVIVED" if not killed else "KILLED" if in_time else f"KILLED LATE (not within {KILL_LIMIT_S:g} s)"
         print(f"{mutant.name}: {verdict} ({mutant.what})", flush=True)
         for run in runs:
             at = "" if run.killed_at_s is None else f"first failure at {run.killed_at_s:.0f} s, "
