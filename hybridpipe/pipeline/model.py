@@ -66,6 +66,7 @@ from hybridpipe.pipeline.schedule import (
     ASYNCHRONOUS,
     AsyncStream,
     async_schedule,
+    replica_schedule,
     canonical_name,
     get_schedule,
     peak_in_flight,
@@ -281,9 +282,9 @@ class PipelineModel(nn.Module):
     def _check_stage_replicas(grid: runtime.Grid, name: str, virtual_stages: int) -> None:
         """What a grid with its own replica count per stage (``hp.init(stage_replicas=...)``) runs."""
         where = f"stage_replicas {list(grid.stage_replicas)} ({grid.config})"
-        if name not in ("gpipe", "1f1b", "zb-h1"):
-            raise HybridPipeError(f"schedule {name!r} does not run on a grid with {where}: use 'gpipe', '1f1b' or "
-                                  "'zb-h1', or a uniform grid (hp.init(pipeline_stages=...))")
+        if name not in ("gpipe", "1f1b"):
+            raise HybridPipeError(f"schedule {name!r} does not run on a grid with {where}: use 'gpipe' or '1f1b', or "
+                                  "a uniform grid (hp.init(pipeline_stages=...))")
         if virtual_stages != 1:
             raise HybridPipeError(f"virtual_stages={virtual_stages} does not run on a grid with {where}: use "
                                   "virtual_stages=1, or a uniform grid")
@@ -654,9 +655,13 @@ class PipelineModel(nn.Module):
             validate(schedule, self.stages, self.micro_batches, virtual_stages=self.virtual_stages,
                      require_backward=name != "forward")
             actions = schedule[self.stage]
-            replicas = self.grid.stage_replicas[self.stage]
-            if not self.grid.uniform:  # PipeDream's round-robin: my micro-batches, in the schedule's order
-                actions = [a for a in actions if a.micro_batch % replicas == self.grid.replica]
+            if not self.grid.uniform:  # PipeDream's round-robin: my micro-batches (replica m mod R_s runs m)
+                if name == "forward":
+                    replicas = self.grid.stage_replicas[self.stage]
+                    actions = [a for a in actions if a.micro_batch % replicas == self.grid.replica]
+                else:
+                    actions = replica_schedule(name, self.grid.stage_replicas,
+                                               self.micro_batches)[(self.stage, self.grid.replica)]
             self._schedule_cache[key] = actions
         return self._schedule_cache[key]
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hybridpipe.errors import ScheduleError
@@ -41,6 +41,7 @@ __all__ = [
     "Action",
     "Schedule",
     "TimedAction",
+    "replica_schedule",
     "Timeline",
     "SCHEDULE_NAMES",
     "SYNCHRONOUS",
@@ -207,6 +208,38 @@ def one_f_one_b(stages: int, micro_batches: int) -> Schedule:
         actions.extend(_backward(s, m) for m in range(micro_batches - warmup, micro_batches))
         schedule.append(actions)
     return schedule
+
+
+def replica_schedule(name: str, stage_replicas: Sequence[int], micro_batches: int) -> dict[tuple[int, int], list[Action]]:
+    """The action lists of a grid whose stages have their own replica counts (``hp.init(stage_replicas=...)``),
+    keyed by ``(stage, replica)``: replica ``r`` of stage ``s`` runs micro-batches ``m ≡ r (mod R_s)``.
+
+    ``"gpipe"``: its micro-batches' forwards, then their backwards in reverse (GPipe's lists, each replica's
+    share). ``"1f1b"``: 1F1B over its own micro-batches with room for ``ceil((R_s + ... + R_{P-1}) / R_s)`` in
+    flight — the micro-batches the stages from ``s`` on work on at once, shared by ``R_s`` replicas (PipeDream's
+    NOAM for the input stage); with one replica per stage, exactly :func:`one_f_one_b`. (Taking a uniform 1F1B
+    list's share instead would leave a replicated stage one micro-batch in flight per replica: a bubble each.)
+    """
+    counts = list(stage_replicas)
+    if name not in ("gpipe", "1f1b"):
+        raise ScheduleError(f"schedule {name!r} does not run on stages with their own replica counts; use 'gpipe' or "
+                            "'1f1b'")
+    _check_sizes(len(counts), micro_batches)
+    lists = {}
+    for s, count in enumerate(counts):
+        room = -(-sum(counts[s:]) // count)
+        for r in range(count):
+            mine = list(range(r, micro_batches, count))
+            if name == "gpipe":
+                actions = [_forward(s, m) for m in mine] + [_backward(s, m) for m in reversed(mine)]
+            else:
+                warmup = min(room - 1, len(mine))
+                actions = [_forward(s, m) for m in mine[:warmup]]
+                for index, m in enumerate(mine[:len(mine) - warmup]):
+                    actions += [_forward(s, mine[index + warmup]), _backward(s, m)]
+                actions += [_backward(s, m) for m in mine[len(mine) - warmup:]]
+            lists[(s, r)] = actions
+    return lists
 
 
 def interleaved_one_f_one_b(stages: int, micro_batches: int, virtual_stages: int = 2) -> Schedule:
@@ -523,7 +556,7 @@ Duration = float | Callable[[Action], float]
 
 def simulate(schedule: Schedule, forward_time: Duration = 1.0, backward_time: Duration = 2.0,
              weight_time: Duration | None = None, update_time: Duration = 0.0,
-             transfer_time: Duration = 0.0) -> Timeline:
+             transfer_time: Duration = 0.0, placement: Callable[[int, int], int] | None = None) -> Timeline:
     """Run ``schedule`` on an idealised machine: fixed compute times, free communication.
 
     A rank runs its actions in order; each starts when the rank is free and its inputs exist
@@ -542,6 +575,10 @@ def simulate(schedule: Schedule, forward_time: Duration = 1.0, backward_time: Du
             activation for a forward, a gradient for a backward), given the receiving action;
             nothing for values from the same rank.
 
+        placement: Which list runs (stage, micro-batch), for a schedule whose lists are not one per
+            pipeline rank: the replicas of stages with their own replica counts, each list holding its
+            micro-batches (default: the pipeline rank of the stage, :func:`stage_to_rank`).
+
     Each time may also be a function of the action (the planner gives every stage its own).
 
     Returns:
@@ -557,7 +594,11 @@ def simulate(schedule: Schedule, forward_time: Duration = 1.0, backward_time: Du
         ActionKind.BACKWARD_INPUT: lambda action: backward(action) - weight(action),
         ActionKind.BACKWARD_WEIGHT: weight, ActionKind.UPDATE: timed(update_time)}
     ranks = len(schedule)
-    last_stage = _virtual_stages(schedule) - 1
+    if placement is None:
+        last_stage = _virtual_stages(schedule) - 1
+        placement = lambda stage, micro_batch: stage_to_rank(stage, ranks)  # noqa: E731
+    else:
+        last_stage = max((a.stage for actions in schedule for a in actions), default=0)
     finished: dict[tuple[int, ActionKind | str, int], float] = {}
     placed: list[list[TimedAction]] = [[] for _ in schedule]
     free_at = [0.0] * len(schedule)
@@ -571,7 +612,7 @@ def simulate(schedule: Schedule, forward_time: Duration = 1.0, backward_time: Du
                 needs = _dependency(action, last_stage)
                 if any(key not in finished for key in needs):
                     break
-                arrivals = [finished[key] + (transfer(action) if stage_to_rank(key[0], ranks) != rank else 0.0)
+                arrivals = [finished[key] + (transfer(action) if placement(key[0], key[2]) != rank else 0.0)
                             for key in needs]
                 start = max([free_at[rank]] + arrivals)
                 end = start + durations[action.kind](action)

@@ -130,7 +130,9 @@ def render(best: Plan, args: argparse.Namespace, layers: ModuleLayers | None = N
         f"{format_bytes(best.memory_bytes_per_rank)} on the busiest rank",
         "",
         "run it:",
-        f"  hybridpipe-run -np {args.ranks} --stages {best.stages} python YOUR_SCRIPT.py",
+        (f"  hybridpipe-run --stage-replicas {','.join(map(str, best.stage_replicas))} python YOUR_SCRIPT.py   "
+         "# every rank is fed the whole global batch" if best.stage_replicas else
+         f"  hybridpipe-run -np {args.ranks} --stages {best.stages} python YOUR_SCRIPT.py"),
         built,
     ]
     if best.zero:

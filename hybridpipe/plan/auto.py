@@ -231,11 +231,12 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
             plan = dataclasses.replace(plan, split=split_of(measured_profile.extra[CUTS_KEY], plan.balance))
     elif module and plan.split is None:  # a plan made by hand: its balance counts the module's planner layers
         plan = dataclasses.replace(plan, split=split_of(module_layers(layers, sample[0]).names, plan.balance))
-    if plan.stages * plan.replicas != grid.size:
-        raise HybridPipeError(f"hp.auto: the plan is for {plan.stages * plan.replicas} ranks, this job has {grid.size}")
-    if grid.pipeline_stages != plan.stages:
+    if plan.ranks != grid.size:
+        raise HybridPipeError(f"hp.auto: the plan is for {plan.ranks} ranks, this job has {grid.size}")
+    wanted = tuple(plan.stage_replicas) if plan.stage_replicas else (plan.replicas,) * plan.stages
+    if grid.stage_replicas != wanted:
         hp.shutdown()
-        hp.init(pipeline_stages=plan.stages)
+        hp.init(**plan.init_arguments())
     arguments = {**plan.model_arguments(), **model_options}  # the caller's precision, device, ... win
     if module:
         micro = max(1, global_batch // plan.replicas // plan.micro_batches)
@@ -268,6 +269,6 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
 def _print_module_plan(model: Any, plan: Plan, module: bool) -> None:
     """A module's plan and ``split_report()``, printed on world rank 0 (what was cut where, and what crosses)."""
     if module and runtime._require("auto").grid.rank == 0:
-        print(f"hp.auto plan for {plan.stages * plan.replicas} ranks, global batch {plan.global_batch}: "
+        print(f"hp.auto plan for {plan.ranks} ranks, global batch {plan.global_batch}: "
               f"{plan.describe()}; predicted {plan.step_seconds * 1e3:.1f} ms per step\n{model.split_report()}",
               flush=True)

@@ -35,14 +35,17 @@ Design reasons:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from hybridpipe.config import Config
 from hybridpipe.errors import HybridPipeError
 from hybridpipe.pipeline import schedule as sched
 from hybridpipe.plan.profile import LayerCost, Profile
+from hybridpipe.runtime import layout
 
 __all__ = ["Cluster", "Candidate", "Prediction", "predict", "allreduce_seconds", "reducescatter_seconds",
            "allgather_seconds", "chunk_seconds", "step_lower_bound", "memory_per_rank", "schedule_of",
@@ -216,7 +219,11 @@ def _ring_seconds(nbytes: float, ranks: list[int], cluster: Cluster, concurrent_
 class Candidate:
     """One configuration: ``stages`` × ``replicas`` ranks, a balance (one entry per chunk), the
     micro-batches per replica, the schedule (with ``virtual_stages`` chunks per rank) and the
-    re-materialization mode, and the ZeRO level of its ``hp.DistributedOptimizer`` (0: none)."""
+    re-materialization mode, and the ZeRO level of its ``hp.DistributedOptimizer`` (0: none).
+
+    ``stage_replicas`` (e.g. ``(3, 1)``): stages with their own replica counts (``hp.init(stage_replicas=)``);
+    ``replicas`` is then 1 and ``micro_batches`` splits the whole global batch, micro-batch m running on
+    replica ``m mod stage_replicas[s]`` of stage s."""
 
     stages: int
     replicas: int
@@ -226,6 +233,11 @@ class Candidate:
     checkpoint: str = "never"
     virtual_stages: int = 1
     zero: int = 0
+    stage_replicas: tuple[int, ...] = ()
+
+    @property
+    def ranks(self) -> int:
+        return sum(self.stage_replicas) if self.stage_replicas else self.stages * self.replicas
 
 
 @dataclass
@@ -418,6 +430,96 @@ def _gather_seconds(layer_bytes: list[int], group: list[int], cluster: Cluster, 
     return total
 
 
+def _durations(profile: Profile, cluster: Cluster, layers: list[range], forward: list[float], backward: list[float],
+               transfer: Any) -> dict[str, Any]:
+    """The simulator's time of each action: its compute, its own overhead, and the hand-off of each transfer it
+    receives or sends (a forward of a middle chunk both); of a split backward (the simulator times I as backward −
+    W) each half pays the overhead, the I the hand-offs, and the W one backward call per layer with weights (the
+    executor asks autograd for each such layer's weight gradient apart, from its recorded output; added to the
+    split's whole, as the simulator takes I as the whole minus W)."""
+    overhead = cluster.action_overhead_us * 1e-6
+    weight_calls = _weight_call_seconds(profile, layers, cluster)
+    hand_off = cluster.transfer_overhead_us * 1e-6
+    chunks = len(layers)
+    transfers = [(c > 0) + (c < chunks - 1) for c in range(chunks)]
+    return dict(forward_time=lambda a: forward[a.stage] + overhead + hand_off * transfers[a.stage],
+                backward_time=lambda a: (backward[a.stage] + hand_off * transfers[a.stage]
+                                         + ((2 * overhead + weight_calls[a.stage])
+                                            if a.kind is sched.ActionKind.BACKWARD_INPUT else overhead)),
+                weight_time=lambda a: backward[a.stage] / 2 + overhead + weight_calls[a.stage],
+                transfer_time=transfer)
+
+
+STAGE_REPLICA_SCHEDULES = ("gpipe", "1f1b")
+
+
+def _predict_stage_replicas(profile: Profile, cluster: Cluster, candidate: Candidate, global_batch: int,
+                            optimizer_state_factor: float, precision: str | None) -> Prediction:
+    """:func:`predict` for stages with their own replica counts: every replica's own actions (its micro-batches
+    of the schedule, in its order) simulated as one list, each message between the replicas that run its
+    micro-batch; each stage's gradients allreduced over its replicas as they become final."""
+    counts, p, m = candidate.stage_replicas, candidate.stages, candidate.micro_batches
+    if len(counts) != p or sum(counts) != cluster.ranks or candidate.replicas != 1:
+        raise HybridPipeError(f"stage_replicas {list(counts)} must give one count per stage ({p}) adding up to the "
+                              f"cluster's {cluster.ranks} ranks, with replicas=1")
+    if candidate.schedule not in STAGE_REPLICA_SCHEDULES or candidate.virtual_stages != 1 or candidate.zero:
+        raise HybridPipeError(f"stages with their own replica counts run {', '.join(STAGE_REPLICA_SCHEDULES)} with "
+                              f"one chunk per rank and zero=0 (got {candidate.schedule!r}, virtual_stages="
+                              f"{candidate.virtual_stages}, zero={candidate.zero})")
+    if len(candidate.balance) != p or sum(candidate.balance) != len(profile.layers):
+        raise HybridPipeError(f"balance {list(candidate.balance)} does not cut {len(profile.layers)} layers into "
+                              f"{p} stages")
+    places = layout(tuple(counts))
+    rank_of = {place: rank for rank, place in enumerate(places)}
+
+    def placement(stage: int, micro_batch: int) -> int:
+        return rank_of[(stage, micro_batch % counts[stage])]
+
+    scale = activation_factor(profile, precision)
+    micro = global_batch / m
+    layers = _chunk_layers(candidate.balance)
+    forward, backward = chunk_seconds(profile, cluster, candidate, micro)
+    output = [profile.layers[chunk[-1]].output_bytes * micro * scale for chunk in layers]
+
+    def transfer(action: sched.Action) -> float:
+        if action.kind is sched.ActionKind.FORWARD:
+            source = action.stage - 1
+            return cluster.link_seconds(output[source], placement(source, action.micro_batch),
+                                        placement(action.stage, action.micro_batch))
+        return cluster.link_seconds(output[action.stage], placement(action.stage + 1, action.micro_batch),
+                                    placement(action.stage, action.micro_batch))
+
+    every = sched.replica_schedule(candidate.schedule, counts, m)
+    lists = [every[place] for place in places]
+    timeline = sched.simulate(lists, **_durations(profile, cluster, layers, forward, backward, transfer),
+                              placement=placement)
+    if any(action is not None for action in timeline.blocked):
+        raise HybridPipeError(f"stage_replicas {list(counts)} with {candidate.schedule!r} and {m} micro-batches "
+                              "deadlocks in the simulation; this is a bug in hybridpipe's planner, please report it")
+    parameter_bytes = [sum(profile.layers[i].parameter_bytes for i in layers[s]) for s in range(p)]
+    groups = [[rank_of[(s, r)] for r in range(counts[s])] for s in range(p)]
+    slow = cluster.compute_slowdown
+    finished, busiest = [], 0.0
+    for rank, (stage, _) in enumerate(places):
+        items = timeline.stages[rank]
+        end, busy = (_reduction_end(items, [stage], layers, profile, micro, groups[stage], cluster, 1)
+                     if counts[stage] > 1 else (0.0, 0.0))
+        flags = allreduce_seconds(64, groups[stage], cluster) if counts[stage] > 1 else 0.0
+        update = profile.update_ms_per_mb * parameter_bytes[stage] / 2**20 / 1e3 * slow
+        finished.append(max(items[-1].end if items else 0.0, end) + flags + update)
+        busiest = max(busiest, busy)
+    pipeline = timeline.makespan
+    step = max([pipeline] + finished)
+    # memory: a replica holds at most what the straight pipeline's stage holds (its micro-batches are fewer)
+    straight = dataclasses.replace(candidate, stage_replicas=(), replicas=1)
+    per_stage = memory_per_rank(profile, straight, global_batch, optimizer_state_factor, precision)
+    memory = [per_stage[stage] for stage, _ in places]
+    notes = [f"stages with their own replica counts: {'-'.join(map(str, counts))}"]
+    return Prediction(step_seconds=step, memory_bytes_per_rank=memory,
+                      samples_per_second=global_batch / step if step > 0 else math.inf, pipeline_seconds=pipeline,
+                      allreduce_seconds=busiest, exposed_allreduce_seconds=step - pipeline, notes=notes)
+
+
 def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_batch: int,
             optimizer_state_factor: float = 2.0, precision: str | None = None) -> Prediction:
     """Step time and memory per rank of ``candidate`` for a global batch of ``global_batch`` samples.
@@ -429,6 +531,8 @@ def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_bat
         HybridPipeError: the candidate does not fit the profile or the cluster, or its ZeRO level or the
             precision is not one it can use (named).
     """
+    if candidate.stage_replicas:
+        return _predict_stage_replicas(profile, cluster, candidate, global_batch, optimizer_state_factor, precision)
     p, d, m = candidate.stages, candidate.replicas, candidate.micro_batches
     check_zero(candidate.zero, d, candidate.schedule)
     scale = activation_factor(profile, precision)
@@ -445,7 +549,6 @@ def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_bat
     micro = per_replica / m
     layers = _chunk_layers(candidate.balance)
     forward, backward = chunk_seconds(profile, cluster, candidate, micro)
-    overhead = cluster.action_overhead_us * 1e-6
     output = [profile.layers[chunk[-1]].output_bytes * micro * scale for chunk in layers]
 
     def rank_of(stage: int) -> int:  # replica 0's pipeline; others are the same shifted by host
@@ -462,15 +565,7 @@ def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_bat
     # overhead, the I the hand-offs, and the W one backward call per layer with weights (the executor asks
     # autograd for each such layer's weight gradient apart, from its recorded output; added to the split's
     # whole, as the simulator takes I as the whole minus W)
-    weight_calls = _weight_call_seconds(profile, layers, cluster)
-    hand_off = cluster.transfer_overhead_us * 1e-6
-    transfers = [(c > 0) + (c < chunks - 1) for c in range(chunks)]
-    duration = dict(forward_time=lambda a: forward[a.stage] + overhead + hand_off * transfers[a.stage],
-                    backward_time=lambda a: (backward[a.stage] + hand_off * transfers[a.stage]
-                                             + ((2 * overhead + weight_calls[a.stage])
-                                                if a.kind is sched.ActionKind.BACKWARD_INPUT else overhead)),
-                    weight_time=lambda a: backward[a.stage] / 2 + overhead + weight_calls[a.stage],
-                    transfer_time=transfer)
+    duration = _durations(profile, cluster, layers, forward, backward, transfer)
     asynchronous = candidate.schedule in sched.ASYNCHRONOUS
     plan = schedule_of(candidate.schedule, p, m, v)
     parameter_bytes = [sum(profile.layers[i].parameter_bytes for c in range(r, chunks, p) for i in layers[c])

@@ -36,8 +36,10 @@ from dataclasses import dataclass, field
 from hybridpipe.errors import HybridPipeError, PartitionError, ScheduleError
 from hybridpipe.pipeline import schedule as sched
 from hybridpipe.pipeline.partition import even_out_identical, partition_by_weights
-from hybridpipe.plan.cost import (ZERO_LEVELS, Candidate, Cluster, Prediction, activation_factor,
-                                  held_micro_batches, memory_per_rank, predict, profile_precision, step_lower_bound)
+from hybridpipe.plan.cost import (STAGE_REPLICA_SCHEDULES, ZERO_LEVELS, Candidate, Cluster, Prediction,
+                                  activation_factor, chunk_seconds, held_micro_batches, memory_per_rank, predict,
+                                  profile_precision, step_lower_bound)
+from hybridpipe.runtime import describe_stage_replicas
 from hybridpipe.plan.profile import Profile
 
 __all__ = ["Plan", "plan", "format_bytes", "SYNCHRONOUS_CHOICES", "CHECKPOINT_CHOICES", "ZERO_MARGIN"]
@@ -46,6 +48,9 @@ SYNCHRONOUS_CHOICES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 CHECKPOINT_CHOICES = ("never", "except_last", "always")
 INTERLEAVED_CHUNKS = 2
 ZERO_MARGIN = 0.02  # a sharded plan must be this much faster than the best unsharded one to win
+# stages with their own replica counts: searched while the ways to split the ranks are at most this many per
+# stage count (every composition of the ranks into P counts; 8 ranks: 127 in all)
+MAX_COMPOSITIONS = 256
 
 
 @dataclass
@@ -84,6 +89,30 @@ class Plan:
     split: list[str] | None = None
     alternatives: list[tuple[str, str]] = field(default_factory=list)
     prediction: Prediction | None = field(default=None, repr=False, compare=False)
+    #: stages with their own replica counts (``hp.init(stage_replicas=...)``), e.g. ``[3, 1]``; None: a uniform
+    #: ``stages × replicas`` grid. With counts, ``replicas`` is 1 and every rank is fed the whole global batch.
+    stage_replicas: list[int] | None = None
+
+    @property
+    def config(self) -> str:
+        """PipeDream's name of the configuration: ``"3-1"``, ``"straight"``, ``"4"`` (data parallelism), or
+        ``"2x2"`` for a uniform grid of several stages with replicas."""
+        if self.stage_replicas:
+            return describe_stage_replicas(self.stage_replicas)
+        if self.stages > 1 and self.replicas > 1:
+            return f"{self.stages}x{self.replicas}"
+        return describe_stage_replicas([self.replicas] * self.stages)
+
+    @property
+    def ranks(self) -> int:
+        """The ranks the plan is for."""
+        return sum(self.stage_replicas) if self.stage_replicas else self.stages * self.replicas
+
+    def init_arguments(self) -> dict:
+        """Keyword arguments of ``hp.init`` that make this plan's grid."""
+        if self.stage_replicas:
+            return {"stage_replicas": list(self.stage_replicas)}
+        return {"pipeline_stages": self.stages}
 
     def model_arguments(self) -> dict:
         """Keyword arguments of ``hp.PipelineModel`` that build this plan (a module's: ``split=`` for
@@ -103,7 +132,9 @@ class Plan:
         return {"zero": self.zero} if self.zero else {}
 
     def describe(self) -> str:
-        return (f"{self.stages} stages × {self.replicas} replicas, {self.schedule}"
+        grid = (f"{self.stages} stages with replicas {self.config}" if self.stage_replicas else
+                f"{self.stages} stages × {self.replicas} replicas")
+        return (f"{grid}, {self.schedule}"
                 + (f" (v={self.virtual_stages})" if self.virtual_stages > 1 else "")
                 + (f", zero={self.zero}" if self.zero else "")
                 + (f", {self.precision}" if self.precision != "fp32" else "")
@@ -149,7 +180,9 @@ def format_bytes(count: float) -> str:
 
 
 def _label(candidate: Candidate) -> str:
-    return (f"{candidate.stages}×{candidate.replicas} {candidate.schedule}"
+    grid = describe_stage_replicas(candidate.stage_replicas) if candidate.stage_replicas else \
+        f"{candidate.stages}×{candidate.replicas}"
+    return (f"{grid} {candidate.schedule}"
             + (f" v={candidate.virtual_stages}" if candidate.virtual_stages > 1 else "")
             + (f" zero={candidate.zero}" if candidate.zero else "")
             + f" M={candidate.micro_batches} checkpoint={candidate.checkpoint}")
@@ -189,10 +222,73 @@ def _candidates(profile: Profile, cluster: Cluster, global_batch: int, schedules
     return found
 
 
+def compositions(total: int, parts: int) -> list[tuple[int, ...]]:
+    """Every way to write ``total`` as ``parts`` positive counts, in order."""
+    if parts == 1:
+        return [(total,)]
+    return [(first, *rest) for first in range(1, total - parts + 2) for rest in compositions(total - first, parts - 1)]
+
+
+def replicated_balance(times: list[float], counts: tuple[int, ...]) -> tuple[int, ...]:
+    """The contiguous cut of layers (``times``: each layer's forward + backward) into ``len(counts)`` stages that
+    minimizes the slowest stage's time per replica, ``sum(times of its layers) / counts[s]`` (PipeDream's
+    partitioner with replication, for given counts); ties go to the earlier cut."""
+    stages, n = len(counts), len(times)
+    prefix = [0.0]
+    for t in times:
+        prefix.append(prefix[-1] + t)
+    # best[s][j]: the smallest bottleneck of layers 0..j-1 cut into stages 0..s-1; cut[s][j] where stage s-1 begins
+    best = [[math.inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for j in range(s, n - (stages - s) + 1):
+            for i in range(s - 1, j):
+                value = max(best[s - 1][i], (prefix[j] - prefix[i]) / counts[s - 1])
+                if value < best[s][j] * (1 - 1e-12):
+                    best[s][j], cut[s][j] = value, i
+    bounds, j = [], n
+    for s in range(stages, 0, -1):
+        i = cut[s][j]
+        bounds.append(j - i)
+        j = i
+    return tuple(reversed(bounds))
+
+
+def _replica_candidates(profile: Profile, cluster: Cluster, global_batch: int, schedules: tuple[str, ...],
+                        max_micro_batches: int | None, time_per_layer: list[float]) -> list[Candidate]:
+    """Stages with their own replica counts: every composition of the ranks into 2.. stages that is not uniform
+    (those are the grids above), each cut by :func:`replicated_balance`, with every micro-batch count of the
+    global batch from the largest count up."""
+    found = []
+    for p in range(2, min(len(profile.layers), cluster.ranks) + 1):
+        ways = [c for c in compositions(cluster.ranks, p) if len(set(c)) > 1] if math.comb(
+            cluster.ranks - 1, p - 1) <= MAX_COMPOSITIONS else []
+        for counts in ways:
+            balance = replicated_balance(time_per_layer, counts)
+            for schedule in schedules:
+                if schedule not in STAGE_REPLICA_SCHEDULES:
+                    continue
+                for m in _divisors(global_batch):
+                    if m < max(counts):
+                        continue
+                    if m > (max_micro_batches or max(64, 4 * p)):
+                        break
+                    found.append(Candidate(p, 1, balance, m, schedule, "never", 1, 0, counts))
+    return found
+
+
+def _replica_lower_bound(profile: Profile, cluster: Cluster, candidate: Candidate, global_batch: int) -> float:
+    """The busiest replica's compute: ``ceil(M / R_s)`` micro-batches of its stage."""
+    forward, backward = chunk_seconds(profile, cluster, candidate, global_batch / candidate.micro_batches)
+    return max(math.ceil(candidate.micro_batches / count) * (f + b)
+               for count, f, b in zip(candidate.stage_replicas, forward, backward))
+
+
 def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tuple[str, ...] = SYNCHRONOUS_CHOICES,
          checkpoints: tuple[str, ...] = CHECKPOINT_CHOICES, max_micro_batches: int | None = None,
          optimizer_state_factor: float = 2.0, explain: int = 5, zero_levels: tuple[int, ...] = ZERO_LEVELS,
-         precision: str | None = None) -> Plan:
+         precision: str | None = None, stage_replicas: bool = True) -> Plan:
     """The fastest configuration of ``cluster.ranks`` ranks for ``profile`` that fits the memory.
 
     The search is exact for the cost model but does not cost every candidate: candidates are taken in
@@ -219,6 +315,9 @@ def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tu
             replica is never sharded.
         precision: The pipeline's precision (``hp.PipelineModel(precision=)``; None: the profile's): "bf16" /
             "fp16" halve the activation bytes stored and sent (against an fp32 profile).
+        stage_replicas: Also consider stages with their own replica counts ("3-1": ``hp.init(stage_replicas=)``,
+            gpipe / 1f1b / zb-h1); such a plan wins only when faster than the best uniform one by more than
+            ``ZERO_MARGIN`` (its grid is the less usual one).
 
     Raises:
         HybridPipeError: no configuration is possible (the message says why, and what would fit).
@@ -269,6 +368,13 @@ def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tu
             rejected.append((candidate, least / candidate.stages))
             continue
         candidates.append((step_lower_bound(profile, cluster, candidate, global_batch), candidate))
+    if stage_replicas:
+        for candidate in _replica_candidates(profile, cluster, global_batch, schedules, max_micro_batches,
+                                             time_per_layer):
+            if limit and static / candidate.stages > limit:
+                rejected.append((candidate, static / candidate.stages))
+                continue
+            candidates.append((_replica_lower_bound(profile, cluster, candidate, global_batch), candidate))
     candidates.sort(key=lambda item: (item[0], item[1].stages, item[1].micro_batches))
     costed: list[tuple[float, Candidate, Prediction]] = []
     keep = explain + 1
@@ -288,7 +394,7 @@ def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tu
                     memory = max(memory_per_rank(profile, trial, global_batch, optimizer_state_factor, precision))
                 except ScheduleError:  # a size the schedule does not take
                     break
-                if limit and memory > limit:  # the memory is cheap to know: simulate only what fits
+                if limit and memory > limit and not trial.stage_replicas:  # cheap to know: simulate what fits
                     balanced = _memory_balance(profile, cluster, trial, per_replica, time_per_layer,
                                                optimizer_state_factor, scale)
                     if balanced is not None:
@@ -329,6 +435,10 @@ def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tu
         unsharded = next((i for i, item in enumerate(costed) if not item[1].zero), None)
         if unsharded is not None and costed[unsharded][0] <= costed[0][0] * (1 + margin):
             costed.insert(0, costed.pop(unsharded))
+    if costed[0][1].stage_replicas:  # likewise a grid with its own replica count per stage
+        uniform = next((i for i, item in enumerate(costed) if not item[1].stage_replicas), None)
+        if uniform is not None and costed[uniform][0] <= costed[0][0] * (1 + ZERO_MARGIN):
+            costed.insert(0, costed.pop(uniform))
     step, best, prediction = costed[0]
     def why(pr: Prediction) -> str:
         return (f"{pr.step_seconds / step:.3f}× the step time"
@@ -344,4 +454,4 @@ def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tu
                 step_seconds=step, samples_per_second=prediction.samples_per_second,
                 memory_bytes_per_rank=prediction.memory_bytes, global_batch=global_batch,
                 virtual_stages=best.virtual_stages, zero=best.zero, precision=precision, alternatives=alternatives,
-                prediction=prediction)
+                prediction=prediction, stage_replicas=list(best.stage_replicas) or None)

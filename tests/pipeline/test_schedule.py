@@ -276,3 +276,37 @@ def test_pipedream_steady_state_has_no_bubble() -> None:
     work = 3 * micro_batches * steps
     # fill and drain once for the whole run, not once per step as with a flush
     assert timeline.makespan == pytest.approx(work + 3 * (stages - 1))
+
+
+def test_replica_schedules_run_every_micro_batch_once_and_never_deadlock():
+    """Stages with their own replica counts: every composition of up to 6 ranks, M = 1..10: each micro-batch's
+    forward and backward once on replica m mod R_s, the simulation never blocks, 1F1B keeps at most
+    ceil((R_s + ... + R_{P-1}) / R_s) micro-batches in flight per replica, and one replica per stage is 1F1B."""
+    import itertools
+
+    from hybridpipe.runtime import layout
+
+    for ranks in range(2, 7):
+        for stages in range(2, ranks + 1):
+            for inner in itertools.combinations(range(1, ranks), stages - 1):
+                bounds = (0, *inner, ranks)
+                counts = tuple(bounds[i + 1] - bounds[i] for i in range(stages))
+                places = layout(counts)
+                where = {place: rank for rank, place in enumerate(places)}
+                for m in range(1, 11):
+                    for name in ("gpipe", "1f1b"):
+                        lists = sched.replica_schedule(name, counts, m)
+                        for (s, r), actions in lists.items():
+                            mine = [b for b in range(m) if b % counts[s] == r]
+                            assert sorted(a.micro_batch for a in actions if a.kind is sched.ActionKind.FORWARD) == mine
+                            assert sorted(a.micro_batch for a in actions if a.kind is sched.ActionKind.BACKWARD) == mine
+                            if name == "1f1b":
+                                room = -(-sum(counts[s:]) // counts[s])
+                                assert sched.peak_in_flight(actions) <= room
+                        timeline = sched.simulate([lists[p] for p in places],
+                                                  placement=lambda s, b: where[(s, b % counts[s])])
+                        assert all(blocked is None for blocked in timeline.blocked), (counts, m, name)
+    straight = sched.replica_schedule("1f1b", [1, 1, 1, 1], 8)
+    assert [straight[(s, 0)] for s in range(4)] == sched.one_f_one_b(4, 8)
+    with pytest.raises(sched.ScheduleError, match="'zb-h1' does not run on stages with their own replica counts"):
+        sched.replica_schedule("zb-h1", [3, 1], 4)

@@ -1,6 +1,6 @@
 """Grids whose stages have their own replica counts (``hp.init(stage_replicas=[3, 1])``, PipeDream's "3-1") under a
 real mpirun on 4 ranks: every rank passes the whole mini-batch, micro-batch m runs on replica m mod R_s of stage s,
-and training equals one process on that mini-batch (float64, gpipe, 1f1b and zb-h1; M a multiple of the replica
+and training equals one process on that mini-batch (float64, gpipe and 1f1b; M a multiple of the replica
 counts or not); the grid's numbering, a checkpoint saved on 3-1 and loaded on 2 × 2 and 1 × 4, and the refusals."""
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ CASES = [  # stage_replicas, schedule, micro-batches, balance
     ([1, 3], "gpipe", 5, [2, 5]),
     ([2, 1, 1], "1f1b", 5, [3, 2, 2]),
     ([2, 1, 1], "gpipe", 4, [2, 2, 3]),
-    ([1, 1, 2], "zb-h1", 3, [2, 2, 3]),
+    ([1, 1, 2], "1f1b", 3, [2, 2, 3]),
 ]
 
 
@@ -208,3 +208,25 @@ def test_checkpoint_saved_on_3_1_resumes_on_uniform_grids(tmp_path_factory):
             model.close()
         finally:
             hp.shutdown()
+
+
+def test_auto_builds_the_grid_of_a_plan_with_its_own_replica_counts():
+    from hybridpipe.plan.search import Plan
+
+    hp.init(pipeline_stages=1)
+    try:
+        given = Plan(stages=2, replicas=1, balance=[4, 3], micro_batches=4, schedule="1f1b", checkpoint="never",
+                     step_seconds=1.0, samples_per_second=10.0, memory_bytes_per_rank=0.0, global_batch=10,
+                     stage_replicas=[3, 1])
+        steps = batches(3)
+        model, optimizer = hp.auto(list(mlp()), nn.functional.cross_entropy, steps[0], 10,
+                                   lambda parameters: torch.optim.SGD(parameters, lr=0.1, momentum=0.9), plan=given)
+        grid = hp.grid()
+        train(model, optimizer, steps)
+        reference, _ = one_process(steps)
+        with ranks_agree():
+            assert grid.stage_replicas == (3, 1) and model.plan.config == "3-1"
+            check_against(model, reference)
+        model.close()
+    finally:
+        hp.shutdown()

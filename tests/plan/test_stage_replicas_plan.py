@@ -1,0 +1,95 @@
+"""The planner's stages with their own replica counts (issue 29): the partitioner with replication against brute
+force, the cost model's bounds for such grids, and the search choosing one where it pays (VGG-16's head on few
+ranks across hosts) and never where it is off."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from hybridpipe.errors import HybridPipeError
+from hybridpipe.plan.cost import Candidate, Cluster, predict
+from hybridpipe.plan.models import model_profile
+from hybridpipe.plan.profile import LayerCost, Profile
+from hybridpipe.plan.search import compositions, plan, replicated_balance
+
+FREE = dict(latency_us=0.0, intra_host_gbps=1e9, inter_host_gbps=1e9)
+
+
+def cuts(layers: int, stages: int):
+    for inner in itertools.combinations(range(1, layers), stages - 1):
+        bounds = (0, *inner, layers)
+        yield tuple(bounds[i + 1] - bounds[i] for i in range(stages))
+
+
+def bottleneck(times: list[float], balance: tuple[int, ...], counts: tuple[int, ...]) -> float:
+    start, worst = 0, 0.0
+    for size, count in zip(balance, counts):
+        worst = max(worst, sum(times[start:start + size]) / count)
+        start += size
+    return worst
+
+
+def test_compositions_are_every_split_of_the_ranks():
+    assert compositions(4, 2) == [(1, 3), (2, 2), (3, 1)]
+    assert len(compositions(8, 3)) == math.comb(7, 2)
+    assert all(sum(c) == 8 and min(c) >= 1 for c in compositions(8, 3))
+
+
+def test_replicated_balance_is_optimal_against_brute_force():
+    generator = random.Random(3)
+    for _ in range(200):
+        layers = generator.randint(2, 9)
+        stages = generator.randint(2, min(layers, 4))
+        counts = tuple(generator.randint(1, 4) for _ in range(stages))
+        times = [generator.choice([0.0, generator.uniform(0, 10)]) for _ in range(layers)]
+        balance = replicated_balance(times, counts)
+        assert len(balance) == stages and sum(balance) == layers and min(balance) >= 1
+        best = min(bottleneck(times, b, counts) for b in cuts(layers, stages))
+        assert bottleneck(times, balance, counts) == pytest.approx(best)
+    assert replicated_balance([1.0] * 8, (3, 1)) == (6, 2)  # 6 / 3 = 2 / 1: the replicated stage takes three times
+
+
+@pytest.mark.parametrize("counts,balance,micro_batches,schedule", [
+    ((2, 1), (2, 1), 8, "gpipe"), ((2, 1), (2, 1), 8, "1f1b"), ((1, 3), (1, 3), 9, "1f1b"),
+    ((2, 1, 1), (2, 1, 1), 6, "gpipe"), ((3, 1), (3, 1), 7, "1f1b")])
+def test_a_replicated_grid_costs_its_busiest_replica_plus_at_most_the_fill(counts, balance, micro_batches, schedule):
+    """Free communication, equal layers: the step is at least the busiest replica's ceil(M / R_s) micro-batches of
+    its stage, and at most that plus one micro-batch through every other stage (the fill and drain)."""
+    profile = Profile([LayerCost("Linear", 1.0, 2.0, 4.0, 100.0, 1000) for _ in range(sum(balance))],
+                      sample_batch=1, input_bytes=4.0)
+    cluster = Cluster(ranks=sum(counts), **FREE)
+    candidate = Candidate(len(counts), 1, balance, micro_batches, schedule, stage_replicas=counts)
+    step = predict(profile, cluster, candidate, global_batch=micro_batches).step_seconds
+    per_stage = [3e-3 * size for size in balance]  # forward + backward of one sample per layer
+    busiest = max(math.ceil(micro_batches / count) * t for count, t in zip(counts, per_stage))
+    assert busiest - 1e-12 <= step <= busiest + sum(per_stage) - min(per_stage) + 1e-12
+    with pytest.raises(HybridPipeError, match="adding up to the cluster's 5 ranks"):
+        predict(profile, Cluster(ranks=5, **FREE), candidate, global_batch=micro_batches)
+
+
+def test_vgg16_across_hosts_replicates_the_convolutions_and_not_the_head():
+    """VGG-16 on 16 V100s, 4 per host at 10 Gbit/s: the fully connected head's 470 MB of gradients would cross
+    the hosts' links in data parallelism; the planner keeps the head's stage on few ranks (PipeDream's 15-1)."""
+    profile = model_profile("vgg16", "v100")
+    cluster = Cluster(ranks=16, ranks_per_host=4, intra_host_gbps=100, inter_host_gbps=10)
+    best = plan(profile, cluster, 1024)
+    assert best.stage_replicas is not None and best.stage_replicas[-1] <= 2, best.describe()
+    assert best.stages == len(best.stage_replicas) and sum(best.stage_replicas) == 16 and best.replicas == 1
+    last = sum(best.balance[:-1])  # every fully connected layer is on the last stage, with the last convolutions
+    names = [layer.name for layer in profile.layers]
+    assert [n for n in names if n.startswith("fc")] == [n for n in names[last:] if n.startswith("fc")], names[last:]
+    assert best.stage_replicas[0] >= 8, best.describe()  # the first convolutions are where the replicas are
+    assert best.init_arguments() == {"stage_replicas": best.stage_replicas}
+    assert best.config == "-".join(map(str, best.stage_replicas)) and best.ranks == 16
+    uniform = plan(profile, cluster, 1024, stage_replicas=False)
+    assert uniform.stage_replicas is None and uniform.step_seconds > best.step_seconds * 1.02
+
+
+def test_one_host_with_a_fast_link_keeps_data_parallelism():
+    profile = model_profile("vgg16", "v100")
+    best = plan(profile, Cluster(ranks=4, ranks_per_host=4, intra_host_gbps=1000), 256)
+    assert best.stage_replicas is None and best.config == "4", best.describe()
