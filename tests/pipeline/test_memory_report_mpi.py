@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import hybridpipe as hp
+from agree import ranks_agree
 
 pytestmark = pytest.mark.mpi(ranks=[2], timeout=120, shared=True)
 
@@ -41,33 +42,35 @@ def test_memory_report_counts_what_the_rank_holds(grid):
         report = model.memory_report(optimizer)
         model.measure_activations = False
         off_again = model.memory_report(optimizer)
-        assert unmeasured[grid.rank].activations_peak is None and "-" in str(unmeasured)
-        assert [r.rank for r in report.ranks] == list(range(grid.size))  # the same table on every rank
-        mine = report[grid.rank]
-        layers_here = 4 // stages
-        assert mine.parameters == layers_here * LAYER_BYTES
-        if zero:  # AdamW's two moments for this replica's half (padding: at most one element per bucket)
-            assert 2 * LAYER_BYTES * layers_here // 2 <= mine.optimizer_state <= 2 * LAYER_BYTES * layers_here // 2 + 64
-            assert mine.gradients >= mine.parameters  # zero=1: the local gradients and the shard's
-        else:
-            assert mine.optimizer_state == 2 * mine.parameters
-            assert mine.gradients == mine.parameters
-        # a Linear keeps its input for backward: ROWS / M × WIDTH floats per layer and micro-batch held;
-        # counted per storage, so the first layer's inputs (views of the one input batch) count as that batch
-        layer_input = (ROWS // MICRO) * WIDTH * 4
-        batch = ROWS * WIDTH * 4
-        held = mine.stored_micro_batches
-        assert held == (stages - grid.stage if stages > 1 else 1)  # 1F1B: stage s holds P - s
-        if grid.is_first_stage:
-            expected = batch + held * (layers_here - 1) * layer_input
-            if grid.is_last_stage:  # MSELoss keeps its input and target (a view of the target batch)
-                expected += held * layer_input + batch
-            assert mine.activations_peak == expected
-        else:
-            assert mine.activations_peak >= held * layers_here * layer_input
-        assert mine.peak_rss > 50 * 2 ** 20 and mine.cuda_peak is None
-        assert "memory per rank (MiB)" in str(report) and "activations peak" in str(report)
-        assert off_again[grid.rank].activations_peak == mine.activations_peak  # off: the peak stays
-        assert not model.measure_activations
+        with ranks_agree():  # a check failing on one rank fails both, with its message
+            assert unmeasured[grid.rank].activations_peak is None and "-" in str(unmeasured)
+            assert [r.rank for r in report.ranks] == list(range(grid.size))  # the same table on every rank
+            mine = report[grid.rank]
+            layers_here = 4 // stages
+            assert mine.parameters == layers_here * LAYER_BYTES
+            if zero:  # AdamW's two moments for this replica's half (padding: at most one element per bucket)
+                half = 2 * LAYER_BYTES * layers_here // 2
+                assert half <= mine.optimizer_state <= half + 64
+                assert mine.gradients >= mine.parameters  # zero=1: the local gradients and the shard's
+            else:
+                assert mine.optimizer_state == 2 * mine.parameters
+                assert mine.gradients == mine.parameters
+            # a Linear keeps its input for backward: ROWS / M × WIDTH floats per layer and micro-batch held;
+            # counted per storage, so the first layer's inputs (views of the one input batch) count as that batch
+            layer_input = (ROWS // MICRO) * WIDTH * 4
+            batch = ROWS * WIDTH * 4
+            held = mine.stored_micro_batches
+            assert held == (stages - grid.stage if stages > 1 else 1)  # 1F1B: stage s holds P - s
+            if grid.is_first_stage:
+                expected = batch + held * (layers_here - 1) * layer_input
+                if grid.is_last_stage:  # MSELoss keeps its input and target (a view of the target batch)
+                    expected += held * layer_input + batch
+                assert mine.activations_peak == expected
+            else:
+                assert mine.activations_peak >= held * layers_here * layer_input
+            assert mine.peak_rss > 50 * 2 ** 20 and mine.cuda_peak is None
+            assert "memory per rank (MiB)" in str(report) and "activations peak" in str(report)
+            assert off_again[grid.rank].activations_peak == mine.activations_peak  # off: the peak stays
+            assert not model.measure_activations
     finally:
         model.close()
