@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import hybridpipe as hp
+from agree import ranks_agree
 from hybridpipe.errors import HybridPipeError
 
 from skip_models import CLASSES, WIDTH, StashProjection, skip_model
@@ -55,31 +56,35 @@ def test_a_skip_across_stages_trains_like_one_process(grid, schedule, checkpoint
                              schedule=schedule, checkpoint=checkpoint, balance=balance,
                              **({"virtual_stages": virtual} if virtual > 1 else {}))
     try:
-        route = model.skip_routes["residual"]
-        assert (route.stash_chunk, route.pop_chunk) == (0, stages * virtual - 1)
-        assert model.skip_routes["inner"].stash_chunk == model.skip_routes["inner"].pop_chunk
+        with ranks_agree(what="the routes"):
+            route = model.skip_routes["residual"]
+            assert (route.stash_chunk, route.pop_chunk) == (0, stages * virtual - 1)
+            assert model.skip_routes["inner"].stash_chunk == model.skip_routes["inner"].pop_chunk
         optimizer = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                             named_parameters=model.named_parameters())
         reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-        for (x, y), (all_x, all_y) in batches(grid):
+        for step, ((x, y), (all_x, all_y)) in enumerate(batches(grid)):
             optimizer.zero_grad()
-            loss = model.train_step(x, y)
-            optimizer.step()
-            reference_optimizer.zero_grad()
-            expected = nn.functional.cross_entropy(reference(all_x), all_y)
-            expected.backward()
-            reference_optimizer.step()
-            if grid.data_replicas == 1:
-                assert loss == pytest.approx(expected.item(), rel=1e-5)
-        expected_parameters = dict(reference.named_parameters())
-        for name, parameter in model.named_parameters():
-            torch.testing.assert_close(parameter, expected_parameters[name.removeprefix("layers.")], rtol=1e-5,
-                                       atol=1e-6, msg=lambda text: f"{name}: {text}")
-        if model.stage == 0:  # trained only through the gradient that came back along the skip
-            assert not torch.equal(model.layers["2"].projection.weight, skip_model()[2].projection.weight)
-        assert model._executor.in_flight == []  # both ends let go of every micro-batch's skip tensors
-        prediction = model.predict(all_x[:8])
-        torch.testing.assert_close(prediction, reference(all_x[:8]), rtol=1e-5, atol=1e-6)
+            with ranks_agree(what=f"step {step}"):
+                loss = model.train_step(x, y)
+                optimizer.step()
+                reference_optimizer.zero_grad()
+                expected = nn.functional.cross_entropy(reference(all_x), all_y)
+                expected.backward()
+                reference_optimizer.step()
+                if grid.data_replicas == 1:
+                    assert loss == pytest.approx(expected.item(), rel=1e-5)
+        in_flight = list(model._executor.in_flight)  # after training (before predict)
+        with ranks_agree(what="after training"):
+            prediction = model.predict(all_x[:8])
+            expected_parameters = dict(reference.named_parameters())
+            for name, parameter in model.named_parameters():
+                torch.testing.assert_close(parameter, expected_parameters[name.removeprefix("layers.")], rtol=1e-5,
+                                           atol=1e-6, msg=lambda text: f"{name}: {text}")
+            if model.stage == 0:  # trained only through the gradient that came back along the skip
+                assert not torch.equal(model.layers["2"].projection.weight, skip_model()[2].projection.weight)
+            assert in_flight == []  # both ends let go of every micro-batch's skip tensors
+            torch.testing.assert_close(prediction, reference(all_x[:8]), rtol=1e-5, atol=1e-6)
     finally:
         model.close()
 
@@ -96,8 +101,9 @@ def test_a_layer_that_does_not_stash_its_declared_name_is_an_error_on_every_rank
                              balance=BALANCE[grid.pipeline_stages])
     try:
         x, y = torch.randn(4, WIDTH), torch.randint(0, CLASSES, (4,))
-        with pytest.raises(HybridPipeError, match=r"chunk 0's forward did not hp.stash \['residual'\]|raised "
-                                                  r"HybridPipeError: chunk 0's forward did not hp.stash"):
+        with ranks_agree(), pytest.raises(
+                HybridPipeError, match=r"chunk 0's forward did not hp.stash \['residual'\]|raised "
+                                       r"HybridPipeError: chunk 0's forward did not hp.stash"):
             model.train_step(x, y)
     finally:
         model.close()
