@@ -1,6 +1,8 @@
 """Tied weights across pipeline stages under a real mpirun: a GPT-like model whose output head IS its embedding
 (a shared nn.Parameter, or hp.TiedLayerSpec) trains like one process on grids 2 × 1, 1 × 2, 4 × 1 and 2 × 2
-(stages × replicas), every copy of the tied weight stays bit-identical, and asynchronous schedules refuse."""
+(stages × replicas), every copy of the tied weight stays bit-identical, and asynchronous schedules refuse.
+Checks run in ranks_agree blocks after the steps and collectives they check, so a check failing on one rank
+fails every rank there instead of leaving the others in the next step."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 from torch import nn
 
 import hybridpipe as hp
+from agree import ranks_agree
 from hybridpipe.errors import MismatchError, PartitionError
 
 pytestmark = pytest.mark.mpi(ranks=[2, 4], timeout=240, shared=True)
@@ -105,12 +108,13 @@ def assert_copies_bit_identical(model: hp.PipelineModel) -> int:
     own = dict(model.named_parameters(remove_duplicate=False))
     mine = {name: own[name].detach().clone() for tie in model.tied_parameter_names for name in tie if name in own}
     everyone = hp.allgather_object(mine, group="world")
-    for tie in model.tied_parameter_names:
-        copies = [(rank, name, held[name]) for rank, held in enumerate(everyone) for name in tie if name in held]
-        for rank, name, tensor in copies[1:]:
-            assert torch.equal(tensor, copies[0][2]), (
-                f"{name} on rank {rank} differs from {copies[0][1]} on rank {copies[0][0]} by "
-                f"{(tensor - copies[0][2]).abs().max().item()}")
+    with ranks_agree(what="tied copies"):
+        for tie in model.tied_parameter_names:
+            copies = [(rank, name, held[name]) for rank, held in enumerate(everyone) for name in tie if name in held]
+            for rank, name, tensor in copies[1:]:
+                assert torch.equal(tensor, copies[0][2]), (
+                    f"{name} on rank {rank} differs from {copies[0][1]} on rank {copies[0][0]} by "
+                    f"{(tensor - copies[0][2]).abs().max().item()}")
     first = model.tied_parameter_names[0]
     return sum(1 for held in everyone for name in first if name in held)
 
@@ -122,7 +126,7 @@ def train(model: hp.PipelineModel, reference: nn.Module, batches, passes: int = 
                                         backward_passes_per_step=passes)
     reference_optimizer = adamw(reference.parameters())
     losses = []
-    for (inputs, targets), (all_inputs, all_targets) in batches:
+    for step, ((inputs, targets), (all_inputs, all_targets)) in enumerate(batches):
         optimizer.zero_grad()
         size = inputs.shape[0] // passes
         loss = 0.0
@@ -130,8 +134,9 @@ def train(model: hp.PipelineModel, reference: nn.Module, batches, passes: int = 
             rows = slice(part * size, (part + 1) * size)
             loss += model.train_step(inputs[rows], targets[rows]) / passes
         tied = {name for tie in model.tied_parameter_names for name in tie if len(tie) > 1}
-        if model._tied is not None:  # a tied gradient is reduced over the replicas in step(), after the tie's sum
-            assert not tied & set(optimizer.in_flight())
+        with ranks_agree(what=f"step {step}: tied gradients in flight"):
+            if model._tied is not None:  # a tied gradient is reduced over the replicas in step(), after the tie's sum
+                assert not tied & set(optimizer.in_flight())
         optimizer.step()
         reference_optimizer.zero_grad()
         expected = sequence_loss(reference(all_inputs), all_targets)
@@ -154,17 +159,21 @@ def test_tied_gpt_trains_like_one_process_and_copies_stay_identical(grid, schedu
                              schedule=schedule, **extra)
     reference = tied_gpt()
     try:
-        if stages > 1:  # the embedding's rank (0) and the head's each hold a copy
-            assert model.tied_parameter_names == [("layers.0.weight", f"layers.{len(reference) - 1}.weight")]
-            assert bool(model._tied.parameters) == (grid.stage in {0, (model.chunks - 1) % stages})
-        else:  # one rank holds both layers: they share the nn.Parameter, nothing to tie
-            assert model._tied is None and model.layers["0"].weight is model.layers["8"].weight
+        with ranks_agree(what="the tie"):
+            if stages > 1:  # the embedding's rank (0) and the head's each hold a copy
+                assert model.tied_parameter_names == [("layers.0.weight", f"layers.{len(reference) - 1}.weight")]
+                assert bool(model._tied.parameters) == (grid.stage in {0, (model.chunks - 1) % stages})
+            else:  # one rank holds both layers: they share the nn.Parameter, nothing to tie
+                assert model._tied is None and model.layers["0"].weight is model.layers["8"].weight
         losses = train(model, reference, data(grid, per_replica=4 * stages * passes), passes)
-        if grid.data_replicas == 1:
-            assert [loss for loss, _ in losses] == pytest.approx([e for _, e in losses], rel=1e-5)
-        assert_like_reference(model, reference)
+        with ranks_agree(what="after training"):
+            if grid.data_replicas == 1:
+                assert [loss for loss, _ in losses] == pytest.approx([e for _, e in losses], rel=1e-5)
+            assert_like_reference(model, reference)
         if stages > 1:
-            assert assert_copies_bit_identical(model) == 2 * grid.data_replicas
+            copies = assert_copies_bit_identical(model)
+            with ranks_agree(what="copies"):
+                assert copies == 2 * grid.data_replicas
     finally:
         model.close()
 
@@ -175,20 +184,22 @@ def test_tied_layer_spec_trains_like_one_process(grid):
                              seed_layers=7)
     reference = spec_reference(7)
     last = len(reference) - 1
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(7 + last)
-        assert not torch.equal(spec_layers()[last].build().weight, reference[0].weight)  # as built, they differ
     try:
-        assert model.tied_parameter_names == [("layers.0.weight", f"layers.{last}.weight")]
-        if stages == 1:  # both ends on one rank: one nn.Parameter object
-            assert model.layers["0"].weight is model.layers[str(last)].weight
-        if model.is_last_stage:  # the head's copy started as the embedding's (broadcast from stage 0)
-            assert "forward_fn=unembed" in repr(model.layers[str(last)])
-            torch.testing.assert_close(model.layers[str(last)].weight, reference[0].weight, rtol=0, atol=0)
+        with ranks_agree(what="as built"):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(7 + last)
+                assert not torch.equal(spec_layers()[last].build().weight, reference[0].weight)  # they differ
+            assert model.tied_parameter_names == [("layers.0.weight", f"layers.{last}.weight")]
+            if stages == 1:  # both ends on one rank: one nn.Parameter object
+                assert model.layers["0"].weight is model.layers[str(last)].weight
+            if model.is_last_stage:  # the head's copy started as the embedding's (broadcast from stage 0)
+                assert "forward_fn=unembed" in repr(model.layers[str(last)])
+                torch.testing.assert_close(model.layers[str(last)].weight, reference[0].weight, rtol=0, atol=0)
         losses = train(model, reference, data(grid, per_replica=2 * stages))
-        if grid.data_replicas == 1:
-            assert [loss for loss, _ in losses] == pytest.approx([e for _, e in losses], rel=1e-5)
-        assert_like_reference(model, reference)
+        with ranks_agree(what="after training"):
+            if grid.data_replicas == 1:
+                assert [loss for loss, _ in losses] == pytest.approx([e for _, e in losses], rel=1e-5)
+            assert_like_reference(model, reference)
         assert_copies_bit_identical(model)
     finally:
         model.close()
@@ -207,10 +218,12 @@ def test_tied_head_from_a_layer_spec_factory_reusing_the_embedding(grid):
     layers.append(hp.LayerSpec(TiedHead, layers[0]))
     model = hp.PipelineModel(layers, loss_fn=sequence_loss, micro_batches=grid.pipeline_stages, balance="uniform")
     try:
-        if grid.pipeline_stages > 1:
-            assert model.tied_parameter_names == [("layers.0.weight", f"layers.{len(layers) - 1}.weight")]
+        with ranks_agree(what="the tie"):
+            if grid.pipeline_stages > 1:
+                assert model.tied_parameter_names == [("layers.0.weight", f"layers.{len(layers) - 1}.weight")]
         train(model, reference, data(grid, steps=1, per_replica=4))
-        assert_like_reference(model, reference)
+        with ranks_agree(what="after training"):
+            assert_like_reference(model, reference)
         if grid.pipeline_stages > 1:
             assert_copies_bit_identical(model)
     finally:
@@ -255,21 +268,24 @@ def test_checkpoint_of_a_tied_model_loads_on_another_grid(grid, tmp_path):
                 optimizer.step()
             SAVED["directory"] = hp.broadcast_object(str(tmp_path), group="world")
             hp.save_checkpoint(SAVED["directory"], model, optimizer, step=2)
-            assert_like_reference(model, reference)
+            with ranks_agree(what="saved"):
+                assert_like_reference(model, reference)
             return
         info = hp.load_checkpoint(SAVED["directory"], model, optimizer)
-        assert info["step"] == 2
-        assert_like_reference(model, reference)
+        with ranks_agree(what="loaded"):
+            assert info["step"] == 2
+            assert_like_reference(model, reference)
         if stages > 1:
             assert_copies_bit_identical(model)
-        tied = [p for name, p in model.named_parameters() if name in model.tied_parameter_names[0]]
-        assert tied and all(optimizer.state[p]["step"] == 2 for p in tied)  # the moments came back too
-        if grid.rank == 0:  # one ordinary state_dict: the tied weight under both names, the same values
-            state = torch.load(hp.consolidate(SAVED["directory"], tmp_path / "whole.pt"), weights_only=True)
-            assert torch.equal(state["0.weight"], state["8.weight"])
-            one_process = tied_gpt()
-            one_process.load_state_dict(state, strict=True)
-            torch.testing.assert_close(one_process[8].weight, reference[8].weight, rtol=1e-5, atol=1e-6)
+        with ranks_agree(what="the optimizer state and the consolidated file"):  # (the others wait for rank 0)
+            tied = [p for name, p in model.named_parameters() if name in model.tied_parameter_names[0]]
+            assert tied and all(optimizer.state[p]["step"] == 2 for p in tied)  # the moments came back too
+            if grid.rank == 0:  # one ordinary state_dict: the tied weight under both names, the same values
+                state = torch.load(hp.consolidate(SAVED["directory"], tmp_path / "whole.pt"), weights_only=True)
+                assert torch.equal(state["0.weight"], state["8.weight"])
+                one_process = tied_gpt()
+                one_process.load_state_dict(state, strict=True)
+                torch.testing.assert_close(one_process[8].weight, reference[8].weight, rtol=1e-5, atol=1e-6)
         [((inputs, targets), (all_inputs, all_targets))] = global_batches(grid, 2, 1)
         optimizer.zero_grad()
         model.train_step(inputs, targets)
@@ -277,7 +293,8 @@ def test_checkpoint_of_a_tied_model_loads_on_another_grid(grid, tmp_path):
         reference_optimizer.zero_grad()
         sequence_loss(reference(all_inputs), all_targets).backward()
         reference_optimizer.step()
-        assert_like_reference(model, reference)
+        with ranks_agree(what="a step after loading"):
+            assert_like_reference(model, reference)
         if stages > 1:
             assert_copies_bit_identical(model)
     finally:
@@ -291,17 +308,22 @@ def test_checkpoint_of_a_tied_model_loads_on_another_grid(grid, tmp_path):
 def test_asynchronous_schedules_refuse_weights_tied_across_stages(grid, schedule):
     if grid.pipeline_stages == 1:
         pytest.skip("one stage holds both ends: nothing is tied across stages")
-    with pytest.raises(PartitionError) as caught:
-        hp.PipelineModel(tied_gpt(), loss_fn=sequence_loss, micro_batches=grid.pipeline_stages, balance="uniform",
-                         schedule=schedule, optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
-    message = str(caught.value)
-    assert message.startswith("a parameter is shared by layers on different pipeline stages (layer 0 (Embedding)"
-                              ".weight on stage 0, layer 8 (Linear).weight on stage ")
-    assert f"schedule {schedule!r} updates each stage on its own" in message
-    assert "use a synchronous schedule ('1f1b', 'gpipe', 'interleaved-1f1b' or 'zb-h1'), which ties them" in message
-    assert "only pipeline_stages=1 can" in message and "copy.deepcopy" in message
+    with ranks_agree(what="refused"):
+        with pytest.raises(PartitionError) as caught:
+            hp.PipelineModel(tied_gpt(), loss_fn=sequence_loss, micro_batches=grid.pipeline_stages,
+                             balance="uniform", schedule=schedule,
+                             optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+        message = str(caught.value)
+        assert message.startswith("a parameter is shared by layers on different pipeline stages (layer 0 "
+                                  "(Embedding).weight on stage 0, layer 8 (Linear).weight on stage ")
+        assert f"schedule {schedule!r} updates each stage on its own" in message
+        assert "use a synchronous schedule ('1f1b', 'gpipe', 'interleaved-1f1b' or 'zb-h1'), which ties them" in \
+            message
+        assert "only pipeline_stages=1 can" in message and "copy.deepcopy" in message
     # every rank raised: the next collective meets every rank
-    assert hp.allgather_object(type(caught.value).__name__, group="world") == ["PartitionError"] * WORLD
+    raised = hp.allgather_object(type(caught.value).__name__, group="world")
+    with ranks_agree(what="raised everywhere"):
+        assert raised == ["PartitionError"] * WORLD
 
 
 def test_ranks_given_different_models_raise_mismatch_not_hang(grid):
@@ -310,8 +332,9 @@ def test_ranks_given_different_models_raise_mismatch_not_hang(grid):
     untied = tied_gpt()
     untied[-1].weight = nn.Parameter(untied[0].weight.detach().clone())
     model = tied_gpt() if grid.rank == 0 else untied
-    with pytest.raises(MismatchError, match=r"layers_tied_across_stages.*rank 0: layers_tied_across_stages="
-                                            r"\(\(0, 8\),\); rank 1: layers_tied_across_stages=\(\)"):
+    with ranks_agree(), pytest.raises(
+            MismatchError, match=r"layers_tied_across_stages.*rank 0: layers_tied_across_stages="
+                                 r"\(\(0, 8\),\); rank 1: layers_tied_across_stages=\(\)"):
         hp.PipelineModel(model, loss_fn=sequence_loss, balance="uniform")
 
 
@@ -326,10 +349,12 @@ def test_shared_within_one_stage_is_not_a_tie_and_trains_like_one_process(grid):
     balance = [4] + [1] * (stages - 1) if stages > 1 else [5]  # layers 1 and 3 on stage 0
     model = hp.PipelineModel(layers, loss_fn=sequence_loss, micro_batches=2, balance=balance)
     try:
-        assert model._tied is None and model.tied_parameter_names == []
-        if model.stage == 0:
-            assert model.layers["1"].weight is model.layers["3"].weight
+        with ranks_agree(what="no tie"):
+            assert model._tied is None and model.tied_parameter_names == []
+            if model.stage == 0:
+                assert model.layers["1"].weight is model.layers["3"].weight
         train(model, reference, data(grid, steps=2, per_replica=4))
-        assert_like_reference(model, reference)
+        with ranks_agree(what="after training"):
+            assert_like_reference(model, reference)
     finally:
         model.close()
