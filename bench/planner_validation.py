@@ -86,6 +86,7 @@ class Config:
     predicted_first_s: float = 0.0  # from the run's first profile (the one the planner chose from)
     predicted_rounds: list[float] = field(default_factory=list)  # one prediction per round (per-launch profiles)
     measured_rounds: list[float] = field(default_factory=list)   # each round's median step
+    stage_replicas: list[int] = field(default_factory=list)  # stages with their own replica counts ([3, 1])
 
     @property
     def measured(self) -> float:
@@ -94,16 +95,18 @@ class Config:
 
     @property
     def replicas(self) -> int:
-        return self.ranks // self.stages
+        return 1 if self.stage_replicas else self.ranks // self.stages
 
     @property
     def key(self) -> tuple:
-        return (self.model, self.ranks, self.stages, self.micro_batches, self.schedule, self.virtual_stages)
+        return (self.model, self.ranks, self.stages, self.micro_batches, self.schedule, self.virtual_stages,
+                tuple(self.stage_replicas))
 
     @property
     def label(self) -> str:
         chunks = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
-        return f"{self.model} {self.stages}×{self.replicas} {self.schedule}{chunks} M={self.micro_batches}"
+        grid = "-".join(map(str, self.stage_replicas)) if self.stage_replicas else f"{self.stages}×{self.replicas}"
+        return f"{self.model} {grid} {self.schedule}{chunks} M={self.micro_batches}"
 
 
 # (ranks, stages, micro-batches, schedule) per model: pure data parallelism, hybrids, deep pipelines
@@ -121,6 +124,10 @@ CONFIGS = {
 # by its unit calls, the chosen balance turned into split= names (issue 26: hp.auto(module)'s plan against the
 # best configuration measured)
 CONFIGS["lmmod"] = CONFIGS["lm"] + [(2, 2, 4, "gpipe"), (2, 2, 2, "1f1b")]
+# bench/stage_replicas.py's VGG-like CNN (issue 29): data parallelism, uniform hybrids and a straight pipeline beside
+# stages with their own replica counts (a fifth entry: the convolutions on 3 ranks, the head on 1)
+CONFIGS["cnn"] = [(2, 1, 1, "1f1b"), (2, 2, 4, "1f1b"), (4, 1, 1, "1f1b"), (4, 2, 4, "1f1b"), (4, 4, 8, "1f1b"),
+                  (4, 2, 8, "1f1b", (3, 1)), (4, 2, 6, "gpipe", (3, 1))]
 MODULES = {"lmmod"}
 QUICK = {"mlp": [(2, 1, 1, "1f1b"), (2, 2, 4, "1f1b")]}
 DRIFT_LIMIT = 0.05  # a run whose predictions from a model's first and last profile differ by more says more
@@ -133,6 +140,15 @@ def model_parts(name: str, args: argparse.Namespace) -> tuple[list[Any], Any, An
     """``(layers, loss_fn, batch(n, seed) -> (inputs, targets), optimizer factory)``, the same on every rank."""
     import torch
 
+    if name == "cnn":
+        from stage_replicas import vgg_like
+
+        def images(n: int, seed: int) -> tuple[Any, Any]:
+            generator = torch.Generator().manual_seed(seed)
+            return torch.randn(n, 3, 32, 32, generator=generator), torch.randint(0, 10, (n,), generator=generator)
+
+        return (vgg_like(), torch.nn.functional.cross_entropy, images,
+                lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9))
     if name == "mlp":
         import plan_mlp
 
@@ -180,7 +196,7 @@ def LanguageModel(layers: list[Any]) -> Any:  # noqa: N802 - a factory of an nn.
 
 
 def global_batch(name: str, args: argparse.Namespace) -> int:
-    return args.mlp_batch if name == "mlp" else args.lm_batch
+    return {"mlp": args.mlp_batch, "cnn": args.cnn_batch}.get(name, args.lm_batch)
 
 
 def module_split(module: Any, sample: Any, balance: list[int]) -> list[str]:
@@ -199,11 +215,15 @@ def worker_main(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     config = Config(**json.loads(args.config))
-    grid = hp.init(pipeline_stages=config.stages)
+    grid = hp.init(stage_replicas=config.stage_replicas) if config.stage_replicas else \
+        hp.init(pipeline_stages=config.stages)
     try:
         layers, loss_fn, batch, optimizer = model_parts(config.model, args)
         chunks = {"virtual_stages": config.virtual_stages} if config.virtual_stages > 1 else {}
-        inputs, targets = batch(global_batch(config.model, args) // grid.data_replicas, 1000 + grid.replica)
+        if config.stage_replicas:  # every rank is fed the whole global batch
+            inputs, targets = batch(global_batch(config.model, args), 1000)
+        else:
+            inputs, targets = batch(global_batch(config.model, args) // grid.data_replicas, 1000 + grid.replica)
         if config.model in MODULES:
             sample = inputs[:max(1, len(inputs) // config.micro_batches)]
             model = hp.PipelineModel(layers, loss_fn, micro_batches=config.micro_batches, sample=sample,
@@ -281,6 +301,7 @@ def measure(config: Config, args: argparse.Namespace, folder: Path, index: int) 
 
 def model_flags(args: argparse.Namespace) -> list[str]:
     return ["--mlp-width", str(args.mlp_width), "--mlp-depth", str(args.mlp_depth), "--mlp-batch", str(args.mlp_batch),
+            "--cnn-batch", str(args.cnn_batch),
             "--lm-dim", str(args.lm_dim), "--lm-layers", str(args.lm_layers), "--lm-heads", str(args.lm_heads),
             "--lm-seq-len", str(args.lm_seq_len), "--lm-batch", str(args.lm_batch)]
 
@@ -289,6 +310,7 @@ def configurations(args: argparse.Namespace, profiles: dict, clusters: dict) -> 
     """The listed configurations, balanced and predicted, plus the planner's choice per model and rank count."""
     from hybridpipe.pipeline.partition import partition_by_weights
     from hybridpipe.plan import plan
+    from hybridpipe.plan.search import replicated_balance
 
     table = QUICK if args.quick else CONFIGS
     configs: list[Config] = []
@@ -298,18 +320,21 @@ def configurations(args: argparse.Namespace, profiles: dict, clusters: dict) -> 
         batch = global_batch(name, args)
         for ranks in args.ranks:
             cluster = clusters[ranks]
-            listed = [Config(name, r, p, m, s, VIRTUAL_STAGES if s == "interleaved-1f1b" else 1)
-                      for r, p, m, s in table.get(name, []) if r == ranks]
+            listed = [Config(name, r, p, m, s, VIRTUAL_STAGES if s == "interleaved-1f1b" else 1,
+                             stage_replicas=list(rest[0]) if rest else [])
+                      for r, p, m, s, *rest in table.get(name, []) if r == ranks]
             best = plan(profile, cluster, batch)
             choice = Config(name, ranks, best.stages, best.micro_batches, best.schedule, best.virtual_stages,
-                            chosen=True, balance=list(best.balance))
+                            chosen=True, balance=list(best.balance), stage_replicas=list(best.stage_replicas or []))
             same = [c for c in listed if c.key == choice.key]
             if same:
                 same[0].chosen = True
             else:
                 listed.append(choice)
             for config in listed:
-                if not config.balance:
+                if not config.balance and config.stage_replicas:
+                    config.balance = list(replicated_balance(times, tuple(config.stage_replicas)))
+                elif not config.balance:
                     config.balance = partition_by_weights(times, config.stages * config.virtual_stages)
                 config.predicted_s = config.predicted_first_s = predicted(config, profile, cluster, batch)
             configs += listed
@@ -321,7 +346,7 @@ def predicted(config: Config, profile: Any, cluster: Any, batch: int) -> float:
     from hybridpipe.plan import Candidate, predict
 
     candidate = Candidate(config.stages, config.replicas, tuple(config.balance), config.micro_batches,
-                          config.schedule, "never", config.virtual_stages)
+                          config.schedule, "never", config.virtual_stages, stage_replicas=tuple(config.stage_replicas))
     return predict(profile, cluster, candidate, batch).step_seconds
 
 
@@ -419,8 +444,9 @@ def ceiling_verdict(model_error: float, machine_error: float, machine_misses: in
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="mlp,lm", help="mlp, lm and/or lmmod (the LM as one nn.Module, split by "
-                        "hp.PipelineModel; default mlp,lm)")
+    parser.add_argument("--models", default="mlp,lm", help="mlp, lm, lmmod (the LM as one nn.Module, split by "
+                        "hp.PipelineModel) and/or cnn (bench/stage_replicas.py's VGG-like CNN, with stages of their "
+                        "own replica counts); default mlp,lm")
     parser.add_argument("--ranks", default="2,4", help="rank counts (default 2,4)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per configuration and round (default 8)")
     parser.add_argument("--rounds", type=int, default=2,
@@ -438,6 +464,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mlp-width", type=int, default=512)
     parser.add_argument("--mlp-depth", type=int, default=8)
     parser.add_argument("--mlp-batch", type=int, default=128, help="MLP global batch (default 128)")
+    parser.add_argument("--cnn-batch", type=int, default=32, help="CNN global batch in images (default 32)")
     parser.add_argument("--lm-dim", type=int, default=96)
     parser.add_argument("--lm-layers", type=int, default=4, help="LM transformer blocks (default 4)")
     parser.add_argument("--lm-heads", type=int, default=4)
@@ -453,7 +480,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in args.models if m not in CONFIGS]
     if unknown or not args.models:
-        parser.error(f"--models: unknown {unknown} (use mlp, lm and/or lmmod)")
+        parser.error(f"--models: unknown {unknown} (use mlp, lm, lmmod and/or cnn)")
     try:
         args.ranks = int_list(args.ranks, "--ranks")
     except argparse.ArgumentTypeError as error:
