@@ -45,8 +45,9 @@ from hybridpipe.plan.profile import Profile, profile
 from hybridpipe.plan import models
 from hybridpipe.plan.models import ACCELERATORS, MODELS
 from hybridpipe.plan.search import CHECKPOINT_CHOICES, SYNCHRONOUS_CHOICES, Plan, format_bytes, plan
-from hybridpipe.plan.simulate import (DEFAULT_SIZES, Engine, data_parallel_scaling, parse_sizes, pipeline_scaling,
-                                      plot_scaling, render_data_parallel, render_pipeline, render_scaling, scaling)
+from hybridpipe.plan.simulate import (DEFAULT_SIZES, Engine, data_parallel_scaling, grid_comparison, parse_sizes,
+                                      pipeline_scaling, plot_scaling, render_data_parallel, render_grids,
+                                      render_pipeline, render_scaling, scaling)
 
 
 def load_factory(spec: str):
@@ -269,6 +270,8 @@ def simulate_main(args: argparse.Namespace, model_profile: Profile, memory: floa
         return data_parallel_main(args, model_profile, cluster, sizes)
     if args.pipeline_only:
         return pipeline_main(args, model_profile, cluster, sizes)
+    if args.compare_grids:
+        return grids_main(args, model_profile, cluster, sizes, schedules)
     started = time.perf_counter()
     rows = scaling(model_profile, cluster, sizes, args.global_batch, weak=args.scaling == "weak",
                    schedules=schedules, checkpoints=CHECKPOINT_CHOICES,
@@ -307,6 +310,25 @@ def simulate_main(args: argparse.Namespace, model_profile: Profile, memory: floa
         plot_scaling({args.model or "profile": rows}, args.plot, f"{source}; {batch}", sample)
         lines.append(f"plot: {args.plot}")
     return "\n".join(lines)
+
+
+def grids_main(args: argparse.Namespace, model_profile: Profile, cluster: Cluster, sizes: list[int],
+               schedules: tuple[str, ...]) -> str:
+    """``--simulate --compare-grids``: at each size, the best data-parallel, uniform and own-replica-count plans."""
+    rows = grid_comparison(model_profile, cluster, sizes, args.global_batch, weak=args.scaling == "weak",
+                           schedules=schedules, checkpoints=CHECKPOINT_CHOICES,
+                           optimizer_state_factor=args.optimizer_state_factor, zero_levels=zero_levels(args.zero),
+                           precision=args.precision)
+    if args.json:
+        return _json_lines([{"gpus": row.ranks, "global_batch": row.global_batch, **{
+            kind.replace("-", "_"): ({"config": best.config, "plan": best.describe(), "step_seconds": best.step_seconds,
+                                      "speedup_over_dp": row.speedup(kind)} if best is not None else None)
+            for kind, best in row.plans.items()}} for row in rows])
+    source = (f"{args.model} on {args.gpu} at {args.efficiency:g} of its peak" if args.model
+              else f"the profile {args.profile or args.factory}")
+    sample = "sequences" if args.model and MODELS[args.model].kind == "transformer" else "samples"
+    return "\n".join([f"best grid of each kind for {source}", f"cluster: {describe_cluster(cluster)}", "",
+                      render_grids(rows, markdown=args.markdown, sample=sample)])
 
 
 def pipedream_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -388,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-variation", type=float, default=None,
                         help="--data-parallel-only: spread of GPU speeds as a fraction of the median (default 0.08, "
                              "Sinha et al. SC'22); the slowest GPU sets the pace")
+    parser.add_argument("--compare-grids", action="store_true",
+                        help="--simulate: at each size the best data-parallel plan, the best uniform grid and the best "
+                             "grid with its own replica count per stage (hp.init(stage_replicas=)), with speed-ups")
     parser.add_argument("--pipeline-only", action="store_true",
                         help="--simulate: each size one pipeline of that many stages (GPipe's setting: gpipe "
                              "schedule, re-materialization, --micro-batches)")

@@ -51,6 +51,7 @@ ZERO_MARGIN = 0.02  # a sharded plan must be this much faster than the best unsh
 # stages with their own replica counts: searched while the ways to split the ranks are at most this many per
 # stage count (every composition of the ranks into P counts; 8 ranks: 127 in all)
 MAX_COMPOSITIONS = 256
+GRIDS = ("all", "data-parallel", "uniform", "stage-replicas")  # plan(grids=): the kinds of grid searched
 
 
 @dataclass
@@ -288,7 +289,7 @@ def _replica_lower_bound(profile: Profile, cluster: Cluster, candidate: Candidat
 def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tuple[str, ...] = SYNCHRONOUS_CHOICES,
          checkpoints: tuple[str, ...] = CHECKPOINT_CHOICES, max_micro_batches: int | None = None,
          optimizer_state_factor: float = 2.0, explain: int = 5, zero_levels: tuple[int, ...] = ZERO_LEVELS,
-         precision: str | None = None, stage_replicas: bool = True) -> Plan:
+         precision: str | None = None, stage_replicas: bool = True, grids: str = "all") -> Plan:
     """The fastest configuration of ``cluster.ranks`` ranks for ``profile`` that fits the memory.
 
     The search is exact for the cost model but does not cost every candidate: candidates are taken in
@@ -318,6 +319,8 @@ def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tu
         stage_replicas: Also consider stages with their own replica counts ("3-1": ``hp.init(stage_replicas=)``,
             gpipe / 1f1b / zb-h1); such a plan wins only when faster than the best uniform one by more than
             ``ZERO_MARGIN`` (its grid is the less usual one).
+        grids: ``"all"`` (default), or only ``"data-parallel"`` (one stage), ``"uniform"`` (stages × replicas)
+            or ``"stage-replicas"`` (stages with their own replica counts): the best of one kind, to compare.
 
     Raises:
         HybridPipeError: no configuration is possible (the message says why, and what would fit).
@@ -358,8 +361,13 @@ def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tu
     margin = ZERO_MARGIN if sharded and 0 in zero_levels else 0.0  # prefer zero=0 unless sharding clearly wins
     shard_levels = tuple(sorted(set(zero_levels)))  # where there are replicas; one replica: 0
     candidates = []
-    for candidate in _candidates(profile, cluster, global_batch, schedules, max_micro_batches, balances,
-                                 time_per_layer):
+    if grids not in GRIDS:
+        raise HybridPipeError(f"grids={grids!r}: use one of {', '.join(map(repr, GRIDS))}")
+    uniform = [] if grids == "stage-replicas" else _candidates(profile, cluster, global_batch, schedules,
+                                                                 max_micro_batches, balances, time_per_layer)
+    for candidate in uniform:
+        if grids == "data-parallel" and candidate.stages > 1:
+            continue
         shards = bool(sharded) and candidate.replicas > 1 and candidate.schedule not in sched.ASYNCHRONOUS
         # the least a rank can hold: parameters and gradients whole, or ZeRO-2's parameters and shard
         least = (profile.parameter_bytes * (1 + (2 + optimizer_state_factor) / candidate.replicas) if shards
@@ -368,13 +376,20 @@ def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tu
             rejected.append((candidate, least / candidate.stages))
             continue
         candidates.append((step_lower_bound(profile, cluster, candidate, global_batch), candidate))
-    if stage_replicas:
+    if (stage_replicas and grids == "all") or grids == "stage-replicas":
         for candidate in _replica_candidates(profile, cluster, global_batch, schedules, max_micro_batches,
                                              time_per_layer):
             if limit and static / candidate.stages > limit:
                 rejected.append((candidate, static / candidate.stages))
                 continue
             candidates.append((_replica_lower_bound(profile, cluster, candidate, global_batch), candidate))
+    if not candidates and not rejected:
+        kind = {"all": "", "data-parallel": "data-parallel ", "uniform": "uniform ",
+                "stage-replicas": "stages-with-their-own-replica-counts "}[grids]
+        raise HybridPipeError(f"no {kind}configuration of {cluster.ranks} ranks for {layers} layers, a global batch of "
+                              f"{global_batch} and the schedules {list(schedules)}" +
+                              (" (own replica counts need 2 stages and 3 ranks at least, gpipe or 1f1b)"
+                               if grids == "stage-replicas" else ""))
     candidates.sort(key=lambda item: (item[0], item[1].stages, item[1].micro_batches))
     costed: list[tuple[float, Candidate, Prediction]] = []
     keep = explain + 1

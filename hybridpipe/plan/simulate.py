@@ -28,7 +28,8 @@ from hybridpipe.plan.search import Plan, plan
 
 __all__ = ["ScalingRow", "parse_sizes", "scaling", "render_scaling", "plot_scaling", "DEFAULT_SIZES", "Engine",
            "DataParallelRow", "ring_allreduce_seconds", "data_parallel_step", "data_parallel_scaling",
-           "render_data_parallel", "PipelineRow", "pipeline_scaling", "render_pipeline"]
+           "render_data_parallel", "PipelineRow", "pipeline_scaling", "render_pipeline", "GridRow", "grid_comparison",
+           "render_grids"]
 
 DEFAULT_SIZES = "8:1024"
 
@@ -101,6 +102,64 @@ def scaling(profile: Profile, cluster: Cluster, sizes: list[int], global_batch: 
         if row.plan is not None and base is not None and base.plan is not None:
             row.efficiency = (row.plan.samples_per_second / row.ranks) / (base.plan.samples_per_second / base.ranks)
     return rows
+
+
+@dataclass
+class GridRow:
+    """One size of :func:`grid_comparison`: the best plan of each kind of grid."""
+
+    ranks: int
+    global_batch: int
+    plans: dict[str, Plan | None]   # "data-parallel", "uniform", "stage-replicas" -> the best, or None
+    problems: dict[str, str]
+
+    def speedup(self, kind: str) -> float | None:
+        """Samples/s of the best ``kind`` plan over data parallelism's."""
+        best, base = self.plans.get(kind), self.plans.get("data-parallel")
+        if best is None or base is None:
+            return None
+        return best.samples_per_second / base.samples_per_second
+
+
+def grid_comparison(profile: Profile, cluster: Cluster, sizes: list[int], global_batch: int, weak: bool = True,
+                    **plan_options) -> list[GridRow]:
+    """At each size, the best data-parallel plan, the best uniform grid (stages × replicas) and the best grid with
+    its own replica count per stage (``python -m hybridpipe.plan --simulate --compare-grids``)."""
+    rows = []
+    for ranks in sizes:
+        batch = global_batch * ranks // sizes[0] if weak else global_batch
+        plans: dict[str, Plan | None] = {}
+        problems: dict[str, str] = {}
+        for kind in ("data-parallel", "uniform", "stage-replicas"):
+            try:
+                plans[kind] = plan(profile, dataclasses.replace(cluster, ranks=ranks), batch, grids=kind,
+                                   **plan_options)
+            except HybridPipeError as error:
+                plans[kind], problems[kind] = None, str(error)
+        rows.append(GridRow(ranks, batch, plans, problems))
+    return rows
+
+
+def render_grids(rows: list[GridRow], markdown: bool = False, sample: str = "samples") -> str:
+    """The comparison as a table: per size, each kind's best configuration, step time and speed-up over data
+    parallelism."""
+    header = ["GPUs", "global batch", "data parallelism", "step s", "best uniform", "step s", "speed-up",
+              "own replica counts", "step s", "speed-up"]
+    table = []
+    for row in rows:
+        cells = [str(row.ranks), str(row.global_batch)]
+        for kind in ("data-parallel", "uniform", "stage-replicas"):
+            best = row.plans.get(kind)
+            if best is None:
+                cells += ["-", "-"] + ([] if kind == "data-parallel" else ["-"])
+                continue
+            name = f"{best.config} {best.schedule} M={best.micro_batches}" if kind != "data-parallel" else best.config
+            cells += [name, f"{best.step_seconds:.3f}"]
+            if kind != "data-parallel":
+                speedup = row.speedup(kind)
+                cells.append(f"{speedup:.2f}×" if speedup is not None else "-")
+        table.append(cells)
+    return _render(header, table, markdown)
 
 
 def _short_problem(problem: str) -> str:

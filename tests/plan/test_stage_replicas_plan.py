@@ -93,3 +93,28 @@ def test_one_host_with_a_fast_link_keeps_data_parallelism():
     profile = model_profile("vgg16", "v100")
     best = plan(profile, Cluster(ranks=4, ranks_per_host=4, intra_host_gbps=1000), 256)
     assert best.stage_replicas is None and best.config == "4", best.describe()
+
+
+def test_simulate_compares_the_best_grid_of_each_kind_at_16_gpus_of_cluster_a():
+    """``--simulate --compare-grids`` on Cluster-A's shape (4 V100s per server on PCIe, 10 Gbit/s between): the
+    data-parallel, uniform and own-replica-count plans side by side; at 16 GPUs the last wins, not at 4."""
+    import json
+    import subprocess
+    import sys
+
+    completed = subprocess.run([sys.executable, "-m", "hybridpipe.plan", "--model", "vgg16", "--gpu", "v100",
+                                "--simulate", "--compare-grids", "--sizes", "4,16", "--gpus-per-host", "4",
+                                "--intra-host-gbps", "80", "--inter-host-gbps", "10", "--global-batch", "256",
+                                "--json"], capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    rows = [json.loads(line) for line in completed.stdout.splitlines()]
+    assert [row["gpus"] for row in rows] == [4, 16]
+    small, large = rows
+    assert small["data_parallel"]["config"] == "4" and small["stage_replicas"]["speedup_over_dp"] < 1.0
+    assert large["stage_replicas"]["config"].endswith("-2") or large["stage_replicas"]["config"].endswith("-1")
+    assert large["stage_replicas"]["speedup_over_dp"] > 1.05
+    assert large["uniform"]["speedup_over_dp"] == pytest.approx(1.0) or large["uniform"]["speedup_over_dp"] > 1.0
+    with pytest.raises(HybridPipeError, match="no stages-with-their-own-replica-counts configuration of 2 ranks"):
+        plan(model_profile("vgg16", "v100"), Cluster(ranks=2), 64, grids="stage-replicas")
+    with pytest.raises(HybridPipeError, match="grids='pipes'"):
+        plan(model_profile("vgg16", "v100"), Cluster(ranks=2), 64, grids="pipes")
