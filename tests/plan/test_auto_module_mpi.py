@@ -13,6 +13,7 @@ import torch
 from torch.nn import functional as F
 
 import hybridpipe as hp
+from agree import ranks_agree
 from hybridpipe.pipeline.split import trace_module
 from hybridpipe.plan.cost import Cluster
 
@@ -49,33 +50,36 @@ def test_auto_splits_a_transformers_module_as_planned_and_trains_like_one_proces
                              optimizer=lambda params: torch.optim.SGD(params, lr=0.1), zero=0)
         try:
             plan = model.plan
-            assert (plan.stages, plan.replicas) == (2, 1) and hp.grid().pipeline_stages == 2, plan.describe()
-            units = [call.name for call in trace_module(copy.deepcopy(reference), batch(4, 0)[0])[1].calls]
-            assert len(plan.split) == plan.stages * plan.virtual_stages - 1 and set(plan.split) <= set(units[1:])
-            assert model.micro_batches == plan.micro_batches and model.schedule_name == plan.schedule
-            starts = [units.index(name) for name in plan.split]
-            assert sum(model.balance) == len(units) and starts == [sum(model.balance[:c + 1])
-                                                                   for c in range(len(starts))]
-            printed = capfd.readouterr().out
-            if hp.rank() == 0:
-                assert "hp.auto plan for 2 ranks" in printed and "chunk 1 (stage 1)" in printed, printed
-                assert "receives" in printed and plan.split[0] in printed
+            with ranks_agree(what="as planned"):
+                assert (plan.stages, plan.replicas) == (2, 1) and hp.grid().pipeline_stages == 2, plan.describe()
+                units = [call.name for call in trace_module(copy.deepcopy(reference), batch(4, 0)[0])[1].calls]
+                assert len(plan.split) == plan.stages * plan.virtual_stages - 1 and set(plan.split) <= set(units[1:])
+                assert model.micro_batches == plan.micro_batches and model.schedule_name == plan.schedule
+                starts = [units.index(name) for name in plan.split]
+                assert sum(model.balance) == len(units) and starts == [sum(model.balance[:c + 1])
+                                                                       for c in range(len(starts))]
+                printed = capfd.readouterr().out
+                if hp.rank() == 0:
+                    assert "hp.auto plan for 2 ranks" in printed and "chunk 1 (stage 1)" in printed, printed
+                    assert "receives" in printed and plan.split[0] in printed
             reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
             for step in range(3):
                 inputs, targets = batch(GLOBAL_BATCH, 10 + step)
                 opt.zero_grad()
-                loss = model.train_step(inputs, targets)
-                opt.step()
-                reference_opt.zero_grad()
-                expected = loss_fn(reference(**inputs), targets)
-                expected.backward()
-                reference_opt.step()
-                assert loss == pytest.approx(float(expected.detach()), rel=1e-9)
-            expected_parameters = dict(reference.named_parameters())
-            own = dict(model.named_parameters())
-            assert own and set(own) <= set(expected_parameters)
-            for name, parameter in own.items():
-                torch.testing.assert_close(parameter, expected_parameters[name], rtol=1e-7, atol=1e-10)
+                with ranks_agree(what=f"step {step}"):
+                    loss = model.train_step(inputs, targets)
+                    opt.step()
+                    reference_opt.zero_grad()
+                    expected = loss_fn(reference(**inputs), targets)
+                    expected.backward()
+                    reference_opt.step()
+                    assert loss == pytest.approx(float(expected.detach()), rel=1e-9)
+            with ranks_agree(what="after training"):
+                expected_parameters = dict(reference.named_parameters())
+                own = dict(model.named_parameters())
+                assert own and set(own) <= set(expected_parameters)
+                for name, parameter in own.items():
+                    torch.testing.assert_close(parameter, expected_parameters[name], rtol=1e-7, atol=1e-10)
         finally:
             model.close()
     finally:

@@ -1,6 +1,7 @@
 """The planner under mpirun: hp.auto plans for the running job, re-makes the grid as planned, and the model
 and optimizer it returns train like one process on the global batch; calibrate measures the job's links; the
-memory estimates match the bytes each stage really has in use."""
+memory estimates match the bytes each stage really has in use. Checks run in ranks_agree blocks after the
+collectives they check, so a check failing on one rank fails both there."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 import hybridpipe as hp
+from agree import ranks_agree
 from hybridpipe.plan.auto import auto
 from hybridpipe.plan.search import Plan
 
@@ -56,26 +58,28 @@ def test_auto_builds_what_it_planned_and_trains_like_one_process(given):
                       optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), plan=plan, zero=zero)
     try:
         grid = hp.grid()
-        assert (grid.pipeline_stages, grid.data_replicas) == (model.plan.stages, model.plan.replicas)
-        assert model.balance == model.plan.balance and model.micro_batches == model.plan.micro_batches
-        assert getattr(opt, "zero", 0) == model.plan.zero  # the optimizer shards as planned
-        if plan is not None:
-            assert model.plan is plan and grid.pipeline_stages == plan.stages
-        if zero is not None:
-            assert model.plan.zero == (zero if model.plan.replicas > 1 else 0)
+        with ranks_agree(what="as planned"):
+            assert (grid.pipeline_stages, grid.data_replicas) == (model.plan.stages, model.plan.replicas)
+            assert model.balance == model.plan.balance and model.micro_batches == model.plan.micro_batches
+            assert getattr(opt, "zero", 0) == model.plan.zero  # the optimizer shards as planned
+            if plan is not None:
+                assert model.plan is plan and grid.pipeline_stages == plan.stages
+            if zero is not None:
+                assert model.plan.zero == (zero if model.plan.replicas > 1 else 0)
         reference = nn.Sequential(*layers())
         reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-        for inputs, targets in global_batches():
-            shard = slice(grid.replica * 8 // grid.data_replicas, (grid.replica + 1) * 8 // grid.data_replicas)
-            opt.zero_grad()
-            model.train_step(inputs[shard], targets[shard])
-            opt.step()
-            reference_opt.zero_grad()
-            nn.CrossEntropyLoss()(reference(inputs), targets).backward()
-            reference_opt.step()
-        expected = {f"layers.{name}": p for name, p in reference.named_parameters()}
-        for name, parameter in model.named_parameters():
-            torch.testing.assert_close(parameter, expected[name], rtol=1e-5, atol=1e-6)
+        with ranks_agree(what="after training"):
+            for inputs, targets in global_batches():
+                shard = slice(grid.replica * 8 // grid.data_replicas, (grid.replica + 1) * 8 // grid.data_replicas)
+                opt.zero_grad()
+                model.train_step(inputs[shard], targets[shard])
+                opt.step()
+                reference_opt.zero_grad()
+                nn.CrossEntropyLoss()(reference(inputs), targets).backward()
+                reference_opt.step()
+            expected = {f"layers.{name}": p for name, p in reference.named_parameters()}
+            for name, parameter in model.named_parameters():
+                torch.testing.assert_close(parameter, expected[name], rtol=1e-5, atol=1e-6)
     finally:
         model.close()
 
@@ -85,19 +89,20 @@ def test_calibrate_measures_the_links_and_the_planner_reads_them(tmp_path_factor
 
     from hybridpipe.plan.calibrate import SIZES, calibrate, load_cluster
 
-    result = calibrate(repeats=3)
-    assert result["ranks"] == hp.size() and result["ranks_per_host"] == hp.local_size()
-    assert len(result["intra_p2p_seconds"]) == len(SIZES) and all(t > 0 for t in result["intra_p2p_seconds"])
-    assert len(result["allreduce_seconds"]) == len(SIZES)
-    assert result["intra_latency_us"] >= 0 and result["intra_gbps"] > 0 and result["allreduce_gbps"] > 0
-    assert "inter_gbps" not in result  # one host
-    path = tmp_path_factory.mktemp("cluster") / "cluster.json"
-    path.write_text(json.dumps(result))
-    cluster = load_cluster(str(path), ranks=8)
-    assert cluster.ranks == 8 and cluster.ranks_per_host == result["ranks_per_host"]
-    assert cluster.intra_host_gbps == pytest.approx(result["intra_gbps"])
-    assert cluster.latency_us == pytest.approx(result["intra_latency_us"])
-    assert result["compute_contention"] >= 1.0 and cluster.compute_contention == result["compute_contention"]
+    with ranks_agree():
+        result = calibrate(repeats=3)
+        assert result["ranks"] == hp.size() and result["ranks_per_host"] == hp.local_size()
+        assert len(result["intra_p2p_seconds"]) == len(SIZES) and all(t > 0 for t in result["intra_p2p_seconds"])
+        assert len(result["allreduce_seconds"]) == len(SIZES)
+        assert result["intra_latency_us"] >= 0 and result["intra_gbps"] > 0 and result["allreduce_gbps"] > 0
+        assert "inter_gbps" not in result  # one host
+        path = tmp_path_factory.mktemp("cluster") / "cluster.json"
+        path.write_text(json.dumps(result))
+        cluster = load_cluster(str(path), ranks=8)
+        assert cluster.ranks == 8 and cluster.ranks_per_host == result["ranks_per_host"]
+        assert cluster.intra_host_gbps == pytest.approx(result["intra_gbps"])
+        assert cluster.latency_us == pytest.approx(result["intra_latency_us"])
+        assert result["compute_contention"] >= 1.0 and cluster.compute_contention == result["compute_contention"]
 
 
 def test_the_contention_windows_barrier_holds_every_rank_until_the_last_arrives_and_sleeps_meanwhile():
@@ -122,12 +127,13 @@ def test_the_contention_windows_barrier_holds_every_rank_until_the_last_arrives_
         times = comm.allgather((entered, left))
     finally:
         comm.Free()
-    assert left >= max(arrived for arrived, _ in times)  # held until the last rank arrived
-    if rank == 0:
-        waited = left - entered
-        assert waited > 0.1
-        # and slept meanwhile: MPI's own barrier would have spun for the whole wait
-        assert (after.ru_utime + after.ru_stime) - (cpu.ru_utime + cpu.ru_stime) < 0.5 * waited
+    with ranks_agree():
+        assert left >= max(arrived for arrived, _ in times)  # held until the last rank arrived
+        if rank == 0:
+            waited = left - entered
+            assert waited > 0.1
+            # and slept meanwhile: MPI's own barrier would have spun for the whole wait
+            assert (after.ru_utime + after.ru_stime) - (cpu.ru_utime + cpu.ru_stime) < 0.5 * waited
 
 
 class _MallocInfo(ctypes.Structure):  # glibc's struct mallinfo2
@@ -213,8 +219,9 @@ def test_memory_estimates_are_within_20_percent_of_measured_peaks(schedule):
         model.close()
         hp.shutdown()
         hp.init()
-    assert abs(predicted - measured) <= 0.2 * measured, (
-        f"stage {hp.rank()}: predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
+    with ranks_agree():
+        assert abs(predicted - measured) <= 0.2 * measured, (
+            f"stage {hp.rank()}: predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
 
 
 BUILT: list[int] = []
@@ -241,17 +248,19 @@ def test_auto_profiles_a_layer_list_a_slice_per_rank_without_building_it_whole()
     measured = profile_in_turns(specs, sample, nn.MSELoss(), lambda ps: torch.optim.SGD(ps, lr=0.1),
                                 hp.grid().world_comm)
     rank = hp.rank()
-    assert BUILT == ([0, 1, 2] if rank == 0 else [3, 4, 5]), BUILT
-    if rank == 0:
-        merged = Profile.from_json(measured)
-        whole = profile([_Counted(i, width) for i in range(6)], sample[0], nn.MSELoss(), sample[1])
-        assert [layer.name for layer in merged.layers] == [layer.name for layer in whole.layers]
-        assert [(layer.parameter_bytes, layer.output_bytes) for layer in merged.layers] == \
-            [(layer.parameter_bytes, layer.output_bytes) for layer in whole.layers]
-        assert merged.loss_ms > 0 and all(layer.forward_ms > 0 for layer in merged.layers)
-    else:
-        assert measured is None
+    with ranks_agree(what="the slices"):  # (the others wait there for rank 0's profile)
+        assert BUILT == ([0, 1, 2] if rank == 0 else [3, 4, 5]), BUILT
+        if rank == 0:
+            merged = Profile.from_json(measured)
+            whole = profile([_Counted(i, width) for i in range(6)], sample[0], nn.MSELoss(), sample[1])
+            assert [layer.name for layer in merged.layers] == [layer.name for layer in whole.layers]
+            assert [(layer.parameter_bytes, layer.output_bytes) for layer in merged.layers] == \
+                [(layer.parameter_bytes, layer.output_bytes) for layer in whole.layers]
+            assert merged.loss_ms > 0 and all(layer.forward_ms > 0 for layer in merged.layers)
+        else:
+            assert measured is None
     # a slice that fails to build fails every rank, naming the layers and the rank
     bad = specs[:3] + [hp.LayerSpec(nn.Linear, width + 1, width)] + specs[4:]
-    failed = profile_in_turns(bad, sample, nn.MSELoss(), None, hp.grid().world_comm)
-    assert isinstance(failed, RuntimeError) and "layers 3-5 (profiled on world rank 1)" in str(failed), failed
+    with ranks_agree(what="a slice that fails to build"):
+        failed = profile_in_turns(bad, sample, nn.MSELoss(), None, hp.grid().world_comm)
+        assert isinstance(failed, RuntimeError) and "layers 3-5 (profiled on world rank 1)" in str(failed), failed
