@@ -1,4 +1,6 @@
-"""Mismatches between ranks raise on every rank with every rank's values; bad input names the fix."""
+"""Mismatches between ranks raise on every rank with every rank's values; bad input names the fix. Each expected
+error and the checks of its message run in a ranks_agree block, so a rank that did not raise as expected fails
+every rank there instead of leaving the others in the next collective."""
 
 import threading
 import time
@@ -9,6 +11,7 @@ import torch
 from mpi4py import MPI
 
 import hybridpipe as hp
+from agree import ranks_agree
 from hybridpipe import _ext
 from hybridpipe.comm import context
 
@@ -24,82 +27,94 @@ def runtime():
 
 def test_shape_mismatch_raises_on_every_rank():
     rank = hp.rank()
-    with pytest.raises(hp.MismatchError) as error:
-        hp.allreduce(torch.ones(10 + (rank == 1)))
-    message = str(error.value)
-    assert "rank 0: shape=(10,) dtype=float32 op=Average" in message
-    assert "rank 1: shape=(11,) dtype=float32 op=Average" in message
-    assert "every rank must pass the same shape, dtype and op" in message
-    assert hp.allreduce(torch.ones(4), op=hp.Sum).tolist() == [3.0] * 4  # still usable afterwards
+    with ranks_agree(what="the mismatch"):
+        with pytest.raises(hp.MismatchError) as error:
+            hp.allreduce(torch.ones(10 + (rank == 1)))
+        message = str(error.value)
+        assert "rank 0: shape=(10,) dtype=float32 op=Average" in message
+        assert "rank 1: shape=(11,) dtype=float32 op=Average" in message
+        assert "every rank must pass the same shape, dtype and op" in message
+    with ranks_agree(what="afterwards"):
+        assert hp.allreduce(torch.ones(4), op=hp.Sum).tolist() == [3.0] * 4  # still usable afterwards
 
 
 def test_dtype_and_op_mismatch():
     rank = hp.rank()
-    with pytest.raises(hp.MismatchError, match=r"rank 2: shape=\(5,\) dtype=float64"):
+    with ranks_agree(), pytest.raises(hp.MismatchError, match=r"rank 2: shape=\(5,\) dtype=float64"):
         hp.allreduce_(torch.ones(5, dtype=torch.float64 if rank == 2 else torch.float32))
-    with pytest.raises(hp.MismatchError, match=r"rank 0: shape=\(5,\) dtype=float32 op=Sum; rank 1: .* op=Max"):
+    with ranks_agree(), pytest.raises(
+            hp.MismatchError, match=r"rank 0: shape=\(5,\) dtype=float32 op=Sum; rank 1: .* op=Max"):
         hp.allreduce(torch.ones(5), op=hp.Sum if rank != 1 else hp.Max)
 
 
 def test_unsupported_dtype_on_one_rank_raises_there_and_is_a_mismatch_elsewhere():
     rank = hp.rank()
     error = TypeError if rank == 1 else hp.MismatchError
-    with pytest.raises(error, match=r"dtype torch.uint8 cannot be reduced"):
+    with ranks_agree(), pytest.raises(error, match=r"dtype torch.uint8 cannot be reduced"):
         hp.allreduce(torch.ones(3, dtype=torch.uint8 if rank == 1 else torch.float32))
 
 
 def test_unsupported_dtype_everywhere_is_a_type_error():
-    with pytest.raises(TypeError, match=r"dtype torch.bool cannot be reduced \(use one of float32, float64"):
+    with ranks_agree(), pytest.raises(
+            TypeError, match=r"dtype torch.bool cannot be reduced \(use one of float32, float64"):
         hp.allreduce(torch.ones(3, dtype=torch.bool))
 
 
 def test_not_a_tensor_and_bad_op_and_bad_group():
-    with pytest.raises(TypeError, match=r"hp.allreduce takes a torch.Tensor or numpy.ndarray, got list"):
+    with ranks_agree(), pytest.raises(
+            TypeError, match=r"hp.allreduce takes a torch.Tensor or numpy.ndarray, got list"):
         hp.allreduce([1.0, 2.0])
-    with pytest.raises(TypeError, match=r"op must be hp.Sum, hp.Average, hp.Min or hp.Max, got 'sum'"):
+    with ranks_agree(), pytest.raises(
+            TypeError, match=r"op must be hp.Sum, hp.Average, hp.Min or hp.Max, got 'sum'"):
         hp.allreduce(torch.ones(2), op="sum")
-    with pytest.raises(ValueError, match=r"unknown group 'rows' \(use None/'world', 'data', 'pipe'"):
+    with ranks_agree(), pytest.raises(
+            ValueError, match=r"unknown group 'rows' \(use None/'world', 'data', 'pipe'"):
         hp.allreduce(torch.ones(2), group="rows")
-    with pytest.raises(TypeError, match=r"group must be None, 'world', 'data', 'pipe' or an mpi4py"):
+    with ranks_agree(), pytest.raises(
+            TypeError, match=r"group must be None, 'world', 'data', 'pipe' or an mpi4py"):
         hp.barrier(group=3)
 
 
 def test_grouped_list_mismatch_names_the_tensor():
     rank = hp.rank()
     tensors = [torch.ones(4), torch.ones(2, 2), torch.ones(3 if rank != 2 else 4)]
-    with pytest.raises(hp.MismatchError) as error:
-        hp.grouped_allreduce(tensors)
-    message = str(error.value)
-    assert "tensor 2: rank 0: shape=(3,) dtype=float32; rank 1: shape=(3,) dtype=float32; " \
-           "rank 2: shape=(4,) dtype=float32" in message
+    with ranks_agree(what="a tensor's shape"):
+        with pytest.raises(hp.MismatchError) as error:
+            hp.grouped_allreduce(tensors)
+        assert "tensor 2: rank 0: shape=(3,) dtype=float32; rank 1: shape=(3,) dtype=float32; " \
+               "rank 2: shape=(4,) dtype=float32" in str(error.value)
     shorter = tensors[:2] if rank == 0 else tensors
-    with pytest.raises(hp.MismatchError, match=r"tensor 2: rank 0: \(no tensor\)"):
+    with ranks_agree(), pytest.raises(hp.MismatchError, match=r"tensor 2: rank 0: \(no tensor\)"):
         hp.grouped_allreduce(shorter)
 
 
 def test_broadcast_root_mismatch_and_out_of_range():
     rank = hp.rank()
-    with pytest.raises(hp.MismatchError, match=r"rank 0: root_rank=0 .*rank 1: root_rank=1"):
+    with ranks_agree(), pytest.raises(hp.MismatchError, match=r"rank 0: root_rank=0 .*rank 1: root_rank=1"):
         hp.broadcast(torch.ones(2), root_rank=min(rank, 1))
-    with pytest.raises(ValueError, match=r"root_rank 5 is not a rank of a group of 3 \(use 0..2\)"):
+    with ranks_agree(), pytest.raises(
+            ValueError, match=r"root_rank 5 is not a rank of a group of 3 \(use 0..2\)"):
         hp.broadcast(torch.ones(2), root_rank=5)
 
 
 def test_allgather_trailing_mismatch_and_scalar():
     rank = hp.rank()
-    with pytest.raises(hp.MismatchError, match=r"rank 1: first dim 2, then \(4,\) float32"):
+    with ranks_agree(), pytest.raises(hp.MismatchError, match=r"rank 1: first dim 2, then \(4,\) float32"):
         hp.allgather(torch.ones(2, 3 if rank != 1 else 4))
-    with pytest.raises(ValueError, match=r"allgather needs a tensor with at least one dimension"):
+    with ranks_agree(), pytest.raises(
+            ValueError, match=r"allgather needs a tensor with at least one dimension"):
         hp.allgather(torch.tensor(1.0))
 
 
 def test_mpi_failure_in_cpp_names_rank_call_and_error_string():
-    with pytest.raises(hp.MPIError) as error:
-        _ext.core().allreduce(0, 0, 4, 0, 0, MPI.COMM_NULL.py2f(), _ext.core().AllreduceOptions())
-    message = str(error.value)
-    assert f"rank {hp.rank()}: MPI_Comm_rank failed with error code" in message
-    assert "MPI_ERR_COMM" in message or "invalid communicator" in message
-    assert hp.allreduce(np.ones(3), op=hp.Sum).tolist() == [3.0] * 3  # the rank is still healthy
+    with ranks_agree(what="MPI_COMM_NULL"):
+        with pytest.raises(hp.MPIError) as error:
+            _ext.core().allreduce(0, 0, 4, 0, 0, MPI.COMM_NULL.py2f(), _ext.core().AllreduceOptions())
+        message = str(error.value)
+        assert f"rank {hp.rank()}: MPI_Comm_rank failed with error code" in message
+        assert "MPI_ERR_COMM" in message or "invalid communicator" in message
+    with ranks_agree(what="afterwards"):
+        assert hp.allreduce(np.ones(3), op=hp.Sum).tolist() == [3.0] * 3  # the rank is still healthy
 
 
 # ------------------------------------------------------------------ a bad argument on one rank only
@@ -110,14 +125,16 @@ def _one_rank_refuses(call, good, bad, error, pattern, bad_rank=1):
     (its own check), every other rank a MismatchError naming the bad rank and its error — within seconds,
     not after the 300 s timeout — and a collective afterwards works on every rank."""
     start = time.monotonic()
-    if hp.rank() == bad_rank:
-        with pytest.raises(error, match=pattern):
-            call(bad)
-    else:
-        with pytest.raises(hp.MismatchError, match=rf"rank {bad_rank} raised {error.__name__}: .*{pattern}"):
-            call(good)
-    assert time.monotonic() - start < 10
-    assert hp.allreduce(torch.ones(2), op=hp.Sum).tolist() == [3.0, 3.0]
+    with ranks_agree(what=f"{pattern} on rank {bad_rank}"):
+        if hp.rank() == bad_rank:
+            with pytest.raises(error, match=pattern):
+                call(bad)
+        else:
+            with pytest.raises(hp.MismatchError, match=rf"rank {bad_rank} raised {error.__name__}: .*{pattern}"):
+                call(good)
+        assert time.monotonic() - start < 10
+    with ranks_agree(what=f"afterwards ({pattern})"):
+        assert hp.allreduce(torch.ones(2), op=hp.Sum).tolist() == [3.0, 3.0]
 
 
 def test_sync_collectives_with_a_bad_argument_on_one_rank_raise_everywhere():
@@ -177,11 +194,15 @@ class _RecordingComm(MPI.Intracomm):
 def test_a_user_communicator_is_duplicated_on_the_communication_thread():
     halves = MPI.COMM_WORLD.Split(hp.rank() % 2, hp.rank())
     user = _RecordingComm(halves)
-    assert hp.allreduce(torch.ones(2), op=hp.Sum, group=user).tolist() == [float(halves.size)] * 2
-    assert hp.allreduce_async_(torch.ones(2), op=hp.Sum, group=user, name="user").wait().tolist() == \
-        [float(halves.size)] * 2
-    assert _RecordingComm.threads == [False]  # once, and not on the calling (main) thread
-    halves.Free()
+    try:
+        with ranks_agree():
+            summed = hp.allreduce(torch.ones(2), op=hp.Sum, group=user)
+            waited = hp.allreduce_async_(torch.ones(2), op=hp.Sum, group=user, name="user").wait()
+            assert summed.tolist() == [float(halves.size)] * 2
+            assert waited.tolist() == [float(halves.size)] * 2
+            assert _RecordingComm.threads == [False]  # once, and not on the calling (main) thread
+    finally:
+        halves.Free()
 
 
 def test_a_tensor_on_another_device_on_one_rank_is_a_mismatch_on_the_engine():
@@ -190,17 +211,19 @@ def test_a_tensor_on_another_device_on_one_rank_is_a_mismatch_on_the_engine():
     x = torch.ones(3)
     handle = state.engine.submit(state.engine_group(None, "test"), "device.check", x.data_ptr(), 3, 0, 0,
                                  1 if hp.rank() == 1 else 0)
-    error, _, _, kind, _ = state.engine.wait(handle)
-    assert kind == _ext.core().ErrorKind.Mismatch
-    assert "rank 0: count=3 dtype=float32 op=Sum; rank 1: count=3 dtype=float32 op=Sum device=cuda" in error
+    with ranks_agree():
+        error, _, _, kind, _ = state.engine.wait(handle)
+        assert kind == _ext.core().ErrorKind.Mismatch
+        assert "rank 0: count=3 dtype=float32 op=Sum; rank 1: count=3 dtype=float32 op=Sum device=cuda" in error
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_cpu_tensor_where_another_rank_passes_a_gpu_tensor_raises_everywhere():
     x = torch.ones(4, device="cuda" if hp.rank() == 0 else "cpu")
-    with pytest.raises(hp.MismatchError, match=r"rank 0: shape=\(4,\) dtype=float32 device=cuda"):
+    with ranks_agree(), pytest.raises(
+            hp.MismatchError, match=r"rank 0: shape=\(4,\) dtype=float32 device=cuda"):
         hp.allreduce(x)
-    with pytest.raises(hp.MismatchError, match=r"device=cuda"):
+    with ranks_agree(), pytest.raises(hp.MismatchError, match=r"device=cuda"):
         hp.allreduce_async_(x, name="devices").wait()
-    with pytest.raises(hp.MismatchError, match=r"device=cuda"):
+    with ranks_agree(), pytest.raises(hp.MismatchError, match=r"device=cuda"):
         hp.allgather(x)
