@@ -84,6 +84,13 @@ def _gpu_allreduce(text: str, name: str) -> str:
     return value
 
 
+def _join_average(text: str, name: str) -> str:
+    value = text.strip().lower()
+    if value not in ("size", "contributors"):
+        raise HybridPipeError(f"{name}={text!r} is not size or contributors")
+    return value
+
+
 def _non_negative_float(text: str, name: str) -> float:
     try:
         value = float(text)
@@ -174,6 +181,9 @@ class Config:
         gpu_allreduce: who reduces CUDA buffers in blocking and grouped allreduces: "nccl" (NCCL through
             cupy, an error where it cannot run), "mpi" (MPI: cuda-aware or staged), "auto" (NCCL where cupy
             has it and every rank of the group has a GPU of its own, else MPI) (HYBRIDPIPE_GPU_ALLREDUCE).
+        join_average: what an ``hp.Average`` allreduce divides by while some ranks of its group are in ``hp.join()``
+            (they contribute zeros): "size", the group's size, as Horovod does; "contributors", the ranks that
+            contributed, the mean over the ranks that still have data (HYBRIDPIPE_JOIN_AVERAGE).
     """
 
     fusion_threshold_bytes: int = 4 * 1024 * 1024
@@ -204,6 +214,7 @@ class Config:
     gpu_allreduce: str = "auto"
     check_batches: bool = True
     check_finite: bool = False
+    join_average: str = "size"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Config":
@@ -241,6 +252,7 @@ class Config:
             ("HYBRIDPIPE_GPU_ALLREDUCE", "gpu_allreduce", _gpu_allreduce),
             ("HYBRIDPIPE_CHECK_BATCHES", "check_batches", _switch),
             ("HYBRIDPIPE_CHECK_FINITE", "check_finite", _switch),
+            ("HYBRIDPIPE_JOIN_AVERAGE", "join_average", _join_average),
         ):
             if env.get(name, "").strip():
                 values[field] = parse(env[name], name)
@@ -270,6 +282,8 @@ class Config:
             raise HybridPipeError(f"gpu_allreduce={self.gpu_allreduce!r} must be 'nccl', 'mpi' or 'auto'")
         if self.cuda_aware_mpi not in ("auto", "1", "0"):
             raise HybridPipeError(f"cuda_aware_mpi={self.cuda_aware_mpi!r} must be 'auto', '1' or '0'")
+        if self.join_average not in ("size", "contributors"):
+            raise HybridPipeError(f"join_average={self.join_average!r} must be 'size' (Horovod's) or 'contributors'")
         if self.hierarchical not in ("auto", "1", "0"):
             raise HybridPipeError(f"hierarchical={self.hierarchical!r} must be 'auto', '1' or '0'")
         if self.timeout_seconds < 0:

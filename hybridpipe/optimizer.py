@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -95,6 +96,14 @@ def _target(group: Any, process_set: Any, function: str) -> Any:
     if process_set is None:
         return _DEFAULT_GROUP if group is None else group
     return context.resolve_group(group, process_set, function)
+
+
+def _outside_process_set(group: Any, function: str) -> bool:
+    """Whether ``group`` is a registered process set that this rank is not in (an unregistered one raises)."""
+    if not isinstance(group, ProcessSet) or group.included() is not False:
+        return False
+    context.current(function).process_sets.entry_of(group, function)
+    return True
 
 
 def _check_compression(compression: Any) -> None:
@@ -219,12 +228,24 @@ class _DistributedOptimizerMixin:
         self._hp_ready: dict[int, set[str]] = {}
         self._hp_by_name = dict(self._hp_parameters)
         running = context.current("DistributedOptimizer")
-        running.check_group(group, "DistributedOptimizer")
+        # a rank outside the process set builds and steps it as Horovod's does: a local optimizer that reduces
+        # nothing (its gradients stay its own); the set must still be registered
+        self._hp_outside = _outside_process_set(group, "DistributedOptimizer")
+        if not self._hp_outside:
+            running.check_group(group, "DistributedOptimizer")
         # names its has-gradient agreement on the engine: every rank creates its optimizers in the same order
+        # (an outside rank counts its optimizer too, so that the later ones keep the same names everywhere)
         self._hp_prefix = f"hybridpipe.DistributedOptimizer{running.sequence('optimizer') + 1}"
         self._hp_flags_name = f"{self._hp_prefix}.has_grad"
-        self._hp_hooks = [parameter.register_post_accumulate_grad_hook(self._hp_hook(name))
-                          for name, parameter in self._hp_parameters if parameter.requires_grad]
+        self._hp_hooks = [] if self._hp_outside else [
+            parameter.register_post_accumulate_grad_hook(self._hp_hook(name))
+            for name, parameter in self._hp_parameters if parameter.requires_grad]
+
+    @property
+    def _parameter_names(self) -> dict[torch.nn.Parameter, str]:
+        """Horovod's map from each parameter to the name its gradient is reduced under (``named_parameters``'
+        names, or ``param.<i>`` in the optimizer's parameter order when none were given)."""
+        return {parameter: name for name, parameter in self._hp_parameters}
 
     def _hp_hook(self, name: str) -> Any:
         def hook(parameter: torch.nn.Parameter) -> None:
@@ -291,6 +312,9 @@ class _DistributedOptimizerMixin:
             with opt.skip_synchronize():
                 opt.step()
         """
+        if self._hp_outside:  # this rank is not in the process set: its own gradients, as in Horovod
+            self._hp_synchronized = True
+            return
         parameters = self._hp_parameters
         if parameters:  # which parameters have a gradient anywhere: the same answer on every rank
             flags = torch.tensor([name in self._hp_submitted or p.grad is not None for name, p in parameters],
@@ -327,9 +351,12 @@ class _DistributedOptimizerMixin:
                     continue
                 result = self._hp_compression.decompress(wire, ctx)
                 grad = parameter.grad
-                if grad.is_sparse:  # sparse_as_dense: the dense sum replaces the sparse gradient
-                    parameter.grad = grad = result
-                elif result.data_ptr() != grad.data_ptr():
+                if grad.is_sparse:  # sparse_as_dense: the dense sum goes back into the gradient's sparse layout,
+                    if self._hp_passes > 1 and result.is_floating_point():  # as Horovod (SparseAdam needs it)
+                        result = result / self._hp_passes
+                    parameter.grad = result.to_sparse(grad.sparse_dim())
+                    continue
+                if result.data_ptr() != grad.data_ptr():
                     grad.copy_(result)
                 if self._hp_passes > 1 and grad.is_floating_point():
                     grad.div_(self._hp_passes)
@@ -356,6 +383,11 @@ class _DistributedOptimizerMixin:
                                   "gradients would not be averaged over ranks; call backward, then step()")
         if not self._hp_skip and not self._hp_synchronized:
             self.synchronize()
+        elif not self._hp_skip:
+            warnings.warn("hp.DistributedOptimizer: optimizer.step() called without optimizer.skip_synchronize() "
+                          "after optimizer.synchronize(): the gradients were reduced already and are not reduced "
+                          "again; step inside `with optimizer.skip_synchronize():` to say so", UserWarning,
+                          stacklevel=2)
         elif self._hp_skip and not self._hp_synchronized:
             raise HybridPipeError("step() inside skip_synchronize() but synchronize() was not called this "
                                   "step: call opt.synchronize() first")
@@ -436,6 +468,12 @@ def DistributedOptimizer(  # noqa: N802 — Horovod's spelling, a factory that r
         # already weighted for the whole mini-batch, so the replicas' gradients add up to the mini-batch's
         op = Sum
     level = zero_module.check_level(zero)
+    if level and _outside_process_set(group, "DistributedOptimizer"):
+        rank = context.current("DistributedOptimizer").grid.rank
+        raise ValueError(f"hp.DistributedOptimizer(zero={zero}): rank {rank} is not in the process set (ranks "
+                         f"{group.ranks}): ZeRO shards the optimizer state over the "
+                         "set's ranks, so only they build it; pass zero=0 here (a rank outside the set then steps "
+                         "with its own gradients, as Horovod's optimizer does)")
     for group_ in optimizer.param_groups:
         owner = next((ref() for p in group_["params"] if (ref := getattr(p, "_hybridpipe_owner", None)) is not None
                       and ref() is not None), None)
@@ -535,8 +573,13 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     as a tensor ``lr``) ``root_rank``'s.
 
     The state dict is broadcast as one pickled object, then loaded; tensors keep their dtype and move to
-    each parameter's device. ``model`` and ``prefix`` are accepted for Horovod's signature and not needed
-    (the state dict carries everything). ``root_rank``: as in :func:`broadcast_parameters`.
+    each parameter's device. ``prefix`` is accepted for Horovod's signature and not needed (the state dict
+    carries everything). ``root_rank``: as in :func:`broadcast_parameters`.
+
+    When root's optimizer has no state yet (it has not stepped), every trainable parameter without a gradient
+    gets a zero one, as Horovod leaves them (sparse for ``torch.optim.SparseAdam`` and for the
+    ``nn.Embedding(sparse=True)`` modules of ``model``); unlike Horovod, the optimizer is not stepped to create
+    its state, so the parameters and the step counts do not move.
 
     A ZeRO optimizer (``zero=1|2``) keeps each replica's own shard of the moments (the shards together are
     the state): only its hyper-parameters are made root's.
@@ -558,6 +601,25 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         return
     state = broadcast_object(optimizer.state_dict() if me == root else None, source, group=target)
     optimizer.load_state_dict(state)
+    if not state["state"]:
+        _zero_missing_gradients(optimizer, model)
+
+
+def _zero_missing_gradients(optimizer: torch.optim.Optimizer, model: Any) -> None:
+    """Horovod's broadcast_optimizer_state leaves every trainable parameter of a fresh optimizer with a gradient
+    (zeros; sparse ones for SparseAdam and for the sparse embeddings of ``model``), so code that reads or
+    broadcasts ``p.grad`` right after it finds tensors. Gradients already there are kept. Horovod also steps the
+    optimizer once at these zero gradients to create its state; here the state dict travels whole, so nothing
+    is stepped (weight decay does not move the parameters, Adam's step count stays 0)."""
+    sparse = {id(p) for module in (model.modules() if isinstance(model, torch.nn.Module) else ())
+              if isinstance(module, torch.nn.Embedding) and module.sparse for p in module.parameters()}
+    for group_ in optimizer.param_groups:
+        for parameter in group_["params"]:
+            if parameter.requires_grad and parameter.grad is None:
+                zeros = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+                if isinstance(optimizer, torch.optim.SparseAdam) or id(parameter) in sparse:
+                    zeros = zeros.to_sparse(1) if zeros.dim() else zeros
+                parameter.grad = zeros
 
 
 # ------------------------------------------------------------------ clipping

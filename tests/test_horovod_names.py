@@ -101,3 +101,27 @@ def test_calls_that_need_init_say_so():
                  lambda: hvd.allgather_async(torch.ones(1)), lambda: hvd.ProcessSet([0]).included()):
         with pytest.raises(hvd.NotInitializedError, match=r"before hp.init\(\); call hp.init\(\) first"):
             call()
+
+
+def test_join_average_setting_defaults_to_horovods_group_size():
+    assert hvd.Config().join_average == "size" and hvd.Config.from_env({}).join_average == "size"
+    assert hvd.Config.from_env({"HYBRIDPIPE_JOIN_AVERAGE": " Contributors "}).join_average == "contributors"
+    with pytest.raises(hvd.HybridPipeError, match=r"HYBRIDPIPE_JOIN_AVERAGE='ranks' is not size or contributors"):
+        hvd.Config.from_env({"HYBRIDPIPE_JOIN_AVERAGE": "ranks"})
+    with pytest.raises(hvd.HybridPipeError, match=r"join_average='all' must be 'size' \(Horovod's\) or 'contributors'"):
+        hvd.Config(join_average="all").validated()
+
+
+def test_divide_is_exact_for_integers_and_truncates_toward_zero():
+    from hybridpipe.comm import buffers
+
+    # 49 * (1 / 49) is 0.999... in float64: multiplying by the reciprocal would truncate it to 0
+    ints = torch.tensor([49, -49, 98, -50, 7], dtype=torch.int64)
+    buffers.divide_(ints, 49)
+    assert ints.tolist() == [1, -1, 2, -1, 0]
+    array = np.array([49, -49, -50, 7], dtype=np.int32)
+    buffers.divide_(array, 49)
+    assert array.tolist() == [1, -1, -1, 0] and array.dtype == np.int32
+    floats = torch.tensor([1.0, -3.0], dtype=torch.float32)
+    buffers.divide_(floats, 2)
+    assert floats.tolist() == [0.5, -1.5]

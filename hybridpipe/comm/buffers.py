@@ -221,6 +221,22 @@ def scale_(x: Any, factor: float) -> None:
         x[...] = np.trunc(x * factor).astype(x.dtype)
 
 
+def divide_(x: Any, divisor: int) -> None:
+    """Divides a tensor/array by a positive int in place (integers: the exact quotient truncated toward zero,
+    which multiplying by ``1 / divisor`` in floating point can miss by one)."""
+    if divisor == 1 or count(x) == 0 or dtype_code(x) == UNSUPPORTED:
+        return
+    if is_tensor(x):
+        if x.is_floating_point():
+            x.div_(divisor)
+        else:
+            x.div_(divisor, rounding_mode="trunc")
+    elif np.issubdtype(x.dtype, np.floating):
+        x /= x.dtype.type(divisor)
+    else:
+        x[...] = np.sign(x) * (np.abs(x) // divisor)
+
+
 def numpy_view(x: Any) -> np.ndarray:
     """A contiguous host tensor as a numpy array sharing its memory (arrays as they are)."""
     return x.numpy() if is_tensor(x) else x

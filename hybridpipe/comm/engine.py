@@ -67,8 +67,9 @@ def _submit(tensor: Any, average: Any, name: str | None, op: Any, prescale: Any,
 
     def finish() -> Any:
         contributors = submitted[0].contributors
-        if contributors and op == Average:  # ranks had joined: the engine summed; average over the contributors
-            buffers.scale_(work, 1.0 / contributors)
+        if contributors and op == Average:  # ranks had joined (zeros from them): the engine summed
+            buffers.divide_(work, contributors if state.config.join_average == "contributors"
+                            else state.group_size(group, function))
         buffers.scale_(work, postscale)
         if on_device:  # the engine wrote `work` on the GPU and synchronized before it completed the handle
             if back is not None:
@@ -228,8 +229,9 @@ def grouped_allreduce_async_(tensors: Sequence[Any], average: Any = None, name: 
 def join(device: int = -1, process_set: Any = None, group: Any = None) -> int:
     """Horovod's join: this rank has run out of data. Blocks until every rank of the group has joined; until
     then this rank takes part in the others' allreduces (``hp.allreduce``, ``hp.allreduce_async`` & co.,
-    ``hp.DistributedOptimizer``'s) with zeros, and an ``hp.Average`` among them divides by the ranks that
-    contributed. Other collectives raise on the ranks that did not join meanwhile.
+    ``hp.DistributedOptimizer``'s) with zeros, and an ``hp.Average`` among them divides by the group's size, as
+    Horovod does (with ``HYBRIDPIPE_JOIN_AVERAGE=contributors``: by the ranks that contributed). Other
+    collectives raise on the ranks that did not join meanwhile.
 
     Args:
         device: accepted for Horovod's signature (-1: any); tensors are reduced in host memory.

@@ -454,7 +454,8 @@ def grouped_reducescatter_async(tensors: Sequence[Any], name: str | None = None,
 
 class SparseHandle:
     """The handle of :func:`sparse_allreduce_async`: two allgathers (indices, values) finished into one sparse
-    tensor. ``wait()`` / ``hp.synchronize`` return it; ``poll()`` never blocks."""
+    tensor. ``wait()``, ``hp.synchronize(handle)`` and calling it, ``handle()`` (Horovod's sparse handle is a
+    function), return it; ``poll()`` never blocks."""
 
     def __init__(self, indices: context.Handle, values: context.Handle, finish: Any, name: str) -> None:
         self._indices, self._values, self._finish, self.name = indices, values, finish, name
@@ -470,6 +471,10 @@ class SparseHandle:
             indices = self._indices.wait()
             self._result, self._done = self._finish(indices, values), True
         return self._result
+
+    def __call__(self) -> Any:
+        """``wait()``: Horovod's ``sparse_allreduce_async`` returns a function that gives the result."""
+        return self.wait()
 
     def __repr__(self) -> str:
         return f"<hp.SparseHandle {self.name!r} {'done' if self._done else 'in flight'}>"
@@ -488,7 +493,7 @@ def sparse_allreduce_async(tensor: Any, name: str | None = None, op: Any = Avera
         process_set, group: as in :func:`~hybridpipe.allreduce`.
 
     Returns:
-        A handle; ``hp.synchronize(handle)`` returns the sparse result.
+        A handle; ``hp.synchronize(handle)``, ``handle.wait()`` or ``handle()`` return the sparse result.
     """
     function = "sparse_allreduce_async"
     with refusing(function, "allgather", group, process_set, name, asynchronous=True):
