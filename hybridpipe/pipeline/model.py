@@ -67,6 +67,7 @@ from hybridpipe.pipeline.schedule import (
     AsyncStream,
     async_schedule,
     replica_schedule,
+    replica_streams,
     canonical_name,
     get_schedule,
     peak_in_flight,
@@ -210,7 +211,7 @@ class PipelineModel(nn.Module):
         self.asynchronous = name in ASYNCHRONOUS
         self._check_schedule_options(name, stages, micro_batches, virtual_stages, optimizer, vertical_sync)
         if not grid.uniform:
-            self._check_stage_replicas(grid, name, virtual_stages)
+            self._check_stage_replicas(grid, name, virtual_stages, micro_batches, vertical_sync)
         if not self.asynchronous:
             get_schedule(name, stages, micro_batches, virtual_stages)  # size conditions → ScheduleError
         object.__setattr__(self, "loss_fn", loss_fn)  # not a submodule: no keys in state_dict
@@ -279,12 +280,18 @@ class PipelineModel(nn.Module):
             self._split.plan.trace.unit_outputs.clear()
 
     @staticmethod
-    def _check_stage_replicas(grid: runtime.Grid, name: str, virtual_stages: int) -> None:
+    def _check_stage_replicas(grid: runtime.Grid, name: str, virtual_stages: int, micro_batches: int,
+                              vertical_sync: bool) -> None:
         """What a grid with its own replica count per stage (``hp.init(stage_replicas=...)``) runs."""
         where = f"stage_replicas {list(grid.stage_replicas)} ({grid.config})"
-        if name not in ("gpipe", "1f1b"):
-            raise HybridPipeError(f"schedule {name!r} does not run on a grid with {where}: use 'gpipe' or '1f1b', or "
-                                  "a uniform grid (hp.init(pipeline_stages=...))")
+        if name not in ("gpipe", "1f1b", "pipedream"):
+            raise HybridPipeError(f"schedule {name!r} does not run on a grid with {where}: use 'gpipe', '1f1b' or "
+                                  "'pipedream', or a uniform grid (hp.init(pipeline_stages=...))")
+        if name == "pipedream":
+            if vertical_sync:
+                raise HybridPipeError(f"vertical_sync=True does not run on a grid with {where} (a stage's replicas "
+                                      "update together, round by round); leave it out, or use a uniform grid")
+            replica_streams(name, grid.stage_replicas, micro_batches)  # micro_batches a multiple of every count
         if virtual_stages != 1:
             raise HybridPipeError(f"virtual_stages={virtual_stages} does not run on a grid with {where}: use "
                                   "virtual_stages=1, or a uniform grid")
@@ -419,7 +426,8 @@ class PipelineModel(nn.Module):
         self.optimizer = optimizer
         validate(async_schedule(name, self.stages, self.micro_batches, steps=2), self.stages,
                  2 * self.micro_batches)
-        self._stream = AsyncStream(name, self.stages, self.stage, self.micro_batches)
+        self._stream = AsyncStream(name, self.stages, self.stage, self.micro_batches) if self.grid.uniform else \
+            replica_streams(name, self.grid.stage_replicas, self.micro_batches)[(self.stage, self.grid.replica)]
         self._executor.use_weight_stash(name, self.vertical_sync, self.micro_batches)
         self._executor.on_update = self._apply_update
         self._updating = False
@@ -778,7 +786,7 @@ class PipelineModel(nn.Module):
         finally:
             self._updating = False
         self.optimizer.zero_grad(set_to_none=True)
-        self._executor.chunks[stage].stash.updated(self._stream.next_forward)
+        self._executor.chunks[stage].stash.updated(self._stream.next_forward_id)
 
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:

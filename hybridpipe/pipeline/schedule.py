@@ -30,9 +30,11 @@ Design reasons:
 from __future__ import annotations
 
 import enum
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from hybridpipe.errors import ScheduleError
 
@@ -42,6 +44,7 @@ __all__ = [
     "Schedule",
     "TimedAction",
     "replica_schedule",
+    "replica_streams",
     "Timeline",
     "SCHEDULE_NAMES",
     "SYNCHRONOUS",
@@ -368,22 +371,33 @@ class AsyncStream:
     began. ``"pipedream"`` follows every backward with an update (``U``) of the stage;
     ``"2bw"`` updates once per mini-batch, after the backward of its last micro-batch.
 
+    With ``replicas`` (stages with their own replica counts, ``"pipedream"`` only): the stream of replica
+    ``replica`` of a stage with ``replicas`` replicas, which runs micro-batches ``replica, replica +
+    replicas, ...`` with room for ``room`` of them in flight; each ``U`` is one round of the stage (its
+    replicas' updates meet in one allreduce: the round's ``replicas`` micro-batches averaged).
+
     :meth:`segment` is one ``train_step``: it runs until the next forward would need a
     micro-batch that has not been given yet. :meth:`drain` is ``flush()``: the backwards (and
     updates) of everything in flight.
     """
 
-    def __init__(self, name: str, stages: int, stage: int, micro_batches: int) -> None:
+    def __init__(self, name: str, stages: int, stage: int, micro_batches: int, replicas: int = 1, replica: int = 0,
+                 room: int | None = None) -> None:
         if name not in ASYNCHRONOUS:
             raise ScheduleError(f"{name!r} is not an asynchronous schedule (use one of {', '.join(ASYNCHRONOUS)})")
         _check_sizes(stages, micro_batches)
         self.name, self.stages, self.stage, self.micro_batches = name, stages, stage, micro_batches
-        self.in_flight_limit = stages - stage
-        self.next_forward = 0
+        self.replicas, self.replica = replicas, replica
+        self.in_flight_limit = stages - stage if room is None else room
+        self.next_forward = 0   # of this replica's micro-batches: the next one's position (micro_batch() is its id)
         self.next_backward = 0
 
+    def micro_batch(self, position: int) -> int:
+        """The id of this replica's ``position``-th micro-batch."""
+        return position * self.replicas + self.replica
+
     def _backward(self) -> list[Action]:
-        m = self.next_backward
+        m = self.micro_batch(self.next_backward)
         self.next_backward += 1
         actions = [_backward(self.stage, m)]
         if self.name == "pipedream" or (m + 1) % self.micro_batches == 0:
@@ -395,9 +409,9 @@ class AsyncStream:
         actions: list[Action] = []
         while True:
             if self.next_forward - self.next_backward < self.in_flight_limit:
-                if self.next_forward >= available:
+                if self.micro_batch(self.next_forward) >= available:
                     return actions
-                actions.append(_forward(self.stage, self.next_forward))
+                actions.append(_forward(self.stage, self.micro_batch(self.next_forward)))
                 self.next_forward += 1
             else:
                 actions.extend(self._backward())
@@ -408,6 +422,31 @@ class AsyncStream:
         while self.next_backward < self.next_forward:
             actions.extend(self._backward())
         return actions
+
+    @property
+    def next_forward_id(self) -> int:
+        """The id of the next micro-batch this replica will forward (2BW's version rule)."""
+        return self.micro_batch(self.next_forward)
+
+
+def replica_streams(name: str, stage_replicas: Sequence[int], micro_batches: int) -> dict[tuple[int, int], AsyncStream]:
+    """The asynchronous streams of a grid whose stages have their own replica counts, keyed by ``(stage, replica)``:
+    each replica with room for ``ceil((R_s + ... + R_{P-1}) / R_s)`` micro-batches in flight (as
+    :func:`replica_schedule`'s 1F1B). ``"pipedream"`` only, and ``micro_batches`` a multiple of every count (each
+    ``train_step`` then brings whole rounds)."""
+    counts = list(stage_replicas)
+    if name != "pipedream":
+        raise ScheduleError(f"schedule {name!r} does not run on stages with their own replica counts; the asynchronous "
+                            "one that does is 'pipedream'")
+    uneven = [c for c in counts if micro_batches % c]
+    if uneven:
+        raise ScheduleError(f"'pipedream' on stages with replica counts {counts} needs micro_batches a multiple of "
+                            f"every count (each update averages one micro-batch from each replica of the stage); "
+                            f"{micro_batches} is not a multiple of {uneven[0]}: use e.g. "
+                            f"{math.lcm(*counts) * max(1, micro_batches // math.lcm(*counts))}")
+    return {(s, r): AsyncStream(name, len(counts), s, micro_batches, replicas=count, replica=r,
+                                room=-(-sum(counts[s:]) // count))
+            for s, count in enumerate(counts) for r in range(count)}
 
 
 def async_schedule(name: str, stages: int, micro_batches: int, steps: int = 2, flush: bool = True) -> Schedule:
@@ -556,7 +595,8 @@ Duration = float | Callable[[Action], float]
 
 def simulate(schedule: Schedule, forward_time: Duration = 1.0, backward_time: Duration = 2.0,
              weight_time: Duration | None = None, update_time: Duration = 0.0,
-             transfer_time: Duration = 0.0, placement: Callable[[int, int], int] | None = None) -> Timeline:
+             transfer_time: Duration = 0.0, placement: Callable[[int, int], int] | None = None,
+             together: Callable[[int, Action], tuple[Any, int] | None] | None = None) -> Timeline:
     """Run ``schedule`` on an idealised machine: fixed compute times, free communication.
 
     A rank runs its actions in order; each starts when the rank is free and its inputs exist
@@ -578,6 +618,9 @@ def simulate(schedule: Schedule, forward_time: Duration = 1.0, backward_time: Du
         placement: Which list runs (stage, micro-batch), for a schedule whose lists are not one per
             pipeline rank: the replicas of stages with their own replica counts, each list holding its
             micro-batches (default: the pipeline rank of the stage, :func:`stage_to_rank`).
+        together: For an action that several lists run as one collective (the ``U`` of a replicated stage's
+            replicas: one allreduce), ``(key, count)``: it starts on all ``count`` lists when the last of
+            them is ready for it; None for the others.
 
     Each time may also be a function of the action (the planner gives every stage its own).
 
@@ -600,6 +643,7 @@ def simulate(schedule: Schedule, forward_time: Duration = 1.0, backward_time: Du
     else:
         last_stage = max((a.stage for actions in schedule for a in actions), default=0)
     finished: dict[tuple[int, ActionKind | str, int], float] = {}
+    gathered: dict[Any, dict[int, float]] = {}  # together's key -> the lists ready for it, and when
     placed: list[list[TimedAction]] = [[] for _ in schedule]
     free_at = [0.0] * len(schedule)
     position = [0] * len(schedule)
@@ -615,6 +659,13 @@ def simulate(schedule: Schedule, forward_time: Duration = 1.0, backward_time: Du
                 arrivals = [finished[key] + (transfer(action) if placement(key[0], key[2]) != rank else 0.0)
                             for key in needs]
                 start = max([free_at[rank]] + arrivals)
+                group = together(rank, action) if together is not None else None
+                if group is not None:
+                    waiting = gathered.setdefault(group[0], {})
+                    waiting.setdefault(rank, start)
+                    if len(waiting) < group[1]:
+                        break
+                    start = max(waiting.values())
                 end = start + durations[action.kind](action)
                 finished.setdefault((action.stage, action.kind, action.micro_batch), end)
                 if action.kind in _GRADIENT_KINDS:

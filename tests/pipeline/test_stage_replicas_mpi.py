@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import hybridpipe as hp
-from hybridpipe.errors import GridError, HybridPipeError
+from hybridpipe.errors import GridError, HybridPipeError, ScheduleError
 from agree import ranks_agree
 
 pytestmark = pytest.mark.mpi(ranks=[4], timeout=240, shared=True)
@@ -228,5 +228,46 @@ def test_auto_builds_the_grid_of_a_plan_with_its_own_replica_counts():
             assert grid.stage_replicas == (3, 1) and model.plan.config == "3-1"
             check_against(model, reference)
         model.close()
+    finally:
+        hp.shutdown()
+
+
+@pytest.mark.parametrize("replicas,balance,micro_batches", [([3, 1], [4, 3], 6), ([1, 3], [3, 4], 3),
+                                                             ([2, 1, 1], [3, 2, 2], 4)])
+def test_pipedream_matches_its_one_process_replay(replicas, balance, micro_batches):
+    """PipeDream's 1F1B-RR: each replica its micro-batches, each stage's round of replicas one averaged update with
+    weight stashing; two train_steps and a flush against the replay (tests/pipeline/training.py)."""
+    from training import replay_pipedream_replicas
+
+    grid = hp.init(stage_replicas=replicas)
+    try:
+        factory = lambda parameters: torch.optim.SGD(parameters, lr=0.1, momentum=0.9)  # noqa: E731
+        model = hp.PipelineModel(list(mlp()), loss_fn=nn.functional.cross_entropy, micro_batches=micro_batches,
+                                 balance=balance, schedule="pipedream", optimizer=factory)
+        steps = batches(2, size=2 * micro_batches)
+        for inputs, targets in steps:
+            model.train_step(inputs, targets)
+        model.flush()
+        data = [(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2]) for x, y in steps for i in range(micro_batches)]
+        modules = replay_pipedream_replicas(mlp(), balance, replicas, data, nn.functional.cross_entropy, factory,
+                                            micro_batches)
+        want = {f"{sum(balance[:grid.stage]) + int(name.split('.')[0])}.{name.split('.', 1)[1]}": p
+                for name, p in modules[grid.stage].named_parameters()}
+        with ranks_agree():
+            for name, parameter in model.named_parameters():
+                torch.testing.assert_close(parameter, want[name.removeprefix("layers.")], rtol=1e-9, atol=1e-12,
+                                           msg=lambda text: f"{name}: {text}")
+        model.close()
+    finally:
+        hp.shutdown()
+
+
+def test_pipedream_needs_whole_rounds():
+    hp.init(stage_replicas=[3, 1])
+    try:
+        with ranks_agree():
+            with pytest.raises(ScheduleError, match=r"micro_batches a multiple of every count.*4 is not a multiple of 3: use e.g. 3"):
+                hp.PipelineModel(list(mlp()), loss_fn=nn.functional.cross_entropy, micro_batches=4, balance=[4, 3],
+                                 schedule="pipedream", optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     finally:
         hp.shutdown()

@@ -255,3 +255,72 @@ def two_bw_reference(model: nn.Module, batches_: list[tuple], loss_fn, factory) 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return model
+
+
+def replay_pipedream_replicas(layers: nn.Sequential, balance: list[int], counts: list[int], micro_batch_data: list[tuple],
+                              loss_fn, factory, micro_batches: int) -> list[nn.Module]:
+    """PipeDream on stages with their own replica counts, replayed in one process from the schedule's data.
+
+    Replica r of stage s runs micro-batches m ≡ r (mod R_s) (``schedule.replica_streams``, M per train_step, then a
+    flush). A stage's replicas hold the same weights: round k of stage s (its micro-batches kR_s .. kR_s + R_s − 1,
+    one per replica) is one update, with the mean of the round's gradients, each taken at the weight version its
+    forward used; a forward uses the stage's version at that point of the timeline (the replicas' lists simulated
+    with each round's updates as one collective).
+
+    Returns:
+        per stage: its live nn.Module slice after the run.
+    """
+    from hybridpipe.pipeline import schedule as sched
+    from hybridpipe.runtime import layout
+
+    stages = len(balance)
+    bounds = [sum(balance[:s]) for s in range(stages + 1)]
+    modules = [nn.Sequential(*[layers[i] for i in range(bounds[s], bounds[s + 1])]) for s in range(stages)]
+    optimizers = [factory(list(m.parameters())) for m in modules]
+    versions = [{0: _clone(dict(m.named_parameters()))} for m in modules]
+    count = [0] * stages
+    places = layout(tuple(counts))
+    where = {place: rank for rank, place in enumerate(places)}
+    streams = sched.replica_streams("pipedream", counts, micro_batches)
+    lists: dict[tuple[int, int], list] = {place: [] for place in places}
+    for step in range(len(micro_batch_data) // micro_batches):
+        for place in places:
+            lists[place] += streams[place].segment((step + 1) * micro_batches)
+    for place in places:
+        lists[place] += streams[place].drain()
+    timeline = sched.simulate([lists[place] for place in places],
+                              placement=lambda s, m: where[(s, m % counts[s])],
+                              together=lambda rank, a: ((a.stage, a.micro_batch // counts[a.stage]), counts[a.stage])
+                              if a.kind is sched.ActionKind.UPDATE else None)
+    assert all(blocked is None for blocked in timeline.blocked)
+    events = sorted((item.start, rank, position, item.action) for rank, items in enumerate(timeline.stages)
+                    for position, item in enumerate(items))
+    flight: dict[tuple[int, int], tuple] = {}
+    stepped: set[tuple[int, int]] = set()
+    for _, _, _, action in events:
+        s, m = action.stage, action.micro_batch
+        if action.kind is sched.ActionKind.FORWARD:
+            weights = {k: v.clone().requires_grad_(True) for k, v in versions[s][count[s]].items()}
+            x = micro_batch_data[m][0] if s == 0 else flight[(s - 1, m)][1].detach().requires_grad_(True)
+            y = torch.func.functional_call(modules[s], weights, (x,))
+            if s == stages - 1:
+                y = loss_fn(y, micro_batch_data[m][1])
+            flight[(s, m)] = (x, y, weights)
+        elif action.kind is sched.ActionKind.BACKWARD:
+            x, y, weights = flight[(s, m)]
+            if s == stages - 1:
+                y.backward()
+            else:
+                y.backward(flight[(s + 1, m)][0].grad)
+            for pname, parameter in modules[s].named_parameters():
+                grad = weights[pname].grad
+                parameter.grad = grad.clone() if parameter.grad is None else parameter.grad + grad
+        elif (s, m // counts[s]) not in stepped:  # the round's first U: its replicas' gradients, averaged
+            stepped.add((s, m // counts[s]))
+            for parameter in modules[s].parameters():
+                parameter.grad = parameter.grad / counts[s]
+            optimizers[s].step()
+            optimizers[s].zero_grad(set_to_none=True)
+            count[s] += 1
+            versions[s][count[s]] = _clone(dict(modules[s].named_parameters()))
+    return modules
