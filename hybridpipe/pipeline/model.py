@@ -62,10 +62,12 @@ from hybridpipe.pipeline import split as split_module
 from hybridpipe.pipeline.skip import skip_routes
 from hybridpipe.pipeline.tied import TiedWeights, check_schedule, find_ties, share_within_rank
 from hybridpipe.config import parse_bytes
+from hybridpipe.pipeline.schedule import spec as schedule_spec
 from hybridpipe.pipeline.schedule import (
     ASYNCHRONOUS,
     AsyncStream,
     async_schedule,
+    SCHEDULES,
     replica_schedule,
     replica_streams,
     canonical_name,
@@ -250,7 +252,7 @@ class PipelineModel(nn.Module):
         self._executor = StageExecutor(chunk_modules, self.stage, stages, self._comm, self.device, virtual_stages,
                                        replica_ranks)
         self._executor.use_skips(self.skip_routes)
-        if name == "zb-h1":
+        if schedule_spec(name).split_backward:
             self._executor.split_backward()
         # ties across ranks: sets of the holding ranks (collective over the grid), copies broadcast from the lowest
         self._tied: TiedWeights | None = None
@@ -284,10 +286,11 @@ class PipelineModel(nn.Module):
                               vertical_sync: bool) -> None:
         """What a grid with its own replica count per stage (``hp.init(stage_replicas=...)``) runs."""
         where = f"stage_replicas {list(grid.stage_replicas)} ({grid.config})"
-        if name not in ("gpipe", "1f1b", "pipedream"):
-            raise HybridPipeError(f"schedule {name!r} does not run on a grid with {where}: use 'gpipe', '1f1b' or "
-                                  "'pipedream', or a uniform grid (hp.init(pipeline_stages=...))")
-        if name == "pipedream":
+        if not schedule_spec(name).stage_replicas:
+            runs = ", ".join(repr(n) for n, s in SCHEDULES.items() if s.stage_replicas)
+            raise HybridPipeError(f"schedule {name!r} does not run on a grid with {where}: use one of {runs}, or a "
+                                  "uniform grid (hp.init(pipeline_stages=...))")
+        if schedule_spec(name).asynchronous:
             if vertical_sync:
                 raise HybridPipeError(f"vertical_sync=True does not run on a grid with {where} (a stage's replicas "
                                       "update together, round by round); leave it out, or use a uniform grid")
@@ -383,25 +386,28 @@ class PipelineModel(nn.Module):
     @staticmethod
     def _check_schedule_options(name: str, stages: int, micro_batches: int, virtual_stages: int, optimizer: Any,
                                 vertical_sync: bool) -> None:
-        if name == "interleaved-1f1b" and virtual_stages < 2:
-            raise HybridPipeError("schedule='interleaved-1f1b' needs virtual_stages >= 2 (chunks of layers per "
+        described = schedule_spec(name)
+        if described.chunks_per_rank and virtual_stages < 2:
+            raise HybridPipeError(f"schedule={name!r} needs virtual_stages >= 2 (chunks of layers per "
                                   "rank, e.g. virtual_stages=2); with one chunk per rank use schedule='1f1b'")
-        if name != "interleaved-1f1b" and virtual_stages != 1:
-            raise HybridPipeError(f"virtual_stages={virtual_stages} needs schedule='interleaved-1f1b' (schedule "
+        if not described.chunks_per_rank and virtual_stages != 1:
+            chunked = [n for n, s in SCHEDULES.items() if s.chunks_per_rank]
+            raise HybridPipeError(f"virtual_stages={virtual_stages} needs schedule={chunked[0]!r} (schedule "
                                   f"{name!r} runs one chunk of layers per rank)")
-        if name in ASYNCHRONOUS:
+        if described.asynchronous:
             if optimizer is None or not callable(optimizer):
                 raise HybridPipeError(
                     f"schedule {name!r} updates the weights inside the pipeline, so it needs the optimizer: pass "
                     "optimizer=lambda params: torch.optim.SGD(params, lr=0.1) (a callable that gets this rank's "
                     f"parameters and returns a torch optimizer; got {optimizer!r})")
-            if vertical_sync and name != "pipedream":
+            if vertical_sync and not described.vertical_sync:
                 raise HybridPipeError(f"vertical_sync is PipeDream's option (schedule='pipedream'); {name!r} already "
                                       "uses one weight version per mini-batch on every stage")
-            if name == "2bw" and micro_batches < stages - 1:
+            least = described.min_micro_batches(stages)
+            if micro_batches < least:
                 raise HybridPipeError(
-                    f"schedule '2bw' keeps two weight versions, which needs micro_batches >= pipeline stages - 1 "
-                    f"(got micro_batches={micro_batches} with {stages} stages): use micro_batches >= {stages - 1}")
+                    f"schedule {name!r} keeps two weight versions, which needs micro_batches >= pipeline stages - 1 "
+                    f"(got micro_batches={micro_batches} with {stages} stages): use micro_batches >= {least}")
         else:
             if optimizer is not None:
                 raise HybridPipeError(
@@ -720,7 +726,7 @@ class PipelineModel(nn.Module):
         first = self._next_micro_batch
         self._next_micro_batch += self.micro_batches
         ids = range(first, first + self.micro_batches)
-        if self.schedule_name == "pipedream":  # every micro-batch is one update: its own mean loss
+        if schedule_spec(self.schedule_name).update_every_micro_batch:  # every micro-batch an update: its own mean
             weights = [1.0] * self.micro_batches
         actions = self._stream.segment(first + self.micro_batches)
         result = self._executor.run(actions, self.micro_batches, dict(zip(ids, chunks)), dict(zip(ids, target_chunks)),
@@ -763,7 +769,7 @@ class PipelineModel(nn.Module):
     def split_backward_report(self) -> str:
         """"zb-h1": which layers' weight gradients are deferred to ``W`` passes and which are computed
         with the input gradients (fused) because they cannot be split; otherwise a one-line note."""
-        if self.schedule_name != "zb-h1":
+        if not schedule_spec(self.schedule_name).split_backward:
             return f"schedule {self.schedule_name!r} does not split backwards"
         lines = []
         for stage, chunk in self._executor.chunks.items():

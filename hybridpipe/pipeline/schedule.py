@@ -47,6 +47,9 @@ __all__ = [
     "replica_streams",
     "Timeline",
     "SCHEDULE_NAMES",
+    "SCHEDULES",
+    "ScheduleSpec",
+    "spec",
     "SYNCHRONOUS",
     "ASYNCHRONOUS",
     "stage_to_rank",
@@ -224,7 +227,7 @@ def replica_schedule(name: str, stage_replicas: Sequence[int], micro_batches: in
     list's share instead would leave a replicated stage one micro-batch in flight per replica: a bubble each.)
     """
     counts = list(stage_replicas)
-    if name not in ("gpipe", "1f1b"):
+    if name not in SCHEDULES or not SCHEDULES[name].stage_replicas or SCHEDULES[name].asynchronous:
         raise ScheduleError(f"schedule {name!r} does not run on stages with their own replica counts; use 'gpipe' or "
                             "'1f1b'")
     _check_sizes(len(counts), micro_batches)
@@ -400,7 +403,7 @@ class AsyncStream:
         m = self.micro_batch(self.next_backward)
         self.next_backward += 1
         actions = [_backward(self.stage, m)]
-        if self.name == "pipedream" or (m + 1) % self.micro_batches == 0:
+        if SCHEDULES[self.name].update_every_micro_batch or (m + 1) % self.micro_batches == 0:
             actions.append(Action(self.stage, ActionKind.UPDATE, m))
         return actions
 
@@ -435,7 +438,7 @@ def replica_streams(name: str, stage_replicas: Sequence[int], micro_batches: int
     :func:`replica_schedule`'s 1F1B). ``"pipedream"`` only, and ``micro_batches`` a multiple of every count (each
     ``train_step`` then brings whole rounds)."""
     counts = list(stage_replicas)
-    if name != "pipedream":
+    if name not in ASYNCHRONOUS or not SCHEDULES[name].stage_replicas:
         raise ScheduleError(f"schedule {name!r} does not run on stages with their own replica counts; the asynchronous "
                             "one that does is 'pipedream'")
     uneven = [c for c in counts if micro_batches % c]
@@ -463,22 +466,80 @@ def async_schedule(name: str, stages: int, micro_batches: int, steps: int = 2, f
     return schedule
 
 
-SYNCHRONOUS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """What a schedule is, declared once: the model checks its options against it, the planner searches and
+    costs by it, the docs and the compatibility table list it.
+
+    Attributes:
+        name: Its name (``schedule=``).
+        build: ``build(stages, micro_batches)`` → the action lists (asynchronous ones: two steps and a flush).
+        asynchronous: Never flushes; updates inside the pipeline (``optimizer=``), trains differently from one
+            process (tested against a replay).
+        chunks_per_rank: Takes ``virtual_stages >= 2`` chunks of layers per rank (interleaved).
+        split_backward: Splits each backward into ``I`` (input gradients) and a later ``W`` (weight gradients).
+        stage_replicas: Runs on stages with their own replica counts (``hp.init(stage_replicas=...)``).
+        vertical_sync: Takes PipeDream's ``vertical_sync=True``.
+        update_every_micro_batch: (asynchronous) an update after each micro-batch's backward; otherwise one per
+            mini-batch of ``M`` micro-batches.
+        weight_versions: (asynchronous) the weight versions pipeline rank ``r`` of ``P`` keeps at most, as
+            ``weight_versions(P, r)``.
+        min_micro_batches: The fewest micro-batches it takes on ``P`` stages, as ``min_micro_batches(P)``.
+        summary: One line for tables.
+    """
+
+    name: str
+    build: Callable[..., Schedule]
+    asynchronous: bool = False
+    chunks_per_rank: bool = False
+    split_backward: bool = False
+    stage_replicas: bool = False
+    vertical_sync: bool = False
+    update_every_micro_batch: bool = False
+    weight_versions: Callable[[int, int], int] = lambda stages, rank: 1
+    min_micro_batches: Callable[[int], int] = lambda stages: 1
+    summary: str = ""
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
+    ScheduleSpec("gpipe", gpipe, stage_replicas=True,
+                 summary="all forwards, then all backwards: holds every micro-batch's activations"),
+    ScheduleSpec("1f1b", one_f_one_b, stage_replicas=True,
+                 summary="PipeDream-Flush: one forward, one backward; holds at most P micro-batches"),
+    ScheduleSpec("interleaved-1f1b", interleaved_one_f_one_b, chunks_per_rank=True,
+                 summary="1F1B over v chunks per rank: a bubble v times smaller, v times the hops"),
+    ScheduleSpec("zb-h1", zero_bubble_h1, split_backward=True,
+                 summary="zero bubble: weight gradients (W) deferred into the bubble"),
+    ScheduleSpec("pipedream", lambda stages, micro_batches: async_schedule("pipedream", stages, micro_batches),
+                 asynchronous=True, stage_replicas=True, vertical_sync=True, update_every_micro_batch=True,
+                 weight_versions=lambda stages, rank: stages - rank,
+                 summary="asynchronous, weight stashing: an update after every micro-batch"),
+    ScheduleSpec("2bw", lambda stages, micro_batches: async_schedule("2bw", stages, micro_batches),
+                 asynchronous=True, weight_versions=lambda stages, rank: 2,
+                 min_micro_batches=lambda stages: max(1, stages - 1),
+                 summary="asynchronous, double-buffered weights: an update per mini-batch"),
+)}
+"""The schedules a ``PipelineModel`` runs, by name (``"forward"``, predict's own, is not one of them)."""
+
+SYNCHRONOUS = tuple(name for name, spec in SCHEDULES.items() if not spec.asynchronous)
 """Schedules that flush every step: the parameters after a step equal one process's."""
-ASYNCHRONOUS = ("pipedream", "2bw")
+ASYNCHRONOUS = tuple(name for name, spec in SCHEDULES.items() if spec.asynchronous)
 """Schedules that never flush and update inside the pipeline (PipeDream's weight stashing, 2BW)."""
 
 SCHEDULE_NAMES: dict[str, Callable[..., Schedule]] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
+    **{name: spec.build for name, spec in SCHEDULES.items()},
     "one_f_one_b": one_f_one_b,
-    "interleaved-1f1b": interleaved_one_f_one_b,
-    "zb-h1": zero_bubble_h1,
     "forward": forward_only,
-    "pipedream": lambda stages, micro_batches: async_schedule("pipedream", stages, micro_batches),
-    "2bw": lambda stages, micro_batches: async_schedule("2bw", stages, micro_batches),
 }
 """Names accepted by :func:`get_schedule`, mapped to their schedule functions."""
+
+
+def spec(name: str) -> ScheduleSpec:
+    """The :class:`ScheduleSpec` of schedule ``name`` (aliases accepted; an unknown name raises ScheduleError)."""
+    key = canonical_name(name)
+    if key not in SCHEDULES:
+        raise ScheduleError(f"{key!r} is not a training schedule (use one of {', '.join(map(repr, SCHEDULES))})")
+    return SCHEDULES[key]
 
 
 def canonical_name(name: str) -> str:
@@ -493,8 +554,7 @@ def canonical_name(name: str) -> str:
     if key == "one-f-one-b":
         key = "1f1b"
     if key not in SCHEDULE_NAMES:
-        valid = [n for n in SCHEDULE_NAMES if n not in ("one_f_one_b", "forward")]  # "forward": predict's own
-        raise ScheduleError(f"unknown schedule {name!r} (use one of {', '.join(map(repr, valid))})")
+        raise ScheduleError(f"unknown schedule {name!r} (use one of {', '.join(map(repr, SCHEDULES))})")
     return key
 
 
@@ -512,11 +572,10 @@ def get_schedule(name: str, stages: int, micro_batches: int, virtual_stages: int
     """
     key = canonical_name(name)
     _check_sizes(stages, micro_batches, virtual_stages)
-    if key == "interleaved-1f1b":
+    if key in SCHEDULES and SCHEDULES[key].chunks_per_rank:
         if virtual_stages < 2:
-            raise ScheduleError("interleaved-1f1b needs virtual_stages >= 2 (chunks per rank); with 1 it is "
-                                "schedule='1f1b'")
-        return interleaved_one_f_one_b(stages, micro_batches, virtual_stages)
+            raise ScheduleError(f"{key} needs virtual_stages >= 2 (chunks per rank); with 1 it is schedule='1f1b'")
+        return SCHEDULES[key].build(stages, micro_batches, virtual_stages)
     if key == "forward":
         return forward_only(stages, micro_batches, virtual_stages)
     if virtual_stages != 1:

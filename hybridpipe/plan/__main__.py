@@ -39,6 +39,7 @@ from pathlib import Path
 
 from hybridpipe.config import parse_bytes
 from hybridpipe.errors import HybridPipeError
+from hybridpipe.pipeline import schedule as sched
 from hybridpipe.plan.cost import PRECISION_BYTES, ZERO_LEVELS, Cluster
 from hybridpipe.plan.module_profile import CUTS_KEY, ModuleLayers, is_module, profile_module, split_of
 from hybridpipe.plan.profile import Profile, profile
@@ -522,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
             raise HybridPipeError(f"--asynchronous: pipedream and 2bw are not yet supported for a module split by "
                                   f"hp.PipelineModel (this profile is of a {model_profile.extra.get('module', 'module')}"
                                   "); leave --asynchronous out, or hand in a layer list")
-        schedules = SYNCHRONOUS_CHOICES + (("pipedream", "2bw") if args.asynchronous else ())
+        schedules = SYNCHRONOUS_CHOICES + (sched.ASYNCHRONOUS if args.asynchronous else ())
         if args.simulate:
             print(simulate_main(args, model_profile, memory, schedules))
             return 0

@@ -35,6 +35,7 @@ from torch import nn
 from hybridpipe import runtime
 from hybridpipe.comm.engine import call
 from hybridpipe.errors import HybridPipeError
+from hybridpipe.pipeline import schedule as sched
 from hybridpipe.plan.cost import ZERO_LEVELS, Cluster
 from hybridpipe.plan.module_profile import CUTS_KEY, is_module, module_layers, profile_module, split_of
 from hybridpipe.plan.profile import Profile, profile
@@ -221,7 +222,7 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
         if not measured.startswith("{"):
             raise HybridPipeError(f"hp.auto: profiling the {'module' if module else 'layers'} on world rank 0 failed "
                                   f"({measured})")
-        schedules = SYNCHRONOUS_CHOICES + (("pipedream", "2bw") if asynchronous else ())
+        schedules = SYNCHRONOUS_CHOICES + (sched.ASYNCHRONOUS if asynchronous else ())
         measured_profile = Profile.from_json(measured)
         plan = search(measured_profile, cluster or cluster_of_this_job(memory_per_rank), global_batch,
                       schedules=schedules, checkpoints=CHECKPOINT_CHOICES,
@@ -241,7 +242,7 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
     if module:
         micro = max(1, global_batch // plan.replicas // plan.micro_batches)
         arguments["sample"] = _micro_batch(sample[0], micro)
-    if optimizer is None and plan.schedule in ("pipedream", "2bw"):
+    if optimizer is None and plan.schedule in sched.ASYNCHRONOUS:
         raise HybridPipeError(f"hp.auto: the plan's {plan.schedule} schedule applies the optimizer inside the "
                               "pipeline: pass optimizer=<factory of a torch optimizer>")
     if optimizer is None:
@@ -249,7 +250,7 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
         model.plan = plan
         _print_module_plan(model, plan, module)
         return model, None
-    if plan.schedule in ("pipedream", "2bw"):
+    if plan.schedule in sched.ASYNCHRONOUS:
         model = hp.PipelineModel(layers, loss_fn, optimizer=optimizer, **arguments)
         opt: Any = _PipelineDriven(model.optimizer)
     else:

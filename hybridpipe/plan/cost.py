@@ -312,7 +312,7 @@ def step_lower_bound(profile: Profile, cluster: Cluster, candidate: Candidate, g
     micro = global_batch / candidate.replicas / m
     forward, backward = chunk_seconds(profile, cluster, candidate, micro)
     overhead = cluster.action_overhead_us * 1e-6
-    split = candidate.schedule == "zb-h1"
+    split = sched.spec(candidate.schedule).split_backward
     hand_off = cluster.transfer_overhead_us * 1e-6
     transfers = [(c > 0) + (c < len(forward) - 1) for c in range(len(forward))]
     forward = [f + overhead + hand_off * k for f, k in zip(forward, transfers)]
@@ -359,11 +359,8 @@ def memory_per_rank(profile: Profile, candidate: Candidate, global_batch: int,
             acts = held * max(inputs[c] for c in own) + per_micro
         else:
             acts = held * per_micro
-        versions = 0.0
-        if candidate.schedule == "pipedream":
-            versions = (p - r) * parameter_bytes[r]
-        elif candidate.schedule == "2bw":
-            versions = 2 * parameter_bytes[r]
+        described = sched.spec(candidate.schedule)
+        versions = described.weight_versions(p, r) * parameter_bytes[r] if described.asynchronous else 0.0
         # a synchronous step's activations are gone when the optimizer steps: the larger of the two is
         # the peak; an asynchronous one updates while micro-batches are in flight
         weights = parameter_bytes[r]
@@ -450,7 +447,8 @@ def _durations(profile: Profile, cluster: Cluster, layers: list[range], forward:
                 transfer_time=transfer)
 
 
-STAGE_REPLICA_SCHEDULES = ("gpipe", "1f1b")
+STAGE_REPLICA_SCHEDULES = tuple(name for name, described in sched.SCHEDULES.items()
+                                if described.stage_replicas and not described.asynchronous)
 
 
 def _predict_stage_replicas(profile: Profile, cluster: Cluster, candidate: Candidate, global_batch: int,
@@ -587,7 +585,7 @@ def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_bat
         one = sched.simulate(sched.async_schedule(candidate.schedule, p, m, steps=1, flush=False), **duration).makespan
         pipeline = (sched.simulate(plan, **duration).makespan - one) / 3
         reduce = [allreduce_seconds(parameter_bytes[r], groups[r], cluster, concurrent) for r in range(p)]
-        updates = m if candidate.schedule == "pipedream" else 1
+        updates = m if sched.spec(candidate.schedule).update_every_micro_batch else 1
         exposed = max(r + u for r, u in zip(reduce, update)) * updates
         step = pipeline + exposed
         slowest_reduction = max(reduce)

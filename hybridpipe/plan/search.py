@@ -44,7 +44,7 @@ from hybridpipe.plan.profile import Profile
 
 __all__ = ["Plan", "plan", "format_bytes", "SYNCHRONOUS_CHOICES", "CHECKPOINT_CHOICES", "ZERO_MARGIN"]
 
-SYNCHRONOUS_CHOICES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+SYNCHRONOUS_CHOICES = sched.SYNCHRONOUS
 CHECKPOINT_CHOICES = ("never", "except_last", "always")
 INTERLEAVED_CHUNKS = 2
 ZERO_MARGIN = 0.02  # a sharded plan must be this much faster than the best unsharded one to win
@@ -207,7 +207,8 @@ def _candidates(profile: Profile, cluster: Cluster, global_batch: int, schedules
             continue
         per_replica = global_batch // d
         for schedule in schedules:
-            v = INTERLEAVED_CHUNKS if schedule == "interleaved-1f1b" else 1
+            described = sched.spec(schedule)
+            v = INTERLEAVED_CHUNKS if described.chunks_per_rank else 1
             if (p == 1 and schedule != "1f1b") or p * v > layers:
                 continue  # one stage: every schedule is the same gradient accumulation
             if p * v not in balances:
@@ -215,9 +216,9 @@ def _candidates(profile: Profile, cluster: Cluster, global_batch: int, schedules
             for m in _divisors(per_replica):
                 if m > (max_micro_batches or max(64, 4 * p)):
                     break
-                if schedule == "interleaved-1f1b" and m % p:
+                if described.chunks_per_rank and m % p:
                     continue  # Megatron's grouping (schedule.interleaved_one_f_one_b)
-                if schedule == "2bw" and m < p - 1:
+                if m < described.min_micro_batches(p):
                     continue
                 found.append(Candidate(p, d, balances[p * v], m, schedule, "never", v))
     return found
@@ -305,7 +306,7 @@ def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tu
         profile: Per-layer costs (:func:`hybridpipe.plan.profile`, or loaded from JSON).
         cluster: The ranks and their links (and ``memory_per_rank``, 0 for no limit).
         global_batch: Samples per step over all replicas.
-        schedules: Schedules to consider (add ``"pipedream"`` / ``"2bw"`` to allow asynchronous ones).
+        schedules: Schedules to consider (add ``schedule.ASYNCHRONOUS`` to allow the asynchronous ones).
         checkpoints: Re-materialization modes to consider.
         max_micro_batches: Largest micro-batch count tried (default: 64, or 4 per stage for deeper
             pipelines, whose bubble needs more).

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from hybridpipe.pipeline.schedule import ASYNCHRONOUS, SCHEDULES
+
 #: Each option and its values; the first value is the plain one (what a case uses where it does not care).
 OPTIONS: dict[str, tuple] = {
-    "schedule": ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "pipedream", "2bw"),
+    "schedule": tuple(SCHEDULES),
     "grid": ("2x1", "1x2", "2x2", "4x1"),
     "tied": ("no", "yes"),
     "skip": ("no", "yes"),
@@ -50,7 +52,6 @@ MEANING: dict[str, str] = {
                "holding one, and says so: a warning and `split_backward_report()`)",
 }
 
-ASYNCHRONOUS = ("pipedream", "2bw")
 
 
 @dataclass(frozen=True)
