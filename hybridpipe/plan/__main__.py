@@ -121,7 +121,8 @@ def profile_factory_model(spec: str, sample_batch: int) -> tuple[Profile, Module
                               "loss_fn(output, targets) run?)") from error
 
 
-def render(best: Plan, args: argparse.Namespace, layers: ModuleLayers | None = None) -> str:
+def render(best: Plan, args: argparse.Namespace, layers: ModuleLayers | None = None,
+           profile: Profile | None = None) -> str:
     built = (f"  model = hp.PipelineModel(module, loss_fn, sample=<one micro-batch of inputs>, "
              f"**{best.model_arguments()!r})" if best.split is not None
              else f"  model = hp.PipelineModel(layers, loss_fn, **{best.model_arguments()!r})")
@@ -140,6 +141,9 @@ def render(best: Plan, args: argparse.Namespace, layers: ModuleLayers | None = N
     if best.zero:
         lines.append(f"  opt = hp.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), "
                      f"zero={best.zero})")
+    if best.stage_replicas and profile is not None:
+        lines += ["", f"the grid {best.config}: where its stages are and what they send"]
+        lines += ["  " + line for line in best.communication(profile)]
     if args.explain and best.alternatives:
         lines += ["", "next best, and why each lost:"]
         width = max(len(label) for label, _ in best.alternatives)
@@ -536,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     except (HybridPipeError, ValueError, OSError) as error:
         print(f"hybridpipe.plan: {error}", file=sys.stderr)
         return 2
-    print(render(best, args, layers))
+    print(render(best, args, layers, model_profile))
     return 0
 
 

@@ -196,6 +196,61 @@ def compute_contention(comm: Any, windows: int = CONTENTION_WINDOWS) -> float:
     return max(1.0, statistics.median(slowest) / statistics.median(alone))
 
 
+def _submit_overhead(repeats: int) -> float:
+    """Seconds a ``hp.DistributedOptimizer`` adds to the backward per gradient tensor (its hook handing the tensor to
+    the engine): a forward and backward of 32 tiny layers (64 tensors) with its hooks, against the same without
+    (collective: every rank at once, as in training)."""
+    import hybridpipe as hp
+    from torch import nn
+
+    torch.manual_seed(0)
+    plain, hooked = (nn.Sequential(*[nn.Linear(4, 4) for _ in range(32)]) for _ in range(2))
+    optimizer = hp.DistributedOptimizer(torch.optim.SGD(hooked.parameters(), lr=0.0),
+                                        named_parameters=hooked.named_parameters())
+    x = torch.ones(2, 4)
+    times: dict[str, list[float]] = {"plain": [], "hooked": []}
+    for run in range(repeats + 2):
+        for kind, model in (("plain", plain), ("hooked", hooked)):
+            model.zero_grad()
+            started = time.perf_counter()
+            model(x).sum().backward()
+            if run >= 2:
+                times[kind].append(time.perf_counter() - started)
+            if kind == "hooked":
+                optimizer.synchronize()
+    tensors = 2 * 32
+    return max(0.0, (statistics.median(times["hooked"]) - statistics.median(times["plain"])) / tensors)
+
+
+#: bytes of the gradients :func:`_after_reduction` reduces before timing the update
+AFTER_REDUCTION_BYTES = 8 * 2**20
+
+
+def _after_reduction(comm: Any, repeats: int) -> float:
+    """Seconds per MiB that an SGD-like update over the parameters takes longer right after their gradients' allreduce
+    than alone (the communication thread and the caches after a reduction; a data-parallel step's optimizer runs
+    there). Collective over ``comm``."""
+    import hybridpipe as hp
+    from hybridpipe.comm.engine import call
+
+    grads = [torch.ones(AFTER_REDUCTION_BYTES // 4 // 16) for _ in range(16)]
+    weights = [torch.zeros_like(g) for g in grads]
+    times: dict[str, list[float]] = {"alone": [], "after": []}
+    for run in range(repeats + 2):
+        for kind in ("alone", "after"):
+            call(None, "calibrate", lambda: sleeping_barrier(comm))
+            if kind == "after":
+                hp.grouped_allreduce_(grads, op=hp.Average)
+            started = time.perf_counter()
+            for weight, grad in zip(weights, grads):
+                weight.add_(grad, alpha=-0.01)
+            if run >= 2:
+                times[kind].append(time.perf_counter() - started)
+    extra = (statistics.median(times["after"]) - statistics.median(times["alone"])) / (AFTER_REDUCTION_BYTES / 2**20)
+    everyone = call(None, "calibrate", lambda: comm.allgather(extra))
+    return max(0.0, statistics.median(everyone))
+
+
 def _action_overhead(repeats: int) -> float:
     """Seconds per pipeline action beyond the layers' compute (see the module docstring)."""
     steps = _tiny_steps(2, repeats)
@@ -280,6 +335,11 @@ def calibrate(repeats: int = 9) -> dict[str, Any]:
         contention = compute_contention(comm)
         if rank == 0:
             result["compute_contention"] = contention
+        submits = call(None, "calibrate", lambda: world.allgather(_submit_overhead(repeats)))
+        after = _after_reduction(comm, repeats) if size > 1 else 0.0
+        if rank == 0:
+            result["submit_overhead_us"] = statistics.median(submits) * 1e6
+            result["after_reduction_us_per_mib"] = after * 1e6
         if state.grid.pipeline_stages == 1:
             mine = _action_overhead(repeats)  # the pipeline's own work, not on the communication thread
             overheads = call(None, "calibrate", lambda: world.gather(mine, root=0))
@@ -312,4 +372,6 @@ def load_cluster(path: str, memory_per_rank: float = 0.0, ranks: int | None = No
                    memory_per_rank=memory_per_rank, action_overhead_us=float(data.get("action_overhead_us", 0.0)),
                    allreduce_overhead_us=overhead,
                    transfer_overhead_us=float(data.get("transfer_overhead_us", 0.0)),
-                   compute_contention=float(data.get("compute_contention", 1.0)))
+                   compute_contention=float(data.get("compute_contention", 1.0)),
+                   submit_overhead_us=float(data.get("submit_overhead_us", 0.0)),
+                   after_reduction_us_per_mib=float(data.get("after_reduction_us_per_mib", 0.0)))

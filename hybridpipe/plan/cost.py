@@ -78,6 +78,11 @@ class Cluster:
             or receives, beside the transfer's latency on the way.
         compute_contention: How much slower a rank computes while the other ranks of its host compute too
             (up to one per core), against the one process the profile was made in; ``calibrate`` measures it.
+        submit_overhead_us: What ``hp.DistributedOptimizer`` adds to a backward per gradient tensor it hands to the
+            engine (its hook), microseconds; ``calibrate`` measures it.
+        after_reduction_us_per_mib: How much longer the optimizer's step takes per MiB of parameters right after
+            their gradients' reduction than alone (the communication thread and the caches), microseconds;
+            ``calibrate`` measures it.
     """
 
     ranks: int
@@ -92,6 +97,8 @@ class Cluster:
     allreduce_overhead_us: float = 0.0
     transfer_overhead_us: float = 0.0
     compute_contention: float = 1.0
+    submit_overhead_us: float = 0.0
+    after_reduction_us_per_mib: float = 0.0
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
@@ -101,7 +108,8 @@ class Cluster:
                 raise HybridPipeError(f"{name} must be > 0 (got {getattr(self, name)})")
         negative = {name: getattr(self, name) for name in ("latency_us", "memory_per_rank", "ranks_per_host",
                                                            "cores_per_host", "action_overhead_us", "fusion_bytes",
-                                                           "allreduce_overhead_us", "transfer_overhead_us")
+                                                           "allreduce_overhead_us", "transfer_overhead_us",
+                                                           "submit_overhead_us", "after_reduction_us_per_mib")
                     if getattr(self, name) < 0}
         if negative:
             raise HybridPipeError(f"cluster values must be >= 0 (got {negative})")
@@ -427,6 +435,16 @@ def _gather_seconds(layer_bytes: list[int], group: list[int], cluster: Cluster, 
     return total
 
 
+def _submit_seconds(profile: Profile, layer_indices: list[int], cluster: Cluster) -> float:
+    """What ``hp.DistributedOptimizer``'s hooks add to a rank's last backward: a hand-off per gradient tensor."""
+    return cluster.submit_overhead_us * 1e-6 * sum(profile.layers[i].gradient_tensors for i in layer_indices)
+
+
+def _after_reduction_seconds(parameter_bytes: float, cluster: Cluster) -> float:
+    """How much longer the optimizer's step over ``parameter_bytes`` takes right after the gradients' reduction."""
+    return cluster.after_reduction_us_per_mib * 1e-6 * parameter_bytes / 2**20
+
+
 def _durations(profile: Profile, cluster: Cluster, layers: list[range], forward: list[float], backward: list[float],
                transfer: Any) -> dict[str, Any]:
     """The simulator's time of each action: its compute, its own overhead, and the hand-off of each transfer it
@@ -504,6 +522,9 @@ def _predict_stage_replicas(profile: Profile, cluster: Cluster, candidate: Candi
                      if counts[stage] > 1 else (0.0, 0.0))
         flags = allreduce_seconds(64, groups[stage], cluster) if counts[stage] > 1 else 0.0
         update = profile.update_ms_per_mb * parameter_bytes[stage] / 2**20 / 1e3 * slow
+        if counts[stage] > 1:  # the optimizer's hooks and its step after the reduction (as in predict)
+            update += _submit_seconds(profile, list(layers[stage]), cluster) + \
+                _after_reduction_seconds(parameter_bytes[stage], cluster)
         finished.append(max(items[-1].end if items else 0.0, end) + flags + update)
         busiest = max(busiest, busy)
     pipeline = timeline.makespan
@@ -594,9 +615,15 @@ def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_bat
         pipeline = timeline.makespan
         ends = [_reduction_end(timeline.stages[r], list(range(r, chunks, p)), layers, profile, micro, groups[r],
                                cluster, concurrent, zero) if d > 1 else (0.0, 0.0) for r in range(p)]
-        # each rank's optimizer step: after its own actions and its gradients' reduction
-        finished = [max(items[-1].end if items else 0.0, end) + flags + u
-                    for items, (end, _), u in zip(timeline.stages, ends, update)]
+        # each rank's optimizer step: after its own actions and its gradients' reduction; with replicas the
+        # optimizer's hooks lengthen the last backward by a hand-off per gradient tensor, and the step right after
+        # the reduction runs slower than alone (both calibrated)
+        submits = [_submit_seconds(profile, [i for c in range(r, chunks, p) for i in layers[c]], cluster)
+                   if d > 1 else 0.0 for r in range(p)]
+        after = [_after_reduction_seconds(parameter_bytes[r], cluster) if d > 1 and not zero else 0.0
+                 for r in range(p)]
+        finished = [max(items[-1].end if items else 0.0, end) + submit + flags + u + late
+                    for items, (end, _), u, submit, late in zip(timeline.stages, ends, update, submits, after)]
         step = max([pipeline] + finished)
         exposed = step - pipeline
         slowest_reduction = max(busy + (_gather_seconds(w, g, cluster, concurrent) if zero else 0.0)

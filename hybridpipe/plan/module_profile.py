@@ -321,7 +321,8 @@ def profile_module(module: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any],
             forward_ms=forward, backward_ms=backward, forward_call_ms=forward_call, backward_call_ms=backward_call,
             output_bytes=layers.crossing_bytes[position] / batch,
             activation_bytes=(sum(large[2][i] for i in span) + layers.crossing_bytes[position]) / batch,
-            parameter_bytes=sum(p.numel() * p.element_size() for p in parameters.values())))
+            parameter_bytes=sum(p.numel() * p.element_size() for p in parameters.values()),
+            parameter_tensors=sum(1 for p in parameters.values() if p.requires_grad)))
     update, together, per_tensor = 0.0, 0.0, 0.0
     if optimizer is not None:
         update, together, per_tensor = update_costs([p.detach() for p in module.parameters()], optimizer, repeats,

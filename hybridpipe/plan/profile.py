@@ -57,6 +57,9 @@ class LayerCost:
             follows this layer).
         activation_bytes: Bytes autograd keeps for the backward per sample, output included.
         parameter_bytes: Bytes of the layer's parameters (not per sample).
+        parameter_tensors: How many parameter tensors it has (a ``hp.DistributedOptimizer`` hands each one's
+            gradient to the engine apart); 0 in a profile that did not count them (then 2 per layer with
+            parameters is assumed, a weight and a bias).
         split_call_ms: What a split backward (the zero-bubble schedules' ``I`` then ``W``, as the executor
             runs them: autograd into the inputs and the splittable sublayers' outputs, then per such
             sublayer into its own parameters) costs per call beyond a whole backward. None: not measured
@@ -72,6 +75,12 @@ class LayerCost:
     forward_call_ms: float = 0.0
     backward_call_ms: float = 0.0
     split_call_ms: float | None = None
+    parameter_tensors: int = 0
+
+    @property
+    def gradient_tensors(self) -> int:
+        """The parameter tensors whose gradients a data-parallel step reduces (counted, or estimated)."""
+        return self.parameter_tensors or (2 if self.parameter_bytes else 0)
 
     def forward_seconds(self, micro_batch: float) -> float:
         return (self.forward_call_ms + self.forward_ms * micro_batch) / 1e3
@@ -335,7 +344,8 @@ def profile(layers: nn.Sequential | Sequence[nn.Module], sample_input: Any, loss
                                    output_bytes=_bytes(value) / batch,
                                    activation_bytes=timing.activation_bytes / batch,
                                    parameter_bytes=timing.parameter_bytes, forward_call_ms=forward_call,
-                                   backward_call_ms=backward_call, split_call_ms=split))
+                                   backward_call_ms=backward_call, split_call_ms=split,
+                                   parameter_tensors=sum(1 for p in layer.parameters() if p.requires_grad)))
     loss_ms = 0.0
     if sample_target is not None:
         output = map_tensors(value, lambda t: t.detach().requires_grad_(t.is_floating_point()))

@@ -39,7 +39,7 @@ from hybridpipe.pipeline.partition import even_out_identical, partition_by_weigh
 from hybridpipe.plan.cost import (STAGE_REPLICA_SCHEDULES, ZERO_LEVELS, Candidate, Cluster, Prediction,
                                   activation_factor, chunk_seconds, held_micro_batches, memory_per_rank, predict,
                                   profile_precision, step_lower_bound)
-from hybridpipe.runtime import describe_stage_replicas
+from hybridpipe.runtime import describe_stage_replicas, layout
 from hybridpipe.plan.profile import Profile
 
 __all__ = ["Plan", "plan", "format_bytes", "SYNCHRONOUS_CHOICES", "CHECKPOINT_CHOICES", "ZERO_MARGIN"]
@@ -108,6 +108,41 @@ class Plan:
     def ranks(self) -> int:
         """The ranks the plan is for."""
         return sum(self.stage_replicas) if self.stage_replicas else self.stages * self.replicas
+
+    def communication(self, profile: Profile) -> list[str]:
+        """For a grid with its own replica counts: what each stage holds and allreduces, what crosses each cut, and
+        the bytes saved against data parallelism (every rank allreducing every parameter), per step."""
+        if not self.stage_replicas:
+            return []
+        places = layout(tuple(self.stage_replicas))
+        starts = [sum(self.balance[:s]) for s in range(self.stages)]
+        lines, reduced = [], 0.0
+        for s, (start, count) in enumerate(zip(starts, self.balance)):
+            kinds: dict[str, int] = {}
+            for layer in profile.layers[start:start + count]:
+                kinds[layer.name] = kinds.get(layer.name, 0) + 1
+            weights = sum(layer.parameter_bytes for layer in profile.layers[start:start + count])
+            replicas = self.stage_replicas[s]
+            ranks = [rank for rank, place in enumerate(places) if place[0] == s]
+            # a ring allreduce sends 2 (R - 1) / R of the bytes from each of the R replicas
+            sent = 2 * (replicas - 1) * weights if replicas > 1 else 0.0
+            reduced += sent
+            what = (f"allreduced among its {replicas} replicas ({format_bytes(sent)} sent in all)" if replicas > 1
+                    else "never allreduced (one replica)")
+            lines.append(f"stage {s}: {replicas} replica(s) on ranks {ranks}, layers {start}..{start + count - 1} "
+                         f"({', '.join(f'{n} {k}' for k, n in kinds.items())}): {format_bytes(weights)} of parameters, "
+                         f"{what}")
+            if s + 1 < self.stages:
+                crossing = profile.layers[start + count - 1].output_bytes * self.global_batch
+                lines.append(f"  cut after layer {start + count - 1}: {format_bytes(2 * crossing)} per step (activations "
+                             "forward, their gradients back)")
+        everything = sum(layer.parameter_bytes for layer in profile.layers)
+        ranks = sum(self.stage_replicas)
+        data_parallel = 2 * (ranks - 1) * everything
+        lines.append(f"against data parallelism on {ranks} ranks ({format_bytes(data_parallel)} sent by its allreduces "
+                     f"per step): {format_bytes(reduced)} sent by allreduces, "
+                     f"{format_bytes(max(0.0, data_parallel - reduced))} fewer")
+        return lines
 
     def init_arguments(self) -> dict:
         """Keyword arguments of ``hp.init`` that make this plan's grid."""

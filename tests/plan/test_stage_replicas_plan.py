@@ -14,7 +14,7 @@ from hybridpipe.errors import HybridPipeError
 from hybridpipe.plan.cost import Candidate, Cluster, predict
 from hybridpipe.plan.models import model_profile
 from hybridpipe.plan.profile import LayerCost, Profile
-from hybridpipe.plan.search import compositions, plan, replicated_balance
+from hybridpipe.plan.search import compositions, format_bytes, plan, replicated_balance
 
 FREE = dict(latency_us=0.0, intra_host_gbps=1e9, inter_host_gbps=1e9)
 
@@ -118,3 +118,19 @@ def test_simulate_compares_the_best_grid_of_each_kind_at_16_gpus_of_cluster_a():
         plan(model_profile("vgg16", "v100"), Cluster(ranks=2), 64, grids="stage-replicas")
     with pytest.raises(HybridPipeError, match="grids='pipes'"):
         plan(model_profile("vgg16", "v100"), Cluster(ranks=2), 64, grids="pipes")
+
+
+def test_the_plan_explains_where_its_stages_are_and_the_bytes_it_saves():
+    profile = model_profile("vgg16", "v100")
+    best = plan(profile, Cluster(ranks=16, ranks_per_host=4, intra_host_gbps=100, inter_host_gbps=10), 1024)
+    lines = best.communication(profile)
+    assert len(lines) == 2 * best.stages  # a line per stage, one per cut, the comparison
+    assert lines[0].startswith(f"stage 0: {best.stage_replicas[0]} replica(s) on ranks [")
+    assert "1 conv1" in lines[0] and "allreduced among its" in lines[0]
+    assert lines[1].startswith(f"  cut after layer {best.balance[0] - 1}:")
+    everything = sum(layer.parameter_bytes for layer in profile.layers)
+    head = sum(layer.parameter_bytes for layer in profile.layers[best.balance[0]:])
+    saved = 2 * 15 * everything - sum(2 * (r - 1) * w for r, w in zip(best.stage_replicas,
+                                                                      (everything - head, head)))
+    assert lines[-1].endswith(f"{format_bytes(saved)} fewer")
+    assert plan(profile, Cluster(ranks=4, ranks_per_host=4, intra_host_gbps=1000), 256).communication(profile) == []
