@@ -326,7 +326,9 @@ def calibrate(repeats: int = 9) -> dict[str, Any]:
             tensor = torch.ones(max(nbytes // 4, 1))
             runs = []
             for run in range(repeats + 2):
-                call(None, "calibrate", comm.Barrier)
+                # ranks meet the reduction as a step's backward ends: each from its own work, not from spinning
+                # together in MPI's barrier on the communication thread
+                call(None, "calibrate", lambda: sleeping_barrier(comm))
                 started = time.perf_counter()
                 hp.allreduce_(tensor, op=hp.Sum)
                 if run >= 2:
@@ -335,7 +337,8 @@ def calibrate(repeats: int = 9) -> dict[str, Any]:
         contention = compute_contention(comm)
         if rank == 0:
             result["compute_contention"] = contention
-        submits = call(None, "calibrate", lambda: world.allgather(_submit_overhead(repeats)))
+        mine = _submit_overhead(repeats)  # on this thread: the hooks hand their tensors to the engine's
+        submits = call(None, "calibrate", lambda: world.allgather(mine))
         after = _after_reduction(comm, repeats) if size > 1 else 0.0
         if rank == 0:
             result["submit_overhead_us"] = statistics.median(submits) * 1e6
