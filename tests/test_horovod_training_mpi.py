@@ -3,7 +3,9 @@
 the broadcast helpers' name= / process_set= keywords and tensor hyper-parameters, and SyncBatchNorm
 against one-process BatchNorm on the global batch.
 
-Every rank builds every rank's data from the rank number, so the references need no communication.
+Every rank builds every rank's data from the rank number, so the references need no communication. A test's
+collectives come first in each ``ranks_agree`` block and its checks after them, so that a check failing on one
+rank fails every rank there, with that rank's message, instead of leaving the others in the next collective.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from mpi4py import MPI
 from torch import nn
 
 import hybridpipe as hvd
+from agree import ranks_agree
 
 pytestmark = pytest.mark.mpi(ranks=[2], timeout=240, shared=True)
 
@@ -80,18 +83,23 @@ def assert_gradients(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
 
 def test_gradient_predivide_factor_groups_and_custom_compression_average_as_plain():
     want = averaged_gradients()
-    assert_gradients(gradients_after_synchronize(gradient_predivide_factor=4.0), want)
-    assert_gradients(gradients_after_synchronize(num_groups=2), want)
+    with ranks_agree(what="gradient_predivide_factor, num_groups"):
+        predivided = gradients_after_synchronize(gradient_predivide_factor=4.0)
+        in_groups = gradients_after_synchronize(num_groups=2)
+        assert_gradients(predivided, want)
+        assert_gradients(in_groups, want)
     net = model()
     first, second = net[0], net[2]
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
-                                         named_parameters=net.named_parameters(),
-                                         groups=[[first.weight, first.bias], [second.weight]])
-    x, y = batch(R)
-    nn.functional.cross_entropy(net(x), y).backward()
-    assert optimizer.in_flight() == ["0.bias", "0.weight", "2.bias", "2.weight"]  # every hook fired
-    optimizer.synchronize()
-    assert_gradients({name: p.grad for name, p in net.named_parameters()}, want)
+    with ranks_agree(what="groups="):
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                             named_parameters=net.named_parameters(),
+                                             groups=[[first.weight, first.bias], [second.weight]])
+        x, y = batch(R)
+        nn.functional.cross_entropy(net(x), y).backward()
+        in_flight = optimizer.in_flight()
+        optimizer.synchronize()
+        assert in_flight == ["0.bias", "0.weight", "2.bias", "2.weight"]  # every hook fired
+        assert_gradients({name: p.grad for name, p in net.named_parameters()}, want)
 
     class Doubling:  # Horovod's compressor interface: compress -> (tensor, ctx), decompress(tensor, ctx)
         @staticmethod
@@ -102,27 +110,34 @@ def test_gradient_predivide_factor_groups_and_custom_compression_average_as_plai
         def decompress(tensor, ctx):
             return (tensor / 2).to(ctx)
 
-    assert_gradients(gradients_after_synchronize(compression=Doubling()), want)
-    sums = gradients_after_synchronize(op=hvd.Sum)
-    assert_gradients(sums, {name: grad * N for name, grad in want.items()})
-    adasum = gradients_after_synchronize(op=hvd.Adasum)  # each gradient combined by Adasum (2 ranks: a pair)
-    for name, grad in adasum.items():
-        a, b = (per_rank_gradients(r)[name].double().reshape(-1) for r in range(2))
-        pair = a * (1 - a @ b / (2 * (a @ a))) + b * (1 - a @ b / (2 * (b @ b)))
-        torch.testing.assert_close(grad.double().reshape(-1), pair, msg=name)
+    with ranks_agree(what="compression=, op=Sum, op=Adasum"):
+        compressed = gradients_after_synchronize(compression=Doubling())
+        sums = gradients_after_synchronize(op=hvd.Sum)
+        adasum = gradients_after_synchronize(op=hvd.Adasum)  # each gradient combined by Adasum (2 ranks: a pair)
+        assert_gradients(compressed, want)
+        assert_gradients(sums, {name: grad * N for name, grad in want.items()})
+        for name, grad in adasum.items():
+            a, b = (per_rank_gradients(r)[name].double().reshape(-1) for r in range(2))
+            pair = a * (1 - a @ b / (2 * (a @ a))) + b * (1 - a @ b / (2 * (b @ b)))
+            torch.testing.assert_close(grad.double().reshape(-1), pair, msg=name)
 
 
 def test_optimizer_argument_errors_are_horovods():
     net = model()
-    with pytest.raises(ValueError, match=r"op must be hp.Average, hp.Sum or hp.Adasum \(got Max\)"):
+    with ranks_agree(what="op=Max"), pytest.raises(
+            ValueError, match=r"op must be hp.Average, hp.Sum or hp.Adasum \(got Max\)"):
         hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), op=hvd.Max)
-    with pytest.raises(ValueError, match=r"gradient_predivide_factor is only supported with op=hp.Average"):
+    with ranks_agree(what="gradient_predivide_factor with op=Sum"), pytest.raises(
+            ValueError, match=r"gradient_predivide_factor is only supported with op=hp.Average"):
         hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), op=hvd.Sum, gradient_predivide_factor=2)
-    with pytest.raises(ValueError, match=r"groups\[0\] holds a tensor that is not a parameter of the optimizer"):
+    with ranks_agree(what="groups= with a foreign tensor"), pytest.raises(
+            ValueError, match=r"groups\[0\] holds a tensor that is not a parameter of the optimizer"):
         hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), groups=[[torch.ones(2)]])
-    with pytest.raises(TypeError, match=r"compression must be hp.Compression.none / fp16 / bf16 or an object"):
+    with ranks_agree(what="compression='fp16'"), pytest.raises(
+            TypeError, match=r"compression must be hp.Compression.none / fp16 / bf16 or an object"):
         hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), compression="fp16")
-    with pytest.raises(ValueError, match=r"pass the ranks as group= or as process_set=, not both"):
+    with ranks_agree(what="group= and process_set="), pytest.raises(
+            ValueError, match=r"pass the ranks as group= or as process_set=, not both"):
         hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), group="world",
                                  process_set=hvd.global_process_set)
 
@@ -139,38 +154,41 @@ def test_sparse_gradients_as_dense():
         (reference(rows[rank]) * torch.arange(3.0)).sum().backward()
         want = want + reference.weight.grad.to_dense() / N
     net = embedding()
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
-                                         named_parameters=net.named_parameters(), sparse_as_dense=True,
-                                         process_set=hvd.global_process_set)
-    (net(rows[R]) * torch.arange(3.0)).sum().backward()
-    optimizer.synchronize()
-    assert net.weight.grad.is_sparse  # reduced dense, then back in the gradient's sparse layout (as Horovod)
-    torch.testing.assert_close(net.weight.grad.to_dense(), want)
+    with ranks_agree(what="sparse_as_dense=True"):
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                             named_parameters=net.named_parameters(), sparse_as_dense=True,
+                                             process_set=hvd.global_process_set)
+        (net(rows[R]) * torch.arange(3.0)).sum().backward()
+        optimizer.synchronize()
+        assert net.weight.grad.is_sparse  # reduced dense, then back in the gradient's sparse layout (as Horovod)
+        torch.testing.assert_close(net.weight.grad.to_dense(), want)
 
     net = embedding()  # sparse gradients stay sparse: hp.sparse_allreduce_async (allgather of indices and values)
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
-                                         named_parameters=net.named_parameters())
-    (net(rows[R]) * torch.arange(3.0)).sum().backward()
-    optimizer.step()
-    assert net.weight.grad.is_sparse
-    torch.testing.assert_close(net.weight.grad.to_dense(), want)
+    with ranks_agree(what="sparse gradients"):
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                             named_parameters=net.named_parameters())
+        (net(rows[R]) * torch.arange(3.0)).sum().backward()
+        optimizer.step()
+        assert net.weight.grad.is_sparse
+        torch.testing.assert_close(net.weight.grad.to_dense(), want)
 
 
 def test_sparse_allreduce_async_gathers_indices_and_values():
     dense = torch.zeros(5, 2)
     dense[R] = torch.tensor([1.0, 2.0]) * (R + 1)
     dense[4] = 1.0
-    handle = hvd.sparse_allreduce_async(dense.to_sparse(1), name="sparse", op=hvd.Sum)
-    result = hvd.synchronize(handle)
-    assert result.is_sparse and result._nnz() == 2 * N  # every rank's entries, as Horovod's
     want = torch.zeros(5, 2)
     for r in range(N):
         want[r] = torch.tensor([1.0, 2.0]) * (r + 1)
     want[4] = float(N)
-    torch.testing.assert_close(result.to_dense(), want)
-    averaged = hvd.sparse_allreduce_async(dense.to_sparse(1), name="sparse.mean").wait()
-    torch.testing.assert_close(averaged.to_dense(), want / N)
-    with pytest.raises(TypeError, match=r"takes a sparse COO torch tensor"):
+    with ranks_agree(what="sparse_allreduce_async"):
+        handle = hvd.sparse_allreduce_async(dense.to_sparse(1), name="sparse", op=hvd.Sum)
+        result = hvd.synchronize(handle)
+        averaged = hvd.sparse_allreduce_async(dense.to_sparse(1), name="sparse.mean").wait()
+        assert result.is_sparse and result._nnz() == 2 * N  # every rank's entries, as Horovod's
+        torch.testing.assert_close(result.to_dense(), want)
+        torch.testing.assert_close(averaged.to_dense(), want / N)
+    with ranks_agree(what="a dense tensor"), pytest.raises(TypeError, match=r"takes a sparse COO torch tensor"):
         hvd.sparse_allreduce_async(dense, name="dense")
 
 
@@ -178,33 +196,36 @@ def test_sparse_allreduce_async_gathers_indices_and_values():
 
 
 def test_broadcast_helpers_take_name_and_process_set_and_tensor_hyper_parameters():
-    assert hvd.broadcast_object({"rank": R}, root_rank=N - 1, name="who", process_set=hvd.global_process_set) == \
-        {"rank": N - 1}
-    assert hvd.allgather_object(R * 10, name="tens", process_set=hvd.global_process_set) == \
-        [r * 10 for r in range(N)]
-    with pytest.raises(hvd.MismatchError):  # names are checked across ranks
-        hvd.broadcast_object(1, name=f"rank{R}")
+    with ranks_agree(what="broadcast_object, allgather_object"):
+        who = hvd.broadcast_object({"rank": R}, root_rank=N - 1, name="who", process_set=hvd.global_process_set)
+        tens = hvd.allgather_object(R * 10, name="tens", process_set=hvd.global_process_set)
+        assert who == {"rank": N - 1}
+        assert tens == [r * 10 for r in range(N)]
+    with ranks_agree(what="names differing across ranks"), pytest.raises(hvd.MismatchError):
+        hvd.broadcast_object(1, name=f"rank{R}")  # names are checked across ranks
     net = model()
     with torch.no_grad():
         for parameter in net.parameters():
             parameter.add_(R)
-    hvd.broadcast_parameters(net.state_dict(), root_rank=N - 1, process_set=hvd.global_process_set)
     expected = model()
-    for (name, got), want in zip(net.state_dict().items(), expected.state_dict().values()):
-        torch.testing.assert_close(got, want + (N - 1), msg=name)
+    with ranks_agree(what="broadcast_parameters"):
+        hvd.broadcast_parameters(net.state_dict(), root_rank=N - 1, process_set=hvd.global_process_set)
+        for (name, got), want in zip(net.state_dict().items(), expected.state_dict().values()):
+            torch.testing.assert_close(got, want + (N - 1), msg=name)
 
     optimizer = torch.optim.SGD(net.parameters(), lr=torch.tensor(0.1 * (R + 1)), momentum=0.5 + 0.1 * R)
     x, y = batch(R)
     nn.functional.cross_entropy(net(x), y).backward()
     optimizer.step()  # momentum buffers differ per rank
     root_state = copy.deepcopy(optimizer.state_dict()) if R == 1 else None
-    hvd.broadcast_optimizer_state(optimizer, root_rank=1, process_set=hvd.global_process_set)
-    root_state = hvd.broadcast_object(root_state, root_rank=1)
-    group = optimizer.state_dict()["param_groups"][0]
-    assert torch.is_tensor(group["lr"]) and float(group["lr"]) == pytest.approx(0.2)
-    assert group["momentum"] == pytest.approx(0.6)
-    for index, state in optimizer.state_dict()["state"].items():
-        torch.testing.assert_close(state["momentum_buffer"], root_state["state"][index]["momentum_buffer"])
+    with ranks_agree(what="broadcast_optimizer_state"):
+        hvd.broadcast_optimizer_state(optimizer, root_rank=1, process_set=hvd.global_process_set)
+        root_state = hvd.broadcast_object(root_state, root_rank=1)
+        group = optimizer.state_dict()["param_groups"][0]
+        assert torch.is_tensor(group["lr"]) and float(group["lr"]) == pytest.approx(0.2)
+        assert group["momentum"] == pytest.approx(0.6)
+        for index, state in optimizer.state_dict()["state"].items():
+            torch.testing.assert_close(state["momentum_buffer"], root_state["state"][index]["momentum_buffer"])
 
 
 # ------------------------------------------------------------------ SyncBatchNorm
@@ -233,18 +254,23 @@ def test_sync_batch_norm_equals_one_process_batch_norm_on_the_global_batch(shape
     (y_all * weights).sum().backward()
 
     x_mine = x[mine].clone().requires_grad_(True)
-    y_mine = synced(x_mine)
-    torch.testing.assert_close(y_mine, y_all[mine].detach())
-    (y_mine * weights[mine]).sum().backward()
-    torch.testing.assert_close(x_mine.grad, x_all.grad[mine])
-    # each rank holds its part of the parameter gradients: their sum is one process's
-    torch.testing.assert_close(hvd.allreduce(synced.weight.grad, op=hvd.Sum), reference.weight.grad)
-    torch.testing.assert_close(hvd.allreduce(synced.bias.grad, op=hvd.Sum), reference.bias.grad)
-    torch.testing.assert_close(synced.running_mean, reference.running_mean)
-    torch.testing.assert_close(synced.running_var, reference.running_var)
-    synced.eval()
-    reference.eval()
-    torch.testing.assert_close(synced(x[mine]), reference(x[mine]))
+    with ranks_agree(what="SyncBatchNorm"):
+        y_mine = synced(x_mine)
+        (y_mine * weights[mine]).sum().backward()
+        # each rank holds its part of the parameter gradients: their sum is one process's
+        weight_grad = hvd.allreduce(synced.weight.grad, op=hvd.Sum)
+        bias_grad = hvd.allreduce(synced.bias.grad, op=hvd.Sum)
+        running_mean, running_var = synced.running_mean.clone(), synced.running_var.clone()
+        synced.eval()
+        reference.eval()
+        evaluated = synced(x[mine])
+        torch.testing.assert_close(y_mine, y_all[mine].detach())
+        torch.testing.assert_close(x_mine.grad, x_all.grad[mine])
+        torch.testing.assert_close(weight_grad, reference.weight.grad)
+        torch.testing.assert_close(bias_grad, reference.bias.grad)
+        torch.testing.assert_close(running_mean, reference.running_mean)
+        torch.testing.assert_close(running_var, reference.running_var)
+        torch.testing.assert_close(evaluated, reference(x[mine]))
 
 
 # ------------------------------------------------------------------ join
@@ -252,44 +278,59 @@ def test_sync_batch_norm_equals_one_process_batch_norm_on_the_global_batch(shape
 
 def test_join_completes_the_others_allreduces_with_zeros_and_returns_the_last_rank():
     last_rank = N - 1  # the rank that runs out of data first; the others go on
+    # every rank's checks wait for every rank's join (a rank in hp.join takes no part in ranks_agree's gather);
+    # the ranks that go on join in `finally`, so that a failure among their steps cannot leave the others in join
     if R == last_rank:
-        assert hvd.join() == 0 if N == 2 else isinstance(hvd.join(), int)
+        joined = hvd.join()
+        with ranks_agree(what="join"):
+            assert joined == 0 if N == 2 else isinstance(joined, int)
         return
     x = torch.full((3,), float(R + 1))
     contributing = range(N - 1)
-    assert hvd.allreduce(x, op=hvd.Sum).tolist() == [float(sum(r + 1 for r in contributing))] * 3
     mean = sum(r + 1 for r in contributing) / N  # Average divides by the group's size, as Horovod's
-    assert hvd.allreduce(x, name="sync.mean").tolist() == pytest.approx([mean] * 3)
-    assert hvd.allreduce_async(x, name="async.mean").wait().tolist() == pytest.approx([mean] * 3)
-    y = x.clone()
-    hvd.allreduce_async_(y, name="async.sum", op=hvd.Sum).wait()
-    assert y.tolist() == [float(sum(r + 1 for r in contributing))] * 3
-    with pytest.raises(hvd.HorovodInternalError, match=r"have joined \(hp.join\)"):
-        hvd.broadcast(x, root_rank=0)
-    # a training step of the ranks that still have data: their gradients' sum over the group's size
-    net = model()
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
-                                         named_parameters=net.named_parameters())
-    xb, yb = batch(R)
-    nn.functional.cross_entropy(net(xb), yb).backward()
-    local = {name: p.grad.clone() for name, p in net.named_parameters()}
-    optimizer.step()
-    if N == 2:
-        for name, p in net.named_parameters():
-            torch.testing.assert_close(p.grad, local[name] / N, msg=name)
-    assert hvd.join() == 0 if N == 2 else isinstance(hvd.join(), int)
+    with ranks_agree(what="join"):
+        try:
+            summed = hvd.allreduce(x, op=hvd.Sum)
+            averaged = hvd.allreduce(x, name="sync.mean")
+            waited = hvd.allreduce_async(x, name="async.mean").wait()
+            y = x.clone()
+            hvd.allreduce_async_(y, name="async.sum", op=hvd.Sum).wait()
+            with pytest.raises(hvd.HorovodInternalError, match=r"have joined \(hp.join\)"):
+                hvd.broadcast(x, root_rank=0)
+            # a training step of the ranks that still have data: their gradients' sum over the group's size
+            net = model()
+            optimizer = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                                 named_parameters=net.named_parameters())
+            xb, yb = batch(R)
+            nn.functional.cross_entropy(net(xb), yb).backward()
+            local = {name: p.grad.clone() for name, p in net.named_parameters()}
+            optimizer.step()
+        finally:
+            joined = hvd.join()
+        assert summed.tolist() == [float(sum(r + 1 for r in contributing))] * 3
+        assert averaged.tolist() == pytest.approx([mean] * 3)
+        assert waited.tolist() == pytest.approx([mean] * 3)
+        assert y.tolist() == [float(sum(r + 1 for r in contributing))] * 3
+        if N == 2:
+            for name, p in net.named_parameters():
+                torch.testing.assert_close(p.grad, local[name] / N, msg=name)
+        assert joined == 0 if N == 2 else isinstance(joined, int)
 
 
 def test_join_everywhere_then_collectives_work_again():
-    assert hvd.join() in range(N)
-    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [float(N)] * 2
+    joined = hvd.join()
+    total = hvd.allreduce(torch.ones(2), op=hvd.Sum)
+    with ranks_agree():
+        assert joined in range(N)
+        assert total.tolist() == [float(N)] * 2
 
 
 def test_cross_rank_cross_size_and_homogeneity_on_one_host():
     hosts = MPI.COMM_WORLD.allgather(MPI.Get_processor_name())
-    if len(set(hosts)) == 1:  # every rank here: each is alone among the ranks with its local rank
-        assert (hvd.cross_rank(), hvd.cross_size(), hvd.is_homogeneous()) == (0, 1, True)
-    assert 0 <= hvd.cross_rank() < hvd.cross_size() <= N
+    with ranks_agree():
+        if len(set(hosts)) == 1:  # every rank here: each is alone among the ranks with its local rank
+            assert (hvd.cross_rank(), hvd.cross_size(), hvd.is_homogeneous()) == (0, 1, True)
+        assert 0 <= hvd.cross_rank() < hvd.cross_size() <= N
 
 
 # ------------------------------------------------------------------ compression on the wire
@@ -321,16 +362,18 @@ def test_half_precision_travels_as_16_bit_in_the_ring_and_the_library_path(dtype
     for algorithm, per_rank in [(core.AllreduceAlgorithm.Ring, 2 * (N - 1) * (count // N)),
                                 (core.AllreduceAlgorithm.Library, count)]:
         x = values[R].to(dtype)
-        sent = _wire_bytes_of(lambda: core.allreduce(x.data_ptr(), x.data_ptr(), count, buffers.dtype_code(x), 0,
-                                                     comm.py2f(), options, [], algorithm))
-        assert sent == per_rank * 2, (algorithm, sent)  # 2 bytes an element: float32 partial sums would be 4
         want = sum(v.to(dtype).float() for v in values).to(dtype)
-        torch.testing.assert_close(x, want, rtol=1e-2, atol=1e-2)
+        with ranks_agree(what=str(algorithm)):
+            sent = _wire_bytes_of(lambda: core.allreduce(x.data_ptr(), x.data_ptr(), count, buffers.dtype_code(x),
+                                                         0, comm.py2f(), options, [], algorithm))
+            assert sent == per_rank * 2, (algorithm, sent)  # 2 bytes an element: float32 partial sums would be 4
+            torch.testing.assert_close(x, want, rtol=1e-2, atol=1e-2)
     # the public API: a small tensor compressed to fp16 moves half the bytes of the float32 one
     small = torch.linspace(0, 1, 1000)
-    plain = _wire_bytes_of(lambda: hvd.allreduce(small, op=hvd.Sum))
-    compressed = _wire_bytes_of(lambda: hvd.allreduce(small, op=hvd.Sum, compression=hvd.Compression.fp16))
-    assert compressed * 2 == plain == 4000
+    with ranks_agree(what="compression=fp16"):
+        plain = _wire_bytes_of(lambda: hvd.allreduce(small, op=hvd.Sum))
+        compressed = _wire_bytes_of(lambda: hvd.allreduce(small, op=hvd.Sum, compression=hvd.Compression.fp16))
+        assert compressed * 2 == plain == 4000
 
 
 # ------------------------------------------------------------------ out-of-place allreduce_async
@@ -339,18 +382,21 @@ def test_half_precision_travels_as_16_bit_in_the_ring_and_the_library_path(dtype
 def test_out_of_place_async_reuses_only_outputs_nobody_holds():
     x = torch.arange(6.0) + R
     want = (torch.arange(6.0) * N + sum(range(N))).tolist()
-    first = hvd.allreduce_async(x, name="oop", op=hvd.Sum).wait()
-    held = first.data_ptr()
-    second = hvd.allreduce_async(x, name="oop", op=hvd.Sum).wait()
-    assert second.data_ptr() != held and first.tolist() == want == second.tolist()  # `first` is still ours
+    with ranks_agree(what="an output still held"):
+        first = hvd.allreduce_async(x, name="oop", op=hvd.Sum).wait()
+        held = first.data_ptr()
+        second = hvd.allreduce_async(x, name="oop", op=hvd.Sum).wait()
+        assert second.data_ptr() != held and first.tolist() == want == second.tolist()  # `first` is still ours
     view = second[2:]
     del first, second
-    third = hvd.allreduce_async(x, name="oop", op=hvd.Sum).wait()
-    assert third.data_ptr() == held  # released: its memory is the output again
-    assert view.tolist() == want[2:]  # a view keeps its base out of reuse
-    fourth = hvd.allreduce_async(x, name="oop", op=hvd.Sum).wait()
-    assert fourth.data_ptr() not in (held, view.data_ptr() - 8) and fourth.tolist() == want
-    assert torch.equal(x, torch.arange(6.0) + R)  # the input is only read
+    with ranks_agree(what="an output released"):
+        third = hvd.allreduce_async(x, name="oop", op=hvd.Sum).wait()
+        assert third.data_ptr() == held  # released: its memory is the output again
+        assert view.tolist() == want[2:]  # a view keeps its base out of reuse
+    with ranks_agree(what="an output held by a view"):
+        fourth = hvd.allreduce_async(x, name="oop", op=hvd.Sum).wait()
+        assert fourth.data_ptr() not in (held, view.data_ptr() - 8) and fourth.tolist() == want
+        assert torch.equal(x, torch.arange(6.0) + R)  # the input is only read
 
 
 # ------------------------------------------------------------------ elastic
@@ -378,13 +424,17 @@ def test_elastic_rolls_back_to_the_last_commit_and_resumes_from_its_checkpoint(t
             state.commit()
         return state.epoch
 
-    assert train(state) == 3
-    assert attempts == [0, 1] and resets == [1]  # the retry starts from the commit after epoch 0
-    for name, parameter in net.named_parameters():  # three epochs applied, not four: the failed one rolled back
-        torch.testing.assert_close(parameter.detach(), initial[name] + 3, msg=name)
+    with ranks_agree(what="the rolled-back run"):
+        epochs = train(state)
+        assert epochs == 3
+        assert attempts == [0, 1] and resets == [1]  # the retry starts from the commit after epoch 0
+        for name, parameter in net.named_parameters():  # three epochs applied, not four: the failed one rolled back
+            torch.testing.assert_close(parameter.detach(), initial[name] + 3, msg=name)
 
     restarted = model()  # a restarted job: fresh processes build the model again, run() resumes the commit
-    again = hvd.elastic.TorchState(restarted, torch.optim.SGD(restarted.parameters(), lr=0.1), epoch=0)
-    assert hvd.elastic.run(lambda state: state.epoch)(again) == 3
-    for name, parameter in restarted.named_parameters():
-        torch.testing.assert_close(parameter.detach(), initial[name] + 3, msg=name)
+    with ranks_agree(what="the resumed run"):
+        again = hvd.elastic.TorchState(restarted, torch.optim.SGD(restarted.parameters(), lr=0.1), epoch=0)
+        resumed = hvd.elastic.run(lambda state: state.epoch)(again)
+        assert resumed == 3
+        for name, parameter in restarted.named_parameters():
+            torch.testing.assert_close(parameter.detach(), initial[name] + 3, msg=name)
