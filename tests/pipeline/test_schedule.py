@@ -278,34 +278,40 @@ def test_pipedream_steady_state_has_no_bubble() -> None:
     assert timeline.makespan == pytest.approx(work + 3 * (stages - 1))
 
 
-def test_replica_schedules_run_every_micro_batch_once_and_never_deadlock():
-    """Stages with their own replica counts: every composition of up to 6 ranks, M = 1..10: each micro-batch's
-    forward and backward once on replica m mod R_s, the simulation never blocks, 1F1B keeps at most
-    ceil((R_s + ... + R_{P-1}) / R_s) micro-batches in flight per replica, and one replica per stage is 1F1B."""
+def replicated_grids(most: int):
+    """Every composition of 2..``most`` ranks into 2 or more stages' replica counts: (counts, each rank's (stage,
+    replica), the rank of each (stage, replica))."""
     import itertools
 
     from hybridpipe.runtime import layout
 
-    for ranks in range(2, 7):
+    for ranks in range(2, most + 1):
         for stages in range(2, ranks + 1):
             for inner in itertools.combinations(range(1, ranks), stages - 1):
                 bounds = (0, *inner, ranks)
                 counts = tuple(bounds[i + 1] - bounds[i] for i in range(stages))
                 places = layout(counts)
-                where = {place: rank for rank, place in enumerate(places)}
-                for m in range(1, 11):
-                    for name in ("gpipe", "1f1b"):
-                        lists = sched.replica_schedule(name, counts, m)
-                        for (s, r), actions in lists.items():
-                            mine = [b for b in range(m) if b % counts[s] == r]
-                            assert sorted(a.micro_batch for a in actions if a.kind is sched.ActionKind.FORWARD) == mine
-                            assert sorted(a.micro_batch for a in actions if a.kind is sched.ActionKind.BACKWARD) == mine
-                            if name == "1f1b":
-                                room = -(-sum(counts[s:]) // counts[s])
-                                assert sched.peak_in_flight(actions) <= room
-                        timeline = sched.simulate([lists[p] for p in places],
-                                                  placement=lambda s, b: where[(s, b % counts[s])])
-                        assert all(blocked is None for blocked in timeline.blocked), (counts, m, name)
+                yield counts, places, {place: rank for rank, place in enumerate(places)}
+
+
+def test_replica_schedules_run_every_micro_batch_once_and_never_deadlock():
+    """Stages with their own replica counts: every composition of up to 6 ranks, M = 1..10: each micro-batch's
+    forward and backward once on replica m mod R_s, the simulation never blocks, 1F1B keeps at most
+    ceil((R_s + ... + R_{P-1}) / R_s) micro-batches in flight per replica, and one replica per stage is 1F1B."""
+    for counts, places, where in replicated_grids(6):
+        for m in range(1, 11):
+            for name in ("gpipe", "1f1b"):
+                lists = sched.replica_schedule(name, counts, m)
+                for (s, r), actions in lists.items():
+                    mine = [b for b in range(m) if b % counts[s] == r]
+                    assert sorted(a.micro_batch for a in actions if a.kind is sched.ActionKind.FORWARD) == mine
+                    assert sorted(a.micro_batch for a in actions if a.kind is sched.ActionKind.BACKWARD) == mine
+                    if name == "1f1b":
+                        room = -(-sum(counts[s:]) // counts[s])
+                        assert sched.peak_in_flight(actions) <= room
+                timeline = sched.simulate([lists[p] for p in places],
+                                          placement=lambda s, b: where[(s, b % counts[s])])
+                assert all(blocked is None for blocked in timeline.blocked), (counts, m, name)
     straight = sched.replica_schedule("1f1b", [1, 1, 1, 1], 8)
     assert [straight[(s, 0)] for s in range(4)] == sched.one_f_one_b(4, 8)
     with pytest.raises(sched.ScheduleError, match="'zb-h1' does not run on stages with their own replica counts"):
@@ -317,38 +323,29 @@ def test_replica_streams_of_pipedream_never_deadlock_with_rounds_as_one_collecti
     every count, 1-3 train_steps and a flush: each replica forwards and backwards its own micro-batches once and
     updates once per round, and the simulation, each round's updates one collective of the stage's replicas,
     never blocks."""
-    import itertools
     import math
 
-    from hybridpipe.runtime import layout
-
-    for ranks in range(2, 7):
-        for stages in range(2, ranks + 1):
-            for inner in itertools.combinations(range(1, ranks), stages - 1):
-                bounds = (0, *inner, ranks)
-                counts = tuple(bounds[i + 1] - bounds[i] for i in range(stages))
-                places = layout(counts)
-                where = {place: rank for rank, place in enumerate(places)}
-                for m in sorted({math.lcm(*counts), 2 * math.lcm(*counts)}):
-                    if m > 24:
-                        continue
-                    for steps in (1, 3):
-                        streams = sched.replica_streams("pipedream", counts, m)
-                        lists = {place: [] for place in places}
-                        for step in range(steps):
-                            for place in places:
-                                lists[place] += streams[place].segment((step + 1) * m)
-                        for place in places:
-                            lists[place] += streams[place].drain()
-                        for (s, r), actions in lists.items():
-                            mine = [b for b in range(steps * m) if b % counts[s] == r]
-                            assert [a.micro_batch for a in actions if a.kind is sched.ActionKind.FORWARD] == mine
-                            assert [a.micro_batch for a in actions if a.kind is sched.ActionKind.UPDATE] == mine
-                        timeline = sched.simulate(
-                            [lists[p] for p in places], placement=lambda s, b: where[(s, b % counts[s])],
-                            together=lambda rank, a: ((a.stage, a.micro_batch // counts[a.stage]), counts[a.stage])
-                            if a.kind is sched.ActionKind.UPDATE else None)
-                        assert all(blocked is None for blocked in timeline.blocked), (counts, m, steps)
+    for counts, places, where in replicated_grids(6):
+        for m in sorted({math.lcm(*counts), 2 * math.lcm(*counts)}):
+            if m > 24:
+                continue
+            for steps in (1, 3):
+                streams = sched.replica_streams("pipedream", counts, m)
+                lists = {place: [] for place in places}
+                for step in range(steps):
+                    for place in places:
+                        lists[place] += streams[place].segment((step + 1) * m)
+                for place in places:
+                    lists[place] += streams[place].drain()
+                for (s, r), actions in lists.items():
+                    mine = [b for b in range(steps * m) if b % counts[s] == r]
+                    assert [a.micro_batch for a in actions if a.kind is sched.ActionKind.FORWARD] == mine
+                    assert [a.micro_batch for a in actions if a.kind is sched.ActionKind.UPDATE] == mine
+                timeline = sched.simulate(
+                    [lists[p] for p in places], placement=lambda s, b: where[(s, b % counts[s])],
+                    together=lambda rank, a: ((a.stage, a.micro_batch // counts[a.stage]), counts[a.stage])
+                    if a.kind is sched.ActionKind.UPDATE else None)
+                assert all(blocked is None for blocked in timeline.blocked), (counts, m, steps)
     with pytest.raises(sched.ScheduleError, match="4 is not a multiple of 3: use e.g. 3"):
         sched.replica_streams("pipedream", [3, 1], 4)
     with pytest.raises(sched.ScheduleError, match="'2bw' does not run on stages with their own replica counts"):

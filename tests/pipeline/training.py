@@ -174,6 +174,31 @@ def _clone(parameters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in parameters.items()}
 
 
+def _replay_forward(modules: list[nn.Module], version: dict[str, torch.Tensor], micro_batch_data: list[tuple], loss_fn,
+                    weight: float, flight: dict, s: int, m: int) -> None:
+    """A replay's forward of micro-batch ``m`` on stage ``s`` at the weights ``version`` (the last stage: the weighted
+    loss); what the backward needs goes to ``flight[(s, m)]``."""
+    weights = {k: v.clone().requires_grad_(True) for k, v in version.items()}
+    x = micro_batch_data[m][0] if s == 0 else flight[(s - 1, m)][1].detach().requires_grad_(True)
+    y = torch.func.functional_call(modules[s], weights, (x,))
+    if s == len(modules) - 1:
+        y = loss_fn(y, micro_batch_data[m][1]) * weight
+    flight[(s, m)] = (x, y, weights)
+
+
+def _replay_backward(modules: list[nn.Module], flight: dict, s: int, m: int) -> None:
+    """A replay's backward of micro-batch ``m`` on stage ``s``: at the weights its forward used, added to the live
+    parameters' ``.grad``."""
+    x, y, weights = flight[(s, m)]
+    if s == len(modules) - 1:
+        y.backward()
+    else:
+        y.backward(flight[(s + 1, m)][0].grad)
+    for pname, parameter in modules[s].named_parameters():
+        grad = weights[pname].grad
+        parameter.grad = grad.clone() if parameter.grad is None else parameter.grad + grad
+
+
 def replay_asynchronous(name: str, layers: nn.Sequential, balance: list[int], micro_batch_data: list[tuple],
                         loss_fn, factory, vertical_sync: bool = False, micro_batches: int = 1) -> tuple[list, list]:
     """Replays an asynchronous schedule ("pipedream" or "2bw") in one process, from the schedule's data.
@@ -217,21 +242,9 @@ def replay_asynchronous(name: str, layers: nn.Sequential, balance: list[int], mi
             if s == 0:
                 first_stage_version[m] = version
             used[s].append((m, version))
-            weights = {k: v.clone().requires_grad_(True) for k, v in versions[s][version].items()}
-            x = micro_batch_data[m][0] if s == 0 else flight[(s - 1, m)][1].detach().requires_grad_(True)
-            y = torch.func.functional_call(modules[s], weights, (x,))
-            if s == stages - 1:
-                y = loss_fn(y, micro_batch_data[m][1]) * weight
-            flight[(s, m)] = (x, y, weights)
+            _replay_forward(modules, versions[s][version], micro_batch_data, loss_fn, weight, flight, s, m)
         elif action.kind is sched.ActionKind.BACKWARD:
-            x, y, weights = flight[(s, m)]
-            if s == stages - 1:
-                y.backward()
-            else:
-                y.backward(flight[(s + 1, m)][0].grad)
-            for pname, parameter in modules[s].named_parameters():
-                grad = weights[pname].grad
-                parameter.grad = grad.clone() if parameter.grad is None else parameter.grad + grad
+            _replay_backward(modules, flight, s, m)
         else:  # UPDATE
             optimizers[s].step()
             optimizers[s].zero_grad(set_to_none=True)
@@ -300,21 +313,9 @@ def replay_pipedream_replicas(layers: nn.Sequential, balance: list[int], counts:
     for _, _, _, action in events:
         s, m = action.stage, action.micro_batch
         if action.kind is sched.ActionKind.FORWARD:
-            weights = {k: v.clone().requires_grad_(True) for k, v in versions[s][count[s]].items()}
-            x = micro_batch_data[m][0] if s == 0 else flight[(s - 1, m)][1].detach().requires_grad_(True)
-            y = torch.func.functional_call(modules[s], weights, (x,))
-            if s == stages - 1:
-                y = loss_fn(y, micro_batch_data[m][1])
-            flight[(s, m)] = (x, y, weights)
+            _replay_forward(modules, versions[s][count[s]], micro_batch_data, loss_fn, 1.0, flight, s, m)
         elif action.kind is sched.ActionKind.BACKWARD:
-            x, y, weights = flight[(s, m)]
-            if s == stages - 1:
-                y.backward()
-            else:
-                y.backward(flight[(s + 1, m)][0].grad)
-            for pname, parameter in modules[s].named_parameters():
-                grad = weights[pname].grad
-                parameter.grad = grad.clone() if parameter.grad is None else parameter.grad + grad
+            _replay_backward(modules, flight, s, m)
         elif (s, m // counts[s]) not in stepped:  # the round's first U: its replicas' gradients, averaged
             stepped.add((s, m // counts[s]))
             for parameter in modules[s].parameters():
