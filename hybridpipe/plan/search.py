@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -48,9 +49,13 @@ SYNCHRONOUS_CHOICES = sched.SYNCHRONOUS
 CHECKPOINT_CHOICES = ("never", "except_last", "always")
 INTERLEAVED_CHUNKS = 2
 ZERO_MARGIN = 0.02  # a sharded plan must be this much faster than the best unsharded one to win
-# stages with their own replica counts: searched while the ways to split the ranks are at most this many per
-# stage count (every composition of the ranks into P counts; 8 ranks: 127 in all)
-MAX_COMPOSITIONS = 256
+# stages with their own replica counts: every composition of the ranks into P counts while there are at most this many
+# (8 ranks: all 63 with up to 4 stages); beyond, those whose counts are all 1 or 2 but one (PipeDream's "15-1",
+# "14-2", "12-1-1-1", and the same with the large count elsewhere)
+MAX_COMPOSITIONS = 64
+# ... and with at most this many stages (PipeDream's published plans have 2-5: "15-1", "12-1-1-1-1"; a deep pipeline
+# of single replicas is a uniform grid's job, and each stage count more costs the search a partition per composition)
+MAX_REPLICATED_STAGES = 4
 GRIDS = ("all", "data-parallel", "uniform", "stage-replicas")  # plan(grids=): the kinds of grid searched
 
 
@@ -266,6 +271,17 @@ def compositions(total: int, parts: int) -> list[tuple[int, ...]]:
     return [(first, *rest) for first in range(1, total - parts + 2) for rest in compositions(total - first, parts - 1)]
 
 
+def _one_large(total: int, parts: int) -> list[tuple[int, ...]]:
+    """The compositions of ``total`` into ``parts`` counts that are all 1 or 2 but one."""
+    found = set()
+    for small in itertools.product((1, 2), repeat=parts - 1):
+        large = total - sum(small)
+        if large >= 1:
+            for where in range(parts):
+                found.add((*small[:where], large, *small[where:]))
+    return sorted(found)
+
+
 def replicated_balance(times: list[float], counts: tuple[int, ...]) -> tuple[int, ...]:
     """The contiguous cut of layers (``times``: each layer's forward + backward) into ``len(counts)`` stages that
     minimizes the slowest stage's time per replica, ``sum(times of its layers) / counts[s]`` (PipeDream's
@@ -294,13 +310,15 @@ def replicated_balance(times: list[float], counts: tuple[int, ...]) -> tuple[int
 
 def _replica_candidates(profile: Profile, cluster: Cluster, global_batch: int, schedules: tuple[str, ...],
                         max_micro_batches: int | None, time_per_layer: list[float]) -> list[Candidate]:
-    """Stages with their own replica counts: every composition of the ranks into 2.. stages that is not uniform
+    """Stages with their own replica counts: every composition of the ranks into 2..4 stages that is not uniform
     (those are the grids above), each cut by :func:`replicated_balance`, with every micro-batch count of the
     global batch from the largest count up."""
     found = []
-    for p in range(2, min(len(profile.layers), cluster.ranks) + 1):
-        ways = [c for c in compositions(cluster.ranks, p) if len(set(c)) > 1] if math.comb(
-            cluster.ranks - 1, p - 1) <= MAX_COMPOSITIONS else []
+    for p in range(2, min(len(profile.layers), cluster.ranks, MAX_REPLICATED_STAGES) + 1):
+        if math.comb(cluster.ranks - 1, p - 1) <= MAX_COMPOSITIONS:
+            ways = [c for c in compositions(cluster.ranks, p) if len(set(c)) > 1]
+        else:
+            ways = [c for c in _one_large(cluster.ranks, p) if len(set(c)) > 1]
         for counts in ways:
             balance = replicated_balance(time_per_layer, counts)
             for schedule in schedules:
