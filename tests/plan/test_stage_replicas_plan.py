@@ -16,7 +16,6 @@ from hybridpipe.plan.cost import Candidate, Cluster, predict
 from hybridpipe.plan.models import model_profile
 from hybridpipe.plan.profile import LayerCost, Profile
 from hybridpipe.plan.search import compositions, format_bytes, plan, replicated_balance
-from hybridpipe.plan.simulate import grid_comparison
 
 FREE = dict(latency_us=0.0, intra_host_gbps=1e9, inter_host_gbps=1e9)
 
@@ -111,18 +110,16 @@ def test_simulate_compares_the_best_grid_of_each_kind_at_16_gpus_of_cluster_a():
     import sys
 
     completed = subprocess.run([sys.executable, "-m", "hybridpipe.plan", "--model", "vgg16", "--gpu", "v100",
-                                "--simulate", "--compare-grids", "--sizes", "16", "--gpus-per-host", "4",
-                                "--intra-host-gbps", "80", "--inter-host-gbps", "10", "--global-batch", "1024",
+                                "--simulate", "--compare-grids", "--sizes", "4", "--gpus-per-host", "4",
+                                "--intra-host-gbps", "80", "--inter-host-gbps", "10", "--global-batch", "256",
                                 "--json"], capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr
-    [large] = [json.loads(line) for line in completed.stdout.splitlines()]
-    assert large["gpus"] == 16 and large["data_parallel"]["config"] == "16"
-    [small] = grid_comparison(model_profile("vgg16", "v100"), Cluster(ranks=4, ranks_per_host=4, intra_host_gbps=80,
-                                                                      inter_host_gbps=10), [4], 256)
-    assert small.plans["data-parallel"].config == "4" and small.speedup("stage-replicas") < 1.0
-    assert large["stage_replicas"]["config"].endswith("-2") or large["stage_replicas"]["config"].endswith("-1")
-    assert large["stage_replicas"]["speedup_over_dp"] > 1.05
-    assert large["uniform"]["speedup_over_dp"] == pytest.approx(1.0) or large["uniform"]["speedup_over_dp"] > 1.0
+    [small] = [json.loads(line) for line in completed.stdout.splitlines()]
+    assert small["gpus"] == 4 and small["data_parallel"]["config"] == "4"
+    assert small["stage_replicas"]["config"] == "3-1" and small["stage_replicas"]["speedup_over_dp"] < 1.0
+    profile, best = vgg16_on_16()  # the same comparison at 16 GPUs, from the plans the tests above made
+    _, data_parallel = vgg16_on_16("data-parallel")
+    assert best.samples_per_second / data_parallel.samples_per_second > 1.05 and data_parallel.config == "16"
     with pytest.raises(HybridPipeError, match="no stages-with-their-own-replica-counts configuration of 2 ranks"):
         plan(model_profile("vgg16", "v100"), Cluster(ranks=2), 64, grids="stage-replicas")
     with pytest.raises(HybridPipeError, match="grids='pipes'"):
