@@ -26,8 +26,8 @@ import numpy as np
 from .config import Config
 from .errors import GridError, NotInitializedError
 
-__all__ = ["Grid", "layout", "describe_stage_replicas", "parse_stage_replicas", "init", "shutdown", "is_initialized", "grid", "rank", "size", "local_rank",
-           "local_size", "config"]
+__all__ = ["Grid", "layout", "rank_of_place", "describe_stage_replicas", "parse_stage_replicas", "init", "shutdown",
+           "is_initialized", "grid", "rank", "size", "local_rank", "local_size", "config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +86,7 @@ class Grid:
             raise GridError(f"(stage={stage}, replica={replica}) is outside the {shape} grid")
         if self.uniform:
             return replica * self.pipeline_stages + stage
-        return layout(self.stage_replicas).index((stage, replica))
+        return rank_of_place(self.stage_replicas)[(stage, replica)]
 
     def place_of(self, rank: int) -> tuple[int, int]:
         """``(stage, replica)`` of ``rank``."""
@@ -130,6 +130,12 @@ def layout(stage_replicas: tuple[int, ...]) -> list[tuple[int, int]]:
     and so on (for equal counts, ``rank = replica × P + stage``)."""
     return [(stage, replica) for replica in range(max(stage_replicas)) for stage, count in enumerate(stage_replicas)
             if replica < count]
+
+
+@functools.lru_cache(maxsize=16)
+def rank_of_place(stage_replicas: tuple[int, ...]) -> dict[tuple[int, int], int]:
+    """The rank of each ``(stage, replica)`` of :func:`layout` (do not mutate: cached)."""
+    return {place: rank for rank, place in enumerate(layout(stage_replicas))}
 
 
 def describe_stage_replicas(stage_replicas: Any) -> str:

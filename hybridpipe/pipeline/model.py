@@ -62,7 +62,6 @@ from hybridpipe.pipeline import split as split_module
 from hybridpipe.pipeline.skip import skip_routes
 from hybridpipe.pipeline.tied import TiedWeights, check_schedule, find_ties, share_within_rank
 from hybridpipe.config import parse_bytes
-from hybridpipe.pipeline.schedule import spec as schedule_spec
 from hybridpipe.pipeline.schedule import (
     ASYNCHRONOUS,
     AsyncStream,
@@ -70,6 +69,7 @@ from hybridpipe.pipeline.schedule import (
     SCHEDULES,
     replica_schedule,
     replica_streams,
+    spec as schedule_spec,
     canonical_name,
     get_schedule,
     peak_in_flight,

@@ -48,6 +48,7 @@ __all__ = [
     "Timeline",
     "SCHEDULE_NAMES",
     "SCHEDULES",
+    "REPLICA_SCHEDULES",
     "ScheduleSpec",
     "spec",
     "SYNCHRONOUS",
@@ -227,9 +228,9 @@ def replica_schedule(name: str, stage_replicas: Sequence[int], micro_batches: in
     list's share instead would leave a replicated stage one micro-batch in flight per replica: a bubble each.)
     """
     counts = list(stage_replicas)
-    if name not in SCHEDULES or not SCHEDULES[name].stage_replicas or SCHEDULES[name].asynchronous:
-        raise ScheduleError(f"schedule {name!r} does not run on stages with their own replica counts; use 'gpipe' or "
-                            "'1f1b'")
+    if name not in REPLICA_SCHEDULES:
+        raise ScheduleError(f"schedule {name!r} does not run on stages with their own replica counts; use "
+                            f"{' or '.join(map(repr, REPLICA_SCHEDULES))}")
     _check_sizes(len(counts), micro_batches)
     lists = {}
     for s, count in enumerate(counts):
@@ -525,6 +526,8 @@ SYNCHRONOUS = tuple(name for name, spec in SCHEDULES.items() if not spec.asynchr
 """Schedules that flush every step: the parameters after a step equal one process's."""
 ASYNCHRONOUS = tuple(name for name, spec in SCHEDULES.items() if spec.asynchronous)
 """Schedules that never flush and update inside the pipeline (PipeDream's weight stashing, 2BW)."""
+REPLICA_SCHEDULES = tuple(name for name, spec in SCHEDULES.items() if spec.stage_replicas and not spec.asynchronous)
+"""The synchronous schedules of stages with their own replica counts (:func:`replica_schedule`)."""
 
 SCHEDULE_NAMES: dict[str, Callable[..., Schedule]] = {
     **{name: spec.build for name, spec in SCHEDULES.items()},

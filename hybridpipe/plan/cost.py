@@ -45,7 +45,7 @@ from hybridpipe.config import Config
 from hybridpipe.errors import HybridPipeError
 from hybridpipe.pipeline import schedule as sched
 from hybridpipe.plan.profile import LayerCost, Profile
-from hybridpipe.runtime import layout
+from hybridpipe.runtime import layout, rank_of_place
 
 __all__ = ["Cluster", "Candidate", "Prediction", "predict", "allreduce_seconds", "reducescatter_seconds",
            "allgather_seconds", "chunk_seconds", "step_lower_bound", "memory_per_rank", "schedule_of",
@@ -465,10 +465,6 @@ def _durations(profile: Profile, cluster: Cluster, layers: list[range], forward:
                 transfer_time=transfer)
 
 
-STAGE_REPLICA_SCHEDULES = tuple(name for name, described in sched.SCHEDULES.items()
-                                if described.stage_replicas and not described.asynchronous)
-
-
 def _predict_stage_replicas(profile: Profile, cluster: Cluster, candidate: Candidate, global_batch: int,
                             optimizer_state_factor: float, precision: str | None) -> Prediction:
     """:func:`predict` for stages with their own replica counts: every replica's own actions (its micro-batches
@@ -478,15 +474,15 @@ def _predict_stage_replicas(profile: Profile, cluster: Cluster, candidate: Candi
     if len(counts) != p or sum(counts) != cluster.ranks or candidate.replicas != 1:
         raise HybridPipeError(f"stage_replicas {list(counts)} must give one count per stage ({p}) adding up to the "
                               f"cluster's {cluster.ranks} ranks, with replicas=1")
-    if candidate.schedule not in STAGE_REPLICA_SCHEDULES or candidate.virtual_stages != 1 or candidate.zero:
-        raise HybridPipeError(f"stages with their own replica counts run {', '.join(STAGE_REPLICA_SCHEDULES)} with "
+    if candidate.schedule not in sched.REPLICA_SCHEDULES or candidate.virtual_stages != 1 or candidate.zero:
+        raise HybridPipeError(f"stages with their own replica counts run {', '.join(sched.REPLICA_SCHEDULES)} with "
                               f"one chunk per rank and zero=0 (got {candidate.schedule!r}, virtual_stages="
                               f"{candidate.virtual_stages}, zero={candidate.zero})")
     if len(candidate.balance) != p or sum(candidate.balance) != len(profile.layers):
         raise HybridPipeError(f"balance {list(candidate.balance)} does not cut {len(profile.layers)} layers into "
                               f"{p} stages")
     places = layout(tuple(counts))
-    rank_of = {place: rank for rank, place in enumerate(places)}
+    rank_of = rank_of_place(tuple(counts))
 
     def placement(stage: int, micro_batch: int) -> int:
         return rank_of[(stage, micro_batch % counts[stage])]
@@ -515,17 +511,18 @@ def _predict_stage_replicas(profile: Profile, cluster: Cluster, candidate: Candi
     parameter_bytes = [sum(profile.layers[i].parameter_bytes for i in layers[s]) for s in range(p)]
     groups = [[rank_of[(s, r)] for r in range(counts[s])] for s in range(p)]
     slow = cluster.compute_slowdown
+    # after its last action and its gradients' reduction, each stage's replicas agree on which gradients exist and
+    # step: the optimizer's hooks and its step right after the reduction as in predict
+    after = [profile.update_ms_per_mb * parameter_bytes[s] / 2**20 / 1e3 * slow
+             + ((allreduce_seconds(64, groups[s], cluster) + _submit_seconds(profile, list(layers[s]), cluster)
+                 + _after_reduction_seconds(parameter_bytes[s], cluster)) if counts[s] > 1 else 0.0)
+             for s in range(p)]
     finished, busiest = [], 0.0
     for rank, (stage, _) in enumerate(places):
         items = timeline.stages[rank]
         end, busy = (_reduction_end(items, [stage], layers, profile, micro, groups[stage], cluster, 1)
                      if counts[stage] > 1 else (0.0, 0.0))
-        flags = allreduce_seconds(64, groups[stage], cluster) if counts[stage] > 1 else 0.0
-        update = profile.update_ms_per_mb * parameter_bytes[stage] / 2**20 / 1e3 * slow
-        if counts[stage] > 1:  # the optimizer's hooks and its step after the reduction (as in predict)
-            update += _submit_seconds(profile, list(layers[stage]), cluster) + \
-                _after_reduction_seconds(parameter_bytes[stage], cluster)
-        finished.append(max(items[-1].end if items else 0.0, end) + flags + update)
+        finished.append(max(items[-1].end if items else 0.0, end) + after[stage])
         busiest = max(busiest, busy)
     pipeline = timeline.makespan
     step = max([pipeline] + finished)

@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 from hybridpipe.errors import HybridPipeError, PartitionError, ScheduleError
 from hybridpipe.pipeline import schedule as sched
 from hybridpipe.pipeline.partition import even_out_identical, partition_by_weights
-from hybridpipe.plan.cost import (STAGE_REPLICA_SCHEDULES, ZERO_LEVELS, Candidate, Cluster, Prediction,
+from hybridpipe.plan.cost import (ZERO_LEVELS, Candidate, Cluster, Prediction,
                                   activation_factor, chunk_seconds, held_micro_batches, memory_per_rank, predict,
                                   profile_precision, step_lower_bound)
-from hybridpipe.runtime import describe_stage_replicas, layout
+from hybridpipe.runtime import describe_stage_replicas, rank_of_place
 from hybridpipe.plan.profile import Profile
 
 __all__ = ["Plan", "plan", "format_bytes", "SYNCHRONOUS_CHOICES", "CHECKPOINT_CHOICES", "ZERO_MARGIN"]
@@ -119,7 +119,7 @@ class Plan:
         the bytes saved against data parallelism (every rank allreducing every parameter), per step."""
         if not self.stage_replicas:
             return []
-        places = layout(tuple(self.stage_replicas))
+        rank_of = rank_of_place(tuple(self.stage_replicas))
         starts = [sum(self.balance[:s]) for s in range(self.stages)]
         lines, reduced = [], 0.0
         for s, (start, count) in enumerate(zip(starts, self.balance)):
@@ -128,7 +128,7 @@ class Plan:
                 kinds[layer.name] = kinds.get(layer.name, 0) + 1
             weights = sum(layer.parameter_bytes for layer in profile.layers[start:start + count])
             replicas = self.stage_replicas[s]
-            ranks = [rank for rank, place in enumerate(places) if place[0] == s]
+            ranks = [rank_of[(s, r)] for r in range(replicas)]
             # a ring allreduce sends 2 (R - 1) / R of the bytes from each of the R replicas
             sent = 2 * (replicas - 1) * weights if replicas > 1 else 0.0
             reduced += sent
@@ -142,9 +142,8 @@ class Plan:
                 lines.append(f"  cut after layer {start + count - 1}: {format_bytes(2 * crossing)} per step (activations "
                              "forward, their gradients back)")
         everything = sum(layer.parameter_bytes for layer in profile.layers)
-        ranks = sum(self.stage_replicas)
-        data_parallel = 2 * (ranks - 1) * everything
-        lines.append(f"against data parallelism on {ranks} ranks ({format_bytes(data_parallel)} sent by its allreduces "
+        data_parallel = 2 * (self.ranks - 1) * everything
+        lines.append(f"against data parallelism on {self.ranks} ranks ({format_bytes(data_parallel)} sent by its allreduces "
                      f"per step): {format_bytes(reduced)} sent by allreduces, "
                      f"{format_bytes(max(0.0, data_parallel - reduced))} fewer")
         return lines
@@ -322,7 +321,7 @@ def _replica_candidates(profile: Profile, cluster: Cluster, global_batch: int, s
         for counts in ways:
             balance = replicated_balance(time_per_layer, counts)
             for schedule in schedules:
-                if schedule not in STAGE_REPLICA_SCHEDULES:
+                if schedule not in sched.REPLICA_SCHEDULES:
                     continue
                 for m in _divisors(global_batch):
                     if m < max(counts):
@@ -343,7 +342,7 @@ def _replica_lower_bound(profile: Profile, cluster: Cluster, candidate: Candidat
 def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tuple[str, ...] = SYNCHRONOUS_CHOICES,
          checkpoints: tuple[str, ...] = CHECKPOINT_CHOICES, max_micro_batches: int | None = None,
          optimizer_state_factor: float = 2.0, explain: int = 5, zero_levels: tuple[int, ...] = ZERO_LEVELS,
-         precision: str | None = None, stage_replicas: bool = True, grids: str = "all") -> Plan:
+         precision: str | None = None, grids: str = "all") -> Plan:
     """The fastest configuration of ``cluster.ranks`` ranks for ``profile`` that fits the memory.
 
     The search is exact for the cost model but does not cost every candidate: candidates are taken in
@@ -370,11 +369,11 @@ def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tu
             replica is never sharded.
         precision: The pipeline's precision (``hp.PipelineModel(precision=)``; None: the profile's): "bf16" /
             "fp16" halve the activation bytes stored and sent (against an fp32 profile).
-        stage_replicas: Also consider stages with their own replica counts ("3-1": ``hp.init(stage_replicas=)``,
-            gpipe / 1f1b / zb-h1); such a plan wins only when faster than the best uniform one by more than
-            ``ZERO_MARGIN`` (its grid is the less usual one).
         grids: ``"all"`` (default), or only ``"data-parallel"`` (one stage), ``"uniform"`` (stages × replicas)
-            or ``"stage-replicas"`` (stages with their own replica counts): the best of one kind, to compare.
+            or ``"stage-replicas"`` (stages with their own replica counts, ``hp.init(stage_replicas=)``, with
+            ``schedule.REPLICA_SCHEDULES``): the best of one kind, to compare. Among all, a plan with its own replica
+            counts wins only when faster than the best uniform one by more than ``ZERO_MARGIN`` (its grid is the
+            less usual one).
 
     Raises:
         HybridPipeError: no configuration is possible (the message says why, and what would fit).
@@ -430,7 +429,7 @@ def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tu
             rejected.append((candidate, least / candidate.stages))
             continue
         candidates.append((step_lower_bound(profile, cluster, candidate, global_batch), candidate))
-    if (stage_replicas and grids == "all") or grids == "stage-replicas":
+    if grids in ("all", "stage-replicas"):
         for candidate in _replica_candidates(profile, cluster, global_batch, schedules, max_micro_batches,
                                              time_per_layer):
             if limit and static / candidate.stages > limit:
