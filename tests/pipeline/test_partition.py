@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
@@ -11,13 +10,7 @@ from torch import nn
 
 from hybridpipe.errors import PartitionError
 from hybridpipe.pipeline import partition
-
-
-def compositions(total: int, parts: int):
-    """Every list of ``parts`` positive ints summing to ``total``."""
-    for cuts in itertools.combinations(range(1, total), parts - 1):
-        bounds = (0, *cuts, total)
-        yield [bounds[i + 1] - bounds[i] for i in range(parts)]
+from brute_force import compositions
 
 
 def stage_sums(values, balance):

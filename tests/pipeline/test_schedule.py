@@ -281,17 +281,13 @@ def test_pipedream_steady_state_has_no_bubble() -> None:
 def replicated_grids(most: int):
     """Every composition of 2..``most`` ranks into 2 or more stages' replica counts: (counts, each rank's (stage,
     replica), the rank of each (stage, replica))."""
-    import itertools
-
-    from hybridpipe.runtime import layout
+    from brute_force import compositions
+    from hybridpipe.runtime import layout, rank_of_place
 
     for ranks in range(2, most + 1):
         for stages in range(2, ranks + 1):
-            for inner in itertools.combinations(range(1, ranks), stages - 1):
-                bounds = (0, *inner, ranks)
-                counts = tuple(bounds[i + 1] - bounds[i] for i in range(stages))
-                places = layout(counts)
-                yield counts, places, {place: rank for rank, place in enumerate(places)}
+            for counts in compositions(ranks, stages):
+                yield counts, layout(counts), rank_of_place(counts)
 
 
 def test_replica_schedules_run_every_micro_batch_once_and_never_deadlock():

@@ -174,6 +174,21 @@ def _clone(parameters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in parameters.items()}
 
 
+def _replay_stages(layers: nn.Sequential, balance: list[int], factory) -> tuple[list, list, list]:
+    """A replay's stages: ``layers`` cut by ``balance``, each with its own optimizer from ``factory`` and its weight
+    versions (version 0 kept)."""
+    bounds = [sum(balance[:s]) for s in range(len(balance) + 1)]
+    modules = [nn.Sequential(*[layers[i] for i in range(bounds[s], bounds[s + 1])]) for s in range(len(balance))]
+    return (modules, [factory(list(m.parameters())) for m in modules],
+            [{0: _clone(dict(m.named_parameters()))} for m in modules])
+
+
+def _in_time_order(timeline) -> list:
+    """A simulated timeline's actions as ``(start, rank, position, action)``, in the order they ran."""
+    return sorted((item.start, rank, position, item.action) for rank, items in enumerate(timeline.stages)
+                  for position, item in enumerate(items))
+
+
 def _replay_forward(modules: list[nn.Module], version: dict[str, torch.Tensor], micro_batch_data: list[tuple], loss_fn,
                     weight: float, flight: dict, s: int, m: int) -> None:
     """A replay's forward of micro-batch ``m`` on stage ``s`` at the weights ``version`` (the last stage: the weighted
@@ -216,16 +231,12 @@ def replay_asynchronous(name: str, layers: nn.Sequential, balance: list[int], mi
     from hybridpipe.pipeline import schedule as sched
 
     stages = len(balance)
-    bounds = [sum(balance[:s]) for s in range(stages + 1)]
-    modules = [nn.Sequential(*[layers[i] for i in range(bounds[s], bounds[s + 1])]) for s in range(stages)]
-    optimizers = [factory(list(m.parameters())) for m in modules]
-    versions = [{0: _clone(dict(m.named_parameters()))} for m in modules]
+    modules, optimizers, versions = _replay_stages(layers, balance, factory)
     count = [0] * stages
     steps = len(micro_batch_data) // micro_batches
     plan = sched.async_schedule(name, stages, micro_batches, steps=steps, flush=True)
     timeline = sched.simulate(plan)
-    events = sorted((item.start, rank, position, item.action) for rank, items in enumerate(timeline.stages)
-                    for position, item in enumerate(items))
+    events = _in_time_order(timeline)
     flight: dict[tuple[int, int], tuple] = {}
     used: list[list[tuple[int, int]]] = [[] for _ in range(stages)]
     first_stage_version: dict[int, int] = {}
@@ -284,16 +295,13 @@ def replay_pipedream_replicas(layers: nn.Sequential, balance: list[int], counts:
         per stage: its live nn.Module slice after the run.
     """
     from hybridpipe.pipeline import schedule as sched
-    from hybridpipe.runtime import layout
+    from hybridpipe.runtime import layout, rank_of_place
 
     stages = len(balance)
-    bounds = [sum(balance[:s]) for s in range(stages + 1)]
-    modules = [nn.Sequential(*[layers[i] for i in range(bounds[s], bounds[s + 1])]) for s in range(stages)]
-    optimizers = [factory(list(m.parameters())) for m in modules]
-    versions = [{0: _clone(dict(m.named_parameters()))} for m in modules]
+    modules, optimizers, versions = _replay_stages(layers, balance, factory)
     count = [0] * stages
     places = layout(tuple(counts))
-    where = {place: rank for rank, place in enumerate(places)}
+    where = rank_of_place(tuple(counts))
     streams = sched.replica_streams("pipedream", counts, micro_batches)
     lists: dict[tuple[int, int], list] = {place: [] for place in places}
     for step in range(len(micro_batch_data) // micro_batches):
@@ -306,8 +314,7 @@ def replay_pipedream_replicas(layers: nn.Sequential, balance: list[int], counts:
                               together=lambda rank, a: ((a.stage, a.micro_batch // counts[a.stage]), counts[a.stage])
                               if a.kind is sched.ActionKind.UPDATE else None)
     assert all(blocked is None for blocked in timeline.blocked)
-    events = sorted((item.start, rank, position, item.action) for rank, items in enumerate(timeline.stages)
-                    for position, item in enumerate(items))
+    events = _in_time_order(timeline)
     flight: dict[tuple[int, int], tuple] = {}
     stepped: set[tuple[int, int]] = set()
     for _, _, _, action in events:

@@ -4,7 +4,6 @@ closed forms, profiles as JSON, the search's choices and errors, the command lin
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import random
 import subprocess
 import sys
@@ -19,14 +18,9 @@ from hybridpipe.errors import HybridPipeError
 from hybridpipe.pipeline.partition import partition_by_weights
 from hybridpipe.plan.cost import Candidate, Cluster, allreduce_seconds, predict
 from hybridpipe.plan.profile import LayerCost, Profile
+from brute_force import compositions
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def compositions(total: int, parts: int):
-    for cuts in itertools.combinations(range(1, total), parts - 1):
-        bounds = (0, *cuts, total)
-        yield [bounds[i + 1] - bounds[i] for i in range(parts)]
 
 
 def largest_stage(weights: list[float], balance: list[int]) -> float:

@@ -5,7 +5,6 @@ ranks across hosts) and never where it is off."""
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import random
 
@@ -16,14 +15,9 @@ from hybridpipe.plan.cost import Candidate, Cluster, predict
 from hybridpipe.plan.models import model_profile
 from hybridpipe.plan.profile import LayerCost, Profile
 from hybridpipe.plan.search import compositions, format_bytes, plan, replicated_balance
+import brute_force
 
 FREE = dict(latency_us=0.0, intra_host_gbps=1e9, inter_host_gbps=1e9)
-
-
-def cuts(layers: int, stages: int):
-    for inner in itertools.combinations(range(1, layers), stages - 1):
-        bounds = (0, *inner, layers)
-        yield tuple(bounds[i + 1] - bounds[i] for i in range(stages))
 
 
 def bottleneck(times: list[float], balance: tuple[int, ...], counts: tuple[int, ...]) -> float:
@@ -49,7 +43,7 @@ def test_replicated_balance_is_optimal_against_brute_force():
         times = [generator.choice([0.0, generator.uniform(0, 10)]) for _ in range(layers)]
         balance = replicated_balance(times, counts)
         assert len(balance) == stages and sum(balance) == layers and min(balance) >= 1
-        best = min(bottleneck(times, b, counts) for b in cuts(layers, stages))
+        best = min(bottleneck(times, b, counts) for b in brute_force.compositions(layers, stages))
         assert bottleneck(times, balance, counts) == pytest.approx(best)
     assert replicated_balance([1.0] * 8, (3, 1)) == (6, 2)  # 6 / 3 = 2 / 1: the replicated stage takes three times
 
