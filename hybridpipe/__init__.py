@@ -6,76 +6,13 @@ Example:
     >>> total = hp.allreduce(torch.ones(3), op=hp.Sum, group="data")
 """
 
-from ._trace import start_timeline, stop_timeline
-from .capabilities import (
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
-    is_homogeneous,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rocm_built,
-)
-from .checkpoint import CheckpointError, consolidate, load_checkpoint, resume, save_checkpoint
-from .comm.collectives import (
-    Adasum,
-    Average,
-    Max,
-    Min,
-    Product,
-    ReduceOp,
-    Sum,
-    allreduce_,
-    barrier,
-    broadcast_,
-    broadcast_async,
-    broadcast_async_,
-    grouped_allreduce_,
-)
-from .comm.engine import (
-    Handle,
-    allreduce_async,
-    allreduce_async_,
-    engine_stats,
-    grouped_allreduce_async,
-    grouped_allreduce_async_,
-    join,
-    poll,
-    synchronize,
-)
-from .comm.exchange import (
-    allgather_async,
-    alltoall_async,
-    grouped_allgather_async,
-    grouped_reducescatter_async,
-    reducescatter_async,
-    sparse_allreduce_async,
-)
-from .comm.process_sets import (
-    ProcessSet,
-    add_process_set,
-    data_process_set,
-    global_process_set,
-    pipe_process_set,
-    remove_process_set,
-)
+# Only the light modules load with the package (errors, config, runtime: the standard library and numpy), so
+# that the launcher (`hybridpipe-run`, `python -m hybridpipe.launch`), `python -m hybridpipe`, the emulated
+# hosts and the planner's profile-only commands start without importing torch. Every other public name is
+# imported on first use (PEP 562), from the module the table below names.
+import importlib
+
 from .config import Config
-from .differentiable import (
-    allgather,
-    allreduce,
-    alltoall,
-    broadcast,
-    grouped_allgather,
-    grouped_allreduce,
-    grouped_reducescatter,
-    reducescatter,
-)
 from .errors import (
     BuildError,
     DuplicateNameError,
@@ -90,32 +27,60 @@ from .errors import (
     PeerShutDownError,
     WaitTimeoutError,
 )
-from .amp import LossScaler
-from .optimizer import (
-    Compression,
-    DistributedOptimizer,
-    allgather_object,
-    broadcast_object,
-    broadcast_optimizer_state,
-    broadcast_parameters,
-    clip_grad_norm_,
-)
-from .pipeline.model import LayerSpec, PipelineModel, TiedLayerSpec
-from .pipeline.skip import pop, skippable, stash
-from .plan.auto import auto
-from .sync_batch_norm import SyncBatchNorm
-from . import elastic  # noqa: E402 — hvd.elastic.run / TorchState need the names above
 from .runtime import Grid, config, grid, init, is_initialized, local_rank, local_size, rank, shutdown, size
-from .comm.device import accepts_cupy as _accepts_cupy
 
-# cupy arrays are taken wherever torch tensors are (viewed through DLPack; hybridpipe/comm/device.py)
-for _name in ("allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "broadcast", "broadcast_",
-              "allgather", "grouped_allgather", "alltoall", "reducescatter", "grouped_reducescatter",
-              "allreduce_async", "allreduce_async_", "grouped_allreduce_async", "grouped_allreduce_async_",
-              "broadcast_async", "broadcast_async_", "allgather_async", "grouped_allgather_async", "alltoall_async",
-              "reducescatter_async", "grouped_reducescatter_async"):
-    globals()[_name] = _accepts_cupy(globals()[_name])
-del _name
+#: The public names imported on first use, by the module that defines them.
+_LAZY_MODULES = {
+    "._trace": ("start_timeline", "stop_timeline",),
+    ".capabilities": ("ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built",
+        "gloo_enabled", "is_homogeneous", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
+        "rocm_built",),
+    ".checkpoint": ("CheckpointError", "consolidate", "load_checkpoint", "resume", "save_checkpoint",),
+    ".comm.collectives": ("Adasum", "Average", "Max", "Min", "Product", "ReduceOp", "Sum", "allreduce_", "barrier",
+        "broadcast_", "broadcast_async", "broadcast_async_", "grouped_allreduce_",),
+    ".comm.engine": ("Handle", "allreduce_async", "allreduce_async_", "engine_stats", "grouped_allreduce_async",
+        "grouped_allreduce_async_", "join", "poll", "synchronize",),
+    ".comm.exchange": ("allgather_async", "alltoall_async", "grouped_allgather_async",
+        "grouped_reducescatter_async", "reducescatter_async", "sparse_allreduce_async",),
+    ".comm.process_sets": ("ProcessSet", "add_process_set", "data_process_set", "global_process_set",
+        "pipe_process_set", "remove_process_set",),
+    ".differentiable": ("allgather", "allreduce", "alltoall", "broadcast", "grouped_allgather", "grouped_allreduce",
+        "grouped_reducescatter", "reducescatter",),
+    ".amp": ("LossScaler",),
+    ".optimizer": ("Compression", "DistributedOptimizer", "allgather_object", "broadcast_object",
+        "broadcast_optimizer_state", "broadcast_parameters", "clip_grad_norm_",),
+    ".pipeline.model": ("LayerSpec", "PipelineModel", "TiedLayerSpec",),
+    ".pipeline.skip": ("pop", "skippable", "stash",),
+    ".plan.auto": ("auto",),
+    ".sync_batch_norm": ("SyncBatchNorm",),
+}
+_LAZY = {name: module for module, names in _LAZY_MODULES.items() for name in names}
+
+#: cupy arrays are taken wherever torch tensors are (viewed through DLPack; hybridpipe/comm/device.py).
+_TAKES_CUPY = frozenset((
+    "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "broadcast", "broadcast_",
+    "allgather", "grouped_allgather", "alltoall", "reducescatter", "grouped_reducescatter",
+    "allreduce_async", "allreduce_async_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "broadcast_async", "broadcast_async_", "allgather_async", "grouped_allgather_async", "alltoall_async",
+    "reducescatter_async", "grouped_reducescatter_async"))
+
+
+def __getattr__(name: str):
+    if name == "elastic":  # hvd.elastic.run / hvd.elastic.TorchState
+        value = importlib.import_module(".elastic", __name__)
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        if name in _TAKES_CUPY:
+            value = importlib.import_module(".comm.device", __name__).accepts_cupy(value)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # later look-ups are plain attribute reads
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
 
 __version__ = "0.1.0"
 
