@@ -44,15 +44,17 @@ _LAZY_MODULES = {
         "grouped_reducescatter_async", "reducescatter_async", "sparse_allreduce_async",),
     ".comm.process_sets": ("ProcessSet", "add_process_set", "data_process_set", "global_process_set",
         "pipe_process_set", "remove_process_set",),
-    ".differentiable": ("allgather", "allreduce", "alltoall", "broadcast", "grouped_allgather", "grouped_allreduce",
-        "grouped_reducescatter", "reducescatter",),
-    ".amp": ("LossScaler",),
-    ".optimizer": ("Compression", "DistributedOptimizer", "allgather_object", "broadcast_object",
-        "broadcast_optimizer_state", "broadcast_parameters", "clip_grad_norm_",),
+    ".comm.objects": ("allgather_object", "broadcast_object",),
+    ".data_parallel.amp": ("LossScaler",),
+    ".data_parallel.compression": ("Compression",),
+    ".data_parallel.differentiable": ("allgather", "allreduce", "alltoall", "broadcast", "grouped_allgather",
+        "grouped_allreduce", "grouped_reducescatter", "reducescatter",),
+    ".data_parallel.optimizer": ("DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters",
+        "clip_grad_norm_",),
+    ".data_parallel.sync_batch_norm": ("SyncBatchNorm",),
     ".pipeline.model": ("LayerSpec", "PipelineModel", "TiedLayerSpec",),
     ".pipeline.skip": ("pop", "skippable", "stash",),
     ".plan.auto": ("auto",),
-    ".sync_batch_norm": ("SyncBatchNorm",),
 }
 _LAZY = {name: module for module, names in _LAZY_MODULES.items() for name in names}
 
@@ -67,7 +69,7 @@ _TAKES_CUPY = frozenset((
 
 def __getattr__(name: str):
     if name == "elastic":  # hvd.elastic.run / hvd.elastic.TorchState
-        value = importlib.import_module(".elastic", __name__)
+        value = importlib.import_module(".data_parallel.elastic", __name__)
     elif name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)
         if name in _TAKES_CUPY:

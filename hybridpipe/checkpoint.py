@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from . import zero as zero_module
+from .data_parallel import zero as zero_module
 from . import rng_state, runtime
 from .comm.engine import call
 from .errors import HybridPipeError

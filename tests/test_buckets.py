@@ -1,4 +1,4 @@
-"""The buckets DistributedOptimizer makes for CUDA gradients (hybridpipe.optimizer._cuda_buckets): consecutive in
+"""The buckets DistributedOptimizer makes for CUDA gradients (hybridpipe.data_parallel.optimizer._cuda_buckets): consecutive in
 reverse model order, each up to the fusion threshold or one larger parameter. (The buckets' reduction runs on the
 GPU in tests/gpu.)"""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridpipe.optimizer import _cuda_buckets
+from hybridpipe.data_parallel.optimizer import _cuda_buckets
 
 
 def named(*sizes: int, dtype: torch.dtype = torch.float32) -> list[tuple[str, torch.nn.Parameter]]:

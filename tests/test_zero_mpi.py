@@ -272,7 +272,7 @@ def test_zero_staged_through_host_buffers_equals_one_process(grid, zero, monkeyp
     """The GPU path's staging (each bucket's reduced piece in a host buffer, then copied into the shard's
     gradient; the updated pieces copied to a host buffer for the allgather) run on CPU shards: the same
     training as one process, clipping included (make gpu-check runs it with CUDA shards)."""
-    from hybridpipe import zero as zero_module
+    from hybridpipe.data_parallel import zero as zero_module
 
     monkeypatch.setattr(zero_module, "STAGE_CPU_SHARDS", True)
     batches = global_batches(grid.data_replicas)

@@ -12,7 +12,7 @@ then moves through the C++ core (allreduce with Sum, Average, Min, Max) or throu
 
 Every call runs on the communication thread (``context.call``; the ``*_async`` forms through
 ``context.submit``, which returns a Handle at once). These functions are not differentiable; the
-package's top-level ``hp.allreduce`` & co. (hybridpipe.differentiable) wrap them for autograd.
+package's top-level ``hp.allreduce`` & co. (hybridpipe.data_parallel.differentiable) wrap them for autograd.
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from ..comm.objects import allgather_object
+
 __all__ = ["ActivationMeter", "MemoryReport", "RankMemory", "report"]
 
 
@@ -126,8 +128,6 @@ def _tensor_bytes(tensors: Any) -> int:
 
 def report(model: Any, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
     """Collective over the world: every rank's memory (see the module docstring)."""
-    from ..optimizer import allgather_object
-
     optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
     parameters = list(model.parameters())
     gradients = _tensor_bytes(p.grad for p in parameters)

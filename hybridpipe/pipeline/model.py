@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from hybridpipe import runtime
-from hybridpipe.amp import LossScaler
+from hybridpipe.data_parallel.amp import LossScaler
 from hybridpipe.pipeline.memory import ActivationMeter, MemoryReport
 from hybridpipe.pipeline.memory import report as memory_report
 from hybridpipe.comm.collectives import Average, grouped_allreduce_
@@ -131,7 +131,7 @@ class PipelineModel(nn.Module):
             runs under ``torch.autocast`` in that dtype, float32 activations cross stages in it, the
             weights (and their gradients and the optimizer) stay float32. "fp16" also scales the losses
             by ``model.scaler`` (hp.LossScaler): step with ``model.scaler.step(opt)`` and
-            ``model.scaler.update()`` (every rank skips the same overflowing steps; hybridpipe/amp.py).
+            ``model.scaler.update()`` (every rank skips the same overflowing steps; hybridpipe/data_parallel/amp.py).
         memory_limit: ``balance="memory"``: bytes (or ``"2GiB"``) each stage may hold in parameters,
             gradients and the activations of as many micro-batches as the schedule keeps at once;
             the fastest balance (by profiled time) within it is chosen.
@@ -266,7 +266,7 @@ class PipelineModel(nn.Module):
             self._executor.defer_gradients(self._tied.parameters)
         if precision != "fp32":
             self._executor.autocast = torch.bfloat16 if precision == "bf16" else torch.float16
-        # fp16: the dynamic loss scaler every rank agrees on (hybridpipe/amp.py); None otherwise
+        # fp16: the dynamic loss scaler every rank agrees on (hybridpipe/data_parallel/amp.py); None otherwise
         self.scaler: LossScaler | None = LossScaler() if precision == "fp16" else None
         if self.scaler is not None:  # (a non-uniform grid sums its replicas' gradients: nothing to divide)
             self.scaler.replicas = grid.data_replicas if grid.uniform else 1

@@ -24,11 +24,11 @@ from typing import Any, Sequence
 
 import torch
 
-from .comm import collectives, context, exchange
-from .comm.collectives import Average, Sum, resolve_op, scale_factor
-from .comm.collectives import check_tensors
-from .comm.context import check_name, refusing, resolve_group
-from .optimizer import Compression
+from ..comm import collectives, context, exchange
+from ..comm.collectives import Average, Sum, resolve_op, scale_factor
+from ..comm.collectives import check_tensors
+from ..comm.context import check_name, refusing, resolve_group
+from .compression import Compression
 
 __all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall",
            "reducescatter", "grouped_reducescatter"]

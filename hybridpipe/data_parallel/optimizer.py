@@ -1,5 +1,5 @@
-"""Horovod-style data parallelism: DistributedOptimizer, broadcasts of parameters / optimizer state /
-objects, global gradient-norm clipping.
+"""Horovod-style data parallelism: DistributedOptimizer, broadcasts of parameters / optimizer state, global
+gradient-norm clipping (the object broadcasts are in comm/objects.py, the compressors in compression.py).
 
 Design reasons:
 
@@ -25,7 +25,6 @@ Design reasons:
 from __future__ import annotations
 
 import contextlib
-import enum
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -33,69 +32,20 @@ from typing import Any
 
 import torch
 
-from . import _trace as timeline
-from .comm import buffers, collectives, context, engine, exchange
-from . import runtime
+from .. import _trace as timeline
+from ..comm import buffers, collectives, context, engine, exchange, objects
+from .. import runtime
 from . import zero as zero_module
-from .pipeline import stage
-from .pipeline.tied import copies_counted_elsewhere
-from .comm.collectives import Average, ReduceOp, Sum
-from .comm.process_sets import ProcessSet
-from .errors import HybridPipeError, NotSupportedError
+from .compression import Compression
+from ..pipeline import stage
+from ..pipeline.tied import copies_counted_elsewhere
+from ..comm.collectives import Average, ReduceOp, Sum
+from ..comm.process_sets import ProcessSet
+from ..errors import HybridPipeError, NotSupportedError
 
-__all__ = ["Compression", "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
-           "broadcast_object", "allgather_object", "clip_grad_norm_"]
+__all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "clip_grad_norm_"]
 
-_DEFAULT_GROUP = "data"
 _SPARSE = object()  # the ctx of a sparse gradient: reduced by sparse_allreduce_async, not compressed
-
-
-class Compression(enum.Enum):
-    """Wire format of gradients: ``none`` (their dtype), ``fp16`` or ``bf16`` (halves the bytes).
-
-    With fp16/bf16 the reduction still accumulates in float32 (see the ring allreduce), and the
-    result is cast back to the gradient's dtype. As Horovod's compressors, each has
-    ``compress(tensor) -> (tensor, ctx)`` and ``decompress(tensor, ctx)``: floating-point tensors (and
-    numpy arrays, for fp16) travel in the wire dtype, others as they are.
-
-    Example:
-        >>> wire, ctx = hp.Compression.fp16.compress(torch.ones(3, dtype=torch.float64))
-        >>> wire.dtype, hp.Compression.fp16.decompress(wire, ctx).dtype
-        (torch.float16, torch.float64)
-    """
-
-    none = None
-    fp16 = torch.float16
-    bf16 = torch.bfloat16
-
-    def compress(self, tensor: Any) -> tuple[Any, Any]:
-        """``(tensor in the wire dtype, ctx)``; ``ctx`` (the original dtype, or None) is for decompress."""
-        if self.value is None:
-            return tensor, None
-        if isinstance(tensor, torch.Tensor):
-            return (tensor.to(self.value), tensor.dtype) if tensor.is_floating_point() else (tensor, None)
-        import numpy as np
-
-        if self is Compression.fp16 and isinstance(tensor, np.ndarray) and np.issubdtype(tensor.dtype, np.floating):
-            return tensor.astype(np.float16), tensor.dtype
-        return tensor, None  # numpy has no bfloat16; integers are not compressed
-
-    def decompress(self, tensor: Any, ctx: Any) -> Any:
-        """The tensor back in the dtype ``compress`` saw."""
-        if ctx is None or tensor.dtype == ctx:
-            return tensor
-        return tensor.to(ctx) if isinstance(tensor, torch.Tensor) else tensor.astype(ctx)
-
-
-def _group_name(group: Any) -> str:
-    return group if isinstance(group, str) else "a user communicator" if group is not None else "world"
-
-
-def _target(group: Any, process_set: Any, function: str) -> Any:
-    """The group of a data-parallel helper: ``process_set`` (Horovod's keyword) or ``group`` (default "data")."""
-    if process_set is None:
-        return _DEFAULT_GROUP if group is None else group
-    return context.resolve_group(group, process_set, function)
 
 
 def _outside_process_set(group: Any, function: str) -> bool:
@@ -393,9 +343,13 @@ class _DistributedOptimizerMixin:
                                   "step: call opt.synchronize() first")
         self._hp_synchronized = False
         with timeline.span("step", "optimizer", "optimizer"):
-            result = super().step()  # type: ignore[misc]
+            result = self._hp_inner_step()
         context.autotune_step()
         return result
+
+    def _hp_inner_step(self) -> Any:
+        """The wrapped optimizer's own step (also ZeroMixin's, which comes before this class in the MRO)."""
+        return super().step()  # type: ignore[misc]
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
         if self._hp_handles:
@@ -449,7 +403,7 @@ def DistributedOptimizer(  # noqa: N802 — Horovod's spelling, a factory that r
         zero: 0 (default) every replica holds the whole optimizer state; 1 (ZeRO-1) each replica of the
             group owns 1/D of the flattened parameters' optimizer state, gradients are reduce-scattered
             and the updated parameters allgathered; 2 (ZeRO-2) also frees the parameters' gradients once
-            they are sent, keeping only the shard's (hybridpipe/zero.py, docs/data_parallel.md).
+            they are sent, keeping only the shard's (hybridpipe/data_parallel/zero.py, docs/data_parallel.md).
 
     Returns:
         An optimizer of a subclass of ``type(optimizer)``.
@@ -462,8 +416,8 @@ def DistributedOptimizer(  # noqa: N802 — Horovod's spelling, a factory that r
     op = collectives.reduce_op(op, "DistributedOptimizer")
     if op not in (Average, Sum, collectives.Adasum):
         raise ValueError(f"DistributedOptimizer op must be hp.Average, hp.Sum or hp.Adasum (got {op.name})")
-    group = _target(group, process_set, "DistributedOptimizer")
-    if op == Average and group == _DEFAULT_GROUP and runtime.is_initialized() and not runtime.grid().uniform:
+    group = objects.target(group, process_set, "DistributedOptimizer")
+    if op == Average and group == objects.DEFAULT_GROUP and runtime.is_initialized() and not runtime.grid().uniform:
         # hp.init(stage_replicas=...): micro-batches go round-robin over a stage's replicas and each one's loss is
         # already weighted for the whole mini-batch, so the replicas' gradients add up to the mini-batch's
         op = Sum
@@ -512,7 +466,7 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
         process_set: a hp.ProcessSet (Horovod's keyword) instead of ``group``.
         group: ``"data"`` (default), ``"world"``, ``"pipe"``, a hp.ProcessSet or an mpi4py communicator.
     """
-    target = _target(group, process_set, "broadcast_parameters")
+    target = objects.target(group, process_set, "broadcast_parameters")
     items = sorted(params.items() if isinstance(params, Mapping) else params, key=lambda item: item[0])
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):
@@ -520,51 +474,6 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
         with torch.no_grad():
             collectives.broadcast_(tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor, root_rank,
                                    name=f"{prefix}{name}", group=target)
-
-
-def _root_index(target: Any, root_rank: Any, function: str) -> int:
-    """The rank in ``target``'s communicator of ``root_rank`` (a global rank for a process set)."""
-    root = collectives.check_root(root_rank, function)
-    state = context.current(function)
-    set_ranks = state.set_ranks(target, function)
-    if set_ranks is not None:
-        if root not in set_ranks:
-            raise ValueError(f"{function}: root_rank {root} is not in the process set (ranks {set_ranks}); with a "
-                             "process set, root_rank is a global rank (hp.rank()), as in Horovod")
-        return set_ranks.index(root)
-    size = state.group_size(target, function)
-    if not 0 <= root < size:
-        raise ValueError(f"{function}: root_rank {root} is outside the {_group_name(target)} group of {size} ranks")
-    return root
-
-
-def _object_collective(function: str, name: Any) -> str:
-    """The kind the ranks agree on for an object collective: its name is part of it (checked across ranks)."""
-    return function if name is None else f"{function}|{name}"
-
-
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = None,
-                     group: Any = None) -> Any:
-    """Returns ``root_rank``'s ``obj`` (pickled) on every rank of the group (default ``"data"``; with
-    ``process_set``, ``root_rank`` is a global rank, as in Horovod). ``name`` is checked across ranks."""
-    with context.refusing("broadcast_object", "broadcast_object", group, process_set):
-        context.check_name(name, "broadcast_object")
-        target = _target(group, process_set, "broadcast_object")
-        root = _root_index(target, root_rank, "broadcast_object")
-    return engine.call(target, "broadcast_object",
-                       lambda: context.communicator(target, "broadcast_object").bcast(obj, root=root),
-                       _object_collective("broadcast_object", name))
-
-
-def allgather_object(obj: Any, name: str | None = None, process_set: Any = None, group: Any = None) -> list:
-    """Every rank's ``obj`` (pickled), as a list in rank order of the group (default ``"data"``)."""
-    with context.refusing("allgather_object", "allgather_object", group, process_set):
-        context.check_name(name, "allgather_object")
-        target = _target(group, process_set, "allgather_object")
-        context.current("allgather_object").check_group(target, "allgather_object")
-    return engine.call(target, "allgather_object",
-                       lambda: context.communicator(target, "allgather_object").allgather(obj),
-                       _object_collective("allgather_object", name))
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0, model: Any = None,
@@ -584,22 +493,22 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     A ZeRO optimizer (``zero=1|2``) keeps each replica's own shard of the moments (the shards together are
     the state): only its hyper-parameters are made root's.
     """
-    target = _target(group, process_set, "broadcast_optimizer_state")
+    target = objects.target(group, process_set, "broadcast_optimizer_state")
     with context.refusing("broadcast_optimizer_state", "broadcast_object", group, process_set):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"broadcast_optimizer_state takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        root = _root_index(target, root_rank, "broadcast_optimizer_state")
+        root = objects.root_index(target, root_rank, "broadcast_optimizer_state")
     me = context.communicator(target, "broadcast_optimizer_state").Get_rank()
     source = root_rank if process_set is not None or isinstance(target, ProcessSet) else root  # as broadcast_object takes it
     if getattr(optimizer, "_hp_zero", 0):
         # ZeRO: each replica holds its own shard of the moments, so root's would be the wrong piece; the
         # shards together are the one state. Only the hyper-parameters (lr, betas, ...) are made root's.
-        groups = broadcast_object([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        groups = objects.broadcast_object([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
                                   if me == root else None, source, group=target)
         for group_, values in zip(optimizer.param_groups, groups):
             group_.update(values)
         return
-    state = broadcast_object(optimizer.state_dict() if me == root else None, source, group=target)
+    state = objects.broadcast_object(optimizer.state_dict() if me == root else None, source, group=target)
     optimizer.load_state_dict(state)
     if not state["state"]:
         _zero_missing_gradients(optimizer, model)

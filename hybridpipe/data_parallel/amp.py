@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .errors import HybridPipeError
+from ..errors import HybridPipeError
 
 __all__ = ["LossScaler"]
 
@@ -99,7 +99,7 @@ class LossScaler:
                 grad.mul_(inverse.to(grad.dtype) if grad.dtype != torch.float32 else inverse)
                 if not found and not bool(torch.isfinite(grad).all()):
                     found = True
-        from .comm import collectives
+        from ..comm import collectives
 
         flag = torch.tensor([1 if found else 0], dtype=torch.int32)
         self._found_inf = bool(collectives.allreduce(flag, op=collectives.Max, group=self.group)[0])

@@ -30,9 +30,10 @@ from typing import Any, Callable
 
 import torch
 
-from . import checkpoint, runtime
-from .errors import HorovodInternalError, HybridPipeError, NotInitializedError
-from .optimizer import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .. import checkpoint, runtime
+from ..errors import HorovodInternalError, HybridPipeError, NotInitializedError
+from ..comm.objects import broadcast_object
+from .optimizer import broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["run", "State", "ObjectState", "TorchState", "HostsUpdatedInterrupt"]
 

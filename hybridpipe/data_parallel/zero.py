@@ -35,10 +35,12 @@ from typing import Any
 
 import torch
 
-from . import _trace as timeline
-from .comm import buffers, context
-from .comm.collectives import Average, Sum
-from .errors import HybridPipeError, MismatchError, NotSupportedError
+from .. import _trace as timeline
+from ..comm import buffers, context
+from ..comm.collectives import Average, Sum
+from ..comm.objects import allgather_object
+from ..errors import HybridPipeError, MismatchError, NotSupportedError
+from .compression import Compression
 
 LEVELS = (0, 1, 2)
 
@@ -72,13 +74,14 @@ def check_level(zero: Any) -> int:
 
 
 class ZeroMixin:
-    """The sharded step, layered over _DistributedOptimizerMixin (see DistributedOptimizer(zero=))."""
+    """The sharded step, layered over _DistributedOptimizerMixin (see DistributedOptimizer(zero=)), whose
+    ``_hp_inner_step`` is the wrapped optimizer's own step."""
 
     def _hp_zero_setup(self, level: int) -> None:
         if self._hp_op not in (Average, Sum):
             raise NotSupportedError(f"DistributedOptimizer(zero={level}) reduces with op=hp.Average or hp.Sum (got "
                                     f"hp.{self._hp_op.name}): Adasum needs whole gradients; use zero=0")
-        if self._hp_compression.__class__.__name__ != "Compression" or self._hp_compression.name != "none":
+        if self._hp_compression is not Compression.none:
             raise NotSupportedError(f"DistributedOptimizer(zero={level}) sends gradients uncompressed (got "
                                     f"compression={self._hp_compression!r}): use compression=hp.Compression.none")
         if any(self._hp_groups):
@@ -134,8 +137,6 @@ class ZeroMixin:
         self._hp_zhandles: dict[int, Any] = {}
         self._hp_zstaged: dict[int, torch.Tensor] = {}  # bucket -> its reduced piece in host memory (a GPU shard)
         self._hp_layout_digest = zlib.crc32("|".join(layout).encode()) & 0x3FFFFFFF
-        from .optimizer import allgather_object
-
         digests = allgather_object((self._hp_layout_digest, len(self._hp_buckets)), group=self._hp_group)
         if len(set(digests)) > 1:
             raise MismatchError(f"DistributedOptimizer(zero={level}): the replicas' parameters differ (layout "
@@ -286,11 +287,6 @@ class ZeroMixin:
             self._hp_zero_gather()
         context.autotune_step()
         return result
-
-    def _hp_inner_step(self) -> Any:
-        from .optimizer import _DistributedOptimizerMixin
-
-        return super(_DistributedOptimizerMixin, self).step()  # the wrapped optimizer's own step
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
         if self._hp_zhandles:

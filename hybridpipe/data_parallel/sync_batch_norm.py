@@ -23,8 +23,8 @@ import torch.nn.functional as F  # noqa: N812 — torch's convention
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import differentiable
-from .comm import context
-from .comm.collectives import Sum
+from ..comm import context
+from ..comm.collectives import Sum
 
 __all__ = ["SyncBatchNorm"]
 
