@@ -1,0 +1,263 @@
+// The engine's buckets (see engine.h): ready entries cut into fused buckets, each reduced by the engine
+// thread or a thread blocked in wait(), in host memory or (a CUDA build) packed on the GPU.
+#include "engine.h"
+
+#include "engine_internal.h"
+#include "fusion.h"
+
+#if defined(HYBRIDPIPE_WITH_CUDA)
+#include "cuda/cuda_kernels.h"
+#endif
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+
+namespace hybridpipe {
+
+using namespace engine_detail;
+
+void Engine::reduce_bucket(Group& group, const std::function<void(const AllreduceOptions&)>& run) {
+  auto run_here = [&] {
+    block_on(&group, "finish an allreduce");
+    run(options_.allreduce);
+    block_on(nullptr);
+  };
+  if (!group.waiters_help) return run_here();
+  // A thread leaving wait() usually comes back for its next handle within microseconds.
+  const auto grace = std::chrono::microseconds(200);
+  Job job;
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (group.idle_waiters == 0 && Clock::now() - group.last_wait_return > grace) {
+      lock.unlock();
+      return run_here();
+    }
+    // Spin, with the same MPI calls as the engine thread's policy (another rank's engine thread may
+    // run this bucket there). `run` outlives the job: this frame waits for it or takes it back.
+    AllreduceOptions helped = options_.allreduce;
+    helped.wait = spinning(helped.wait);
+    job.work = [&run, helped] { run(helped); };
+    group.offered = &job;
+    const auto job_started = Clock::now();
+    changed_.notify_all();
+    while (!job.done) {
+      if (!job.taken && group.idle_waiters == 0 && Clock::now() - group.last_wait_return > grace) {  // nobody came
+        group.offered = nullptr;
+        lock.unlock();
+        return run_here();
+      }
+      if (job.taken) {  // a waiter runs it: no MPI calls here, only the timeout
+        changed_.wait_for(lock, std::chrono::milliseconds(100));
+        const double waited = std::chrono::duration<double>(Clock::now() - job_started).count();
+        const double limit = abort_after_seconds();
+        if (!job.done && limit > 0 && waited > limit) {
+          char message[512];
+          std::snprintf(message, sizeof message,
+                        "hybridpipe ERROR: an allreduce of group '%s' (its ranks share this host) has waited %.1f s "
+                        "for the other ranks (timeout_seconds=%g, stall_shutdown_seconds=%g): aborting the job",
+                        group.label.c_str(), waited, options_.timeout_seconds, options_.stall_shutdown_seconds);
+          lock.unlock();
+          abort_job(message);
+        }
+      } else {
+        changed_.wait_for(lock, grace);
+      }
+    }
+  }
+  if (!job.error.empty()) throw std::runtime_error(job.error);
+  group.stats.helped++;
+}
+
+void Engine::execute(Group& group, std::vector<Entry>& ready) {
+  const size_t threshold = std::max<size_t>(options_.fusion_threshold_bytes, 1);
+  std::vector<unsigned char>& fusion_ = group.fusion;
+  if (fusion_.size() < threshold) fusion_.resize(threshold);
+  // Reduces `entries` (one alone, in place; several packed into the fusion buffer) and completes them.
+  auto reduce = [&](std::vector<Entry>& entries, size_t total_bytes) {
+    const double started = seconds_now();
+    if (reduce_cuda_bucket(group, entries, total_bytes, started)) return;
+    const ReduceOp op = entries[0].op;
+    const bool streamed = group.shm && total_bytes > options_.allreduce.small_message_bytes;
+    if (entries.size() == 1) {
+      const Buffer& buffer = entries[0].buffer;
+      const Buffer& output = entries[0].result();
+      reduce_bucket(group, [&](const AllreduceOptions& options) {
+        allreduce(buffer, output, op, group.comm, options, group.workspace);
+      });
+      record(group, "ring", started, seconds_now(), total_bytes, 1);
+    } else if (streamed) {
+      // packed straight into the shared segment and unpacked straight from it: no fusion buffer
+      std::vector<Buffer> buffers, outputs;
+      for (const Entry& entry : entries) {
+        buffers.push_back(entry.buffer);
+        outputs.push_back(entry.result());
+      }
+      reduce_bucket(group, [&](const AllreduceOptions& options) {
+        group.shm->allreduce(buffers, outputs, op, options.wait);
+      });
+      record(group, "ring", started, seconds_now(), total_bytes, entries.size());
+    } else {
+      unsigned char* cursor = fusion_.data();
+      for (const Entry& entry : entries) {
+        std::memcpy(cursor, entry.buffer.data, entry.buffer.bytes());
+        cursor += entry.buffer.bytes();
+      }
+      const double packed = seconds_now();
+      record(group, "pack", started, packed, total_bytes, entries.size());
+      const DType dtype = entries[0].buffer.dtype;
+      const Buffer fused{fusion_.data(), total_bytes / dtype_size(dtype), dtype};
+      reduce_bucket(group, [&](const AllreduceOptions& options) {
+        allreduce(fused, fused, op, group.comm, options, group.workspace);
+      });
+      const double reduced = seconds_now();
+      record(group, "ring", packed, reduced, total_bytes, entries.size());
+      cursor = fusion_.data();
+      for (const Entry& entry : entries) {
+        std::memcpy(entry.result().data, cursor, entry.buffer.bytes());
+        cursor += entry.buffer.bytes();
+      }
+      record(group, "unpack", reduced, seconds_now(), total_bytes, entries.size());
+    }
+    group.stats.buckets++;
+    if (streamed) group.stats.shared_memory++;
+    group.stats.bytes += total_bytes;
+    group.stats.tensors += entries.size();
+    complete(entries, "", started);
+  };
+  BucketCutter cutter(threshold, options_.allreduce, group.shm != nullptr);
+  auto reduce_all = [&](const std::vector<Bucket>& buckets) {
+    for (const Bucket& cut : buckets) {
+      std::vector<Entry> entries;
+      for (size_t i : cut.items) entries.push_back(ready[i]);
+      reduce(entries, cut.bytes);
+    }
+  };
+  for (size_t i = 0; i < ready.size(); ++i) {
+    Entry& entry = ready[i];
+    if (entry.job) {  // a call: everything before it in the sequence first
+      reduce_all(cutter.flush());
+      const double started = seconds_now();
+      entry.job();
+      record(group, "call", started, seconds_now(), 0, 1);
+      complete({entry}, "", started);
+      continue;
+    }
+    reduce_all(cutter.add(i, entry.buffer.bytes(), entry.buffer.dtype, entry.op));
+  }
+  reduce_all(cutter.flush());
+}
+
+bool Engine::reduce_cuda_bucket(Group& group, std::vector<Entry>& entries, size_t total_bytes, double started) {
+#if defined(HYBRIDPIPE_WITH_CUDA)
+  // Which GPU each entry's memory is on: -1 for host memory (a build without kernels never gets here with
+  // device memory; a rank that joined stands in with host zeros under the others' device code)
+  std::vector<int> gpus;
+  bool any = false;
+  for (const Entry& entry : entries) {
+    gpus.push_back(entry.device == 1 && !entry.zeros ? cuda_pointer_device(entry.buffer.data) : -1);
+    any = any || gpus.back() >= 0;
+  }
+  if (!any) return false;
+  std::map<int, std::vector<DevicePiece>> down, up;  // per GPU: its entries' inputs and results
+  std::vector<size_t> offsets;
+  size_t offset = 0;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const size_t bytes = entries[i].buffer.bytes();
+    offsets.push_back(offset);
+    if (gpus[i] >= 0) {
+      down[gpus[i]].push_back(DevicePiece{entries[i].buffer.data, offset, bytes});
+      up[gpus[i]].push_back(DevicePiece{entries[i].result().data, offset, bytes});
+    }
+    offset += bytes;
+  }
+  auto fusion_on = [&](int gpu) -> CudaFusion& {
+    std::shared_ptr<void>& slot = cuda_fusion_[gpu];
+    if (!slot) slot = std::shared_ptr<void>(std::make_shared<CudaFusion>(gpu));
+    return *static_cast<CudaFusion*>(slot.get());
+  };
+  uint64_t launches = 0;
+  const DType dtype = entries[0].buffer.dtype;
+  const ReduceOp op = entries[0].op;
+  auto finish = [&](bool device_memory) {
+    group.stats.buckets++;
+    group.stats.bytes += total_bytes;
+    group.stats.tensors += entries.size();
+    group.stats.cuda_buckets++;
+    group.stats.cuda_aware_buckets += device_memory ? 1 : 0;
+    group.stats.cuda_launches += launches;
+    complete(entries, "", started);
+  };
+  // In device memory, where the group has a device allreduce (a CUDA-aware MPI) and every rank decides alike:
+  // every entry a CUDA tensor on one GPU, and no rank has joined (a joined rank stands in with host zeros)
+  const bool one_gpu = down.size() == 1 && std::none_of(gpus.begin(), gpus.end(), [](int g) { return g < 0; });
+  const bool all_contribute = std::all_of(entries.begin(), entries.end(),
+                                          [](const Entry& entry) { return entry.contributors == 0; });
+  if (group.device_allreduce && one_gpu && all_contribute) {
+    const int gpu = down.begin()->first;
+    CudaFusion& fusion = fusion_on(gpu);
+    const uint64_t before = fusion.launches();
+    void* fused = fusion.gather_device(down[gpu], total_bytes);
+    const double packed = seconds_now();
+    if (group.device_allreduce(fused, total_bytes / dtype_size(dtype), dtype, op, gpu)) {
+      const double reduced = seconds_now();
+      fusion.scatter_device(up[gpu], total_bytes);
+      launches += fusion.launches() - before;
+      record(group, "pack", started, packed, total_bytes, entries.size());
+      record(group, "ring", packed, reduced, total_bytes, entries.size());
+      record(group, "unpack", reduced, seconds_now(), total_bytes, entries.size());
+      finish(true);
+      return true;
+    }
+    launches += fusion.launches() - before;  // not taken: staged below
+  }
+  if (pinned_bytes_ < total_bytes) {  // the staged way's pinned host buffer, grown to the largest bucket
+    pinned_.reset();
+    pinned_bytes_ = 0;
+    pinned_ = std::shared_ptr<void>(cuda_host_alloc(total_bytes), cuda_host_free);
+    pinned_bytes_ = total_bytes;
+  }
+  unsigned char* host = static_cast<unsigned char*>(pinned_.get());
+  // One GPU (the usual case): one gather of all its pieces. Several: each piece straight down, since a
+  // gather copies the whole span down and would overwrite the other GPUs' pieces.
+  auto each_gpu = [&](std::map<int, std::vector<DevicePiece>>& pieces, bool gather) {
+    for (auto& [gpu, list] : pieces) {
+      CudaFusion& fusion = fusion_on(gpu);
+      const uint64_t before = fusion.launches();
+      if (pieces.size() == 1 || list.size() == 1) {
+        gather ? fusion.gather(list, host, total_bytes) : fusion.scatter(list, host, total_bytes);
+      } else {
+        for (const DevicePiece& piece : list) {
+          gather ? fusion.gather({piece}, host, total_bytes) : fusion.scatter({piece}, host, total_bytes);
+        }
+      }
+      launches += fusion.launches() - before;
+    }
+  };
+  each_gpu(down, true);
+  for (size_t i = 0; i < entries.size(); ++i) {  // host entries after the gathers, which may cover their bytes
+    if (gpus[i] < 0) std::memcpy(host + offsets[i], entries[i].buffer.data, entries[i].buffer.bytes());
+  }
+  const double packed = seconds_now();
+  record(group, "pack", started, packed, total_bytes, entries.size());
+  const Buffer fused{host, total_bytes / dtype_size(dtype), dtype};
+  reduce_bucket(group, [&](const AllreduceOptions& options) {
+    allreduce(fused, fused, op, group.comm, options, group.workspace);
+  });
+  const double reduced = seconds_now();
+  record(group, "ring", packed, reduced, total_bytes, entries.size());
+  for (size_t i = 0; i < entries.size(); ++i) {
+    if (gpus[i] < 0) std::memcpy(entries[i].result().data, host + offsets[i], entries[i].buffer.bytes());
+  }
+  each_gpu(up, false);
+  record(group, "unpack", reduced, seconds_now(), total_bytes, entries.size());
+  finish(false);
+  return true;
+#else
+  (void)group, (void)entries, (void)total_bytes, (void)started;
+  return false;
+#endif
+}
+
+}  // namespace hybridpipe
