@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from hybridpipe import runtime
+from hybridpipe.comm.agree import Failure, agree_on_failure
 from hybridpipe.comm.engine import call
 from hybridpipe.errors import HybridPipeError
 from hybridpipe.pipeline import schedule as sched
@@ -93,20 +94,22 @@ def built_layers(layers: Sequence[Any]) -> list[nn.Module]:
         return [layer.build() if isinstance(layer, LayerSpec) else layer for layer in layers]
 
 
-def profile_in_turns(layers: list[Any], sample: tuple[Any, Any], loss_fn: Any, optimizer: Any, comm: Any) -> Any:
+def profile_in_turns(layers: list[Any], sample: tuple[Any, Any], loss_fn: Any, optimizer: Any, comm: Any) -> str:
     """Profiles a layer list without building it whole on one rank: the world's ranks take contiguous slices
     of the layers in turn, rank r building (``hp.LayerSpec``) and profiling only its slice on the activation
     the slices before produced, then broadcasting its slice's output for the next; the others wait in that
     broadcast (asleep after a short spin), so each rank measures alone. Collective over ``comm``. Returns the
-    whole profile's JSON on rank 0 of ``comm`` (an exception instead, if some rank's slice failed)."""
+    whole profile's JSON on every rank; a slice that fails raises its exception on every rank (its type kept,
+    with a note naming the layers and the rank)."""
     from hybridpipe.pipeline.microbatch import map_tensors
 
     ranks, rank = comm.Get_size(), comm.Get_rank()
     bounds = [round(i * len(layers) / ranks) for i in range(ranks + 1)]
     value: Any = sample[0]
     result: Any = None
+    original: Exception | None = None
     for turn in range(ranks):
-        if turn == rank and not isinstance(value, _Failed) and bounds[rank] < bounds[rank + 1]:
+        if turn == rank and not isinstance(value, Failure) and bounds[rank] < bounds[rank + 1]:
             try:
                 built = built_layers(layers[bounds[rank]:bounds[rank + 1]])
                 last = bounds[rank + 1] == len(layers)
@@ -115,21 +118,18 @@ def profile_in_turns(layers: list[Any], sample: tuple[Any, Any], loss_fn: Any, o
                     for layer in built:
                         value = layer(map_tensors(value, torch.clone))
                 del built
-            except Exception as error:  # noqa: BLE001 - every rank must raise, not only this one
-                value = _Failed(f"layers {bounds[rank]}-{bounds[rank + 1] - 1} (profiled on world rank {rank}): "
-                                f"{type(error).__name__}: {error}")
+            except Exception as error:  # noqa: BLE001 - every rank raises it below, with its type
+                error.add_note(f"hp.auto: profiling layers {bounds[rank]}-{bounds[rank + 1] - 1} (profiled on "
+                               f"world rank {rank})")
+                original, value = error, Failure.of(error, rank)
         value = call(None, "auto", lambda: comm.bcast(value, root=turn))
-    if isinstance(value, _Failed):
-        return RuntimeError(value.message)
+    if isinstance(value, Failure):
+        if original is not None:
+            raise original
+        raise value.exception("hp.auto")
     pieces = call(None, "auto", lambda: comm.gather(result, root=0))
-    if rank != 0:
-        return None
-    return merge_profiles([piece for piece in pieces if piece is not None]).to_json()
-
-
-@dataclasses.dataclass
-class _Failed:
-    message: str
+    return agree_on_failure(comm, lambda: merge_profiles([piece for piece in pieces if piece is not None]).to_json(),
+                            root=0, what="hp.auto")
 
 
 def merge_profiles(pieces: list[Profile]) -> Profile:
@@ -207,21 +207,15 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
                               f"supported for a module split by hp.PipelineModel (got a {type(layers).__name__}); "
                               "leave asynchronous out, or hand in a layer list")
     if plan is None:
-        measured: Any = None
-        if grid.rank == 0 and module:
-            try:
-                if module:
-                    measured = profile_module(layers, sample[0], loss_fn, sample[1],
-                                              optimizer=optimizer)[0].to_json()
-            except Exception as error:  # every rank must raise, not only rank 0
-                measured = error
-        if not module:
-            measured = profile_in_turns(list(layers), sample, loss_fn, optimizer, grid.world_comm)
-        measured = call(None, "auto", lambda: grid.world_comm.bcast(
-            measured if not isinstance(measured, Exception) else f"{type(measured).__name__}: {measured}", root=0))
-        if not measured.startswith("{"):
-            raise HybridPipeError(f"hp.auto: profiling the {'module' if module else 'layers'} on world rank 0 failed "
-                                  f"({measured})")
+        try:
+            if module:
+                measured = agree_on_failure(grid.world_comm, lambda: profile_module(
+                    layers, sample[0], loss_fn, sample[1], optimizer=optimizer)[0].to_json(), root=0, what="hp.auto")
+            else:
+                measured = profile_in_turns(list(layers), sample, loss_fn, optimizer, grid.world_comm)
+        except Exception as error:  # the same on every rank; its own type stays the cause
+            raise HybridPipeError(f"hp.auto: profiling the {'module' if module else 'layers'} failed "
+                                  f"({type(error).__name__}: {error})") from error
         schedules = SYNCHRONOUS_CHOICES + (sched.ASYNCHRONOUS if asynchronous else ())
         measured_profile = Profile.from_json(measured)
         plan = search(measured_profile, cluster or cluster_of_this_job(memory_per_rank), global_batch,

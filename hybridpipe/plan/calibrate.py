@@ -14,11 +14,13 @@ Design reasons:
   between world ranks 0 and 1 gives the inside-a-host link; between rank 0 and the first rank of
   another host, the link between hosts (when the job spans hosts).
 * The ring allreduce's fit (``time = a + bytes · b``) is kept too, for the group sizes in the job.
-* Compute contention (``compute_contention``): the median of the slowest rank's time for a fixed
-  kernel, with as many ranks of every host as it has cores running it at once and starting together,
-  over rank 0's median time alone. Profiles are made by one process; under mpirun every core
-  computes at once (slower on a VM whose vCPUs share a core), and a synchronous step waits for the
-  slowest rank, so a core whose speed moves on its own paces the job.
+* Compute contention (``compute_contention``): the median of the slowest rank's synchronous step (a fixed
+  kernel, then an allreduce of a few bytes through the engine, as a data-parallel step ends; every rank
+  computing, steps back to back) over rank 0's median time for the kernel alone, per share of a core.
+  Profiles are made by one process; under mpirun every core computes at once (slower on a VM whose vCPUs
+  share a core), a synchronous step waits for the slowest rank, so a core whose speed moves on its own
+  paces the job, and where ranks outnumber cores the ones waiting at the exchange cost the others their
+  time slices.
 * The framework's own time per pipeline action (``action_overhead_us``): every rank runs a
   one-stage ``PipelineModel`` of two tiny layers at once (so ranks sharing cores share them here
   too) with 16 and with 2 micro-batches; the difference of the step times over the 28 extra
@@ -117,28 +119,38 @@ def _kernel() -> None:
         a = torch.tanh(a @ b) * 0.5
 
 
-def _windows(count: int, kernels: int, synchronize: Any, alone: bool, together: bool) -> tuple[list[float], list[float]]:
-    """``count`` pairs of windows of ``kernels`` kernels each, every window after ``synchronize()``: in the
-    first of a pair only a rank with ``alone`` computes, in the second every rank with ``together`` (the
-    others keep in step). Alternating, so that both kinds see the same spells of a machine whose speed
-    moves. Returns this rank's times of each kind (empty where it did not compute)."""
+def _windows(count: int, kernels: int, synchronize: Any, step_end: Any, alone: bool) -> tuple[list[float], list[float]]:
+    """``count`` pairs of windows, each after ``synchronize()``: in the first of a pair only a rank with ``alone``
+    computes ``kernels`` kernels; in the second every rank runs :data:`SYNCHRONOUS_STEPS` steps back to back,
+    each ``kernels`` kernels and then ``step_end()`` (the exchange that ends a synchronous step), and the last
+    step is timed (a step that starts where the previous exchange left each rank, as in training).
+    Alternating, so that both kinds see the same spells of a machine whose speed moves. Returns this rank's
+    times of each kind (the first empty where it did not compute alone)."""
     times: tuple[list[float], list[float]] = ([], [])
     for _ in range(count):
-        for kind, computes in enumerate((alone, together)):
-            synchronize()
-            if computes:
-                started = time.perf_counter()
-                for _ in range(kernels):
-                    _kernel()
-                times[kind].append(time.perf_counter() - started)
+        synchronize()
+        if alone:
+            started = time.perf_counter()
+            for _ in range(kernels):
+                _kernel()
+            times[0].append(time.perf_counter() - started)
+        synchronize()
+        for _ in range(SYNCHRONOUS_STEPS):
+            started = time.perf_counter()
+            for _ in range(kernels):
+                _kernel()
+            step_end()
+        times[1].append(time.perf_counter() - started)
     return times
 
 
 #: A window of :func:`compute_contention` takes about this long on one free core; it runs ``CONTENTION_WINDOWS``
-#: pairs of windows (about 4.8 s with these: this VM has spells of 1–3 s in which one core runs slower, and a
-#: shorter measurement reads whichever spell it fell in).
+#: pairs of windows (this VM has spells of 1–3 s in which one core runs slower, and a shorter measurement reads
+#: whichever spell it fell in).
 CONTENTION_WINDOW_SECONDS = 0.015
-CONTENTION_WINDOWS = 160
+CONTENTION_WINDOWS = 64
+#: Steps of the synchronous windows, the last one timed.
+SYNCHRONOUS_STEPS = 2
 
 
 #: How long a rank waiting in :func:`sleeping_barrier` sleeps between two tests.
@@ -155,19 +167,23 @@ def sleeping_barrier(comm: Any) -> None:
         time.sleep(BARRIER_SLEEP_SECONDS)
 
 
-def compute_contention(comm: Any, windows: int = CONTENTION_WINDOWS) -> float:
-    """How much slower a synchronous job's ranks compute than the one process a profile is made in: the
-    median over ``windows`` windows of the slowest rank's time for a fixed kernel, with min(ranks per host,
-    cores) ranks of every host computing at once and every rank starting each window together, over the
-    median window of world rank 0 computing alone while the others sleep (the two kinds of window
-    alternate, so both see the same spells).
+def compute_contention(comm: Any, windows: int = CONTENTION_WINDOWS, exchange_seconds: float = 0.0) -> float:
+    """How much slower a synchronous job's ranks compute than the one process a profile is made in, beyond the
+    sharing of cores by more ranks than a host has (which :attr:`Cluster.compute_slowdown` counts apart): the
+    median over ``windows`` windows of the slowest rank's synchronous step — a fixed kernel, then an allreduce of
+    a few bytes through the engine, as a data-parallel step ends — less ``exchange_seconds`` (that allreduce's
+    own time, measured apart), over the median window of world rank 0 computing the kernel alone while the
+    others sleep (the two kinds of window alternate, so both see the same spells), divided by the ranks per
+    core (at least 1).
 
-    Two effects are in it. Cores that slow each other down (a VM's vCPUs that are hyperthreads of one core,
-    shared caches and memory bandwidth). And cores whose speed moves on their own (a VM's neighbours: this
-    project's 2-core VM has spells of 1–3 s in which one core, not both, runs 30–60 % slower): a profile's
-    medians see a free core, while a synchronous step waits for the slowest rank at each exchange. More
-    ranks than cores are counted apart, as ranks sharing cores. 1.0 with one rank. Collective over
-    ``comm``."""
+    What it holds: cores that slow each other down (a VM's vCPUs that are hyperthreads of one core, shared
+    caches and memory bandwidth); cores whose speed moves on its own (this project's 2-core VM has spells of
+    1–3 s in which one core, not both, runs 30–60 % slower), which a synchronous step waits for at every
+    exchange while a profile's medians see a free core; and, with more ranks than cores, the ranks waiting at
+    the exchange while the others still compute, across the scheduler's time slices (measured: 2 ranks
+    1.2–1.3×, 4 ranks on 2 cores 2.3–2.6× alone where the cores are shared 2× — docs/planner.md). 1.0 with one
+    rank. Collective over ``comm``; every rank must call ``hp.allreduce_`` from this thread."""
+    import hybridpipe as hp
     from hybridpipe import runtime
     from hybridpipe.comm.engine import call
     from hybridpipe.plan.auto import host_cores
@@ -175,10 +191,14 @@ def compute_contention(comm: Any, windows: int = CONTENTION_WINDOWS) -> float:
     rank = comm.Get_rank()
     if comm.Get_size() < 2:
         return 1.0
-    together = min(runtime.local_size(), host_cores())
+    sharing = max(1.0, runtime.local_size() / max(1, host_cores()))
+    flag = torch.zeros(2)
 
     def barrier() -> None:
         call(None, "calibrate", lambda: sleeping_barrier(comm))
+
+    def step_end() -> None:
+        hp.allreduce_(flag, op=hp.Sum, name="calibrate.contention")
 
     kernels = 1
     if rank == 0:
@@ -188,12 +208,12 @@ def compute_contention(comm: Any, windows: int = CONTENTION_WINDOWS) -> float:
             _kernel()
         kernels = max(1, round(CONTENTION_WINDOW_SECONDS / ((time.perf_counter() - started) / 3)))
     kernels = call(None, "calibrate", lambda: comm.bcast(kernels, root=0))
-    alone, busy = _windows(windows, kernels, barrier, rank == 0, runtime.local_rank() < together)
-    gathered = call(None, "calibrate", lambda: comm.gather(busy, root=0))
+    alone, steps = _windows(windows, kernels, barrier, step_end, rank == 0)
+    gathered = call(None, "calibrate", lambda: comm.gather(steps, root=0))
     if rank != 0:
         return 1.0
-    slowest = [max(times[w] for times in gathered if times) for w in range(windows)]
-    return max(1.0, statistics.median(slowest) / statistics.median(alone))
+    slowest = [max(times[w] for times in gathered) - exchange_seconds for w in range(windows)]
+    return max(1.0, statistics.median(slowest) / statistics.median(alone) / sharing)
 
 
 def _submit_overhead(repeats: int) -> float:
@@ -334,7 +354,7 @@ def calibrate(repeats: int = 9) -> dict[str, Any]:
                 if run >= 2:
                     runs.append(time.perf_counter() - started)
             reduce_times.append(statistics.median(runs))
-        contention = compute_contention(comm)
+        contention = compute_contention(comm, exchange_seconds=reduce_times[0])
         if rank == 0:
             result["compute_contention"] = contention
         mine = _submit_overhead(repeats)  # on this thread: the hooks hand their tensors to the engine's

@@ -576,11 +576,6 @@ def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_bat
             return cluster.link_seconds(output[source], rank_of(source), rank_of(action.stage))
         return cluster.link_seconds(output[action.stage], rank_of(action.stage + 1), rank_of(action.stage))
 
-    # each action's own overhead, plus the hand-off of each transfer it receives or sends (a forward of a
-    # middle chunk both); of a split backward (the simulator times I as backward − W) each half pays the
-    # overhead, the I the hand-offs, and the W one backward call per layer with weights (the executor asks
-    # autograd for each such layer's weight gradient apart, from its recorded output; added to the split's
-    # whole, as the simulator takes I as the whole minus W)
     duration = _durations(profile, cluster, layers, forward, backward, transfer)
     asynchronous = candidate.schedule in sched.ASYNCHRONOUS
     plan = schedule_of(candidate.schedule, p, m, v)
@@ -608,32 +603,48 @@ def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_bat
         step = pipeline + exposed
         slowest_reduction = max(reduce)
     else:
-        timeline = sched.simulate(plan, **duration)
-        pipeline = timeline.makespan
-        ends = [_reduction_end(timeline.stages[r], list(range(r, chunks, p)), layers, profile, micro, groups[r],
-                               cluster, concurrent, zero) if d > 1 else (0.0, 0.0) for r in range(p)]
-        # each rank's optimizer step: after its own actions and its gradients' reduction; with replicas the
-        # optimizer's hooks lengthen the last backward by a hand-off per gradient tensor, and the step right after
-        # the reduction runs slower than alone (both calibrated)
-        submits = [_submit_seconds(profile, [i for c in range(r, chunks, p) for i in layers[c]], cluster)
-                   if d > 1 else 0.0 for r in range(p)]
-        after = [_after_reduction_seconds(parameter_bytes[r], cluster) if d > 1 and not zero else 0.0
-                 for r in range(p)]
-        finished = [max(items[-1].end if items else 0.0, end) + submit + flags + u + late
-                    for items, (end, _), u, submit, late in zip(timeline.stages, ends, update, submits, after)]
-        step = max([pipeline] + finished)
-        exposed = step - pipeline
-        slowest_reduction = max(busy + (_gather_seconds(w, g, cluster, concurrent) if zero else 0.0)
-                                for (_, busy), w, g in zip(ends, layer_bytes, groups))
+        step, pipeline, exposed, slowest_reduction = _synchronous_step(
+            profile, cluster, candidate, sched.simulate(plan, **duration), layers, micro, groups, parameter_bytes,
+            layer_bytes, update, flags, concurrent)
     memory = memory_per_rank(profile, candidate, global_batch, optimizer_state_factor, precision)
-    notes = []
-    if cluster.compute_slowdown > 1:
-        reasons = []
-        if cluster.cores_per_host and min(cluster.per_host, cluster.ranks) > cluster.cores_per_host:
-            reasons.append(f"{cluster.per_host} ranks share {cluster.cores_per_host} cores per host")
-        if cluster.compute_contention > 1:
-            reasons.append(f"× {cluster.compute_contention:.3g} for cores computing at once")
-        notes.append(f"compute × {cluster.compute_slowdown:.3g}: {'; '.join(reasons)}")
     return Prediction(step_seconds=step, memory_bytes_per_rank=memory,
                       samples_per_second=global_batch / step if step > 0 else math.inf, pipeline_seconds=pipeline,
-                      allreduce_seconds=slowest_reduction, exposed_allreduce_seconds=exposed, notes=notes)
+                      allreduce_seconds=slowest_reduction, exposed_allreduce_seconds=exposed,
+                      notes=_slowdown_notes(cluster))
+
+
+def _synchronous_step(profile: Profile, cluster: Cluster, candidate: Candidate, timeline: sched.Timeline,
+                      layers: list[range], micro: float, groups: list[list[int]], parameter_bytes: list[float],
+                      layer_bytes: list[list[int]], update: list[float], flags: float,
+                      concurrent: int) -> tuple[float, float, float, float]:
+    """A synchronous schedule's step from its simulated ``timeline``: each rank's optimizer step comes after its
+    own actions and its gradients' reduction; with replicas the optimizer's hooks lengthen the last backward by
+    a hand-off per gradient tensor, and the step right after the reduction runs slower than alone (both
+    calibrated). Returns the step, the pipeline's makespan, the time exposed beyond it and the slowest rank's
+    reduction time."""
+    p, d, zero = candidate.stages, candidate.replicas, candidate.zero
+    chunks = len(layers)
+    pipeline = timeline.makespan
+    ends = [_reduction_end(timeline.stages[r], list(range(r, chunks, p)), layers, profile, micro, groups[r],
+                           cluster, concurrent, zero) if d > 1 else (0.0, 0.0) for r in range(p)]
+    submits = [_submit_seconds(profile, [i for c in range(r, chunks, p) for i in layers[c]], cluster)
+               if d > 1 else 0.0 for r in range(p)]
+    after = [_after_reduction_seconds(parameter_bytes[r], cluster) if d > 1 and not zero else 0.0 for r in range(p)]
+    finished = [max(items[-1].end if items else 0.0, end) + submit + flags + u + late
+                for items, (end, _), u, submit, late in zip(timeline.stages, ends, update, submits, after)]
+    step = max([pipeline] + finished)
+    slowest = max(busy + (_gather_seconds(w, g, cluster, concurrent) if zero else 0.0)
+                  for (_, busy), w, g in zip(ends, layer_bytes, groups))
+    return step, pipeline, step - pipeline, slowest
+
+
+def _slowdown_notes(cluster: Cluster) -> list[str]:
+    """Why the prediction's compute is slower than the profile's (ranks sharing cores, contention)."""
+    if cluster.compute_slowdown <= 1:
+        return []
+    reasons = []
+    if cluster.cores_per_host and min(cluster.per_host, cluster.ranks) > cluster.cores_per_host:
+        reasons.append(f"{cluster.per_host} ranks share {cluster.cores_per_host} cores per host")
+    if cluster.compute_contention > 1:
+        reasons.append(f"× {cluster.compute_contention:.3g} for synchronous ranks computing at once")
+    return [f"compute × {cluster.compute_slowdown:.3g}: {'; '.join(reasons)}"]

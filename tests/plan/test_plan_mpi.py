@@ -238,6 +238,7 @@ class _Counted(nn.Linear):
 def test_auto_profiles_a_layer_list_a_slice_per_rank_without_building_it_whole():
     """hp.auto's profile of LayerSpecs: each rank builds only its slice (6 layers, 2 ranks: 3 each), and the
     merged profile describes every layer as one process's profile does (sizes exactly; times measured)."""
+    from hybridpipe.errors import PartitionError
     from hybridpipe.plan.auto import profile_in_turns
     from hybridpipe.plan.profile import Profile, profile
 
@@ -250,17 +251,19 @@ def test_auto_profiles_a_layer_list_a_slice_per_rank_without_building_it_whole()
     rank = hp.rank()
     with ranks_agree(what="the slices"):  # (the others wait there for rank 0's profile)
         assert BUILT == ([0, 1, 2] if rank == 0 else [3, 4, 5]), BUILT
-        if rank == 0:
-            merged = Profile.from_json(measured)
-            whole = profile([_Counted(i, width) for i in range(6)], sample[0], nn.MSELoss(), sample[1])
-            assert [layer.name for layer in merged.layers] == [layer.name for layer in whole.layers]
-            assert [(layer.parameter_bytes, layer.output_bytes) for layer in merged.layers] == \
-                [(layer.parameter_bytes, layer.output_bytes) for layer in whole.layers]
-            assert merged.loss_ms > 0 and all(layer.forward_ms > 0 for layer in merged.layers)
-        else:
-            assert measured is None
-    # a slice that fails to build fails every rank, naming the layers and the rank
+        merged = Profile.from_json(measured)  # on every rank
+        whole = profile([_Counted(i, width) for i in range(6)], sample[0], nn.MSELoss(), sample[1])
+        assert [layer.name for layer in merged.layers] == [layer.name for layer in whole.layers]
+        assert [(layer.parameter_bytes, layer.output_bytes) for layer in merged.layers] == \
+            [(layer.parameter_bytes, layer.output_bytes) for layer in whole.layers]
+        assert merged.loss_ms > 0 and all(layer.forward_ms > 0 for layer in merged.layers)
+    # a slice that fails to build fails every rank with its own exception's type, naming the layers and the rank
     bad = specs[:3] + [hp.LayerSpec(nn.Linear, width + 1, width)] + specs[4:]
+    try:
+        profile_in_turns(bad, sample, nn.MSELoss(), None, hp.grid().world_comm)
+        failed = None
+    except Exception as error:  # noqa: BLE001 - the test looks at it
+        failed = error
     with ranks_agree(what="a slice that fails to build"):
-        failed = profile_in_turns(bad, sample, nn.MSELoss(), None, hp.grid().world_comm)
-        assert isinstance(failed, RuntimeError) and "layers 3-5 (profiled on world rank 1)" in str(failed), failed
+        assert type(failed) is PartitionError and "mat1 and mat2" in str(failed), repr(failed)
+        assert "hp.auto: profiling layers 3-5 (profiled on world rank 1)" in failed.__notes__, failed.__notes__

@@ -98,7 +98,7 @@ def test_compute_contention_and_core_sharing_multiply_the_compute():
     assert shared.compute_slowdown == pytest.approx(2 * 1.25)  # two ranks per core, both cores busy
     prediction = predict(profile, shared, candidate, 4)
     assert prediction.step_seconds == pytest.approx(2.5 * free)
-    assert any("× 1.25 for cores computing at once" in note for note in prediction.notes)
+    assert any("× 1.25 for synchronous ranks computing at once" in note for note in prediction.notes)
     with pytest.raises(HybridPipeError, match=r"compute_contention must be >= 1 \(got 0.5\)"):
         Cluster(ranks=2, compute_contention=0.5)
 
