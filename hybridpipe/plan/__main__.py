@@ -36,6 +36,7 @@ import importlib.util
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from hybridpipe.config import parse_bytes
 from hybridpipe.errors import HybridPipeError
@@ -379,6 +380,26 @@ def main(argv: list[str] | None = None) -> int:
         return calibrate_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m hybridpipe.plan", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    _source_arguments(parser)
+    _simulate_arguments(parser)
+    _cluster_arguments(parser)
+    _pipedream_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.pipedream_profile:
+        return pipedream_main(args, parser)
+    _check_arguments(parser, args)
+    try:
+        planned = _plan_or_simulate(args)
+    except (HybridPipeError, ValueError, OSError) as error:
+        print(f"hybridpipe.plan: {error}", file=sys.stderr)
+        return 2
+    if planned is not None:
+        print(render(*planned))
+    return 0
+
+
+def _source_arguments(parser: argparse.ArgumentParser) -> None:
+    """What to plan for: a model to profile, a saved profile or a built-in model."""
     parser.add_argument("factory", nargs="?", help="MODULE:FACTORY returning (layers, loss_fn, sample)")
     parser.add_argument("--profile", help="a saved profile (JSON) instead of profiling")
     parser.add_argument("--model", choices=list(MODELS), help="a built-in model costed from its FLOPs instead of "
@@ -393,6 +414,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-batch", type=int, default=32, help="micro-batch size to profile (default 32)")
     parser.add_argument("--global-batch", type=int, help="samples per step over all replicas (--model: default "
                                                          "the published batch)")
+
+
+def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
+    """--ranks, or --simulate and the shapes of its sizes."""
     parser.add_argument("--ranks", type=int, help="processes in the job (not with --simulate)")
     parser.add_argument("--simulate", action="store_true",
                         help="predict throughput and scaling efficiency at each of --sizes ranks")
@@ -425,6 +450,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="--pipeline-only: micro-batches per step (default 32, GPipe's Table 3)")
     parser.add_argument("--plot", help="--simulate: write a PNG of throughput and efficiency here")
     parser.add_argument("--markdown", action="store_true", help="--simulate: print the table as Markdown")
+
+
+def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """The cluster's links, cores and memory, and the search's options."""
     parser.add_argument("--cluster", help="links measured by `calibrate` (JSON); --ranks may differ from it")
     parser.add_argument("--ranks-per-host", "--gpus-per-host", dest="ranks_per_host", type=int, default=None,
                         help="default: all on one host (--gpu: its host's count)")
@@ -450,6 +479,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="hp.PipelineModel(precision=): bf16 / fp16 halve the activations stored and sent "
                              "(default: the profile's, fp32 when measured; --model: the model's)")
     parser.add_argument("--explain", action="store_true", help="list the next best candidates and why they lost")
+
+
+def _pipedream_arguments(parser: argparse.ArgumentParser) -> None:
+    """--pipedream-profile and its cluster (PipeDream's optimizer, replica counts per stage)."""
     pipedream = parser.add_argument_group(
         "PipeDream's profiles", "--pipedream-profile FILE.json (shared/pipedream/): PipeDream's optimizer with a replica "
         "count per stage (\"15-1\") on servers of GPUs; with --servers, --gpus-per-server, --intra-bandwidth, "
@@ -473,9 +506,10 @@ def main(argv: list[str] | None = None) -> int:
                                 "fewest bytes wins (default 0.10)")
     pipedream.add_argument("--straight", action="store_true", help="no stage replicated (PipeDream's "
                                                                     "--straight_pipeline)")
-    args = parser.parse_args(argv)
-    if args.pipedream_profile:
-        return pipedream_main(args, parser)
+
+
+def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Combinations of arguments that cannot work end here, naming the fix (parser.error exits 2)."""
     sources = [name for name, given in (("MODULE:FACTORY", args.factory), ("--profile", args.profile),
                                         ("--model", args.model)) if given]
     if len(sources) != 1:
@@ -500,48 +534,48 @@ def main(argv: list[str] | None = None) -> int:
             args.global_batch = MODELS[args.model].global_batch
     if args.global_batch is None:
         parser.error("--global-batch is required with a profile")
+
+
+def _plan_or_simulate(args: argparse.Namespace) -> tuple[Plan, argparse.Namespace, Any, Profile] | None:
+    """Profiles (or loads, or models) the model, then plans for --ranks (returns what :func:`render` takes) or
+    prints --simulate's table (returns None)."""
     layers = None
-    try:
-        if args.data_parallel_only and args.batch_per_gpu is None:
-            args.batch_per_gpu = max(1, args.global_batch // parse_sizes(args.sizes)[0])
-        if args.model:
-            measured = (args.data_parallel_only and MODELS[args.model].kind != "transformer"
-                        and models.published_seconds_per_image(args.model, args.gpu) is not None)
-            model_profile = models.model_profile(args.model, args.gpu, args.efficiency, args.call_overhead_us,
-                                                 measured=measured)
-        elif args.profile:
-            model_profile = Profile.load(args.profile)
-        else:
-            model_profile, layers = profile_factory_model(args.factory, args.sample_batch)
-        if args.save_profile:
-            model_profile.save(args.save_profile)
-        if args.memory_per_rank is not None:
-            memory = parse_bytes(args.memory_per_rank, "--memory-per-rank")
-        else:
-            memory = ACCELERATORS[args.gpu].memory_bytes if args.gpu else 0
-        if args.optimizer_state_factor is None:
-            args.optimizer_state_factor = (models.OPTIMIZER_STATE_FACTOR[MODELS[args.model].precision]
-                                           if args.model else 2.0)
-        module = CUTS_KEY in model_profile.extra
-        if module and args.asynchronous:
-            raise HybridPipeError(f"--asynchronous: pipedream and 2bw are not yet supported for a module split by "
-                                  f"hp.PipelineModel (this profile is of a {model_profile.extra.get('module', 'module')}"
-                                  "); leave --asynchronous out, or hand in a layer list")
-        schedules = SYNCHRONOUS_CHOICES + (sched.ASYNCHRONOUS if args.asynchronous else ())
-        if args.simulate:
-            print(simulate_main(args, model_profile, memory, schedules))
-            return 0
-        cluster = _build_cluster(args, args.ranks, memory)
-        best = plan(model_profile, cluster, args.global_batch, schedules=schedules, checkpoints=CHECKPOINT_CHOICES,
-                    optimizer_state_factor=args.optimizer_state_factor, zero_levels=zero_levels(args.zero),
-                    precision=args.precision)
-        if module:
-            best = dataclasses.replace(best, split=split_of(model_profile.extra[CUTS_KEY], best.balance))
-    except (HybridPipeError, ValueError, OSError) as error:
-        print(f"hybridpipe.plan: {error}", file=sys.stderr)
-        return 2
-    print(render(best, args, layers, model_profile))
-    return 0
+    if args.data_parallel_only and args.batch_per_gpu is None:
+        args.batch_per_gpu = max(1, args.global_batch // parse_sizes(args.sizes)[0])
+    if args.model:
+        measured = (args.data_parallel_only and MODELS[args.model].kind != "transformer"
+                    and models.published_seconds_per_image(args.model, args.gpu) is not None)
+        model_profile = models.model_profile(args.model, args.gpu, args.efficiency, args.call_overhead_us,
+                                             measured=measured)
+    elif args.profile:
+        model_profile = Profile.load(args.profile)
+    else:
+        model_profile, layers = profile_factory_model(args.factory, args.sample_batch)
+    if args.save_profile:
+        model_profile.save(args.save_profile)
+    if args.memory_per_rank is not None:
+        memory = parse_bytes(args.memory_per_rank, "--memory-per-rank")
+    else:
+        memory = ACCELERATORS[args.gpu].memory_bytes if args.gpu else 0
+    if args.optimizer_state_factor is None:
+        args.optimizer_state_factor = (models.OPTIMIZER_STATE_FACTOR[MODELS[args.model].precision]
+                                       if args.model else 2.0)
+    module = CUTS_KEY in model_profile.extra
+    if module and args.asynchronous:
+        raise HybridPipeError(f"--asynchronous: pipedream and 2bw are not yet supported for a module split by "
+                              f"hp.PipelineModel (this profile is of a {model_profile.extra.get('module', 'module')}"
+                              "); leave --asynchronous out, or hand in a layer list")
+    schedules = SYNCHRONOUS_CHOICES + (sched.ASYNCHRONOUS if args.asynchronous else ())
+    if args.simulate:
+        print(simulate_main(args, model_profile, memory, schedules))
+        return None
+    cluster = _build_cluster(args, args.ranks, memory)
+    best = plan(model_profile, cluster, args.global_batch, schedules=schedules, checkpoints=CHECKPOINT_CHOICES,
+                optimizer_state_factor=args.optimizer_state_factor, zero_levels=zero_levels(args.zero),
+                precision=args.precision)
+    if module:
+        best = dataclasses.replace(best, split=split_of(model_profile.extra[CUTS_KEY], best.balance))
+    return best, args, layers, model_profile
 
 
 if __name__ == "__main__":

@@ -207,23 +207,9 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
                               f"supported for a module split by hp.PipelineModel (got a {type(layers).__name__}); "
                               "leave asynchronous out, or hand in a layer list")
     if plan is None:
-        try:
-            if module:
-                measured = agree_on_failure(grid.world_comm, lambda: profile_module(
-                    layers, sample[0], loss_fn, sample[1], optimizer=optimizer)[0].to_json(), root=0, what="hp.auto")
-            else:
-                measured = profile_in_turns(list(layers), sample, loss_fn, optimizer, grid.world_comm)
-        except Exception as error:  # the same on every rank; its own type stays the cause
-            raise HybridPipeError(f"hp.auto: profiling the {'module' if module else 'layers'} failed "
-                                  f"({type(error).__name__}: {error})") from error
-        schedules = SYNCHRONOUS_CHOICES + (sched.ASYNCHRONOUS if asynchronous else ())
-        measured_profile = Profile.from_json(measured)
-        plan = search(measured_profile, cluster or cluster_of_this_job(memory_per_rank), global_batch,
-                      schedules=schedules, checkpoints=CHECKPOINT_CHOICES,
-                      optimizer_state_factor=optimizer_state_factor, zero_levels=zero_levels,
-                      precision=model_options.get("precision"))
-        if module:
-            plan = dataclasses.replace(plan, split=split_of(measured_profile.extra[CUTS_KEY], plan.balance))
+        plan = _planned(layers, loss_fn, sample, global_batch, optimizer, module, asynchronous, zero_levels,
+                        cluster or cluster_of_this_job(memory_per_rank), optimizer_state_factor,
+                        model_options.get("precision"))
     elif module and plan.split is None:  # a plan made by hand: its balance counts the module's planner layers
         plan = dataclasses.replace(plan, split=split_of(module_layers(layers, sample[0]).names, plan.balance))
     if plan.ranks != grid.size:
@@ -239,25 +225,53 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
     if optimizer is None and plan.schedule in sched.ASYNCHRONOUS:
         raise HybridPipeError(f"hp.auto: the plan's {plan.schedule} schedule applies the optimizer inside the "
                               "pipeline: pass optimizer=<factory of a torch optimizer>")
-    if optimizer is None:
-        model = hp.PipelineModel(layers, loss_fn, **arguments)
-        model.plan = plan
-        _print_module_plan(model, plan, module)
-        return model, None
-    if plan.schedule in sched.ASYNCHRONOUS:
-        model = hp.PipelineModel(layers, loss_fn, optimizer=optimizer, **arguments)
-        opt: Any = _PipelineDriven(model.optimizer)
-    else:
-        model = hp.PipelineModel(layers, loss_fn, **arguments)
-        parameters = list(model.parameters())
-        if parameters:
-            opt = hp.DistributedOptimizer(optimizer(parameters), named_parameters=model.named_parameters(),
-                                          **plan.optimizer_arguments())
-        else:  # a stage of parameter-free layers: nothing to step (its replicas agree: same layers)
-            opt = _PipelineDriven(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0))
-            opt._warned = True
+    model, opt = _built(layers, loss_fn, optimizer, plan, arguments)
     model.plan = plan
     _print_module_plan(model, plan, module)
+    return model, opt
+
+
+def _planned(layers: Any, loss_fn: Any, sample: tuple[Any, Any], global_batch: int, optimizer: Any, module: bool,
+             asynchronous: bool, zero_levels: tuple[int, ...], cluster: Cluster, optimizer_state_factor: float,
+             precision: str | None) -> Plan:
+    """:func:`auto`'s plan: the model profiled (a module on world rank 0; a layer list a slice per rank, in turn),
+    then searched on every rank alike (collective)."""
+    grid = runtime._require("auto").grid
+    try:
+        if module:
+            measured = agree_on_failure(grid.world_comm, lambda: profile_module(
+                layers, sample[0], loss_fn, sample[1], optimizer=optimizer)[0].to_json(), root=0, what="hp.auto")
+        else:
+            measured = profile_in_turns(list(layers), sample, loss_fn, optimizer, grid.world_comm)
+    except Exception as error:  # the same on every rank; its own type stays the cause
+        raise HybridPipeError(f"hp.auto: profiling the {'module' if module else 'layers'} failed "
+                              f"({type(error).__name__}: {error})") from error
+    schedules = SYNCHRONOUS_CHOICES + (sched.ASYNCHRONOUS if asynchronous else ())
+    measured_profile = Profile.from_json(measured)
+    plan = search(measured_profile, cluster, global_batch, schedules=schedules, checkpoints=CHECKPOINT_CHOICES,
+                  optimizer_state_factor=optimizer_state_factor, zero_levels=zero_levels, precision=precision)
+    if module:
+        plan = dataclasses.replace(plan, split=split_of(measured_profile.extra[CUTS_KEY], plan.balance))
+    return plan
+
+
+def _built(layers: Any, loss_fn: Any, optimizer: Any, plan: Plan, arguments: dict[str, Any]) -> tuple[Any, Any]:
+    """The ``PipelineModel`` of ``plan`` and its optimizer (see :func:`auto`'s Returns)."""
+    import hybridpipe as hp
+
+    if optimizer is None:
+        return hp.PipelineModel(layers, loss_fn, **arguments), None
+    if plan.schedule in sched.ASYNCHRONOUS:
+        model = hp.PipelineModel(layers, loss_fn, optimizer=optimizer, **arguments)
+        return model, _PipelineDriven(model.optimizer)
+    model = hp.PipelineModel(layers, loss_fn, **arguments)
+    parameters = list(model.parameters())
+    if parameters:
+        return model, hp.DistributedOptimizer(optimizer(parameters), named_parameters=model.named_parameters(),
+                                              **plan.optimizer_arguments())
+    # a stage of parameter-free layers: nothing to step (its replicas agree: same layers)
+    opt = _PipelineDriven(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0))
+    opt._warned = True
     return model, opt
 
 

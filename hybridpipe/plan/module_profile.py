@@ -147,115 +147,124 @@ def module_layers(module: nn.Module, inputs: Any) -> ModuleLayers:
     return ModuleLayers(module, units, trace, starts, crossing)
 
 
-def _time_calls(module: nn.Module, layers: ModuleLayers, inputs: Any, loss_fn: Callable[[Any, Any], Any],
-                targets: Any, repeats: int, warmup: int) -> tuple[list[float], list[float], list[int], float]:
-    """Per unit call: forward ms, backward ms, bytes autograd keeps; and the loss's forward + backward ms."""
-    calls = layers.trace.calls
-    count = len(calls)
-    unit_ids = {id(m) for m in layers.units}
-    state = {"index": 0, "depth": 0}
-    ends: list[float] = [0.0] * count
-    kept: list[dict[int, int]] = [{} for _ in range(count)]
-    held = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+class _CallTimer:
+    """Hooks on a module's unit calls (the traced ones, at depth 0) that time each call's forward and the backward
+    of its input, and count the bytes autograd keeps during each call (parameters and buffers excluded)."""
 
-    backward_ends: list[float | None] = [None] * count  # when the gradient of each call's input was complete
+    def __init__(self, module: nn.Module, layers: ModuleLayers) -> None:
+        self.count = len(layers.trace.calls)
+        self.index = self.depth = 0
+        self.ends: list[float] = [0.0] * self.count
+        self.kept: list[dict[int, int]] = [{} for _ in range(self.count)]
+        self.backward_ends: list[float | None] = [None] * self.count  # when each call's input gradient was complete
+        self.held = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+        unit_ids = {id(m) for m in layers.units}
+        self.handles = [handle for unit in module.modules() if id(unit) in unit_ids
+                        for handle in (unit.register_forward_pre_hook(self.pre), unit.register_forward_hook(self.post))]
 
-    def pre(_module: nn.Module, args: Any) -> None:
-        if state["depth"] == 0 and state["index"] < count and torch.is_grad_enabled():
+    def pre(self, _module: nn.Module, args: Any) -> None:
+        if self.depth == 0 and self.index < self.count and torch.is_grad_enabled():
             first = next((t for t in iter_tensors(args) if t.requires_grad), None)
             if first is not None:
-                index = state["index"]
-                first.register_hook(lambda grad: backward_ends.__setitem__(index, time.perf_counter()))
-        state["depth"] += 1
+                index = self.index
+                first.register_hook(lambda grad: self.backward_ends.__setitem__(index, time.perf_counter()))
+        self.depth += 1
 
-    def post(_module: nn.Module, _args: Any, _output: Any) -> None:
-        state["depth"] -= 1
-        if state["depth"] == 0:
-            if state["index"] < count:
-                ends[state["index"]] = time.perf_counter()
-            state["index"] += 1
+    def post(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            if self.index < self.count:
+                self.ends[self.index] = time.perf_counter()
+            self.index += 1
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in held:
-            kept[min(state["index"], count - 1)][storage.data_ptr()] = storage.nbytes()
+        if storage.data_ptr() not in self.held:
+            self.kept[min(self.index, self.count - 1)][storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    handles = []
-    for unit in module.modules():
-        if id(unit) in unit_ids:
-            handles.append(unit.register_forward_pre_hook(pre))
-            handles.append(unit.register_forward_hook(post))
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def run(self, module: nn.Module, args: Any, kwargs: Any, loss_fn: Callable[[Any, Any], Any],
+            targets: Any) -> tuple[list[float], float, list[float], float]:
+        """One forward and backward: each call's forward ms, the backward's ms, each call's share of it (ms) and
+        the loss's own forward + backward ms."""
+        count = self.count
+        self.index, self.depth = 0, 0
+        self.backward_ends[:] = [None] * count
+        for record in self.kept:
+            record.clear()
+        started = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor):
+            output = module(*args, **kwargs)
+        finished = time.perf_counter()
+        if self.index != count:
+            raise HybridPipeError(f"the {type(module).__name__} made {self.index} unit calls on the sample while "
+                                  f"profiling, {count} while tracing: its forward must call the same modules on the "
+                                  "same inputs")
+        loss = loss_fn(output, targets)
+        backward_started = time.perf_counter()
+        loss.backward()
+        backward_finished = time.perf_counter()
+        detached = map_tensors(output, lambda t: t.detach().requires_grad_(t.is_floating_point()))
+        loss_started = time.perf_counter()
+        loss_fn(detached, targets).backward()
+        loss_ms = (time.perf_counter() - loss_started) * 1e3
+        forward, previous = [], started
+        for index in range(count):
+            finish = finished if index == count - 1 else self.ends[index]  # the tail's glue: the last call's
+            forward.append((finish - previous) * 1e3)
+            previous = self.ends[index]
+        # each call's backward: from the gradient of the next call's input (or the backward's start) to that of
+        # its own input; a call whose input needs no gradient (the first: token ids) ends when the backward
+        # does, one without such an event gives its time to the call before it
+        per_call, since = [0.0] * count, backward_started
+        for index in reversed(range(count)):
+            end = self.backward_ends[index] if index else (self.backward_ends[0] or backward_finished)
+            if end is not None:
+                per_call[index] = max(0.0, (end - since) * 1e3)
+                since = end
+        return forward, (backward_finished - backward_started) * 1e3, per_call, loss_ms
+
+
+def _time_calls(module: nn.Module, layers: ModuleLayers, inputs: Any, loss_fn: Callable[[Any, Any], Any],
+                targets: Any, repeats: int, warmup: int) -> tuple[list[float], list[float], list[int], float]:
+    """Per unit call: forward ms, backward ms, bytes autograd keeps; and the loss's forward + backward ms (medians
+    of ``repeats`` runs after ``warmup``; the module's gradients and buffers are put back afterwards)."""
+    count = len(layers.trace.calls)
     args, kwargs = split_module.as_call(inputs)
     parameters = list(module.parameters())
     grads = [p.grad for p in parameters]
     buffers = [(b, b.clone()) for b in module.buffers()]  # e.g. batch norm's running statistics
-    forward: list[list[float]] = [[] for _ in range(count)]
-    backward: list[float] = []
-    per_call: list[list[float]] = [[] for _ in range(count)]
-    losses: list[float] = []
+    runs = []
+    timer = _CallTimer(module, layers)
     try:
         with torch.enable_grad():
             for run in range(warmup + repeats):
-                state["index"], state["depth"] = 0, 0
-                backward_ends[:] = [None] * count
-                for record in kept:
-                    record.clear()
-                started = time.perf_counter()
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-                    output = module(*args, **kwargs)
-                finished = time.perf_counter()
-                if state["index"] != count:
-                    raise HybridPipeError(f"the {type(module).__name__} made {state['index']} unit calls on the "
-                                          f"sample while profiling, {count} while tracing: its forward must call the "
-                                          "same modules on the same inputs")
-                loss = loss_fn(output, targets)
-                backward_started = time.perf_counter()
-                loss.backward()
-                backward_finished = time.perf_counter()
-                detached = map_tensors(output, lambda t: t.detach().requires_grad_(t.is_floating_point()))
-                loss_started = time.perf_counter()
-                loss_fn(detached, targets).backward()
-                loss_finished = time.perf_counter()
+                measured = timer.run(module, args, kwargs, loss_fn, targets)
                 for p in parameters:
                     p.grad = None
-                if run < warmup:
-                    continue
-                previous = started
-                for index in range(count):
-                    finish = finished if index == count - 1 else ends[index]  # the tail's glue: the last call's
-                    forward[index].append((finish - previous) * 1e3)
-                    previous = ends[index]
-                backward.append((backward_finished - backward_started) * 1e3)
-                losses.append((loss_finished - loss_started) * 1e3)
-                # each call's backward: from the gradient of the next call's input (or the backward's start) to
-                # that of its own input; a call whose input needs no gradient (the first: token ids) ends when
-                # the backward does, one without such an event gives its time to the call before it
-                since = backward_started
-                for index in reversed(range(count)):
-                    end = backward_ends[index] if index else (backward_ends[0] or backward_finished)
-                    if end is None:
-                        per_call[index].append(0.0)
-                        continue
-                    per_call[index].append(max(0.0, (end - since) * 1e3))
-                    since = end
+                if run >= warmup:
+                    runs.append(measured)
     finally:
-        for handle in handles:
-            handle.remove()
+        timer.remove()
         for p, grad in zip(parameters, grads):
             p.grad = grad
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
-    forward_ms = [max(0.0, statistics.median(times)) for times in forward]
+    forward_ms = [max(0.0, statistics.median(run[0][i] for run in runs)) for i in range(count)]
     total = sum(forward_ms) or 1.0
-    backward_total = statistics.median(backward)
-    measured = [statistics.median(times) for times in per_call]
-    if sum(measured) > 0:  # per call, scaled to the median total (the medians of the parts need not add up)
-        backward_ms = [backward_total * ms / sum(measured) for ms in measured]
+    backward_total = statistics.median(run[1] for run in runs)
+    measured_ms = [statistics.median(run[2][i] for run in runs) for i in range(count)]
+    if sum(measured_ms) > 0:  # per call, scaled to the median total (the medians of the parts need not add up)
+        backward_ms = [backward_total * ms / sum(measured_ms) for ms in measured_ms]
     else:  # nothing took a gradient hook: shared in proportion to the forward times
         backward_ms = [backward_total * ms / total for ms in forward_ms]
-    return forward_ms, backward_ms, [sum(record.values()) for record in kept], statistics.median(losses)
+    return forward_ms, backward_ms, [sum(record.values()) for record in timer.kept], statistics.median(
+        run[3] for run in runs)
 
 
 def profile_module(module: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any], Any], targets: Any,

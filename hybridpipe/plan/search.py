@@ -33,6 +33,7 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from hybridpipe.errors import HybridPipeError, PartitionError, ScheduleError
 from hybridpipe.pipeline import schedule as sched
@@ -378,6 +379,45 @@ def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tu
     Raises:
         HybridPipeError: no configuration is possible (the message says why, and what would fit).
     """
+    precision = _checked(profile, cluster, global_batch, schedules, checkpoints, zero_levels, precision, grids)
+    # identical layers (same class and sizes) weigh the same: their cuts do not follow the profile's noise
+    time_per_layer = even_out_identical([layer.forward_ms + layer.backward_ms for layer in profile.layers],
+                                        [(layer.name, layer.parameter_bytes, layer.output_bytes,
+                                          layer.activation_bytes) for layer in profile.layers])
+    sharded = tuple(sorted(z for z in set(zero_levels) if z))
+    margin = ZERO_MARGIN if sharded and 0 in zero_levels else 0.0  # prefer zero=0 unless sharding clearly wins
+    static = profile.parameter_bytes * (2 + optimizer_state_factor)
+    candidates, rejected = _bounded_candidates(profile, cluster, global_batch, schedules, max_micro_batches,
+                                               time_per_layer, optimizer_state_factor, bool(sharded), grids)
+    search = _Search(profile, cluster, global_batch, optimizer_state_factor, precision, time_per_layer,
+                     tuple(sorted(set(zero_levels))), [c for c in CHECKPOINT_CHOICES if c in checkpoints], rejected)
+    costed = search.cost(candidates, keep=explain + 1, margin=margin)
+    if not costed:
+        raise _no_fit_error(cluster, rejected, static, checkpoints, zero_levels)
+    costed = _ranked(costed, margin)
+    step, best, prediction = costed[0]
+
+    def why(pr: Prediction) -> str:
+        return (f"{pr.step_seconds / step:.3f}× the step time"
+                + (f", {pr.memory_bytes / prediction.memory_bytes:.2f}× the memory" if prediction.memory_bytes else "")
+                + (f" (sharded, faster by less than the {ZERO_MARGIN:.0%} margin)" if pr.step_seconds < step else ""))
+
+    limit = cluster.memory_per_rank
+    alternatives = [(_label(c), why(pr)) for _, c, pr in costed[1:1 + explain]]
+    alternatives += [(_label(c), f"needs {format_bytes(memory)} per rank, over the "
+                                 f"{format_bytes(limit)} limit")
+                     for c, memory in sorted(rejected, key=lambda item: item[1])[:max(0, explain - len(alternatives))]]
+    return Plan(stages=best.stages, replicas=best.replicas, balance=list(best.balance),
+                micro_batches=best.micro_batches, schedule=best.schedule, checkpoint=best.checkpoint,
+                step_seconds=step, samples_per_second=prediction.samples_per_second,
+                memory_bytes_per_rank=prediction.memory_bytes, global_batch=global_batch,
+                virtual_stages=best.virtual_stages, zero=best.zero, precision=precision, alternatives=alternatives,
+                prediction=prediction, stage_replicas=list(best.stage_replicas) or None)
+
+
+def _checked(profile: Profile, cluster: Cluster, global_batch: int, schedules: tuple[str, ...],
+             checkpoints: tuple[str, ...], zero_levels: tuple[int, ...], precision: str | None, grids: str) -> str:
+    """:func:`plan`'s arguments checked (each bad one named, with the fix); returns the precision planned for."""
     if global_batch < 1:
         raise HybridPipeError(f"global batch must be >= 1 (got {global_batch})")
     unknown = [s for s in schedules if s not in sched.SCHEDULE_NAMES or s == "forward"]
@@ -388,8 +428,7 @@ def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tu
     if bad_levels or not zero_levels:
         raise HybridPipeError(f"zero levels {list(zero_levels)}: use some of {list(ZERO_LEVELS)} (e.g. (0,) never "
                               "to shard, (1,) to always shard where there are replicas)")
-    scale = activation_factor(profile, precision)  # names an unknown precision
-    precision = profile_precision(profile) if precision is None else precision
+    activation_factor(profile, precision)  # names an unknown precision
     bad_modes = [c for c in checkpoints if c not in CHECKPOINT_CHOICES]
     if bad_modes or not checkpoints:
         raise HybridPipeError(f"checkpoint modes {list(checkpoints)}: use some of {', '.join(CHECKPOINT_CHOICES)}")
@@ -402,26 +441,27 @@ def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tu
                               f"{replicas} of {cluster.ranks} ranks (a model of {layers} layers has at most "
                               f"{layers} stages): use a multiple of {min(replicas)}" + (
                                   f" or {fitting}" if fitting else ""))
-    # identical layers (same class and sizes) weigh the same: their cuts do not follow the profile's noise
-    time_per_layer = even_out_identical([layer.forward_ms + layer.backward_ms for layer in profile.layers],
-                                        [(layer.name, layer.parameter_bytes, layer.output_bytes,
-                                          layer.activation_bytes) for layer in profile.layers])
-    balances: dict[int, tuple[int, ...]] = {}
-    rejected: list[tuple[Candidate, float]] = []
-    limit = cluster.memory_per_rank
-    static = profile.parameter_bytes * (2 + optimizer_state_factor)
-    sharded = tuple(sorted(z for z in set(zero_levels) if z))
-    margin = ZERO_MARGIN if sharded and 0 in zero_levels else 0.0  # prefer zero=0 unless sharding clearly wins
-    shard_levels = tuple(sorted(set(zero_levels)))  # where there are replicas; one replica: 0
-    candidates = []
     if grids not in GRIDS:
         raise HybridPipeError(f"grids={grids!r}: use one of {', '.join(map(repr, GRIDS))}")
+    return profile_precision(profile) if precision is None else precision
+
+
+def _bounded_candidates(profile: Profile, cluster: Cluster, global_batch: int, schedules: tuple[str, ...],
+                        max_micro_batches: int | None, time_per_layer: list[float], optimizer_state_factor: float,
+                        sharded: bool, grids: str) -> tuple[list[tuple[float, Candidate]], list[tuple[Candidate, float]]]:
+    """The candidates of ``grids`` with a lower bound of each one's step, fastest bound first, and those whose
+    weights cannot fit ``memory_per_rank`` however they are cut (with the bytes they need at least)."""
+    limit = cluster.memory_per_rank
+    static = profile.parameter_bytes * (2 + optimizer_state_factor)
+    candidates: list[tuple[float, Candidate]] = []
+    rejected: list[tuple[Candidate, float]] = []
+    balances: dict[int, tuple[int, ...]] = {}
     uniform = [] if grids == "stage-replicas" else _candidates(profile, cluster, global_batch, schedules,
                                                                  max_micro_batches, balances, time_per_layer)
     for candidate in uniform:
         if grids == "data-parallel" and candidate.stages > 1:
             continue
-        shards = bool(sharded) and candidate.replicas > 1 and candidate.schedule not in sched.ASYNCHRONOUS
+        shards = sharded and candidate.replicas > 1 and candidate.schedule not in sched.ASYNCHRONOUS
         # the least a rank can hold: parameters and gradients whole, or ZeRO-2's parameters and shard
         least = (profile.parameter_bytes * (1 + (2 + optimizer_state_factor) / candidate.replicas) if shards
                  else static)
@@ -439,87 +479,117 @@ def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tu
     if not candidates and not rejected:
         kind = {"all": "", "data-parallel": "data-parallel ", "uniform": "uniform ",
                 "stage-replicas": "stages-with-their-own-replica-counts "}[grids]
-        raise HybridPipeError(f"no {kind}configuration of {cluster.ranks} ranks for {layers} layers, a global batch of "
-                              f"{global_batch} and the schedules {list(schedules)}" +
+        raise HybridPipeError(f"no {kind}configuration of {cluster.ranks} ranks for {len(profile.layers)} layers, a "
+                              f"global batch of {global_batch} and the schedules {list(schedules)}" +
                               (" (own replica counts need 2 stages and 3 ranks at least, gpipe or 1f1b)"
                                if grids == "stage-replicas" else ""))
     candidates.sort(key=lambda item: (item[0], item[1].stages, item[1].micro_batches))
-    costed: list[tuple[float, Candidate, Prediction]] = []
-    keep = explain + 1
-    best_steps: list[float] = []  # the `keep` fastest step times so far, as a max-heap (negated)
-    fastest = math.inf
-    modes = [c for c in CHECKPOINT_CHOICES if c in checkpoints]
-    for bound, candidate in candidates:
-        if len(best_steps) >= keep and bound > max(-best_steps[0], fastest * (1 + margin)):
-            break  # every remaining candidate is slower than the `keep` fastest found (and than the margin)
-        per_replica = global_batch // candidate.replicas
-        levels = shard_levels if candidate.replicas > 1 and candidate.schedule not in sched.ASYNCHRONOUS else (0,)
-        sharded_times: dict[tuple, Prediction] = {}  # zero=1 and zero=2 take the same time: simulate once
-        for level in levels:
-            for checkpoint in modes:
-                trial = dataclasses.replace(candidate, checkpoint=checkpoint, zero=level)
-                try:
-                    memory = max(memory_per_rank(profile, trial, global_batch, optimizer_state_factor, precision))
-                except ScheduleError:  # a size the schedule does not take
-                    break
-                if limit and memory > limit and not trial.stage_replicas:  # cheap to know: simulate what fits
-                    balanced = _memory_balance(profile, cluster, trial, per_replica, time_per_layer,
-                                               optimizer_state_factor, scale)
-                    if balanced is not None:
-                        trial = balanced
-                        memory = max(memory_per_rank(profile, trial, global_batch, optimizer_state_factor,
-                                                     precision))
-                if limit and memory > limit:
-                    rejected.append((trial, memory))
-                    continue
-                same = sharded_times.get((trial.checkpoint, trial.balance)) if level else None
-                if same is not None:
-                    prediction = dataclasses.replace(same, memory_bytes_per_rank=memory_per_rank(
-                        profile, trial, global_batch, optimizer_state_factor, precision))
-                else:
-                    prediction = predict(profile, cluster, trial, global_batch, optimizer_state_factor, precision)
-                    if level:
-                        sharded_times[(trial.checkpoint, trial.balance)] = prediction
-                costed.append((prediction.step_seconds, trial, prediction))
-                fastest = min(fastest, prediction.step_seconds)
-                heapq.heappush(best_steps, -prediction.step_seconds)
-                if len(best_steps) > keep:
-                    heapq.heappop(best_steps)
-                break  # a slower re-materialization mode cannot win where this one fits
-    if not costed:
-        smallest = min(rejected, key=lambda item: item[1], default=None)
-        needs = ""
-        if smallest is not None:
-            needs = (f": the smallest needs {format_bytes(smallest[1])} per rank ({_label(smallest[0])}; the "
-                     f"weights, gradients and optimizer state alone are {format_bytes(static)} over all stages)")
-        fixes = ([f"raise the limit to at least {format_bytes(smallest[1])}"] if smallest is not None else []) + [
-            "use more ranks"] + (["allow checkpoint='always'"] if "always" not in checkpoints else []) + (
-            ["allow zero=2 (shard over the replicas)"] if 2 not in zero_levels else [])
-        raise HybridPipeError(f"no configuration of {cluster.ranks} ranks fits memory_per_rank "
-                              f"{format_bytes(limit)}{needs}: {', '.join(fixes)}")
-    # fastest first; ties: unsharded, then less memory, then fewer stages
-    costed.sort(key=lambda item: (round(item[0], 12), item[1].zero, item[2].memory_bytes, item[1].stages))
-    if costed[0][1].zero and margin:  # sharding wins only by more than the margin the model cannot see
+    return candidates, rejected
+
+
+@dataclasses.dataclass
+class _Search:
+    """What costing a candidate needs (:meth:`cost`); ``rejected`` collects those that do not fit."""
+
+    profile: Profile
+    cluster: Cluster
+    global_batch: int
+    optimizer_state_factor: float
+    precision: str
+    time_per_layer: list[float]
+    shard_levels: tuple[int, ...]
+    modes: list[str]
+    rejected: list[tuple[Candidate, float]]
+
+    def memory(self, trial: Candidate) -> float:
+        return max(memory_per_rank(self.profile, trial, self.global_batch, self.optimizer_state_factor,
+                                   self.precision))
+
+    def cost(self, candidates: list[tuple[float, Candidate]], keep: int,
+             margin: float) -> list[tuple[float, Candidate, Prediction]]:
+        """Costs the candidates in the order of their bounds until a bound exceeds the ``keep``-th fastest step
+        found (and the fastest by ``margin``); each at its ZeRO levels and the first re-materialization mode
+        that fits."""
+        costed: list[tuple[float, Candidate, Prediction]] = []
+        best_steps: list[float] = []  # the `keep` fastest step times so far, as a max-heap (negated)
+        fastest = math.inf
+        for bound, candidate in candidates:
+            if len(best_steps) >= keep and bound > max(-best_steps[0], fastest * (1 + margin)):
+                break  # every remaining candidate is slower than the `keep` fastest found (and than the margin)
+            levels = (self.shard_levels if candidate.replicas > 1 and candidate.schedule not in sched.ASYNCHRONOUS
+                      else (0,))
+            sharded_times: dict[tuple, Prediction] = {}  # zero=1 and zero=2 take the same time: simulate once
+            for level in levels:
+                for checkpoint in self.modes:
+                    result = self._one(dataclasses.replace(candidate, checkpoint=checkpoint, zero=level),
+                                       sharded_times)
+                    if result is None:  # did not fit: the next (slower, smaller) mode
+                        continue
+                    if result is not False:
+                        costed.append(result)
+                        fastest = min(fastest, result[0])
+                        heapq.heappush(best_steps, -result[0])
+                        if len(best_steps) > keep:
+                            heapq.heappop(best_steps)
+                    break  # a slower re-materialization mode cannot win where this one fits
+        return costed
+
+    def _one(self, trial: Candidate, sharded_times: dict[tuple, Prediction]) -> Any:
+        """``(step, trial, prediction)``; None if it does not fit the memory; False if the schedule does not take
+        its size."""
+        limit = self.cluster.memory_per_rank
+        try:
+            memory = self.memory(trial)
+        except ScheduleError:  # a size the schedule does not take
+            return False
+        if limit and memory > limit and not trial.stage_replicas:  # cheap to know: simulate what fits
+            balanced = _memory_balance(self.profile, self.cluster, trial, self.global_batch // trial.replicas,
+                                       self.time_per_layer, self.optimizer_state_factor,
+                                       activation_factor(self.profile, self.precision))
+            if balanced is not None:
+                trial, memory = balanced, self.memory(balanced)
+        if limit and memory > limit:
+            self.rejected.append((trial, memory))
+            return None
+        same = sharded_times.get((trial.checkpoint, trial.balance)) if trial.zero else None
+        if same is not None:
+            prediction = dataclasses.replace(same, memory_bytes_per_rank=memory_per_rank(
+                self.profile, trial, self.global_batch, self.optimizer_state_factor, self.precision))
+        else:
+            prediction = predict(self.profile, self.cluster, trial, self.global_batch, self.optimizer_state_factor,
+                                 self.precision)
+            if trial.zero:
+                sharded_times[(trial.checkpoint, trial.balance)] = prediction
+        return prediction.step_seconds, trial, prediction
+
+
+def _no_fit_error(cluster: Cluster, rejected: list[tuple[Candidate, float]], static: float,
+                  checkpoints: tuple[str, ...], zero_levels: tuple[int, ...]) -> HybridPipeError:
+    """Why nothing fits ``memory_per_rank``, with the smallest need and the fixes."""
+    smallest = min(rejected, key=lambda item: item[1], default=None)
+    needs = ""
+    if smallest is not None:
+        needs = (f": the smallest needs {format_bytes(smallest[1])} per rank ({_label(smallest[0])}; the "
+                 f"weights, gradients and optimizer state alone are {format_bytes(static)} over all stages)")
+    fixes = ([f"raise the limit to at least {format_bytes(smallest[1])}"] if smallest is not None else []) + [
+        "use more ranks"] + (["allow checkpoint='always'"] if "always" not in checkpoints else []) + (
+        ["allow zero=2 (shard over the replicas)"] if 2 not in zero_levels else [])
+    return HybridPipeError(f"no configuration of {cluster.ranks} ranks fits memory_per_rank "
+                           f"{format_bytes(cluster.memory_per_rank)}{needs}: {', '.join(fixes)}")
+
+
+def _ranked(costed: list[tuple[float, Candidate, Prediction]],
+            margin: float) -> list[tuple[float, Candidate, Prediction]]:
+    """Fastest first; ties: unsharded, then less memory, then fewer stages. A sharded plan wins only by more than
+    ``margin``, and a grid with its own replica count per stage only by more than ``ZERO_MARGIN``, the
+    differences the model cannot see."""
+    costed = sorted(costed, key=lambda item: (round(item[0], 12), item[1].zero, item[2].memory_bytes, item[1].stages))
+    if costed[0][1].zero and margin:
         unsharded = next((i for i, item in enumerate(costed) if not item[1].zero), None)
         if unsharded is not None and costed[unsharded][0] <= costed[0][0] * (1 + margin):
             costed.insert(0, costed.pop(unsharded))
-    if costed[0][1].stage_replicas:  # likewise a grid with its own replica count per stage
+    if costed[0][1].stage_replicas:
         uniform = next((i for i, item in enumerate(costed) if not item[1].stage_replicas), None)
         if uniform is not None and costed[uniform][0] <= costed[0][0] * (1 + ZERO_MARGIN):
             costed.insert(0, costed.pop(uniform))
-    step, best, prediction = costed[0]
-    def why(pr: Prediction) -> str:
-        return (f"{pr.step_seconds / step:.3f}× the step time"
-                + (f", {pr.memory_bytes / prediction.memory_bytes:.2f}× the memory" if prediction.memory_bytes else "")
-                + (f" (sharded, faster by less than the {ZERO_MARGIN:.0%} margin)" if pr.step_seconds < step else ""))
-
-    alternatives = [(_label(c), why(pr)) for _, c, pr in costed[1:1 + explain]]
-    alternatives += [(_label(c), f"needs {format_bytes(memory)} per rank, over the "
-                                 f"{format_bytes(limit)} limit")
-                     for c, memory in sorted(rejected, key=lambda item: item[1])[:max(0, explain - len(alternatives))]]
-    return Plan(stages=best.stages, replicas=best.replicas, balance=list(best.balance),
-                micro_batches=best.micro_batches, schedule=best.schedule, checkpoint=best.checkpoint,
-                step_seconds=step, samples_per_second=prediction.samples_per_second,
-                memory_bytes_per_rank=prediction.memory_bytes, global_batch=global_batch,
-                virtual_stages=best.virtual_stages, zero=best.zero, precision=precision, alternatives=alternatives,
-                prediction=prediction, stage_replicas=list(best.stage_replicas) or None)
+    return costed
