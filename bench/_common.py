@@ -126,3 +126,27 @@ def timed_steps(model: Any, optimizer: Any, inputs: Any, targets: Any, count: in
         optimizer.step()
         times.append(time.perf_counter() - started)
     return times
+
+
+#: A ratio whose rounds spread wider than this (max − min over the median) is flagged as not holding.
+SPREAD_LIMIT = 0.25
+
+
+def round_ratio(numerator_rounds: list[list[float]], denominator_rounds: list[list[float]]) -> tuple[float, float]:
+    """The median over rounds of each round's ratio of medians, and its spread ((max − min) / median of the rounds'
+    ratios). The rounds ran interleaved (both sides in each), so a spell of a slow machine hits both sides of a
+    round's ratio alike; the spread says whether the ratio holds from round to round."""
+    import statistics
+
+    ratios = [statistics.median(a) / statistics.median(b) for a, b in zip(numerator_rounds, denominator_rounds)
+              if a and b and statistics.median(b) > 0]
+    if not ratios:
+        return float("nan"), float("nan")
+    middle = statistics.median(ratios)
+    return middle, (max(ratios) - min(ratios)) / middle if middle else float("inf")
+
+
+def format_ratio(ratio: float, spread: float, rounds: int) -> str:
+    """``1.23 (±9 % over 5 rounds)``, flagged when the spread is over :data:`SPREAD_LIMIT`."""
+    text = f"{ratio:.2f} (spread {spread:.0%} over {rounds} rounds)"
+    return text + (" UNSTABLE" if spread > SPREAD_LIMIT else "")

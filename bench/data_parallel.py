@@ -89,7 +89,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))  # hybridpipe from this checkout when it is not installed
 
-from _common import command_line, int_list, progress, render, run_worker, start_gloo  # noqa: E402
+from _common import (command_line, format_ratio, int_list, progress, render, round_ratio, run_worker,  # noqa: E402
+                     start_gloo)
+
+RESNET_ROUNDS = 5  # the engine's ratios are medians over this many rounds of the repetitions, with their spread
 
 SEED = 1234
 DATA_SEED = 7
@@ -890,10 +893,19 @@ def mlp_rows(launches: list[Launch], args: argparse.Namespace) -> tuple[list[str
     return header, rows
 
 
+def _rounds(launch: Launch, name: str) -> list[list[float]]:
+    """The repetitions of ``name`` (interleaved with the other calls, repetition by repetition) in
+    ``RESNET_ROUNDS`` consecutive rounds."""
+    times = [t for r in launch.results for t in r["all_seconds"][name]]
+    size = max(1, len(times) // RESNET_ROUNDS)
+    return [times[i * size:(i + 1) * size] for i in range(min(RESNET_ROUNDS, len(times)))]
+
+
 def resnet_rows(launches: list[Launch]) -> tuple[list[str], list[list[str]]]:
     header = ["n", "161 × allreduce_async_ ms", "161 × allreduce_async (out of place) ms", "out of place / in place",
               "grouped_allreduce_ ms", "mpi4py Allreduce × 161 ms",
-              "Horovod (issue) ms", "target ms", "async / grouped", "submit loop ms",
+              "Horovod (issue) ms", "target ms", "async / grouped",
+              f"mpi4py × 161 / async (≥ 2 wanted; {RESNET_ROUNDS} rounds)", "submit loop ms",
               "first bucket starts ms",
               "last bucket ends ms", "cycles / buckets (helped) per run", "slow rounds: first / warm-up / timed runs"]
     rows = []
@@ -920,6 +932,7 @@ def resnet_rows(launches: list[Launch]) -> tuple[list[str], list[list[str]]]:
                      f"{ISSUE['horovod_resnet_ms'][n]:.0f}" if n in ISSUE["horovod_resnet_ms"] else "—",
                      f"≤ {ISSUE['resnet_target_ms'][n]:.0f}" if n in ISSUE["resnet_target_ms"] else "—",
                      f"{seconds['async'] / seconds['grouped']:.2f}",
+                     format_ratio(*round_ratio(_rounds(launch, "mpi4py"), _rounds(launch, "async")), RESNET_ROUNDS),
                      f"{breakdown['submit_s'] * 1e3:.1f}", f"{breakdown['first_start_s'] * 1e3:.1f}",
                      f"{breakdown['last_finish_s'] * 1e3:.1f}",
                      (f"{statistics.median(timed['cycles']):.0f} / {statistics.median(timed['buckets']):.0f} "

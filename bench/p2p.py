@@ -10,7 +10,7 @@ when the ranks fit the cores) the reply is only posted when the communication th
 
 Usage:
     python bench/p2p.py [--pause-ms 0,5] [--pause-kinds sleep,compute] [--bytes 256,65536] [--iterations 200]
-                        [--markdown]
+                        [--blocks 5] [--markdown]
 
 Run plainly, this script is the driver: it starts itself under ``mpirun -n 2 ... --worker`` (the
 command comes from ``hybridpipe.launch.mpirun_command``) and prints one table from rank 0's JSON.
@@ -44,7 +44,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import command_line, int_list, launch_env, progress, render, run_worker, start_gloo  # noqa: E402
+from _common import (SPREAD_LIMIT, command_line, format_ratio, int_list, launch_env, progress, render,  # noqa: E402
+                     round_ratio, run_worker, start_gloo)
 
 IMPLEMENTATIONS = ("hybridpipe", "mpi4py", "gloo")
 
@@ -134,15 +135,18 @@ class Worker:
             tensor = self.torch.zeros(max(1, nbytes // 4))
             for pause_ms, kind in pause_cases(self.args):
                 samples: dict[str, list[float]] = {name: [] for name in IMPLEMENTATIONS}
+                rounds: dict[str, list[list[float]]] = {name: [] for name in IMPLEMENTATIONS}
                 for round_index in range(self.args.blocks + 1):
                     shift = round_index % len(IMPLEMENTATIONS)
                     for name in IMPLEMENTATIONS[shift:] + IMPLEMENTATIONS[:shift]:
                         got = self.block(name, tensor, pause_ms / 1e3, kind)
                         if round_index > 0:
                             samples[name] += got
+                            rounds[name].append(got)
                 if self.rank == 0:
                     medians = {name: statistics.median(values) for name, values in samples.items()}
-                    results.append({"bytes": nbytes, "pause_ms": pause_ms, "pause": kind, "seconds": medians})
+                    results.append({"bytes": nbytes, "pause_ms": pause_ms, "pause": kind, "seconds": medians,
+                                    "rounds": rounds})
                     shown = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in medians.items())
                     progress(f"{nbytes} B, pause {pause_ms} ms ({kind}): {shown}")
         return {"cases": results}
@@ -173,18 +177,23 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
     from hybridpipe._ext import describe
 
     header = ["bytes", "pause ms", "pause", *(f"{name} ms" for name in IMPLEMENTATIONS),
-              "hybridpipe / mpi4py", "hybridpipe / gloo"]
+              "hybridpipe / mpi4py", "hybridpipe / gloo", "≤ 2 × mpi4py + 0.02 ms"]
     rows = []
     for case in result["cases"]:
-        s = case["seconds"]
+        s, rounds = case["seconds"], case["rounds"]
+        ratios = {peer: round_ratio(rounds["hybridpipe"], rounds[peer]) for peer in ("mpi4py", "gloo")}
+        target = 2 * s["mpi4py"] + 20e-6
         rows.append([str(case["bytes"]), str(case["pause_ms"]), case["pause"] if case["pause_ms"] else "",
                      *(f"{s[name] * 1e3:.3f}" for name in IMPLEMENTATIONS),
-                     f"{s['hybridpipe'] / s['mpi4py']:.2f}", f"{s['hybridpipe'] / s['gloo']:.2f}"])
+                     *(format_ratio(*ratios[peer], len(rounds["hybridpipe"])) for peer in ("mpi4py", "gloo")),
+                     f"{'yes' if s['hybridpipe'] <= target else 'no'} ({target * 1e3:.3f} ms)"])
     setup = (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {describe()}; "
              f"{os.cpu_count()} CPU cores; 2 ranks; {args.iterations} round trips × {args.blocks} blocks per cell")
     md = args.markdown
     lines = [f"Command: `{command_line()}`" + ("  " if md else ""), f"Setup: {setup}" + ("  " if md else ""),
-             "Cells: median of (round trip − the pause inside it) = two hops; ratio > 1: hybridpipe is slower", "",
+             "Cells: median of (round trip − the pause inside it) = two hops; ratio > 1: hybridpipe is slower; a ratio "
+             f"is the median over the rounds of each round's ratio of medians, UNSTABLE where its rounds spread by "
+             f"more than {SPREAD_LIMIT:.0%}", "",
              render(header, rows, md, left=3)]
     return "\n".join(lines)
 
@@ -199,7 +208,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--bytes", default="256,65536", type=lambda t: int_list(t, "--bytes"),
                         help="message sizes in bytes (default 256,65536)")
     parser.add_argument("--iterations", type=int, default=100, help="round trips per block (default 100)")
-    parser.add_argument("--blocks", type=int, default=3, help="timed blocks per implementation (default 3)")
+    parser.add_argument("--blocks", type=int, default=5,
+                        help="timed rounds, each a block of every implementation in rotating order (default 5)")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for the mpirun (default 600)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
