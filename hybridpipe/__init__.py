@@ -31,7 +31,6 @@ from .runtime import Grid, config, grid, init, is_initialized, local_rank, local
 
 #: The public names imported on first use, by the module that defines them.
 _LAZY_MODULES = {
-    "._trace": ("start_timeline", "stop_timeline",),
     ".capabilities": ("ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built",
         "gloo_enabled", "is_homogeneous", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
         "rocm_built",),
@@ -39,7 +38,7 @@ _LAZY_MODULES = {
     ".comm.collectives": ("Adasum", "Average", "Max", "Min", "Product", "ReduceOp", "Sum", "allreduce_", "barrier",
         "broadcast_", "broadcast_async", "broadcast_async_", "grouped_allreduce_",),
     ".comm.engine": ("Handle", "allreduce_async", "allreduce_async_", "engine_stats", "grouped_allreduce_async",
-        "grouped_allreduce_async_", "join", "poll", "synchronize",),
+        "grouped_allreduce_async_", "join", "poll", "start_timeline", "stop_timeline", "synchronize",),
     ".comm.exchange": ("allgather_async", "alltoall_async", "grouped_allgather_async",
         "grouped_reducescatter_async", "reducescatter_async", "sparse_allreduce_async",),
     ".comm.process_sets": ("ProcessSet", "add_process_set", "data_process_set", "global_process_set",

@@ -11,11 +11,11 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["enabled", "span", "record", "start_timeline", "stop_timeline"]
+__all__ = ["enabled", "span", "record", "start", "stop"]
 
 _active: _Recorder | None = None
 
@@ -87,17 +87,17 @@ def span(name: str, category: str, track: str = "compute", **args: Any) -> Itera
         _active.add(name, category, track, start, time.monotonic(), args or None)
 
 
-def _start(path: str, grid: Any) -> None:
-    """Called by hp.init when HYBRIDPIPE_TIMELINE is set (after a barrier: a common time zero)."""
+def start(path: str, rank: int, barrier: Callable[[], None]) -> None:
+    """Starts recording into ``path`` after ``barrier()`` (every rank's: a common time zero); called by hp.init
+    when HYBRIDPIPE_TIMELINE is set and by hp.start_timeline, with a barrier run on the engine's thread."""
     global _active
-    from .comm.engine import call  # the engine is running: its thread makes the MPI calls
-
-    call(None, "timeline", grid.world_comm.Barrier)
-    _active = _Recorder(path, grid.rank)
+    barrier()
+    _active = _Recorder(path, rank)
 
 
-def _stop(grid: Any, engine_events: dict[str, list]) -> None:
-    """Called by hp.shutdown: writes the engine's events, closes, and rank 0 merges the parts."""
+def stop(grid: Any, engine_events: dict[str, list], barrier: Callable[[], None]) -> None:
+    """Called by hp.shutdown and hp.stop_timeline: writes the engine's events, closes, and rank 0 merges the
+    parts, between two ``barrier()`` calls of every rank."""
     global _active
     recorder, _active = _active, None
     if recorder is None:
@@ -109,9 +109,7 @@ def _stop(grid: Any, engine_events: dict[str, list]) -> None:
             args = {"bytes": event.bytes, "tensors": event.tensors} if event.bytes else None
             recorder.add(event.phase, "engine", f"engine {group}", event.start, event.end, args)
     recorder.close()
-    from .comm.engine import call  # on the communication thread while it runs (hp.stop_timeline)
-
-    call(None, "timeline", grid.world_comm.Barrier)
+    barrier()
     if grid.rank == 0:
         events = [e for r in range(grid.size) for e in _header_of(r, grid)]
         for r in range(grid.size):
@@ -125,40 +123,7 @@ def _stop(grid: Any, engine_events: dict[str, list]) -> None:
                                                        "pipeline_stages": grid.pipeline_stages,
                                                        "data_replicas": grid.data_replicas}}))
         os.replace(temporary, recorder.path)
-    call(None, "timeline", grid.world_comm.Barrier)
-
-
-def start_timeline(file_path: str | os.PathLike, mark_cycles: bool = False) -> None:
-    """Starts recording this job's Chrome trace into ``file_path`` (Horovod's ``hvd.start_timeline``).
-
-    Collective: every rank calls it with the same path. The trace is the one ``HYBRIDPIPE_TIMELINE``
-    writes (docs/timeline.md): pipeline actions, optimizer steps, every collective's run on the
-    communication thread, and the engine's phases when ``HYBRIDPIPE_TIMELINE`` was set at ``hp.init``
-    (the engine records them only then). A timeline already recording is stopped (written) first.
-
-    Args:
-        file_path: where rank 0 writes the merged trace at :func:`stop_timeline` (or ``hp.shutdown``).
-        mark_cycles: accepted for Horovod's signature; the engine's "negotiate" events already mark its
-            cycles when it records.
-
-    Raises:
-        NotInitializedError: before ``hp.init()``.
-    """
-    from .comm import context
-
-    state = context.current("start_timeline")
-    if _active is not None:
-        stop_timeline()
-    _start(os.fspath(file_path), state.grid)
-
-
-def stop_timeline() -> None:
-    """Stops the timeline and writes it (collective; nothing happens when none is recording)."""
-    from .comm import context
-
-    state = context.current("stop_timeline")
-    if _active is not None:
-        _stop(state.grid, state.events())
+    barrier()
 
 
 def _header_of(rank: int, grid: Any) -> list[dict]:

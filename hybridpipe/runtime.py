@@ -237,6 +237,7 @@ def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | 
     """
     global _runtime
     from . import comm as communication
+    from .comm import engine
 
     if communication.process_sets.is_communicator(pipeline_stages) and comm is None:  # Horovod's hvd.init(comm)
         pipeline_stages, comm = None, pipeline_stages
@@ -338,7 +339,7 @@ def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | 
         communication.device.set_device(local_comm.Get_rank(), _runtime.config.set_device)
         communication.start(_runtime.config, the_grid)
         if _runtime.config.timeline:
-            timeline._start(_runtime.config.timeline, the_grid)
+            timeline.start(_runtime.config.timeline, the_grid.rank, engine.world_barrier(the_grid))
     except BaseException:
         _runtime = None
         raise
@@ -372,9 +373,10 @@ def _shutdown(failed: bool) -> None:
         return
     from . import _trace as timeline
     from . import comm
+    from .comm import engine
 
     events = comm.stop(failed)  # collective: every rank's engine agrees to stop; frees user duplicates
-    timeline._stop(_runtime.grid, events)
+    timeline.stop(_runtime.grid, events, engine.world_barrier(_runtime.grid))
     g = _runtime.grid
     for c in (g.data_comm, g.pipe_comm, _runtime.local_comm, g.world_comm):
         c.Free()

@@ -5,7 +5,17 @@ The runtime starts and stops it (``hp.init`` / ``hp.shutdown``) through :func:`s
 through :func:`~hybridpipe.comm.context.current`.
 """
 
+from typing import Any
+
 from . import device, process_sets
-from .context import CommContext, communicator, current, start, stop
+from .context import CommContext, communicator, current, stop
+from .context import start as _start_context
+from .reduction import engine_device_allreduce
 
 __all__ = ["CommContext", "communicator", "current", "start", "stop", "process_sets", "device"]
+
+
+def start(config: Any, grid: Any) -> CommContext:
+    """Called by hp.init: makes the communication context, whose engine reduces buckets of CUDA tensors in
+    device memory with reduction.engine_device_allreduce where it can."""
+    return _start_context(config, grid, device_allreduce=engine_device_allreduce)

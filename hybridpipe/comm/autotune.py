@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import collectives, context
+
 MIB = 1 << 20
 FUSION_THRESHOLDS = [1 * MIB, 2 * MIB, 4 * MIB, 8 * MIB, 16 * MIB, 32 * MIB, 64 * MIB]
 CYCLE_TIMES_MS = [0.25, 0.5, 1.0, 2.0, 5.0]
@@ -65,8 +67,6 @@ class Autotuner:
         self._apply(self._plan[0][1], self._plan[0][2])
 
     def _apply(self, fusion: int, cycle: float) -> None:
-        from . import context
-
         state = self._state
         group_id = state.engine_group("world", "autotune")
         name = f"hybridpipe.autotune.{len(self.trials)}.{fusion}.{cycle}"
@@ -98,8 +98,6 @@ class Autotuner:
     def _finish_trial(self) -> None:
         import torch
 
-        from . import collectives
-
         mine = statistics.median(self._times)
         self._times = []
         agreed = float(collectives.allreduce(torch.tensor([mine], dtype=torch.float64), op=collectives.Max,
@@ -128,3 +126,14 @@ class Autotuner:
                    "cycle_time_ms": self.chosen[1], "step_seconds": winner["step_seconds"],
                    "best_step_seconds": winner["step_seconds"]})
         self.done = True
+
+
+def step() -> None:
+    """After a DistributedOptimizer step: drives the engine's autotuning when HYBRIDPIPE_AUTOTUNE is on.
+    Every rank calls it once per step."""
+    state = context.current_or_none()
+    if state is None or not state.config.autotune:
+        return
+    if state.autotuner is None:
+        state.autotuner = Autotuner(state)
+    state.autotuner.on_step()

@@ -35,12 +35,12 @@ from ..errors import (
     HorovodInternalError,
     HybridPipeError,
     MismatchError,
-    NotInitializedError,
     PeerShutDownError,
 )
-from . import buffers
+from . import buffers, running
 from .departures import Departures
 from .process_sets import ProcessSet, Registry
+from .running import current, current_or_none
 
 __all__ = ["CommContext", "Handle", "start", "stop", "current", "current_or_none", "communicator", "call", "submit",
            "wait_policy", "allreduce_options_for", "resolve_group", "unnamed", "check_name", "refusing",
@@ -78,11 +78,17 @@ class _UserGroup:
     engine_id: int | None = None
 
 
+#: Makes the engine's device allreduce of a group over an mpi4py communicator: ``reduce(address, count, dtype
+#: code, op code, gpu) -> bool`` (hybridpipe.comm.reduction.engine_device_allreduce).
+DeviceAllreduce = Callable[[Any], Callable[[int, int, int, int, int], bool]]
+
+
 class CommContext:
     """What communication owns for one hp.init (see the module's docstring)."""
 
-    def __init__(self, config: Config, grid: Any) -> None:
+    def __init__(self, config: Config, grid: Any, device_allreduce: DeviceAllreduce | None = None) -> None:
         self.config, self.grid = config, grid
+        self._device_allreduce = device_allreduce
         self.wait = wait_policy(config)
         # direct collectives spin, or wait politely while this process has tensors on the engine, so
         # that a blocking call does not take the cores from the (niced) engine thread; both make the
@@ -101,6 +107,7 @@ class CommContext:
         # per engine handle: what its operation needs alive until it ran (a call's job, an allreduce's
         # buffers), released by Handle.wait() or, for handles never waited for, by close()
         self.keep: dict[int, Any] = {}
+        self.autotuner: Any = None  # comm/autotune.py's, made at the first optimizer step when on
         options = core().EngineOptions()
         options.cycle_time_ms = config.cycle_time_ms
         options.stall_check_seconds = config.stall_check_seconds
@@ -125,15 +132,13 @@ class CommContext:
 
     def add_engine_group(self, comm: Any, label: str) -> int:
         """Adds the group over mpi4py communicator ``comm`` to the engine; returns its id. With the CUDA kernels
-        built, its buckets of CUDA tensors can stay in device memory on a CUDA-aware MPI
-        (collectives.engine_device_allreduce)."""
+        built, its buckets of CUDA tensors can stay in device memory on a CUDA-aware MPI, reduced by the
+        context's ``device_allreduce(comm)`` (reduction.engine_device_allreduce, given by comm.start)."""
         from .._ext import cuda_compiled
 
         group_id = self.engine.add_group(comm.py2f(), label)
-        if cuda_compiled():
-            from .collectives import engine_device_allreduce
-
-            reduce = engine_device_allreduce(comm)
+        if cuda_compiled() and self._device_allreduce is not None:
+            reduce = self._device_allreduce(comm)
             self._device_allreduces.append(reduce)
             self.engine.set_device_allreduce(group_id, reduce)
         return group_id
@@ -295,37 +300,23 @@ class CommContext:
         return events
 
 
-_current: CommContext | None = None
-
-
-def start(config: Config, grid: Any) -> CommContext:
-    """Called by hp.init: makes the context (and starts the communication thread)."""
-    global _current
-    if _current is not None:
+def start(config: Config, grid: Any, device_allreduce: DeviceAllreduce | None = None) -> CommContext:
+    """Called by hp.init (through :func:`hybridpipe.comm.start`): makes the context (and starts the
+    communication thread). ``device_allreduce``: see :class:`CommContext`."""
+    if running.current_or_none() is not None:
         raise RuntimeError("hybridpipe.comm.start: a communication context is already running (stop it first)")
-    _current = CommContext(config, grid)
-    return _current
+    context = CommContext(config, grid, device_allreduce)
+    running.replace(context)
+    return context
 
 
 def stop(failed: bool = False) -> dict[str, list]:
     """Called by hp.shutdown: stops the context; returns the engine's events by group (timeline). ``failed``:
     at interpreter exit after an uncaught exception (see CommContext.close)."""
-    global _current
-    if _current is None:
+    context = running.replace(None)
+    if context is None:
         return {}
-    context, _current = _current, None
     return context.close(failed)
-
-
-def current(function: str) -> CommContext:
-    """The running context; NotInitializedError (naming ``hp.<function>``) before hp.init."""
-    if _current is None:
-        raise NotInitializedError(f"hp.{function}() was called before hp.init(); call hp.init() first")
-    return _current
-
-
-def current_or_none() -> CommContext | None:
-    return _current
 
 
 def communicator(group: Any, function: str) -> Any:
@@ -491,20 +482,6 @@ def _call_handle(state: CommContext, group: Any, function: str, name: str, colle
                  finish, mismatch, track)
 
 
-def autotune_step() -> None:
-    """After a DistributedOptimizer step: drives the engine's autotuning when HYBRIDPIPE_AUTOTUNE is on
-    (hybridpipe/comm/autotune.py). Every rank calls it once per step."""
-    state = _current
-    if state is None or not state.config.autotune:
-        return
-    tuner = state.__dict__.get("autotuner")
-    if tuner is None:
-        from .autotune import Autotuner
-
-        tuner = state.__dict__["autotuner"] = Autotuner(state)
-    tuner.on_step()
-
-
 def call(group: Any, function: str, work: Callable[[], _Result], collective: str | None = None) -> _Result:
     """Runs ``work()`` (a blocking collective over ``group``) on the engine's communication thread, at
     a point of its sequence that every rank of ``group`` agrees on, and returns its result (or raises
@@ -522,7 +499,7 @@ def call(group: Any, function: str, work: Callable[[], _Result], collective: str
     Raises:
         MismatchError: ranks of the group called different collectives at this point (every rank).
     """
-    state = _current
+    state = running.current_or_none()
     if state is None or getattr(_on_engine_thread, "inside", False):
         return work()
     return _call_handle(state, group, function, _CALL_NAME, collective or function, work, track=False).wait()
@@ -567,7 +544,7 @@ def refusing(function: str, collective: str, group: Any = None, process_set: Any
 
 
 def _refuse(function: str, group: Any, process_set: Any, name: Any, asynchronous: bool, error: BaseException) -> None:
-    state = _current
+    state = running.current_or_none()
     if state is None or getattr(_on_engine_thread, "inside", False):
         return  # no engine (or a collective nested in one): nobody is waiting through it
     try:

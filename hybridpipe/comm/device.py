@@ -36,9 +36,11 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from . import running
+
 __all__ = ["ROUTES", "route", "cuda_aware", "CUDA_ALLREDUCE", "cuda_allreduce_algorithm", "nccl_module",
            "nccl_decision", "gpu_place", "nccl_communicator", "forget_nccl", "note_staged", "mpi_cuda_support", "describe", "accepts_cupy", "is_cupy",
-           "compute_device", "set_device", "reduce_on_device"]
+           "compute_device", "set_device"]
 
 
 def _device_type(x: Any) -> str:
@@ -56,10 +58,9 @@ def cuda_aware() -> bool:
     HYBRIDPIPE_CUDA_AWARE_MPI (``Config.cuda_aware_mpi``) when it is ``1`` or ``0``, else (``auto``) whether
     the library reports CUDA support."""
     from ..config import Config
-    from . import context
 
-    running = context.current_or_none()
-    setting = (running.config if running is not None else Config.from_env()).cuda_aware_mpi
+    state = running.current_or_none()
+    setting = (state.config if state is not None else Config.from_env()).cuda_aware_mpi
     if setting != "auto":
         return setting == "1"
     return mpi_cuda_support() == 1
@@ -111,28 +112,6 @@ def cuda_allreduce_algorithm(route_name: str, nbytes: int, code: int, op: int, n
         if applies(route_name, nbytes, code, op, nccl):
             return name
     raise AssertionError("the staged algorithm applies to every CUDA buffer")
-
-
-class _DeviceMemory:
-    """``count`` elements of ``itemsize`` bytes at device address ``address``, as the CUDA array interface tells
-    them to torch (a signed integer type of that size: the interface has no bfloat16)."""
-
-    def __init__(self, address: int, count: int, itemsize: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (count,), "typestr": f"<i{itemsize}", "data": (address, False),
-                                         "version": 3, "strides": None}
-
-
-def from_address(address: int, count: int, code: int, gpu: int) -> Any:
-    """A 1-D torch tensor over ``count`` elements of dtype code ``code`` (hybridpipe.comm.buffers) at device
-    address ``address`` on GPU ``gpu``: a view, no copy; the memory stays its owner's (the engine's device fusion
-    buffer, for its device allreduce)."""
-    import torch
-
-    from . import buffers
-
-    dtype = next(key for key, value in buffers.torch_codes().items() if value == code)
-    memory = torch.as_tensor(_DeviceMemory(address, count, dtype.itemsize), device=torch.device("cuda", gpu))
-    return memory.view(dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -338,37 +317,3 @@ def set_device(local_rank: int, enabled: bool) -> Any:
 
         torch.cuda.set_device(device)
     return device
-
-
-def reduce_on_device(accumulator: Any, incoming: Any, op: Any) -> Any:
-    """``accumulator = op(accumulator, incoming)`` by the extension's CUDA kernel, on the current stream
-    (the CUDA-aware ring's reduction step; float16 / bfloat16 are added in float32). ``hp.Average`` adds,
-    like the ring's reduction steps do; the division comes once at the end.
-
-    Raises:
-        BuildError: the extension was built without its CUDA kernels (no nvcc at build time).
-        TypeError: tensors not both contiguous CUDA tensors of one shape and a reducible dtype.
-    """
-    import torch
-
-    from .. import _ext
-    from ..errors import BuildError
-    from . import buffers
-
-    core = _ext.core()
-    if not hasattr(core, "cuda_reduce_into"):
-        raise BuildError("hybridpipe was built without its CUDA kernels (no nvcc at build time): rebuild with "
-                         "nvcc on PATH or CUDA_HOME set (HYBRIDPIPE_WITH_CUDA=1 makes a missing nvcc an error)")
-    for x in (accumulator, incoming):
-        if not (isinstance(x, torch.Tensor) and x.is_cuda and x.is_contiguous()):
-            raise TypeError(f"reduce_on_device takes contiguous CUDA tensors, got {buffers.describe(x)}")
-    if accumulator.shape != incoming.shape or accumulator.dtype != incoming.dtype:
-        raise TypeError(f"reduce_on_device: {buffers.describe(accumulator)} and {buffers.describe(incoming)} differ")
-    code = buffers.dtype_code(accumulator)
-    buffers.check_reducible([code], [accumulator], "reduce_on_device")
-    if int(op) > 3:
-        raise TypeError(f"reduce_on_device: op {op!r} is not Sum, Average, Min or Max")
-    with torch.cuda.device(accumulator.device):
-        core.cuda_reduce_into(accumulator.data_ptr(), incoming.data_ptr(), accumulator.numel(), code, int(op),
-                              torch.cuda.current_stream().cuda_stream)
-    return accumulator

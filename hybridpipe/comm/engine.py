@@ -18,14 +18,17 @@ the grouped calls run as one queued collective on the same thread instead of fus
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import os
+from typing import Any, Callable, Sequence
 
+from .. import _trace
 from . import buffers, context, staging
-from .collectives import CORE_OPS, Average, allreduce_here, check_tensors, grouped_allreduce_here, resolve_op, scale_factor
+from .reduction import CORE_OPS, Average, allreduce_here, check_tensors, grouped_allreduce_here, resolve_op, scale_factor
 from .context import Handle, call, check_name, refusing, resolve_group, unnamed
 
 __all__ = ["Handle", "allreduce_async", "allreduce_async_", "grouped_allreduce_async", "grouped_allreduce_async_",
-           "synchronize", "poll", "engine_stats", "call", "join", "allreduce_while_joined"]
+           "synchronize", "poll", "engine_stats", "call", "join", "allreduce_while_joined", "start_timeline",
+           "stop_timeline", "world_barrier"]
 
 
 def _submit(tensor: Any, average: Any, name: str | None, op: Any, prescale: Any, postscale: Any, process_set: Any,
@@ -299,3 +302,38 @@ def engine_stats(group: Any = "data") -> dict[str, int]:
     return {name: getattr(stats, name) for name in
             ("cycles", "slow_rounds", "tensors", "buckets", "shared_memory", "helped", "bytes", "stall_warnings",
              "cuda_buckets", "cuda_launches", "cuda_aware_buckets")}
+
+
+def world_barrier(grid: Any) -> Callable[[], None]:
+    """A barrier of every rank of ``grid``, run on the engine's communication thread (the timeline's common
+    points in time)."""
+    return lambda: call(None, "timeline", grid.world_comm.Barrier)
+
+
+def start_timeline(file_path: str | os.PathLike, mark_cycles: bool = False) -> None:
+    """Starts recording this job's Chrome trace into ``file_path`` (Horovod's ``hvd.start_timeline``).
+
+    Collective: every rank calls it with the same path. The trace is the one ``HYBRIDPIPE_TIMELINE``
+    writes (docs/timeline.md): pipeline actions, optimizer steps, every collective's run on the
+    communication thread, and the engine's phases when ``HYBRIDPIPE_TIMELINE`` was set at ``hp.init``
+    (the engine records them only then). A timeline already recording is stopped (written) first.
+
+    Args:
+        file_path: where rank 0 writes the merged trace at :func:`stop_timeline` (or ``hp.shutdown``).
+        mark_cycles: accepted for Horovod's signature; the engine's "negotiate" events already mark its
+            cycles when it records.
+
+    Raises:
+        NotInitializedError: before ``hp.init()``.
+    """
+    state = context.current("start_timeline")
+    if _trace.enabled():
+        stop_timeline()
+    _trace.start(os.fspath(file_path), state.grid.rank, world_barrier(state.grid))
+
+
+def stop_timeline() -> None:
+    """Stops the timeline and writes it (collective; nothing happens when none is recording)."""
+    state = context.current("stop_timeline")
+    if _trace.enabled():
+        _trace.stop(state.grid, state.events(), world_barrier(state.grid))

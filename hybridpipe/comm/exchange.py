@@ -20,7 +20,7 @@ from ..errors import MismatchError, NotSupportedError
 from .._ext import core
 from . import buffers, context
 from .buffers import check_array, describe, host, is_tensor
-from .collectives import Average, Sum, agree, check_tensors, digest, list_ranks, named, reduce_op, scale_factor
+from .reduction import Average, Sum, agree, check_tensors, digest, list_ranks, named, reduce_op, scale_factor
 from .context import check_name, refusing, resolve_group
 
 __all__ = ["allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async", "alltoall",

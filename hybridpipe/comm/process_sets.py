@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ..errors import MismatchError
+from . import running
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "find_process_set",
            "data_process_set", "pipe_process_set", "Registry", "SetEntry", "init_argument", "is_communicator"]
@@ -110,9 +111,7 @@ class ProcessSet:
         set before registration)."""
         if self.ranks is None:
             return None
-        from . import context
-
-        return context.current("ProcessSet.included").grid.rank in self.ranks
+        return running.current("ProcessSet.included").grid.rank in self.ranks
 
     def __repr__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, mpi_comm={self.mpi_comm})"
@@ -266,13 +265,11 @@ class Registry:
         """Unregisters ``process_set`` (communication thread, world point); False for the grid's sets or an
         unregistered one."""
         from .._ext import core
-        from . import context
-
         set_id = process_set.process_set_id
         known = set_id is not None and set_id in self.entries and process_set in self.entries[set_id].objects
         fields = [7, set_id if known else -1000]
         if not core().headers_agree(self.grid.world_comm.py2f(), fields,
-                                    context.current(function).allreduce_options().wait):
+                                    running.current(function).allreduce_options().wait):
             listing = "; ".join(f"rank {r}: {v}" for r, v in enumerate(self.grid.world_comm.allgather(
                 set_id if known else None)))
             raise MismatchError(f"hp.{function}: ranks removed different process sets ({listing}); every rank must "
@@ -314,9 +311,7 @@ def init_argument(process_sets: Any) -> list[ProcessSet]:
 
 
 def _registry(function: str) -> Registry:
-    from . import context
-
-    return context.current(function).process_sets
+    return running.current(function).process_sets
 
 
 def add_process_set(process_set: ProcessSet | Iterable[int]) -> ProcessSet:
@@ -336,11 +331,9 @@ def add_process_set(process_set: ProcessSet | Iterable[int]) -> ProcessSet:
         MismatchError: ranks passed different sets (on every rank).
         ValueError: a set with the same ranks is registered already, or ranks are out of range.
     """
-    from . import context
-
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
-    context.current("add_process_set").register_process_sets([process_set], "add_process_set")
+    running.current("add_process_set").register_process_sets([process_set], "add_process_set")
     return process_set
 
 
@@ -350,11 +343,9 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     Returns:
         True if it was removed; False for the global and the grid's sets or an unregistered one.
     """
-    from . import context
-
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"hp.remove_process_set takes a hp.ProcessSet, got {type(process_set).__name__}")
-    return context.current("remove_process_set").remove_process_set(process_set)
+    return running.current("remove_process_set").remove_process_set(process_set)
 
 
 def find_process_set(ranks: Iterable[int]) -> ProcessSet | None:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from .. import _trace as timeline
-from ..comm import buffers, collectives, context, engine, exchange, objects
+from ..comm import autotune, buffers, collectives, context, engine, exchange, objects
 from .. import runtime
 from . import zero as zero_module
 from .compression import Compression
@@ -344,7 +344,7 @@ class _DistributedOptimizerMixin:
         self._hp_synchronized = False
         with timeline.span("step", "optimizer", "optimizer"):
             result = self._hp_inner_step()
-        context.autotune_step()
+        autotune.step()
         return result
 
     def _hp_inner_step(self) -> Any:

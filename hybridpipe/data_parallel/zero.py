@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from .. import _trace as timeline
-from ..comm import buffers, context
+from ..comm import autotune, buffers, context
 from ..comm.collectives import Average, Sum
 from ..comm.objects import allgather_object
 from ..errors import HybridPipeError, MismatchError, NotSupportedError
@@ -285,7 +285,7 @@ class ZeroMixin:
             self._hp_zero_load_pieces()
             result = self._hp_inner_step()
             self._hp_zero_gather()
-        context.autotune_step()
+        autotune.step()
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102

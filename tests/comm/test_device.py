@@ -10,7 +10,7 @@ import torch
 
 from hybridpipe import Config, HybridPipeError
 from hybridpipe._ext import core
-from hybridpipe.comm import buffers, device
+from hybridpipe.comm import buffers, device, reduction
 from hybridpipe.errors import BuildError
 
 
@@ -56,12 +56,12 @@ def test_the_cuda_kernels_are_in_the_extension_when_it_was_built_with_nvcc():
     if not c.cuda_compiled:
         assert not hasattr(c, "cuda_reduce_into")
         with pytest.raises(BuildError, match="built without its CUDA kernels"):
-            device.reduce_on_device(torch.ones(2), torch.ones(2), 0)
+            reduction.reduce_on_device(torch.ones(2), torch.ones(2), 0)
         return
     assert callable(c.cuda_reduce_into)
     assert c.cuda_device_count() == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
     with pytest.raises(TypeError, match=r"contiguous CUDA tensors, got shape=\(2,\) dtype=float32"):
-        device.reduce_on_device(torch.ones(2), torch.ones(2), 0)
+        reduction.reduce_on_device(torch.ones(2), torch.ones(2), 0)
 
 
 def test_placement_rule_and_its_setting():
@@ -169,12 +169,10 @@ def test_the_engines_device_allreduce_declines_what_the_cuda_allreduce_table_sta
     (a build with the CUDA kernels); it must answer False, before it touches the memory, wherever the table
     stages: the staged route, and an integer Average on the cuda-aware route. (The True side runs on a GPU:
     tests/gpu/test_gpu_mpi.py.)"""
-    from hybridpipe.comm import collectives
-
     class NoComm:  # any use of it would fail: the answers below come before any transfer
         pass
 
-    reduce = collectives.engine_device_allreduce(NoComm())
+    reduce = reduction.engine_device_allreduce(NoComm())
     monkeypatch.setenv("HYBRIDPIPE_CUDA_AWARE_MPI", "0")
     assert reduce(0, 1 << 20, 0, 0, 0) is False  # float32 Sum, 4 MiB: staged route
     monkeypatch.setenv("HYBRIDPIPE_CUDA_AWARE_MPI", "1")

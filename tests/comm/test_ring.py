@@ -1,5 +1,5 @@
 """The segmented ring allreduce (hybridpipe.comm.ring) on CPU tensors over mpi4py: the same function, in the same
-order, drives the device ring on GPUs (hybridpipe.comm.collectives._device_ring_allreduce). Its reductions here
+order, drives the device ring on GPUs (hybridpipe.comm.reduction._device_ring_allreduce). Its reductions here
 are lazy — a reduction is carried out only when the ring says it waits for it — so a segment sent before its
 reduction was waited for, or a scratch chunk refilled before the reduction reading it ran, gives a wrong sum.
 Each ring and its checks run in a ``ranks_agree`` block: a check failing on one rank fails every rank there, and a
@@ -124,7 +124,7 @@ def test_the_device_ring_runs_the_segmented_ring_with_the_device_steps_in_place(
     reduction kernel's arguments, the event waited for before a reduced segment is sent, the tags, Average's
     division — run on host memory: the CUDA calls are swapped for host ones, MPI reads host pointers the same way."""
     import hybridpipe as hp
-    from hybridpipe.comm import collectives, device
+    from hybridpipe.comm import reduction
 
     ops = {"Sum": torch.add, "Average": torch.add, "Max": torch.maximum}
     kernels = []
@@ -134,14 +134,14 @@ def test_the_device_ring_runs_the_segmented_ring_with_the_device_steps_in_place(
         accumulator.copy_(ops[op](accumulator, incoming))
 
     _HostEvent.log = []
-    monkeypatch.setattr(device, "reduce_on_device", reduce_on_host)
+    monkeypatch.setattr(reduction, "reduce_on_device", reduce_on_host)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "stream")
     monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
     flat = contribution(comm.rank, 1001, 11).float().reshape(7, 143)  # any shape: flattened in place
     expected = torch.stack([contribution(r, 1001, 11).float() for r in range(comm.size)])
     expected = expected.amax(0) if op == "Max" else expected.sum(0) / (comm.size if op == "Average" else 1)
     with ranks_agree(comm):
-        call(None, "device ring test", lambda: collectives._device_ring_allreduce(flat, getattr(hp, op), comm, 64))
+        call(None, "device ring test", lambda: reduction._device_ring_allreduce(flat, getattr(hp, op), comm, 64))
         assert torch.equal(flat.reshape(-1), expected)
         per = 64 // 4  # 16 float32 elements a segment
         chunks = ring.chunk_bounds(1001, comm.size)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import hybridpipe as hp
-from hybridpipe.comm import buffers, device
+from hybridpipe.comm import buffers, device, reduction
 
 pytestmark = [pytest.mark.mpi(ranks=[2], timeout=600), pytest.mark.cuda]
 
@@ -344,7 +344,7 @@ def test_the_engines_buckets_stay_in_device_memory_on_the_cuda_aware_route(gpu_r
 def test_from_address_views_device_memory_in_every_dtype(world):
     for dtype in DTYPES:
         x = rank_values(hp.rank(), (1234,), dtype).cuda()
-        view = device.from_address(x.data_ptr(), x.numel(), buffers.dtype_code(x), x.device.index or 0)
+        view = reduction.from_address(x.data_ptr(), x.numel(), buffers.dtype_code(x), x.device.index or 0)
         assert view.dtype == dtype and view.data_ptr() == x.data_ptr() and torch.equal(view, x)
 
 
@@ -415,7 +415,7 @@ def test_the_extensions_cuda_reduction_kernel_against_torch(world, dtype):
     for op, expected in ((hp.Sum, a + b), (hp.Average, a + b), (hp.Min, torch.minimum(a, b)),
                          (hp.Max, torch.maximum(a, b))):
         accumulator = a.clone()
-        device.reduce_on_device(accumulator, b, op)
+        reduction.reduce_on_device(accumulator, b, op)
         torch.cuda.synchronize()
         assert torch.equal(accumulator, expected), (op, dtype)
 
