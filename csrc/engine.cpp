@@ -401,81 +401,13 @@ void Engine::run() {
   }
   // inside every polite wait of this thread: transfers, probes from other ranks, its own timer
   progress_hook = {[](void* engine) { static_cast<Engine*>(engine)->service(); }, this};
-  if (health_ != MPI_COMM_NULL) {
-    MPI_Irecv(answer_message_, 2, MPI_DOUBLE, MPI_ANY_SOURCE, kAnswerTag, health_, &answer_request_);
-  }
-  // Between cycles, transfers in flight are tested as a waiting thread would test them itself (the
-  // polite wait: spin_us, then sleeps backing off to max_sleep_us) while some thread waits for one;
-  // otherwise every kIdleTransferPollUs (a stage that polls its receives posts their payload
-  // receives once a header is in: headers must not wait for a whole cycle).
-  const WaitPolicy transfer_wait = busy_wait;
-  constexpr double kIdleTransferPollUs = 1000.0;
+  start_probes();
   std::string stopped_because = "it was shut down";
   try {
     while (true) {
       std::vector<int> order;
       service();
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        // sleep until the next cycle; after an idle cycle, a submission, registration or stop wakes it early
-        auto due = [&] {
-          if (Clock::now() >= next_cycle) return true;
-          if (!last_cycle_idle) return false;
-          if (stop_requested_ || registrations_pending_ > 0) return true;
-          for (int id : cycle_order_) {
-            if (!groups_[id]->pending.empty()) return true;
-          }
-          return false;
-        };
-        // with transfers in flight the wait is a polite poll of them (a completion is seen within
-        // transfer_sleep_max_us); a submitted transfer wakes it at once
-        double sleep_us = 2.0;
-        auto eager_since = Clock::now();
-        bool eager = false;
-        // a transfer submitted while nothing is in flight ends the sleep too (its wake is a notify of
-        // wake_): it must not wait for the next cycle, up to idle_cycle_time_ms away
-        auto transfer_busy = [&] { return transfers && transfers->busy(); };
-        while (!due()) {
-          if (!transfer_busy()) {
-            wake_.wait_until(lock, next_cycle, [&] { return due() || transfer_busy(); });
-            continue;  // due: the cycle runs; a transfer came: the polite poll below
-          }
-          lock.unlock();
-          const bool moved = transfers->progress();
-          answer_probes();
-          const bool wanted = transfers->wanted();
-          lock.lock();
-          if (due()) break;
-          if (!wanted) {
-            eager = false;
-            wake_.wait_until(lock, std::min(next_cycle, Clock::now() + std::chrono::microseconds(
-                                                                           static_cast<int64_t>(kIdleTransferPollUs))));
-            continue;
-          }
-          const auto now = Clock::now();
-          if (!eager || moved) {  // a waiter came, or something completed: spin again first
-            eager = true;
-            eager_since = now;
-            sleep_us = 2.0;
-          }
-          if (transfer_wait.spin_us < 0 ||
-              now - eager_since < std::chrono::nanoseconds(static_cast<int64_t>(transfer_wait.spin_us * 1000))) {
-            continue;  // spinning: test again at once
-          }
-          wake_.wait_until(lock, std::min(next_cycle, now + std::chrono::nanoseconds(
-                                                                static_cast<int64_t>(sleep_us * 1000))));
-          sleep_us = std::min(sleep_us * 2, std::max(transfer_wait.max_sleep_us, 1.0));
-        }
-        for (size_t id = 0; id < groups_.size(); ++id) {  // one-rank groups added since: no agreement needed
-          const int gid = static_cast<int>(id);
-          if (groups_[id]->active && groups_[id]->size == 1 &&
-              std::find(cycle_order_.begin(), cycle_order_.end(), gid) == cycle_order_.end() && !groups_[id]->finished) {
-            cycle_order_.push_back(gid);
-          }
-        }
-        order = cycle_order_;
-        if (order.empty() && stop_requested_) break;
-      }
+      if (!await_cycle(next_cycle, last_cycle_idle, transfers, busy_wait, order)) break;
       bool idle = true, quiet = true, visited = false;
       for (int id : order) {
         Group& group = *groups_[id];
@@ -516,26 +448,13 @@ void Engine::run() {
     }
   } catch (const MPICallError& error) {
     if (is_process_failure(error.code())) report_process_failure(error.what());
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (fatal_.empty()) fatal_ = error.what();
-    stopped_because = "it failed: " + fatal_;
-    for (auto& group : groups_) fail_pending(*group, "the background engine failed: " + fatal_, ErrorKind::Failed);
+    stopped_because = fail_engine(error.what());
   } catch (const std::exception& error) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (fatal_.empty()) fatal_ = error.what();
-    stopped_because = "it failed: " + fatal_;
-    for (auto& group : groups_) fail_pending(*group, "the background engine failed: " + fatal_, ErrorKind::Failed);
+    stopped_because = fail_engine(error.what());
   }
   progress_hook = {};
   if (transfers) transfers->stop(stopped_because);
-  if (answer_request_ != MPI_REQUEST_NULL) {
-    MPI_Cancel(&answer_request_);
-    MPI_Request_free(&answer_request_);
-  }
-  for (MPI_Request& request : sent_answer_requests_) {
-    if (request != MPI_REQUEST_NULL) MPI_Request_free(&request);  // the buffers are leaked with them below
-  }
-  for (auto& buffer : sent_answers_) buffer.release();
+  stop_probes();
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& group : groups_) {  // never became active (its other ranks never registered it), or left over
     fail_pending(*group, "the background engine stopped before this tensor was reduced (group '" + group->label +
@@ -544,6 +463,80 @@ void Engine::run() {
   }
   thread_done_ = true;
   changed_.notify_all();
+}
+
+bool Engine::await_cycle(std::chrono::steady_clock::time_point next_cycle, bool last_cycle_idle,
+                         TransferQueue* transfers, const WaitPolicy& transfer_wait, std::vector<int>& order) {
+  // Between cycles, transfers in flight are tested as a waiting thread would test them itself (the
+  // polite wait: spin_us, then sleeps backing off to max_sleep_us) while some thread waits for one;
+  // otherwise every kIdleTransferPollUs (a stage that polls its receives posts their payload
+  // receives once a header is in: headers must not wait for a whole cycle).
+  constexpr double kIdleTransferPollUs = 1000.0;
+  std::unique_lock<std::mutex> lock(mutex_);
+  // sleep until the next cycle; after an idle cycle, a submission, registration or stop wakes it early
+  auto due = [&] {
+    if (Clock::now() >= next_cycle) return true;
+    if (!last_cycle_idle) return false;
+    if (stop_requested_ || registrations_pending_ > 0) return true;
+    for (int id : cycle_order_) {
+      if (!groups_[id]->pending.empty()) return true;
+    }
+    return false;
+  };
+  // with transfers in flight the wait is a polite poll of them (a completion is seen within
+  // transfer_sleep_max_us); a submitted transfer wakes it at once
+  double sleep_us = 2.0;
+  auto eager_since = Clock::now();
+  bool eager = false;
+  // a transfer submitted while nothing is in flight ends the sleep too (its wake is a notify of
+  // wake_): it must not wait for the next cycle, up to idle_cycle_time_ms away
+  auto transfer_busy = [&] { return transfers && transfers->busy(); };
+  while (!due()) {
+    if (!transfer_busy()) {
+      wake_.wait_until(lock, next_cycle, [&] { return due() || transfer_busy(); });
+      continue;  // due: the cycle runs; a transfer came: the polite poll below
+    }
+    lock.unlock();
+    const bool moved = transfers->progress();
+    answer_probes();
+    const bool wanted = transfers->wanted();
+    lock.lock();
+    if (due()) break;
+    if (!wanted) {
+      eager = false;
+      wake_.wait_until(lock, std::min(next_cycle, Clock::now() + std::chrono::microseconds(
+                                                                     static_cast<int64_t>(kIdleTransferPollUs))));
+      continue;
+    }
+    const auto now = Clock::now();
+    if (!eager || moved) {  // a waiter came, or something completed: spin again first
+      eager = true;
+      eager_since = now;
+      sleep_us = 2.0;
+    }
+    if (transfer_wait.spin_us < 0 ||
+        now - eager_since < std::chrono::nanoseconds(static_cast<int64_t>(transfer_wait.spin_us * 1000))) {
+      continue;  // spinning: test again at once
+    }
+    wake_.wait_until(lock, std::min(next_cycle, now + std::chrono::nanoseconds(static_cast<int64_t>(sleep_us * 1000))));
+    sleep_us = std::min(sleep_us * 2, std::max(transfer_wait.max_sleep_us, 1.0));
+  }
+  for (size_t id = 0; id < groups_.size(); ++id) {  // one-rank groups added since: no agreement needed
+    const int gid = static_cast<int>(id);
+    if (groups_[id]->active && groups_[id]->size == 1 &&
+        std::find(cycle_order_.begin(), cycle_order_.end(), gid) == cycle_order_.end() && !groups_[id]->finished) {
+      cycle_order_.push_back(gid);
+    }
+  }
+  order = cycle_order_;
+  return !(order.empty() && stop_requested_);
+}
+
+std::string Engine::fail_engine(const std::string& what) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (fatal_.empty()) fatal_ = what;
+  for (auto& group : groups_) fail_pending(*group, "the background engine failed: " + fatal_, ErrorKind::Failed);
+  return "it failed: " + fatal_;
 }
 
 void Engine::cycle_single(Group& group) {  // an allreduce over one rank is the identity

@@ -120,6 +120,8 @@ enum class ErrorKind : int {
   None = 0, Mismatch = 1, Stalled = 2, Stopped = 3, Failed = 4, Refused = 5, Joined = 6, Departed = 7
 };
 
+struct Announced;  // one rank's pending name as a slow round gathers it (engine_negotiation.cpp)
+
 class Engine {
  public:
   explicit Engine(const EngineOptions& options);
@@ -289,6 +291,13 @@ class Engine {
   // stall check (the timer is what lets a rank that never submits be reported).
   double quiet_cycle_ms() const;
   void run();
+  // The thread's sleep until its next cycle is due (`next_cycle`, or earlier after an idle cycle when
+  // something comes), polling point-to-point transfers meanwhile; then `order`: the groups to visit. False
+  // when the thread should end (stopped, nothing left to visit).
+  bool await_cycle(std::chrono::steady_clock::time_point next_cycle, bool last_cycle_idle, TransferQueue* transfers,
+                   const WaitPolicy& transfer_wait, std::vector<int>& order);
+  // The thread failed with `what`: every pending handle fails (kind Failed); returns why it stopped.
+  std::string fail_engine(const std::string& what);
   void cycle_single(Group& group);  // a group of one rank: no MPI
   void negotiate(Group& group, const WaitPolicy& busy_wait, const WaitPolicy& idle_wait);
   // Group 0's part of a cycle: when some rank has a registration pending, every rank of group 0
@@ -312,6 +321,10 @@ class Engine {
     std::vector<double> answer;  // per asked rank: seconds its thread had been waiting, or -1 (no answer)
   };
   void block_on(const Group* group, const char* what = "");  // nullptr: not blocked any more
+  // The receive of answers to this rank's probes (posted when the thread starts), and its end with the
+  // answers still in flight (when it stops).
+  void start_probes();
+  void stop_probes();
   // The thread's chores inside any wait: post/test transfers, answer probes, check what it waits for.
   void service();
   void answer_probes();
@@ -327,6 +340,23 @@ class Engine {
   void finish_negotiation(Group& group);
   // Returns "" or, when a name waited past stall_shutdown_seconds, the message the group stops with.
   std::string slow_round(Group& group, std::vector<Entry>& ready, std::vector<Failure>& failed);
+  // The slow round's parts. Every rank's pending names (the snapshot), by name: the same map on every rank.
+  using Announcements = std::map<std::string, std::vector<Announced>>;
+  Announcements gather_names(Group& group, std::chrono::steady_clock::time_point now);
+  // The response cache: `name` gets (or keeps) its bit, with the metadata every rank agreed on.
+  void remember(Group& group, const std::string& name, const Announced& meta);
+  // The join entries (`ranks`: those that announced the join name): refused, done once all joined, or waiting.
+  void settle_join(Group& group, const std::vector<Announced>& ranks, int joined_count, Entry* mine,
+                   std::vector<Failure>& failed);
+  // A name every rank that has not joined announced: reduced with the joined ranks' zeros (or failed: a call,
+  // or a mismatch). False when some rank that has not joined lacks it.
+  bool reduce_with_joined(Group& group, const std::string& name, const std::vector<Announced>& ranks,
+                          const std::vector<bool>& joined, int joined_count, Entry* mine,
+                          std::chrono::steady_clock::time_point now, std::vector<Entry>& ready,
+                          std::vector<Failure>& failed);
+  // A name only some ranks announced: warns once it waited past stall_check_seconds; returns the message
+  // the group stops with past stall_shutdown_seconds, else "".
+  std::string check_stall(Group& group, const std::string& name, const std::vector<Announced>& ranks, Entry* mine);
   // The pending entries of `group` whose ready events have completed (caller holds mutex_): those a cycle
   // may announce; the others wait in `pending` for a later cycle.
   std::vector<Entry> ready_entries(Group& group);

@@ -28,6 +28,23 @@ void Engine::block_on(const Group* group, const char* what) {
   blocked_.warned = blocked_.aborting = false;
 }
 
+void Engine::start_probes() {
+  if (health_ != MPI_COMM_NULL) {
+    MPI_Irecv(answer_message_, 2, MPI_DOUBLE, MPI_ANY_SOURCE, kAnswerTag, health_, &answer_request_);
+  }
+}
+
+void Engine::stop_probes() {
+  if (answer_request_ != MPI_REQUEST_NULL) {
+    MPI_Cancel(&answer_request_);
+    MPI_Request_free(&answer_request_);
+  }
+  for (MPI_Request& request : sent_answer_requests_) {
+    if (request != MPI_REQUEST_NULL) MPI_Request_free(&request);  // the buffers are leaked with them below
+  }
+  for (auto& buffer : sent_answers_) buffer.release();
+}
+
 void Engine::service() {
   if (transfers_) {
     transfers_->progress();

@@ -13,9 +13,7 @@ namespace hybridpipe {
 
 using namespace engine_detail;
 
-namespace {
-
-struct Announced {  // one pending name of one rank, as gathered in a slow round
+struct Announced {  // one pending name of one rank, as gathered in a slow round (declared in engine.h)
   int rank;
   size_t count;
   int dtype;
@@ -27,6 +25,8 @@ struct Announced {  // one pending name of one rank, as gathered in a slow round
   bool join;
   bool call;
 };
+
+namespace {
 
 void put(std::string& out, const void* data, size_t bytes) { out.append(static_cast<const char*>(data), bytes); }
 
@@ -42,6 +42,30 @@ std::string describe(const Announced& a) {
   static const char* const devices[] = {"", " device=cuda", " device=accelerator"};
   return "count=" + std::to_string(a.count) + " dtype=" + dtype_name(static_cast<DType>(a.dtype)) +
          " op=" + op_name(static_cast<ReduceOp>(a.op)) + devices[a.device >= 0 && a.device <= 2 ? a.device : 2];
+}
+
+// "rank 1 raised TypeError: ...; rank 3 raised ...": the ranks that refused the operation (submit_refusal).
+std::string refusals_of(const std::vector<Announced>& ranks) {
+  std::string refusals;
+  for (const Announced& a : ranks) {
+    if (!a.refusal.empty()) refusals += (refusals.empty() ? "" : "; ") + ("rank " + std::to_string(a.rank) + " raised " + a.refusal);
+  }
+  return refusals;
+}
+
+// Whether the ranks agree on what they submitted under one name.
+bool same_metadata(const std::vector<Announced>& ranks) {
+  return std::all_of(ranks.begin(), ranks.end(), [&](const Announced& a) {
+    return a.count == ranks[0].count && a.dtype == ranks[0].dtype && a.op == ranks[0].op && a.device == ranks[0].device;
+  });
+}
+
+// The error of a name the ranks disagree on, with every rank's values.
+std::string disagreement(const std::string& name, const std::string& group, const std::vector<Announced>& ranks) {
+  std::string listing;
+  for (const Announced& a : ranks) listing += (listing.empty() ? "" : "; ") + ("rank " + std::to_string(a.rank) + ": " + describe(a));
+  return "allreduce_async '" + name + "' on group '" + group + "': ranks disagree (" + listing +
+         "); every rank must submit the same count, dtype, op and device under one name";
 }
 
 }  // namespace
@@ -254,8 +278,7 @@ void Engine::fail_departed(Group& group) {
                ErrorKind::Departed);
 }
 
-std::string Engine::slow_round(Group& group, std::vector<Entry>& ready, std::vector<Failure>& failed) {
-  const auto now = Clock::now();
+Engine::Announcements Engine::gather_names(Group& group, std::chrono::steady_clock::time_point now) {
   std::string mine;
   for (const Entry& entry : group.snapshot) {
     const uint32_t length = static_cast<uint32_t>(entry.name.size());
@@ -287,7 +310,7 @@ std::string Engine::slow_round(Group& group, std::vector<Entry>& ready, std::vec
   HP_MPI(MPI_Allgatherv, group.comm, mine.data(), my_length, MPI_BYTE, everyone.data(), lengths.data(),
          offsets.data(), MPI_BYTE, group.comm);
 
-  std::map<std::string, std::vector<Announced>> by_name;  // sorted: the same order on every rank
+  Announcements by_name;  // sorted: the same order on every rank
   for (int r = 0; r < group.size; ++r) {
     const char* cursor = everyone.data() + offsets[r];
     const char* end = cursor + lengths[r];
@@ -311,190 +334,177 @@ std::string Engine::slow_round(Group& group, std::vector<Entry>& ready, std::vec
       by_name[name].push_back(std::move(a));
     }
   }
+  return by_name;
+}
+
+void Engine::remember(Group& group, const std::string& name, const Announced& meta) {
+  const CacheEntry cached{name, meta.count, static_cast<DType>(meta.dtype), static_cast<ReduceOp>(meta.op),
+                          meta.device};
+  auto bit = group.bits.find(name);
+  if (bit == group.bits.end()) {
+    group.bits[name] = group.cache.size();
+    group.cache.push_back(cached);
+  } else {
+    group.cache[bit->second] = cached;
+  }
+}
+
+void Engine::settle_join(Group& group, const std::vector<Announced>& ranks, int joined_count, Entry* mine,
+                         std::vector<Failure>& failed) {
+  const std::string refusals = refusals_of(ranks);
+  if (!refusals.empty() && static_cast<int>(ranks.size()) == group.size) {
+    if (mine) failed.push_back(Failure{*mine, refusals + " (so the join failed on every rank of group '" + group.label +
+                                                  "')", ErrorKind::Refused});
+    return;
+  }
+  if (joined_count == group.size && mine) {  // everyone joined: the last one is the latest to come
+    int last = ranks[0].rank;
+    double newest = ranks[0].waited_s;
+    for (const Announced& a : ranks) {
+      if (a.waited_s < newest || (a.waited_s == newest && a.rank > last)) {
+        newest = a.waited_s;
+        last = a.rank;
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      group.last_joined = last;
+    }
+    failed.push_back(Failure{*mine, "", ErrorKind::None});  // done (no error)
+  }
+}
+
+bool Engine::reduce_with_joined(Group& group, const std::string& name, const std::vector<Announced>& ranks,
+                                const std::vector<bool>& joined, int joined_count, Entry* mine,
+                                std::chrono::steady_clock::time_point now, std::vector<Entry>& ready,
+                                std::vector<Failure>& failed) {
+  int covered = 0;
+  for (const Announced& a : ranks) covered += joined[a.rank] ? 0 : 1;
+  if (covered != static_cast<int>(ranks.size()) || covered + joined_count != group.size) return false;
+  // every rank that has not joined submitted it: the joined ones take part with zeros
+  const bool call = std::any_of(ranks.begin(), ranks.end(), [](const Announced& a) { return a.call; });
+  if (call || !same_metadata(ranks)) {
+    if (mine) {
+      std::string joined_list;
+      for (int r = 0; r < group.size; ++r) {
+        if (joined[r]) joined_list += (joined_list.empty() ? "" : ", ") + std::to_string(r);
+      }
+      failed.push_back(Failure{*mine,
+                               call ? "ranks [" + joined_list + "] of group '" + group.label +
+                                          "' have joined (hp.join): until every rank joined, only allreduces complete "
+                                          "(with their contributions as zeros); this collective cannot"
+                                    : disagreement(name, group.label, ranks),
+                               call ? ErrorKind::Joined : ErrorKind::Mismatch});
+    }
+    return true;
+  }
+  const Announced& meta = ranks[0];
+  remember(group, name, meta);
+  Entry entry;
+  if (mine) {
+    entry = *mine;
+  } else {  // this rank joined: zeros of the same size stand in for its tensor
+    entry.handle = 0;
+    entry.name = name;
+    entry.zeros = std::make_shared<std::vector<unsigned char>>(meta.count * dtype_size(static_cast<DType>(meta.dtype)), 0);
+    entry.buffer = Buffer{entry.zeros->data(), meta.count, static_cast<DType>(meta.dtype)};
+    entry.submitted = now;
+  }
+  // an Average is a sum here, divided by the contributors afterwards (wait's contributors)
+  const ReduceOp op = static_cast<ReduceOp>(meta.op);
+  entry.op = op == ReduceOp::Average ? ReduceOp::Sum : op;
+  entry.contributors = covered;
+  ready.push_back(entry);
+  return true;
+}
+
+std::string Engine::check_stall(Group& group, const std::string& name, const std::vector<Announced>& ranks,
+                                Entry* mine) {
+  bool stalled = false;
+  double waited = 0;
+  for (const Announced& a : ranks) {
+    stalled = stalled || a.stalled;
+    waited = std::max(waited, a.waited_s);
+  }
+  if (options_.stall_shutdown_seconds > 0 && waited > options_.stall_shutdown_seconds) {
+    // every rank of the group sees the same gathered ages, so every rank stops here together
+    std::string have;
+    for (const Announced& a : ranks) have += (have.empty() ? "" : ", ") + std::to_string(a.rank);
+    char text[160];
+    std::snprintf(text, sizeof text, "' waited %.1f s for the ranks of the group that never submitted it", waited);
+    char limit[64];
+    std::snprintf(limit, sizeof limit, "%g", options_.stall_shutdown_seconds);
+    return "allreduce '" + name + text + " (only ranks [" + have + "] did); stall_shutdown_seconds=" + limit +
+           " stopped the engine (group '" + group.label + "')";
+  }
+  if (!stalled) return "";
+  if (mine) mine->warned = true;
+  if (group.rank == ranks[0].rank) {  // the lowest rank that has it reports
+    std::string have, missing;
+    size_t next = 0;
+    for (int r = 0; r < group.size; ++r) {
+      const bool has = next < ranks.size() && ranks[next].rank == r;
+      if (has) ++next;
+      std::string& list = has ? have : missing;
+      list += (list.empty() ? "" : ", ") + std::to_string(r);
+    }
+    std::fprintf(stderr,
+                 "hybridpipe WARNING: allreduce '%s' on group '%s' has waited %.1f s: ranks [%s] of the group "
+                 "submitted it, ranks [%s] did not (stall_check_seconds=%g). A rank skipped a step, a parameter "
+                 "got no gradient there, or the ranks run different code.\n",
+                 name.c_str(), group.label.c_str(), waited, have.c_str(), missing.c_str(),
+                 options_.stall_check_seconds);
+    std::fflush(stderr);
+    group.stats.stall_warnings++;
+  }
+  return "";
+}
+
+std::string Engine::slow_round(Group& group, std::vector<Entry>& ready, std::vector<Failure>& failed) {
+  const auto now = Clock::now();
+  const Announcements by_name = gather_names(group, now);
   auto my_entry = [&](const std::string& name) -> Entry* {
     for (Entry& entry : group.snapshot) if (entry.name == name) return &entry;
     return nullptr;
   };
   std::vector<bool> joined(group.size, false);  // ranks waiting in join: they stand in with zeros
   int joined_count = 0;
-  {
-    auto found = by_name.find(kJoinName);
-    if (found != by_name.end()) {
-      for (const Announced& a : found->second) {
-        if (a.join) {
-          joined[a.rank] = true;
-          ++joined_count;
-        }
+  auto join = by_name.find(kJoinName);
+  if (join != by_name.end()) {
+    for (const Announced& a : join->second) {
+      if (a.join) {
+        joined[a.rank] = true;
+        ++joined_count;
       }
     }
   }
-  for (auto& item : by_name) {
-    const std::string& name = item.first;
-    const std::vector<Announced>& ranks = item.second;
-    Entry* mine_entry = my_entry(name);
+  for (const auto& [name, ranks] : by_name) {
+    Entry* mine = my_entry(name);
     if (joined_count > 0 && name == kJoinName) {
-      std::string refusals;
-      for (const Announced& a : ranks) {
-        if (!a.refusal.empty()) refusals += (refusals.empty() ? "" : "; ") + ("rank " + std::to_string(a.rank) + " raised " + a.refusal);
-      }
-      if (!refusals.empty() && static_cast<int>(ranks.size()) == group.size) {
-        if (mine_entry) failed.push_back(Failure{*mine_entry, refusals + " (so the join failed on every rank of group '" +
-                                                                  group.label + "')", ErrorKind::Refused});
-        continue;
-      }
-      if (joined_count == group.size && mine_entry) {  // everyone joined: the last one is the latest to come
-        int last = ranks[0].rank;
-        double newest = ranks[0].waited_s;
-        for (const Announced& a : ranks) {
-          if (a.waited_s < newest || (a.waited_s == newest && a.rank > last)) {
-            newest = a.waited_s;
-            last = a.rank;
-          }
-        }
-        {
-          std::lock_guard<std::mutex> lock(mutex_);
-          group.last_joined = last;
-        }
-        failed.push_back(Failure{*mine_entry, "", ErrorKind::None});  // done (no error)
-      }
+      settle_join(group, ranks, joined_count, mine, failed);
       continue;
     }
-    if (joined_count > 0 && static_cast<int>(ranks.size()) < group.size) {
-      int covered = 0;
-      for (const Announced& a : ranks) covered += joined[a.rank] ? 0 : 1;
-      if (covered == static_cast<int>(ranks.size()) && covered + joined_count == group.size) {
-        // every rank that has not joined submitted it: the joined ones take part with zeros
-        std::string listing, joined_list;
-        bool same = true, call = false;
-        for (const Announced& a : ranks) {
-          same = same && a.count == ranks[0].count && a.dtype == ranks[0].dtype && a.op == ranks[0].op &&
-                 a.device == ranks[0].device;
-          call = call || a.call;
-          listing += (listing.empty() ? "" : "; ") + ("rank " + std::to_string(a.rank) + ": " + describe(a));
-        }
-        for (int r = 0; r < group.size; ++r) {
-          if (joined[r]) joined_list += (joined_list.empty() ? "" : ", ") + std::to_string(r);
-        }
-        if (call || !same) {
-          if (mine_entry) {
-            failed.push_back(Failure{
-                *mine_entry,
-                call ? "ranks [" + joined_list + "] of group '" + group.label +
-                           "' have joined (hp.join): until every rank joined, only allreduces complete (with their "
-                           "contributions as zeros); this collective cannot"
-                     : "allreduce_async '" + name + "' on group '" + group.label + "': ranks disagree (" + listing +
-                           "); every rank must submit the same count, dtype, op and device under one name",
-                call ? ErrorKind::Joined : ErrorKind::Mismatch});
-          }
-          continue;
-        }
-        const Announced& meta = ranks[0];
-        const ReduceOp op = static_cast<ReduceOp>(meta.op) == ReduceOp::Average ? ReduceOp::Sum
-                                                                                 : static_cast<ReduceOp>(meta.op);
-        auto bit = group.bits.find(name);
-        const CacheEntry cached{name, meta.count, static_cast<DType>(meta.dtype), static_cast<ReduceOp>(meta.op),
-                                meta.device};
-        if (bit == group.bits.end()) {
-          group.bits[name] = group.cache.size();
-          group.cache.push_back(cached);
-        } else {
-          group.cache[bit->second] = cached;
-        }
-        Entry entry;
-        if (mine_entry) {
-          entry = *mine_entry;
-        } else {  // this rank joined: zeros of the same size stand in for its tensor
-          entry.handle = 0;
-          entry.name = name;
-          entry.zeros = std::make_shared<std::vector<unsigned char>>(
-              meta.count * dtype_size(static_cast<DType>(meta.dtype)), 0);
-          entry.buffer = Buffer{entry.zeros->data(), meta.count, static_cast<DType>(meta.dtype)};
-          entry.submitted = now;
-        }
-        entry.op = op;  // an Average is a sum here, divided by the contributors afterwards (wait's contributors)
-        entry.contributors = covered;
-        ready.push_back(entry);
-        continue;
-      }
+    if (joined_count > 0 && static_cast<int>(ranks.size()) < group.size &&
+        reduce_with_joined(group, name, ranks, joined, joined_count, mine, now, ready, failed)) {
+      continue;
     }
     if (static_cast<int>(ranks.size()) == group.size) {
-      std::string refusals;
-      for (const Announced& a : ranks) {
-        if (!a.refusal.empty()) refusals += (refusals.empty() ? "" : "; ") + ("rank " + std::to_string(a.rank) + " raised " + a.refusal);
-      }
+      const std::string refusals = refusals_of(ranks);
       if (!refusals.empty()) {  // every rank sees the same refusals: the operation fails everywhere
-        if (mine_entry) {
-          failed.push_back(Failure{*mine_entry, refusals + " (so no rank of group '" + group.label +
-                                                    "' ran its part; fix the arguments there)", ErrorKind::Refused});
+        if (mine) {
+          failed.push_back(Failure{*mine, refusals + " (so no rank of group '" + group.label +
+                                              "' ran its part; fix the arguments there)", ErrorKind::Refused});
         }
-        continue;
-      }
-      bool same = true;
-      for (const Announced& a : ranks) {
-        same = same && a.count == ranks[0].count && a.dtype == ranks[0].dtype && a.op == ranks[0].op &&
-               a.device == ranks[0].device;
-      }
-      if (!same) {
-        std::string listing;
-        for (const Announced& a : ranks) listing += (listing.empty() ? "" : "; ") + ("rank " + std::to_string(a.rank) + ": " + describe(a));
-        if (mine_entry) {
-          failed.push_back(Failure{*mine_entry,
-                                   "allreduce_async '" + name + "' on group '" + group.label + "': ranks disagree (" +
-                                       listing + "); every rank must submit the same count, dtype, op and device under one name",
-                                   ErrorKind::Mismatch});
-        }
-        continue;
-      }
-      auto bit = group.bits.find(name);
-      const CacheEntry meta{name, ranks[0].count, static_cast<DType>(ranks[0].dtype), static_cast<ReduceOp>(ranks[0].op),
-                            ranks[0].device};
-      if (bit == group.bits.end()) {
-        group.bits[name] = group.cache.size();
-        group.cache.push_back(meta);
+      } else if (!same_metadata(ranks)) {
+        if (mine) failed.push_back(Failure{*mine, disagreement(name, group.label, ranks), ErrorKind::Mismatch});
       } else {
-        group.cache[bit->second] = meta;
+        remember(group, name, ranks[0]);
+        if (mine) ready.push_back(*mine);
       }
-      if (mine_entry) ready.push_back(*mine_entry);
       continue;
     }
-    bool stalled = false;
-    double waited = 0;
-    for (const Announced& a : ranks) {
-      stalled = stalled || a.stalled;
-      waited = std::max(waited, a.waited_s);
-    }
-    if (options_.stall_shutdown_seconds > 0 && waited > options_.stall_shutdown_seconds) {
-      // every rank of the group sees the same gathered ages, so every rank stops here together
-      std::string have;
-      for (const Announced& a : ranks) have += (have.empty() ? "" : ", ") + std::to_string(a.rank);
-      char text[160];
-      std::snprintf(text, sizeof text, "' waited %.1f s for the ranks of the group that never submitted it",
-                    waited);
-      char limit[64];
-      std::snprintf(limit, sizeof limit, "%g", options_.stall_shutdown_seconds);
-      return "allreduce '" + name + text + " (only ranks [" + have + "] did); stall_shutdown_seconds=" + limit +
-             " stopped the engine (group '" + group.label + "')";
-    }
-    if (!stalled) continue;
-    if (mine_entry) mine_entry->warned = true;
-    if (group.rank == ranks[0].rank) {  // the lowest rank that has it reports
-      std::string have, missing;
-      size_t next = 0;
-      for (int r = 0; r < group.size; ++r) {
-        const bool has = next < ranks.size() && ranks[next].rank == r;
-        if (has) ++next;
-        std::string& list = has ? have : missing;
-        list += (list.empty() ? "" : ", ") + std::to_string(r);
-      }
-      std::fprintf(stderr,
-                   "hybridpipe WARNING: allreduce '%s' on group '%s' has waited %.1f s: ranks [%s] of the group "
-                   "submitted it, ranks [%s] did not (stall_check_seconds=%g). A rank skipped a step, a parameter "
-                   "got no gradient there, or the ranks run different code.\n",
-                   name.c_str(), group.label.c_str(), waited, have.c_str(), missing.c_str(),
-                   options_.stall_check_seconds);
-      std::fflush(stderr);
-      group.stats.stall_warnings++;
-    }
+    const std::string expired = check_stall(group, name, ranks, mine);
+    if (!expired.empty()) return expired;
   }
   return "";
 }
