@@ -655,6 +655,21 @@ Duration = float | Callable[[Action], float]
 """A time for every action of a kind, or a function of the action (e.g. per-stage times)."""
 
 
+def _timed(value: Duration) -> Callable[[Action], float]:
+    """A duration as a function of the action."""
+    return value if callable(value) else (lambda action, value=float(value): value)
+
+
+def _durations_by_kind(forward_time: Duration, backward_time: Duration, weight_time: Duration | None,
+                       update_time: Duration) -> dict[ActionKind, Callable[[Action], float]]:
+    """:func:`simulate`'s duration of each kind of action (an ``I`` is the backward less its ``W``)."""
+    forward, backward = _timed(forward_time), _timed(backward_time)
+    weight = (lambda action: backward(action) / 2) if weight_time is None else _timed(weight_time)
+    return {ActionKind.FORWARD: forward, ActionKind.BACKWARD: backward,
+            ActionKind.BACKWARD_INPUT: lambda action: backward(action) - weight(action),
+            ActionKind.BACKWARD_WEIGHT: weight, ActionKind.UPDATE: _timed(update_time)}
+
+
 def simulate(schedule: Schedule, forward_time: Duration = 1.0, backward_time: Duration = 2.0,
              weight_time: Duration | None = None, update_time: Duration = 0.0,
              transfer_time: Duration = 0.0, placement: Callable[[int, int], int] | None = None,
@@ -689,15 +704,8 @@ def simulate(schedule: Schedule, forward_time: Duration = 1.0, backward_time: Du
     Returns:
         The :class:`Timeline`.
     """
-    def timed(value: Duration) -> Callable[[Action], float]:
-        return value if callable(value) else (lambda action, value=float(value): value)
-
-    forward, backward, transfer = timed(forward_time), timed(backward_time), timed(transfer_time)
-    weight = (lambda action: backward(action) / 2) if weight_time is None else timed(weight_time)
-    durations: dict[ActionKind, Callable[[Action], float]] = {
-        ActionKind.FORWARD: forward, ActionKind.BACKWARD: backward,
-        ActionKind.BACKWARD_INPUT: lambda action: backward(action) - weight(action),
-        ActionKind.BACKWARD_WEIGHT: weight, ActionKind.UPDATE: timed(update_time)}
+    durations = _durations_by_kind(forward_time, backward_time, weight_time, update_time)
+    transfer = _timed(transfer_time)
     ranks = len(schedule)
     if placement is None:
         last_stage = _virtual_stages(schedule) - 1
@@ -834,80 +842,84 @@ def validate(
             f"(build it with stages={stages})"
         )
     chunks = stages * virtual_stages
-    kinds_of = {(a.stage, a.micro_batch): set() for actions in schedule for a in actions}
+    kinds_of: dict[tuple[int, int], set] = {(a.stage, a.micro_batch): set() for actions in schedule for a in actions}
     for rank, actions in enumerate(schedule):
         seen: dict[tuple[int, ActionKind, int], int] = {}
         for index, action in enumerate(actions):
-            if not 0 <= action.stage < chunks:
-                raise _fail(f"action {action} names stage {action.stage} outside 0..{chunks - 1} "
-                            f"({stages} ranks × {virtual_stages} virtual stages)", schedule)
-            if stage_to_rank(action.stage, stages) != rank:
-                raise _fail(
-                    f"action {action} is on stage {rank}'s list (position {index}); "
-                    f"move it to stage {stage_to_rank(action.stage, stages)}'s list",
-                    schedule,
-                )
-            if not 0 <= action.micro_batch < micro_batches:
-                raise _fail(
-                    f"action {action} names micro-batch {action.micro_batch} outside "
-                    f"0..{micro_batches - 1} (micro_batches {micro_batches})",
-                    schedule,
-                )
-            key = (action.stage, action.kind, action.micro_batch)
-            if key in seen:
-                raise _fail(
-                    f"action {action} appears twice on stage {rank} "
-                    f"(positions {seen[key]} and {index})",
-                    schedule,
-                )
-            seen[key] = index
-            kinds = kinds_of[(action.stage, action.micro_batch)]
-            m = action.micro_batch
-            if action.kind in _GRADIENT_KINDS and ActionKind.FORWARD not in kinds:
-                raise _fail(
-                    f"backward {action} comes before forward {_forward(action.stage, m)} "
-                    f"on stage {rank} (position {index})",
-                    schedule,
-                )
-            if action.kind is ActionKind.BACKWARD_WEIGHT and ActionKind.BACKWARD_INPUT not in kinds:
-                raise _fail(f"weight gradient {action} comes before its input gradient "
-                            f"{Action(action.stage, ActionKind.BACKWARD_INPUT, m)} (position {index})", schedule)
-            if {action.kind} | kinds >= {ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT}:
-                raise _fail(f"micro-batch {m} of stage {action.stage} has both a full backward B and an "
-                            f"input gradient I (position {index}); use one or the other", schedule)
-            kinds.add(action.kind)
-        for stage in range(rank, chunks, stages):
-            for m in range(micro_batches):
-                kinds = kinds_of.get((stage, m), set())
-                if ActionKind.FORWARD not in kinds:
-                    raise _fail(f"stage {rank} has no forward {_forward(stage, m)}", schedule)
-                if ActionKind.BACKWARD_INPUT in kinds and ActionKind.BACKWARD_WEIGHT not in kinds:
-                    raise _fail(f"stage {rank} has no weight gradient "
-                                f"{Action(stage, ActionKind.BACKWARD_WEIGHT, m)} after its "
-                                f"{Action(stage, ActionKind.BACKWARD_INPUT, m)}", schedule)
-                if require_backward and not kinds & set(_GRADIENT_KINDS):
-                    raise _fail(f"stage {rank} has no backward {_backward(stage, m)}", schedule)
+            _check_action(schedule, rank, index, action, stages, virtual_stages, micro_batches, seen, kinds_of)
+        _check_complete(schedule, rank, stages, chunks, micro_batches, kinds_of, require_backward)
+    _check_no_deadlock(schedule, chunks, kinds_of)
+
+
+def _check_action(schedule: Schedule, rank: int, index: int, action: Action, stages: int, virtual_stages: int,
+                  micro_batches: int, seen: dict[tuple[int, ActionKind, int], int],
+                  kinds_of: dict[tuple[int, int], set]) -> None:
+    """:func:`validate`'s checks of one action at ``index`` of ``rank``'s list, in order; records its kind."""
+    chunks = stages * virtual_stages
+    if not 0 <= action.stage < chunks:
+        raise _fail(f"action {action} names stage {action.stage} outside 0..{chunks - 1} "
+                    f"({stages} ranks × {virtual_stages} virtual stages)", schedule)
+    if stage_to_rank(action.stage, stages) != rank:
+        raise _fail(f"action {action} is on stage {rank}'s list (position {index}); "
+                    f"move it to stage {stage_to_rank(action.stage, stages)}'s list", schedule)
+    if not 0 <= action.micro_batch < micro_batches:
+        raise _fail(f"action {action} names micro-batch {action.micro_batch} outside "
+                    f"0..{micro_batches - 1} (micro_batches {micro_batches})", schedule)
+    key = (action.stage, action.kind, action.micro_batch)
+    if key in seen:
+        raise _fail(f"action {action} appears twice on stage {rank} (positions {seen[key]} and {index})", schedule)
+    seen[key] = index
+    kinds = kinds_of[(action.stage, action.micro_batch)]
+    m = action.micro_batch
+    if action.kind in _GRADIENT_KINDS and ActionKind.FORWARD not in kinds:
+        raise _fail(f"backward {action} comes before forward {_forward(action.stage, m)} "
+                    f"on stage {rank} (position {index})", schedule)
+    if action.kind is ActionKind.BACKWARD_WEIGHT and ActionKind.BACKWARD_INPUT not in kinds:
+        raise _fail(f"weight gradient {action} comes before its input gradient "
+                    f"{Action(action.stage, ActionKind.BACKWARD_INPUT, m)} (position {index})", schedule)
+    if {action.kind} | kinds >= {ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT}:
+        raise _fail(f"micro-batch {m} of stage {action.stage} has both a full backward B and an "
+                    f"input gradient I (position {index}); use one or the other", schedule)
+    kinds.add(action.kind)
+
+
+def _check_complete(schedule: Schedule, rank: int, stages: int, chunks: int, micro_batches: int,
+                    kinds_of: dict[tuple[int, int], set], require_backward: bool) -> None:
+    """Every micro-batch of each of ``rank``'s chunks has its forward, and its backward (``I`` then ``W``)."""
+    for stage in range(rank, chunks, stages):
+        for m in range(micro_batches):
+            kinds = kinds_of.get((stage, m), set())
+            if ActionKind.FORWARD not in kinds:
+                raise _fail(f"stage {rank} has no forward {_forward(stage, m)}", schedule)
+            if ActionKind.BACKWARD_INPUT in kinds and ActionKind.BACKWARD_WEIGHT not in kinds:
+                raise _fail(f"stage {rank} has no weight gradient "
+                            f"{Action(stage, ActionKind.BACKWARD_WEIGHT, m)} after its "
+                            f"{Action(stage, ActionKind.BACKWARD_INPUT, m)}", schedule)
+            if require_backward and not kinds & set(_GRADIENT_KINDS):
+                raise _fail(f"stage {rank} has no backward {_backward(stage, m)}", schedule)
+
+
+def _check_no_deadlock(schedule: Schedule, chunks: int, kinds_of: dict[tuple[int, int], set]) -> None:
+    """A simulation under blocking receives / buffered sends finishes every list; else names who waits for what."""
     timeline = simulate(schedule)
-    if timeline.deadlocked:
-        done = {
-            (item.action.stage, item.action.kind, item.action.micro_batch)
-            for items in timeline.stages
-            for item in items
-        }
+    if not timeline.deadlocked:
+        return
+    done = {(item.action.stage, item.action.kind, item.action.micro_batch)
+            for items in timeline.stages for item in items}
 
-        def name(key: tuple[int, ActionKind | str, int]) -> str:
-            stage, kind, m = key
-            if kind == _GRADIENT:  # the kind the schedule uses for that backward
-                used = kinds_of.get((stage, m), set()) & set(_GRADIENT_KINDS)
-                kind = next(iter(used), ActionKind.BACKWARD)
-            return str(Action(stage, kind, m))
+    def name(key: tuple[int, ActionKind | str, int]) -> str:
+        stage, kind, m = key
+        if kind == _GRADIENT:  # the kind the schedule uses for that backward
+            used = kinds_of.get((stage, m), set()) & set(_GRADIENT_KINDS)
+            kind = next(iter(used), ActionKind.BACKWARD)
+        return str(Action(stage, kind, m))
 
-        stuck = ", ".join(
-            f"stage {rank} waits at {action} for "
-            + " and ".join(name(key) for key in _dependency(action, chunks - 1)
-                           if key not in done and not (key[1] == _GRADIENT and any(
-                               (key[0], k, key[2]) in done for k in _GRADIENT_KINDS)))
-            for rank, action in enumerate(timeline.blocked)
-            if action is not None
-        )
-        raise _fail(f"schedule deadlocks under blocking receives ({stuck})", schedule)
+    stuck = ", ".join(
+        f"stage {rank} waits at {action} for "
+        + " and ".join(name(key) for key in _dependency(action, chunks - 1)
+                       if key not in done and not (key[1] == _GRADIENT and any(
+                           (key[0], k, key[2]) in done for k in _GRADIENT_KINDS)))
+        for rank, action in enumerate(timeline.blocked)
+        if action is not None
+    )
+    raise _fail(f"schedule deadlocks under blocking receives ({stuck})", schedule)
