@@ -169,47 +169,12 @@ class PipelineModel(nn.Module):
     ) -> None:
         super().__init__()
         grid = runtime._require("PipelineModel").grid
-        root = layers if isinstance(layers, nn.Module) and not isinstance(layers, nn.Sequential) else None
+        root, layer_list = _layer_list(layers, sample, balance=balance, sample_input=sample_input,
+                                       seed_layers=seed_layers, memory_limit=memory_limit)
         object.__setattr__(self, "module", root)  # the module being split (not registered: names stay its own)
         self._split: split_module.PreparedSplit | None = None
-        if root is not None:
-            layer_list = []
-            if sample is None:
-                raise HybridPipeError(
-                    f"hp.PipelineModel got a {type(root).__name__} (an nn.Module that is not an nn.Sequential): pass "
-                    "sample=<one micro-batch of its inputs, exactly as train_step will get them> (a tensor, a "
-                    "tuple, or a dict of keyword arguments) so that it can be traced and split")
-            for option, value, default in (("balance", balance, None), ("sample_input", sample_input, None),
-                                           ("seed_layers", seed_layers, None), ("memory_limit", memory_limit, None)):
-                if value is not default:
-                    raise HybridPipeError(f"{option}= is for layer lists; a module is cut with split= ('auto' or a "
-                                          f"list of module names where stages begin), got {option}={value!r}")
-        elif isinstance(layers, nn.Sequential):
-            layer_list: list[nn.Module | LayerSpec] = list(layers)
-        elif isinstance(layers, (list, tuple)):
-            layer_list = list(layers)
-        else:
-            raise TypeError(f"layers must be an nn.Module (with sample=), an nn.Sequential or a list of nn.Module / "
-                            f"hp.LayerSpec, "
-                            f"got {type(layers).__name__}")
-        for index, layer in enumerate(layer_list):
-            if not isinstance(layer, (nn.Module, LayerSpec)):
-                raise TypeError(f"layers[{index}] is a {type(layer).__name__}; pass nn.Module or hp.LayerSpec")
-        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-            raise HybridPipeError(f"micro_batches must be a positive int (got {micro_batches!r})")
-        if checkpoint not in CHECKPOINT_MODES:
-            raise HybridPipeError(f"unknown checkpoint mode {checkpoint!r} (use one of "
-                                  f"{', '.join(map(repr, CHECKPOINT_MODES))})")
         stages = grid.pipeline_stages
-        name = canonical_name(schedule)  # unknown name → ScheduleError on every rank
-        if precision not in ("fp32", "bf16", "fp16"):
-            raise HybridPipeError(f"unknown precision {precision!r}: use 'fp32', 'bf16' or 'fp16'")
-        if precision == "fp16" and canonical_name(schedule) in ASYNCHRONOUS:
-            raise HybridPipeError(f"precision='fp16' needs a synchronous schedule (got {schedule!r}): its loss "
-                                  "scaler skips whole steps on every rank, which per-micro-batch updates cannot; "
-                                  "use precision='bf16' (no scaler needed) or a synchronous schedule")
-        if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
-            raise HybridPipeError(f"virtual_stages must be a positive int (got {virtual_stages!r})")
+        name = _checked_options(micro_batches, checkpoint, schedule, precision, virtual_stages)
         self.asynchronous = name in ASYNCHRONOUS
         self._check_schedule_options(name, stages, micro_batches, virtual_stages, optimizer, vertical_sync)
         if not grid.uniform:
@@ -245,36 +210,7 @@ class PipelineModel(nn.Module):
                                                             name, micro_batches, memory_limit, device)
         object.__setattr__(self, "_chunk_modules", chunk_modules)  # same layers; not registered twice
         object.__setattr__(self, "_stage_module", chunk_modules[self.stage])
-        # private: our tags never meet anyone else's messages
-        self._comm = call("pipe", "PipelineModel", grid.pipe_comm.Dup)
-        # a non-uniform grid: pipe_comm is the world; micro-batch m of stage s runs on its replica m mod R_s
-        replica_ranks = None if grid.uniform else [grid.ranks_of_stage(s) for s in range(stages)]
-        self._executor = StageExecutor(chunk_modules, self.stage, stages, self._comm, self.device, virtual_stages,
-                                       replica_ranks)
-        self._executor.use_skips(self.skip_routes)
-        if schedule_spec(name).split_backward:
-            self._executor.split_backward()
-        # ties across ranks: sets of the holding ranks (collective over the grid), copies broadcast from the lowest
-        self._tied: TiedWeights | None = None
-        if any(tie.across_ranks for tie in ties):
-            if not grid.uniform:
-                raise HybridPipeError(f"weights tied across stages ({', '.join(ties[0].names)}) are not supported on a "
-                                      f"grid with its own replica count per stage (stage_replicas "
-                                      f"{list(grid.stage_replicas)}): use a uniform grid (pipeline_stages=...), or "
-                                      "untie them")
-            self._tied = TiedWeights(ties, built, grid)
-            self._executor.defer_gradients(self._tied.parameters)
-        if precision != "fp32":
-            self._executor.autocast = torch.bfloat16 if precision == "bf16" else torch.float16
-        # fp16: the dynamic loss scaler every rank agrees on (hybridpipe/data_parallel/amp.py); None otherwise
-        self.scaler: LossScaler | None = LossScaler() if precision == "fp16" else None
-        if self.scaler is not None:  # (a non-uniform grid sums its replicas' gradients: nothing to divide)
-            self.scaler.replicas = grid.data_replicas if grid.uniform else 1
-        self.optimizer: torch.optim.Optimizer | None = None
-        self._stream: AsyncStream | None = None
-        self._next_micro_batch = 0
-        if self.asynchronous:
-            self._start_asynchronous(name, optimizer)
+        self._start_executor(grid, chunk_modules, ties, built, name, precision, optimizer)
         self.last_step: StepResult | None = None
         if root is not None:
             if verify or (verify is None and not meta):
@@ -382,6 +318,42 @@ class PipelineModel(nn.Module):
         own_chunks = range(self.stage, self.chunks, self.stages)
         return ({chunk: split_module.SplitChunk(plan, chunk, self.device) for chunk in own_chunks},
                 prepared.ties, prepared.built)
+
+    def _start_executor(self, grid: Any, chunk_modules: Any, ties: Any, built: Any, name: str, precision: str,
+                        optimizer: Any) -> None:
+        """This rank's executor of its chunks on a private communicator, the weights tied across ranks, the
+        precision's autocast and loss scaler, and (asynchronous schedules) the stream that applies ``optimizer``."""
+        stages, virtual_stages = self.stages, self.virtual_stages
+        # private: our tags never meet anyone else's messages
+        self._comm = call("pipe", "PipelineModel", grid.pipe_comm.Dup)
+        # a non-uniform grid: pipe_comm is the world; micro-batch m of stage s runs on its replica m mod R_s
+        replica_ranks = None if grid.uniform else [grid.ranks_of_stage(s) for s in range(stages)]
+        self._executor = StageExecutor(chunk_modules, self.stage, stages, self._comm, self.device, virtual_stages,
+                                       replica_ranks)
+        self._executor.use_skips(self.skip_routes)
+        if schedule_spec(name).split_backward:
+            self._executor.split_backward()
+        # ties across ranks: sets of the holding ranks (collective over the grid), copies broadcast from the lowest
+        self._tied: TiedWeights | None = None
+        if any(tie.across_ranks for tie in ties):
+            if not grid.uniform:
+                raise HybridPipeError(f"weights tied across stages ({', '.join(ties[0].names)}) are not supported on a "
+                                      f"grid with its own replica count per stage (stage_replicas "
+                                      f"{list(grid.stage_replicas)}): use a uniform grid (pipeline_stages=...), or "
+                                      "untie them")
+            self._tied = TiedWeights(ties, built, grid)
+            self._executor.defer_gradients(self._tied.parameters)
+        if precision != "fp32":
+            self._executor.autocast = torch.bfloat16 if precision == "bf16" else torch.float16
+        # fp16: the dynamic loss scaler every rank agrees on (hybridpipe/data_parallel/amp.py); None otherwise
+        self.scaler: LossScaler | None = LossScaler() if precision == "fp16" else None
+        if self.scaler is not None:  # (a non-uniform grid sums its replicas' gradients: nothing to divide)
+            self.scaler.replicas = grid.data_replicas if grid.uniform else 1
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._stream: AsyncStream | None = None
+        self._next_micro_batch = 0
+        if self.asynchronous:
+            self._start_asynchronous(name, optimizer)
 
     @staticmethod
     def _check_schedule_options(name: str, stages: int, micro_batches: int, virtual_stages: int, optimizer: Any,
@@ -854,3 +826,48 @@ class PipelineModel(nn.Module):
                 f"micro_batches={self.micro_batches}, schedule={self.schedule_name!r}, "
                 + (f"virtual_stages={self.virtual_stages}, " if self.virtual_stages > 1 else "") +
                 f"checkpoint={self.checkpoint!r})")
+
+
+def _layer_list(layers: Any, sample: Any, **layer_list_options: Any) -> tuple[nn.Module | None, list[Any]]:
+    """``(the module to split, None)`` or ``(None, the layers)`` of what :class:`PipelineModel` was given, checked:
+    a module needs ``sample=`` and takes none of the layer lists' options."""
+    root = layers if isinstance(layers, nn.Module) and not isinstance(layers, nn.Sequential) else None
+    if root is not None:
+        if sample is None:
+            raise HybridPipeError(
+                f"hp.PipelineModel got a {type(root).__name__} (an nn.Module that is not an nn.Sequential): pass "
+                "sample=<one micro-batch of its inputs, exactly as train_step will get them> (a tensor, a "
+                "tuple, or a dict of keyword arguments) so that it can be traced and split")
+        for option, value in layer_list_options.items():
+            if value is not None:
+                raise HybridPipeError(f"{option}= is for layer lists; a module is cut with split= ('auto' or a "
+                                      f"list of module names where stages begin), got {option}={value!r}")
+        return root, []
+    if isinstance(layers, (nn.Sequential, list, tuple)):
+        layer_list = list(layers)
+    else:
+        raise TypeError(f"layers must be an nn.Module (with sample=), an nn.Sequential or a list of nn.Module / "
+                        f"hp.LayerSpec, got {type(layers).__name__}")
+    for index, layer in enumerate(layer_list):
+        if not isinstance(layer, (nn.Module, LayerSpec)):
+            raise TypeError(f"layers[{index}] is a {type(layer).__name__}; pass nn.Module or hp.LayerSpec")
+    return None, layer_list
+
+
+def _checked_options(micro_batches: Any, checkpoint: str, schedule: str, precision: str, virtual_stages: Any) -> str:
+    """:class:`PipelineModel`'s scalar options checked (each bad value named with the fix); the schedule's name."""
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise HybridPipeError(f"micro_batches must be a positive int (got {micro_batches!r})")
+    if checkpoint not in CHECKPOINT_MODES:
+        raise HybridPipeError(f"unknown checkpoint mode {checkpoint!r} (use one of "
+                              f"{', '.join(map(repr, CHECKPOINT_MODES))})")
+    name = canonical_name(schedule)  # unknown name → ScheduleError on every rank
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise HybridPipeError(f"unknown precision {precision!r}: use 'fp32', 'bf16' or 'fp16'")
+    if precision == "fp16" and name in ASYNCHRONOUS:
+        raise HybridPipeError(f"precision='fp16' needs a synchronous schedule (got {schedule!r}): its loss "
+                              "scaler skips whole steps on every rank, which per-micro-batch updates cannot; "
+                              "use precision='bf16' (no scaler needed) or a synchronous schedule")
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise HybridPipeError(f"virtual_stages must be a positive int (got {virtual_stages!r})")
+    return name
