@@ -784,26 +784,17 @@ class PipelineModel(nn.Module):
         """Whether ``train_step`` counts the bytes autograd saves for backward (for ``memory_report()``'s
         activation peak; a Python call per saved tensor, so off by default). Switching it off keeps the
         peak measured so far; switching it on again continues from it."""
-        return "run" in self._executor.__dict__
+        return self._executor.around_run is not None
 
     @measure_activations.setter
     def measure_activations(self, on: bool) -> None:
-        executor = self._executor
-        if bool(on) == ("run" in executor.__dict__):
-            return
         if not on:
-            del executor.__dict__["run"]  # back to the method
+            self._executor.around_run = None
             return
         meter = self.__dict__.get("_activation_meter")
         if meter is None:
             meter = self.__dict__["_activation_meter"] = ActivationMeter(self.parameters())
-        run = executor.run
-
-        def measured(*args: Any, **kwargs: Any) -> Any:
-            with meter.hooks():
-                return run(*args, **kwargs)
-
-        executor.run = measured
+        self._executor.around_run = meter.hooks
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
         """Every rank's memory: parameters, gradients, optimizer state (``optimizer``, default

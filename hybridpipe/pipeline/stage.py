@@ -259,6 +259,8 @@ class StageExecutor:
         self.batch_print: tuple | None = None
         self._print_pending: set[int] = set()  # chunks whose first activation message of the run is not sent yet
         self.check_finite = False  # NaN / inf in inputs, layer outputs and losses raise (pipeline/finite.py)
+        #: a context manager factory each run is executed inside (PipelineModel.measure_activations: its meter's hooks)
+        self.around_run: Callable[[], Any] | None = None
         self.autocast: torch.dtype | None = None  # mixed precision: forwards (and losses) under torch.autocast
         self.loss_scale = 1.0  # fp16: each loss is multiplied by it before its backward (the scaler's scale)
         self.skips: dict[str, SkipRoute] = {}  # skip connections (hybridpipe.pipeline.skip), see use_skips
@@ -426,7 +428,8 @@ class StageExecutor:
         self._print_pending = set(self.chunks) if self.batch_print is not None else set()
         step = self._prepare(actions, inputs, targets, loss_fn, weights, checkpoint, train)
         try:
-            with timeline.span("train_step" if train else "predict", "step", index=self._steps):
+            with timeline.span("train_step" if train else "predict", "step", index=self._steps), \
+                    (self.around_run() if self.around_run is not None else contextlib.nullcontext()):
                 self._run(actions, step)
             return step.result
         except BaseException as error:
