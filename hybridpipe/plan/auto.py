@@ -35,8 +35,11 @@ from torch import nn
 from hybridpipe import runtime
 from hybridpipe.comm.agree import Failure, agree_on_failure
 from hybridpipe.comm.engine import call
+from hybridpipe.data_parallel.optimizer import DistributedOptimizer
 from hybridpipe.errors import HybridPipeError
 from hybridpipe.pipeline import schedule as sched
+from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
+from hybridpipe.pipeline.model import LayerSpec, PipelineModel
 from hybridpipe.plan.cost import ZERO_LEVELS, Cluster
 from hybridpipe.plan.module_profile import CUTS_KEY, is_module, module_layers, profile_module, split_of
 from hybridpipe.plan.profile import Profile, profile
@@ -88,8 +91,6 @@ class _PipelineDriven:
 
 def built_layers(layers: Sequence[Any]) -> list[nn.Module]:
     """The layers as modules to profile: ``hp.LayerSpec`` entries built (their weights do not matter here)."""
-    from hybridpipe.pipeline.model import LayerSpec
-
     with torch.random.fork_rng(devices=[]):
         return [layer.build() if isinstance(layer, LayerSpec) else layer for layer in layers]
 
@@ -101,8 +102,6 @@ def profile_in_turns(layers: list[Any], sample: tuple[Any, Any], loss_fn: Any, o
     broadcast (asleep after a short spin), so each rank measures alone. Collective over ``comm``. Returns the
     whole profile's JSON on every rank; a slice that fails raises its exception on every rank (its type kept,
     with a note naming the layers and the rank)."""
-    from hybridpipe.pipeline.microbatch import map_tensors
-
     ranks, rank = comm.Get_size(), comm.Get_rank()
     bounds = [round(i * len(layers) / ranks) for i in range(ranks + 1)]
     value: Any = sample[0]
@@ -145,8 +144,6 @@ def merge_profiles(pieces: list[Profile]) -> Profile:
 
 def _micro_batch(inputs: Any, size: int) -> Any:
     """The first ``size`` samples of ``inputs`` (tensors whose first dimension is the batch), when it has more."""
-    from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
-
     batch = next((t.shape[0] for t in iter_tensors(inputs) if t.dim() > 0), 0)
     if batch <= size:
         return inputs
@@ -194,8 +191,6 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
         asynchronous plan, ``opt`` is the pipeline's own optimizer, whose ``step()`` does nothing (the
         pipeline steps it; it warns once).
     """
-    import hybridpipe as hp
-
     state = runtime._require("auto")
     grid = state.grid
     if zero is not None and (isinstance(zero, bool) or zero not in ZERO_LEVELS):
@@ -216,8 +211,8 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
         raise HybridPipeError(f"hp.auto: the plan is for {plan.ranks} ranks, this job has {grid.size}")
     wanted = tuple(plan.stage_replicas) if plan.stage_replicas else (plan.replicas,) * plan.stages
     if grid.stage_replicas != wanted:
-        hp.shutdown()
-        hp.init(**plan.init_arguments())
+        runtime.shutdown()
+        runtime.init(**plan.init_arguments())
     arguments = {**plan.model_arguments(), **model_options}  # the caller's precision, device, ... win
     if module:
         micro = max(1, global_batch // plan.replicas // plan.micro_batches)
@@ -257,17 +252,15 @@ def _planned(layers: Any, loss_fn: Any, sample: tuple[Any, Any], global_batch: i
 
 def _built(layers: Any, loss_fn: Any, optimizer: Any, plan: Plan, arguments: dict[str, Any]) -> tuple[Any, Any]:
     """The ``PipelineModel`` of ``plan`` and its optimizer (see :func:`auto`'s Returns)."""
-    import hybridpipe as hp
-
     if optimizer is None:
-        return hp.PipelineModel(layers, loss_fn, **arguments), None
+        return PipelineModel(layers, loss_fn, **arguments), None
     if plan.schedule in sched.ASYNCHRONOUS:
-        model = hp.PipelineModel(layers, loss_fn, optimizer=optimizer, **arguments)
+        model = PipelineModel(layers, loss_fn, optimizer=optimizer, **arguments)
         return model, _PipelineDriven(model.optimizer)
-    model = hp.PipelineModel(layers, loss_fn, **arguments)
+    model = PipelineModel(layers, loss_fn, **arguments)
     parameters = list(model.parameters())
     if parameters:
-        return model, hp.DistributedOptimizer(optimizer(parameters), named_parameters=model.named_parameters(),
+        return model, DistributedOptimizer(optimizer(parameters), named_parameters=model.named_parameters(),
                                               **plan.optimizer_arguments())
     # a stage of parameter-free layers: nothing to step (its replicas agree: same layers)
     opt = _PipelineDriven(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0))

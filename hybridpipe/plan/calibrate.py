@@ -42,8 +42,18 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
+from hybridpipe import runtime
+from hybridpipe.comm import p2p
+from hybridpipe.comm.collectives import allreduce_, grouped_allreduce_
+from hybridpipe.comm.engine import call
+from hybridpipe.comm.reduction import Average, Sum
+from hybridpipe.data_parallel.optimizer import DistributedOptimizer
 from hybridpipe.errors import HybridPipeError
+from hybridpipe.pipeline import schedule as sched
+from hybridpipe.pipeline.model import PipelineModel
+from hybridpipe.plan.auto import host_cores
 from hybridpipe.plan.cost import Cluster
 
 __all__ = ["calibrate", "fit", "load_cluster", "transfer_overhead", "SIZES"]
@@ -64,7 +74,6 @@ def fit(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
 
 def _ping_pong(comm: Any, peer: int, me: int, repeats: int) -> list[float]:
     """One-way times per size between ``me`` and ``peer`` (half the round trip), medians."""
-    from hybridpipe.comm import p2p
 
     times = []
     for size in SIZES:
@@ -87,15 +96,13 @@ def _ping_pong(comm: Any, peer: int, me: int, repeats: int) -> list[float]:
 def _tiny_steps(layers: int, repeats: int) -> dict[int, float]:
     """Median step time of a 1F1B ``PipelineModel`` of ``layers`` tiny layers (one per stage or all on
     one), with 2 and with 16 micro-batches, on the job's grid."""
-    import hybridpipe as hp
-    from torch import nn
 
     torch.manual_seed(0)
     inputs, targets = torch.randn(16, 4), torch.randn(16, 4)
-    stages = hp.grid().pipeline_stages
+    stages = runtime.grid().pipeline_stages
     steps = {}
     for micro_batches in (2, 16):
-        model = hp.PipelineModel([nn.Linear(4, 4) for _ in range(layers)], nn.MSELoss(),
+        model = PipelineModel([nn.Linear(4, 4) for _ in range(layers)], nn.MSELoss(),
                                  micro_batches=micro_batches, balance=[layers // stages] * stages)
         try:
             runs = []
@@ -183,10 +190,6 @@ def compute_contention(comm: Any, windows: int = CONTENTION_WINDOWS, exchange_se
     the exchange while the others still compute, across the scheduler's time slices (measured: 2 ranks
     1.2–1.3×, 4 ranks on 2 cores 2.3–2.6× alone where the cores are shared 2× — docs/planner.md). 1.0 with one
     rank. Collective over ``comm``; every rank must call ``hp.allreduce_`` from this thread."""
-    import hybridpipe as hp
-    from hybridpipe import runtime
-    from hybridpipe.comm.engine import call
-    from hybridpipe.plan.auto import host_cores
 
     rank = comm.Get_rank()
     if comm.Get_size() < 2:
@@ -198,7 +201,7 @@ def compute_contention(comm: Any, windows: int = CONTENTION_WINDOWS, exchange_se
         call(None, "calibrate", lambda: sleeping_barrier(comm))
 
     def step_end() -> None:
-        hp.allreduce_(flag, op=hp.Sum, name="calibrate.contention")
+        allreduce_(flag, op=Sum, name="calibrate.contention")
 
     kernels = 1
     if rank == 0:
@@ -220,12 +223,10 @@ def _submit_overhead(repeats: int) -> float:
     """Seconds a ``hp.DistributedOptimizer`` adds to the backward per gradient tensor (its hook handing the tensor to
     the engine): a forward and backward of 32 tiny layers (64 tensors) with its hooks, against the same without
     (collective: every rank at once, as in training)."""
-    import hybridpipe as hp
-    from torch import nn
 
     torch.manual_seed(0)
     plain, hooked = (nn.Sequential(*[nn.Linear(4, 4) for _ in range(32)]) for _ in range(2))
-    optimizer = hp.DistributedOptimizer(torch.optim.SGD(hooked.parameters(), lr=0.0),
+    optimizer = DistributedOptimizer(torch.optim.SGD(hooked.parameters(), lr=0.0),
                                         named_parameters=hooked.named_parameters())
     x = torch.ones(2, 4)
     times: dict[str, list[float]] = {"plain": [], "hooked": []}
@@ -250,8 +251,6 @@ def _after_reduction(comm: Any, repeats: int) -> float:
     """Seconds per MiB that an SGD-like update over the parameters takes longer right after their gradients' allreduce
     than alone (the communication thread and the caches after a reduction; a data-parallel step's optimizer runs
     there). Collective over ``comm``."""
-    import hybridpipe as hp
-    from hybridpipe.comm.engine import call
 
     grads = [torch.ones(AFTER_REDUCTION_BYTES // 4 // 16) for _ in range(16)]
     weights = [torch.zeros_like(g) for g in grads]
@@ -260,7 +259,7 @@ def _after_reduction(comm: Any, repeats: int) -> float:
         for kind in ("alone", "after"):
             call(None, "calibrate", lambda: sleeping_barrier(comm))
             if kind == "after":
-                hp.grouped_allreduce_(grads, op=hp.Average)
+                grouped_allreduce_(grads, op=Average)
             started = time.perf_counter()
             for weight, grad in zip(weights, grads):
                 weight.add_(grad, alpha=-0.01)
@@ -280,9 +279,6 @@ def _action_overhead(repeats: int) -> float:
 def transfer_overhead(action_overhead_us: float, latency_us: float, repeats: int = 9) -> float:
     """A rank's own time per pipeline transfer, microseconds (collective: every rank of a grid with
     several stages calls it); see the module docstring."""
-    from hybridpipe import runtime
-    from hybridpipe.comm.engine import call
-    from hybridpipe.pipeline import schedule as sched
 
     state = runtime._require("calibrate")
     stages = state.grid.pipeline_stages
@@ -313,10 +309,6 @@ def transfer_overhead(action_overhead_us: float, latency_us: float, repeats: int
 
 def calibrate(repeats: int = 9) -> dict[str, Any]:
     """Measures the running job's links (collective: every rank calls it after ``hp.init``)."""
-    import hybridpipe as hp
-    from hybridpipe import runtime
-    from hybridpipe.comm.engine import call
-    from hybridpipe.plan.auto import host_cores
 
     state = runtime._require("calibrate")
     world = state.grid.world_comm
@@ -350,7 +342,7 @@ def calibrate(repeats: int = 9) -> dict[str, Any]:
                 # together in MPI's barrier on the communication thread
                 call(None, "calibrate", lambda: sleeping_barrier(comm))
                 started = time.perf_counter()
-                hp.allreduce_(tensor, op=hp.Sum)
+                allreduce_(tensor, op=Sum)
                 if run >= 2:
                     runs.append(time.perf_counter() - started)
             reduce_times.append(statistics.median(runs))
