@@ -242,32 +242,8 @@ def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | 
     if communication.process_sets.is_communicator(pipeline_stages) and comm is None:  # Horovod's hvd.init(comm)
         pipeline_stages, comm = None, pipeline_stages
     sets = communication.process_sets.init_argument(process_sets)
-    launcher_replicas = os.environ.get("HYBRIDPIPE_STAGE_REPLICAS", "").strip()
-    if stage_replicas is None and pipeline_stages is None and launcher_replicas:
-        stage_replicas = parse_stage_replicas(launcher_replicas, where="HYBRIDPIPE_STAGE_REPLICAS")
-    ignores_replicas = stage_replicas is None and launcher_replicas != ""  # hp.init(pipeline_stages=...) given
-    if stage_replicas is not None:
-        stage_replicas = parse_stage_replicas(stage_replicas)
-        if pipeline_stages is not None and not communication.process_sets.is_communicator(pipeline_stages) \
-                and pipeline_stages != len(stage_replicas):
-            raise GridError(f"hp.init(pipeline_stages={pipeline_stages}, stage_replicas={list(stage_replicas)}): "
-                            f"{len(stage_replicas)} replica counts for {pipeline_stages} stages; pass one count per "
-                            "stage, or stage_replicas alone")
-    launcher_stages = os.environ.get("HYBRIDPIPE_PIPELINE_STAGES", "").strip()
-    overrides = pipeline_stages is not None and launcher_stages != ""
-    if pipeline_stages is None:
-        text = launcher_stages or "1"
-        try:
-            pipeline_stages = int(text)
-        except ValueError:
-            raise GridError(f"HYBRIDPIPE_PIPELINE_STAGES={text!r} is not an integer (set it to the number of "
-                            "pipeline stages, e.g. 2, or pass hp.init(pipeline_stages=...))") from None
-    if isinstance(pipeline_stages, bool) or not isinstance(pipeline_stages, (int, np.integer)):
-        raise GridError(f"pipeline_stages must be an int, got {pipeline_stages!r} "
-                        f"({type(pipeline_stages).__name__})")
-    pipeline_stages = int(pipeline_stages)
-    if stage_replicas is not None:
-        pipeline_stages = len(stage_replicas)
+    request = _GridRequest.of(pipeline_stages, stage_replicas)
+    pipeline_stages, stage_replicas = request.stages, request.replicas
     from mpi4py import MPI
 
     from . import _ext
@@ -289,48 +265,10 @@ def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | 
             f"hybridpipe is already initialized with pipeline_stages={current.pipeline_stages} on "
             f"{current.size} ranks; hp.init(pipeline_stages={pipeline_stages}) asks for another grid "
             f"(call hp.shutdown() first)")
-    size = base.Get_size()
-    if overrides and launcher_stages != str(pipeline_stages) and base.Get_rank() == 0:
-        replicas = f"{size // pipeline_stages}" if pipeline_stages > 0 and size % pipeline_stages == 0 else "?"
-        warnings.warn(f"hp.init(pipeline_stages={pipeline_stages}) overrides HYBRIDPIPE_PIPELINE_STAGES="
-                      f"{launcher_stages} (what `hybridpipe-run --stages {launcher_stages}` sets): the job runs "
-                      f"{pipeline_stages} stage(s) × {replicas} replica(s) of {size} ranks; call hp.init() without "
-                      f"pipeline_stages to follow --stages, or launch with --stages {pipeline_stages}", stacklevel=2)
-    if ignores_replicas and base.Get_rank() == 0:
-        warnings.warn(f"hp.init(pipeline_stages={pipeline_stages}) overrides HYBRIDPIPE_STAGE_REPLICAS="
-                      f"{launcher_replicas} (what `hybridpipe-run --stage-replicas {launcher_replicas}` sets): the job "
-                      "runs a uniform grid; call hp.init() without pipeline_stages to follow --stage-replicas",
-                      stacklevel=2)
-    if pipeline_stages < 1:
-        raise GridError(f"pipeline_stages must be >= 1, got {pipeline_stages} (use 1 for pure data parallelism)")
-    _agree_on_stages(base, pipeline_stages)
-    if stage_replicas is not None:
-        _agree_on_replicas(base, stage_replicas)
-        parse_stage_replicas(list(stage_replicas), size)  # the counts must add up to the world size
-        if len(set(stage_replicas)) == 1:
-            stage_replicas = None  # a uniform grid: exactly the grid of pipeline_stages
-    if stage_replicas is None and size % pipeline_stages:
-        smaller = max(d for d in range(1, pipeline_stages + 1) if size % d == 0)
-        bigger = (size // pipeline_stages + 1) * pipeline_stages
-        raise GridError(f"world size {size} is not divisible by pipeline_stages {pipeline_stages} "
-                        f"(pass -np {bigger} or --stages {smaller})")
-
-    world = base.Dup()
-    world.Set_errhandler(MPI.ERRORS_RETURN)
-    rank = world.Get_rank()
-    if stage_replicas is None:
-        stage, replica = rank % pipeline_stages, rank // pipeline_stages
-        pipe_comm = world.Split(color=replica, key=stage)
-        counts = (size // pipeline_stages,) * pipeline_stages
-    else:  # one pipeline spans the job: micro-batches go round-robin over each stage's replicas
-        stage, replica = layout(stage_replicas)[rank]
-        pipe_comm = world.Dup()
-        counts = tuple(stage_replicas)
-    data_comm = world.Split(color=stage, key=replica)
-    local_comm = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    the_grid = Grid(pipeline_stages=pipeline_stages, data_replicas=counts[stage], stage=stage,
-                    replica=replica, rank=rank, size=size, world_comm=world, pipe_comm=pipe_comm,
-                    data_comm=data_comm, stage_replicas=counts)
+    if base.Get_rank() == 0:
+        request.warn_overrides(base.Get_size())
+    stage_replicas = _agreed_layout(base, pipeline_stages, stage_replicas)
+    the_grid, local_comm = _build_grid(base, pipeline_stages, stage_replicas)
     _runtime = _Runtime(grid=the_grid, base_comm=base, local_comm=local_comm,
                         config=(config or Config.from_env()).validated())
     from . import _trace as timeline
@@ -354,6 +292,106 @@ def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | 
         atexit.register(_shutdown_at_exit)
         _atexit_registered = True
     return the_grid
+
+
+@dataclasses.dataclass(frozen=True)
+class _GridRequest:
+    """What :func:`init` was asked for, the launcher's variables (``hybridpipe-run --stages`` / ``--stage-replicas``)
+    filling in what the call left out: ``stages`` and ``replicas`` (own counts per stage, or None)."""
+
+    stages: int
+    replicas: tuple[int, ...] | None
+    launcher_stages: str
+    launcher_replicas: str
+    overrides_stages: bool    # hp.init(pipeline_stages=...) given while the launcher set --stages
+    ignores_replicas: bool    # hp.init(pipeline_stages=...) given while the launcher set --stage-replicas
+
+    @classmethod
+    def of(cls, pipeline_stages: Any, stage_replicas: Any) -> _GridRequest:
+        launcher_replicas = os.environ.get("HYBRIDPIPE_STAGE_REPLICAS", "").strip()
+        if stage_replicas is None and pipeline_stages is None and launcher_replicas:
+            stage_replicas = parse_stage_replicas(launcher_replicas, where="HYBRIDPIPE_STAGE_REPLICAS")
+        ignores_replicas = stage_replicas is None and launcher_replicas != ""  # hp.init(pipeline_stages=...) given
+        if stage_replicas is not None:
+            stage_replicas = parse_stage_replicas(stage_replicas)
+            if pipeline_stages is not None and pipeline_stages != len(stage_replicas):
+                raise GridError(f"hp.init(pipeline_stages={pipeline_stages}, stage_replicas={list(stage_replicas)}): "
+                                f"{len(stage_replicas)} replica counts for {pipeline_stages} stages; pass one count "
+                                "per stage, or stage_replicas alone")
+        launcher_stages = os.environ.get("HYBRIDPIPE_PIPELINE_STAGES", "").strip()
+        overrides = pipeline_stages is not None and launcher_stages != ""
+        if pipeline_stages is None:
+            text = launcher_stages or "1"
+            try:
+                pipeline_stages = int(text)
+            except ValueError:
+                raise GridError(f"HYBRIDPIPE_PIPELINE_STAGES={text!r} is not an integer (set it to the number of "
+                                "pipeline stages, e.g. 2, or pass hp.init(pipeline_stages=...))") from None
+        if isinstance(pipeline_stages, bool) or not isinstance(pipeline_stages, (int, np.integer)):
+            raise GridError(f"pipeline_stages must be an int, got {pipeline_stages!r} "
+                            f"({type(pipeline_stages).__name__})")
+        stages = len(stage_replicas) if stage_replicas is not None else int(pipeline_stages)
+        return cls(stages, None if stage_replicas is None else tuple(stage_replicas), launcher_stages,
+                   launcher_replicas, overrides, ignores_replicas)
+
+    def warn_overrides(self, size: int) -> None:
+        """Warns (world rank 0) where the call overrides what the launcher set."""
+        stages = self.stages
+        if self.overrides_stages and self.launcher_stages != str(stages):
+            replicas = f"{size // stages}" if stages > 0 and size % stages == 0 else "?"
+            warnings.warn(f"hp.init(pipeline_stages={stages}) overrides HYBRIDPIPE_PIPELINE_STAGES="
+                          f"{self.launcher_stages} (what `hybridpipe-run --stages {self.launcher_stages}` sets): the "
+                          f"job runs {stages} stage(s) × {replicas} replica(s) of {size} ranks; call hp.init() without "
+                          f"pipeline_stages to follow --stages, or launch with --stages {stages}", stacklevel=3)
+        if self.ignores_replicas:
+            warnings.warn(f"hp.init(pipeline_stages={stages}) overrides HYBRIDPIPE_STAGE_REPLICAS="
+                          f"{self.launcher_replicas} (what `hybridpipe-run --stage-replicas {self.launcher_replicas}` "
+                          "sets): the job runs a uniform grid; call hp.init() without pipeline_stages to follow "
+                          "--stage-replicas", stacklevel=3)
+
+
+def _agreed_layout(base: Any, pipeline_stages: int, stage_replicas: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """Checks the grid on every rank of ``base`` (the same everywhere, and fitting the world size); returns the
+    own replica counts, or None for a uniform grid (also when every count is the same)."""
+    size = base.Get_size()
+    if pipeline_stages < 1:
+        raise GridError(f"pipeline_stages must be >= 1, got {pipeline_stages} (use 1 for pure data parallelism)")
+    _agree_on_stages(base, pipeline_stages)
+    if stage_replicas is not None:
+        _agree_on_replicas(base, stage_replicas)
+        parse_stage_replicas(list(stage_replicas), size)  # the counts must add up to the world size
+        if len(set(stage_replicas)) == 1:
+            stage_replicas = None  # a uniform grid: exactly the grid of pipeline_stages
+    if stage_replicas is None and size % pipeline_stages:
+        smaller = max(d for d in range(1, pipeline_stages + 1) if size % d == 0)
+        bigger = (size // pipeline_stages + 1) * pipeline_stages
+        raise GridError(f"world size {size} is not divisible by pipeline_stages {pipeline_stages} "
+                        f"(pass -np {bigger} or --stages {smaller})")
+    return stage_replicas
+
+
+def _build_grid(base: Any, pipeline_stages: int, stage_replicas: tuple[int, ...] | None) -> tuple[Grid, Any]:
+    """This rank's :class:`Grid` over a duplicate of ``base`` (its world, pipe and data communicators), and the
+    communicator of its host's ranks."""
+    from mpi4py import MPI
+
+    size = base.Get_size()
+    world = base.Dup()
+    world.Set_errhandler(MPI.ERRORS_RETURN)
+    rank = world.Get_rank()
+    if stage_replicas is None:
+        stage, replica = rank % pipeline_stages, rank // pipeline_stages
+        pipe_comm = world.Split(color=replica, key=stage)
+        counts = (size // pipeline_stages,) * pipeline_stages
+    else:  # one pipeline spans the job: micro-batches go round-robin over each stage's replicas
+        stage, replica = layout(stage_replicas)[rank]
+        pipe_comm = world.Dup()
+        counts = tuple(stage_replicas)
+    data_comm = world.Split(color=stage, key=replica)
+    local_comm = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    grid = Grid(pipeline_stages=pipeline_stages, data_replicas=counts[stage], stage=stage, replica=replica, rank=rank,
+                size=size, world_comm=world, pipe_comm=pipe_comm, data_comm=data_comm, stage_replicas=counts)
+    return grid, local_comm
 
 
 def shutdown() -> None:
