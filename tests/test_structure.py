@@ -90,6 +90,8 @@ def _resolve(importer: str, is_package: bool, level: int, module: str | None, na
         if module is None or not (module == "hybridpipe" or module.startswith("hybridpipe.")):
             return set()
         target = module[len("hybridpipe."):] if module != "hybridpipe" else ""
+    if not names:  # import x.y / import_module("x.y")
+        return {target} if target in known else set()
     found = set()
     for name in names:
         sub = f"{target}.{name}" if target else name
@@ -102,35 +104,36 @@ def _resolve(importer: str, is_package: bool, level: int, module: str | None, na
     return found
 
 
+def imports_in(name: str, source: str, is_package: bool, known: set[str]) -> list[tuple[str, int, bool]]:
+    """(imported, line, inside a function) for every import of a package module in module ``name``'s source:
+    ``import``, ``from ... import`` (relative too) and ``importlib.import_module("<literal>", ...)``."""
+    tree = ast.parse(source)
+    in_function: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            in_function.update(id(inner) for inner in ast.walk(node) if inner is not node)
+    found: list[tuple[str, int, bool]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            targets = _resolve(name, is_package, node.level, node.module, [a.name for a in node.names], known)
+        elif isinstance(node, ast.Import):
+            targets = set().union(*(_resolve(name, is_package, 0, alias.name, [], known) for alias in node.names))
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None))
+              == "import_module" and node.args and isinstance(node.args[0], ast.Constant)):
+            spec = node.args[0].value
+            level = len(spec) - len(spec.lstrip("."))
+            targets = _resolve(name, is_package, level, spec.lstrip(".") or None, [], known)
+        else:
+            continue
+        found += [(target, node.lineno, id(node) in in_function) for target in targets if target != name]
+    return found
+
+
 def imports() -> list[tuple[str, str, int, bool]]:
     """(importer, imported, line, inside a function) for every import of a package module by another."""
     known = set(modules())
-    found: list[tuple[str, str, int, bool]] = []
-    for name, path in modules().items():
-        tree = ast.parse(path.read_text(), str(path))
-        in_function: set[int] = set()
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-                in_function.update(id(inner) for inner in ast.walk(node) if inner is not node)
-        is_package = path.name == "__init__.py"
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom):
-                targets = _resolve(name, is_package, node.level, node.module, [a.name for a in node.names], known)
-            elif isinstance(node, ast.Import):
-                targets = set()
-                for alias in node.names:
-                    if alias.name == "hybridpipe" or alias.name.startswith("hybridpipe."):
-                        targets |= _resolve(name, is_package, 0, alias.name, [], known) or \
-                            {alias.name[len("hybridpipe."):] if alias.name != "hybridpipe" else ""}
-            elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None))
-                  == "import_module" and node.args and isinstance(node.args[0], ast.Constant)):
-                spec = node.args[0].value
-                targets = _resolve(name, is_package, len(spec) - len(spec.lstrip(".")), spec.lstrip(".") or None,
-                                   [], known) if spec.startswith(".") else \
-                    _resolve(name, is_package, 0, spec, [], known)
-            else:
-                continue
-            found += [(name, target, node.lineno, id(node) in in_function) for target in targets if target != name]
+    found = [(name, *edge) for name, path in modules().items()
+             for edge in imports_in(name, path.read_text(), path.name == "__init__.py", known)]
     # the facade's names imported on first use (hybridpipe/__init__.py's __getattr__)
     import hybridpipe
 
@@ -194,6 +197,29 @@ def cycles(edges: set[tuple[str, str]]) -> list[list[str]]:
         if node not in index:
             visit(node)
     return found
+
+
+def test_imports_are_read_in_every_form():
+    known = {"", "_trace", "comm", "comm.engine", "comm.reduction", "comm.context", "comm.device"}
+    source = """
+from . import engine
+from .reduction import Sum
+from .. import _trace as timeline
+import hybridpipe as hp, numpy
+import hybridpipe.comm.device
+def later():
+    from .context import current
+    return lambda: __import__("json")
+"""
+    assert sorted(imports_in("comm.collectives", source, False, known)) == [
+        ("", 5, False), ("_trace", 4, False), ("comm.context", 8, True), ("comm.device", 6, False),
+        ("comm.engine", 2, False), ("comm.reduction", 3, False)]
+    lazy = 'def __getattr__(name):\n    return importlib.import_module(".device", __name__)\n'
+    assert imports_in("comm", lazy, True, known) == [("comm.device", 2, True)]
+    found = {edge[:2] for edge in imports()}
+    assert ("", "plan.auto") in found  # the facade's lazy table
+    assert ("", "data_parallel.elastic") in found  # hp.elastic, by import_module
+    assert not any(imported == "_C" for _, imported in found)  # the compiled extension is no module here
 
 
 def test_cycle_finder_finds_a_hidden_cycle():
