@@ -14,7 +14,8 @@ A blocking collective runs on the communication thread through :func:`call`; an 
 through :func:`submit`, which returns a :class:`Handle` at once.
 
 ``hp.shutdown`` calls :func:`hybridpipe.comm.stop`. Every module of ``hybridpipe.comm`` reaches the
-context through :func:`current`; none of them imports the runtime (imports run runtime → comm).
+context through :func:`current` (kept in :mod:`hybridpipe.comm.running`, so that the modules this one is built
+from can ask for it too); none of them imports the runtime (imports run runtime → comm).
 """
 
 from __future__ import annotations
