@@ -253,18 +253,7 @@ def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | 
     if not isinstance(base, MPI.Intracomm):
         raise TypeError(f"hp.init(comm=...) needs an mpi4py intracommunicator, got {type(base).__name__}")
     if _runtime is not None:
-        current = _runtime.grid
-        same_comm = MPI.Comm.Compare(_runtime.base_comm, base) in (MPI.IDENT, MPI.CONGRUENT)
-        same_replicas = stage_replicas is None or tuple(stage_replicas) == current.stage_replicas
-        if current.pipeline_stages == pipeline_stages and same_replicas and same_comm:
-            unregistered = [s for s in sets if s.process_set_id is None]
-            if unregistered:
-                communication.current("init").register_process_sets(unregistered, "init")
-            return current
-        raise GridError(
-            f"hybridpipe is already initialized with pipeline_stages={current.pipeline_stages} on "
-            f"{current.size} ranks; hp.init(pipeline_stages={pipeline_stages}) asks for another grid "
-            f"(call hp.shutdown() first)")
+        return _existing_grid(base, pipeline_stages, stage_replicas, sets)
     if base.Get_rank() == 0:
         request.warn_overrides(base.Get_size())
     stage_replicas = _agreed_layout(base, pipeline_stages, stage_replicas)
@@ -292,6 +281,26 @@ def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | 
         atexit.register(_shutdown_at_exit)
         _atexit_registered = True
     return the_grid
+
+
+def _existing_grid(base: Any, pipeline_stages: int, stage_replicas: tuple[int, ...] | None, sets: list) -> Grid:
+    """:func:`init` again: the running grid if it is the one asked for (registering ``sets``), else a GridError."""
+    from mpi4py import MPI
+
+    from . import comm as communication
+
+    current = _runtime.grid
+    same_comm = MPI.Comm.Compare(_runtime.base_comm, base) in (MPI.IDENT, MPI.CONGRUENT)
+    same_replicas = stage_replicas is None or tuple(stage_replicas) == current.stage_replicas
+    if current.pipeline_stages == pipeline_stages and same_replicas and same_comm:
+        unregistered = [s for s in sets if s.process_set_id is None]
+        if unregistered:
+            communication.current("init").register_process_sets(unregistered, "init")
+        return current
+    raise GridError(
+        f"hybridpipe is already initialized with pipeline_stages={current.pipeline_stages} on "
+        f"{current.size} ranks; hp.init(pipeline_stages={pipeline_stages}) asks for another grid "
+        f"(call hp.shutdown() first)")
 
 
 @dataclasses.dataclass(frozen=True)

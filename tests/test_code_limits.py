@@ -1,5 +1,6 @@
-"""Code-size limits of the C++ extension (issue 30): no function in csrc/ is longer than
-:data:`MAX_FUNCTION_LINES` lines, except the pybind11 module definition.
+"""Code-size limits (issue 30): no function in csrc/ is longer than :data:`MAX_FUNCTION_LINES` lines, except the
+pybind11 module definition; no Python function of the package (hybridpipe/, not tests or bench) is longer than
+:data:`MAX_PYTHON_FUNCTION_LINES` lines (from its ``def`` to its last line, docstring included).
 
 A function's length is counted from the line of its name to the line of its closing brace, both included.
 The scanner is small and textual: it blanks out comments, string and character literals and preprocessor
@@ -10,6 +11,7 @@ initializer list) opens a function; everything up to its matching brace (lambdas
 
 from __future__ import annotations
 
+import ast
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 MAX_FUNCTION_LINES = 120
+MAX_PYTHON_FUNCTION_LINES = 80
+PACKAGE = ROOT / "hybridpipe"
 ALLOWED = {"PYBIND11_MODULE"}  # the module definition lists every binding: one long, flat function
 SUFFIXES = (".cpp", ".cc", ".h", ".hpp", ".cu", ".cuh")
 
@@ -265,3 +269,29 @@ def test_scanner_reports_a_planted_long_function(tmp_path):
     too_long = long_functions(tmp_path)
     assert [(f.name, f.lines) for f in too_long] == [("Holder_long", 134)]
     assert "planted.cpp:15: Holder_long (134 lines)" in describe(too_long)
+
+
+def long_python_functions(root: Path, limit: int = MAX_PYTHON_FUNCTION_LINES) -> list[str]:
+    """``path:line name (N lines)`` of every function or method under ``root`` longer than ``limit`` lines."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name} ({lines} lines)")
+    return found
+
+
+def test_no_long_python_functions_in_the_package():
+    long = long_python_functions(PACKAGE)
+    assert not long, (f"functions over {MAX_PYTHON_FUNCTION_LINES} lines (split them by concern):\n"
+                      + "\n".join(long))
+
+
+def test_the_python_check_finds_a_planted_long_function(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    body = "\n".join(f"        x{i} = {i}" for i in range(MAX_PYTHON_FUNCTION_LINES))  # def + 80 lines: 81
+    (package / "module.py").write_text(f"def short():\n    return 1\n\n\nclass C:\n    def long(self):\n{body}\n")
+    assert long_python_functions(package) == [f"pkg/module.py:6 long ({MAX_PYTHON_FUNCTION_LINES + 1} lines)"]

@@ -291,6 +291,42 @@ def engine_device_allreduce(comm: Any) -> Callable[[int, int, int, int, int], bo
     return reduce
 
 
+def _reduce_cuda_buffer(packed: Any, output: Any, op: ReduceOp, comm: Any, ctx: Any, stream: Any,
+                        nccl_comm: Any) -> None:
+    """Reduces one packed CUDA buffer into ``output`` by the algorithm hybridpipe.comm.device picks for it (see
+    :func:`_cuda_allreduce`)."""
+    import torch
+
+    code = buffers.dtype_code(packed)
+
+    def transfer(_: int, segment: Any) -> None:
+        core().allreduce(segment.data_ptr(), segment.data_ptr(), segment.numel(), code, int(op), comm.py2f(),
+                         ctx.allreduce_options())
+
+    mark = torch.cuda.Event()  # after the packing and scaling, on this thread's stream
+    mark.record(stream)
+    nccl_type = getattr(device.nccl_module(), device.NCCL_TYPES.get(code, ""), None) if nccl_comm else None
+    algorithm = device.cuda_allreduce_algorithm(device.route(packed), packed.numel() * packed.element_size(),
+                                                code, int(op), nccl_type is not None)
+    if algorithm == "nccl":
+        nccl = device.nccl_module()
+        nccl_comm.allReduce(packed.data_ptr(), output.data_ptr(), packed.numel(), nccl_type,
+                            {Sum: nccl.NCCL_SUM, Average: nccl.NCCL_SUM, Min: nccl.NCCL_MIN,
+                             Max: nccl.NCCL_MAX}[op], stream.cuda_stream)
+        if op == Average:
+            output.div_(comm.Get_size())
+    elif algorithm == "mpi-library":
+        stream.synchronize()  # MPI knows no streams: the buffer must be written before it reads it
+        _library_device_allreduce(packed, output, op, comm)
+    elif algorithm == "device-ring":
+        if output is not packed:
+            output.copy_(packed)
+        stream.synchronize()
+        _device_ring_allreduce(output, op, comm, ctx.config.device_ring_segment_bytes)
+    else:
+        staging.run(packed, output, transfer, ready=mark, segment_bytes=ctx.config.staging_segment_bytes)
+
+
 def _cuda_allreduce(tensors: Sequence[Any], op: ReduceOp, name: str | None, prescale: float, postscale: float,
                       comm: Any, function: str, in_place: bool, ready: Any, agreed: bool = False) -> list:
     """Allreduce of CUDA tensors (the routes of hybridpipe.comm.device), in the order of the list.
@@ -337,34 +373,7 @@ def _cuda_allreduce(tensors: Sequence[Any], op: ReduceOp, name: str | None, pres
                 packed = output  # scale a copy, never the caller's input
                 output.copy_(members[0])
         buffers.scale_(packed, prescale)
-        code = buffers.dtype_code(packed)
-
-        def transfer(_: int, segment: Any, code: int = code) -> None:
-            core().allreduce(segment.data_ptr(), segment.data_ptr(), segment.numel(), code, int(op), comm.py2f(),
-                             ctx.allreduce_options())
-
-        mark = torch.cuda.Event()  # after the packing and scaling, on this thread's stream
-        mark.record(stream)
-        nccl_type = getattr(device.nccl_module(), device.NCCL_TYPES.get(code, ""), None) if nccl_comm else None
-        algorithm = device.cuda_allreduce_algorithm(device.route(packed), packed.numel() * packed.element_size(),
-                                                    code, int(op), nccl_type is not None)
-        if algorithm == "nccl":
-            nccl = device.nccl_module()
-            nccl_comm.allReduce(packed.data_ptr(), output.data_ptr(), packed.numel(), nccl_type,
-                                {Sum: nccl.NCCL_SUM, Average: nccl.NCCL_SUM, Min: nccl.NCCL_MIN,
-                                 Max: nccl.NCCL_MAX}[op], stream.cuda_stream)
-            if op == Average:
-                output.div_(comm.Get_size())
-        elif algorithm == "mpi-library":
-            stream.synchronize()  # MPI knows no streams: the buffer must be written before it reads it
-            _library_device_allreduce(packed, output, op, comm)
-        elif algorithm == "device-ring":
-            if output is not packed:
-                output.copy_(packed)
-            stream.synchronize()
-            _device_ring_allreduce(output, op, comm, ctx.config.device_ring_segment_bytes)
-        else:
-            staging.run(packed, output, transfer, ready=mark, segment_bytes=ctx.config.staging_segment_bytes)
+        _reduce_cuda_buffer(packed, output, op, comm, ctx, stream, nccl_comm)
         if postscale != 1.0:
             buffers.scale_(output, postscale)
         if lone:

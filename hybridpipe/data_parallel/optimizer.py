@@ -361,6 +361,19 @@ class _DistributedOptimizerMixin:
         super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
 
 
+def _refuse_pipeline_driven(optimizer: torch.optim.Optimizer, zero: int) -> None:
+    """Parameters of a PipelineModel whose asynchronous schedule steps its own optimizer are not wrapped again."""
+    for group_ in optimizer.param_groups:
+        owner = next((ref() for p in group_["params"] if (ref := getattr(p, "_hybridpipe_owner", None)) is not None
+                      and ref() is not None), None)
+        if owner is not None:
+            raise HybridPipeError(
+                f"hp.DistributedOptimizer(zero={zero}) wraps parameters of a PipelineModel whose schedule "
+                f"{owner.schedule_name!r} steps its own optimizer (optimizer=) inside train_step, averaging the "
+                "gradients over the replicas itself: do not wrap them (a second optimizer would update them "
+                "again); ZeRO needs a synchronous schedule ('gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1')")
+
+
 def DistributedOptimizer(  # noqa: N802 — Horovod's spelling, a factory that returns an optimizer
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
@@ -428,15 +441,7 @@ def DistributedOptimizer(  # noqa: N802 — Horovod's spelling, a factory that r
                          f"{group.ranks}): ZeRO shards the optimizer state over the "
                          "set's ranks, so only they build it; pass zero=0 here (a rank outside the set then steps "
                          "with its own gradients, as Horovod's optimizer does)")
-    for group_ in optimizer.param_groups:
-        owner = next((ref() for p in group_["params"] if (ref := getattr(p, "_hybridpipe_owner", None)) is not None
-                      and ref() is not None), None)
-        if owner is not None:
-            raise HybridPipeError(
-                f"hp.DistributedOptimizer(zero={zero}) wraps parameters of a PipelineModel whose schedule "
-                f"{owner.schedule_name!r} steps its own optimizer (optimizer=) inside train_step, averaging the "
-                "gradients over the replicas itself: do not wrap them (a second optimizer would update them "
-                "again); ZeRO needs a synchronous schedule ('gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1')")
+    _refuse_pipeline_driven(optimizer, zero)
     bases = (_DistributedOptimizerMixin, optimizer.__class__)
     if level:
         bases = (zero_module.ZeroMixin, *bases)
