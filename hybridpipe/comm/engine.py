@@ -23,7 +23,8 @@ from typing import Any, Callable, Sequence
 
 from .. import _trace
 from . import buffers, context, staging
-from .reduction import CORE_OPS, Average, allreduce_here, check_tensors, grouped_allreduce_here, resolve_op, scale_factor
+from .reduction import (CORE_OPS, Average, allreduce_here, check_tensors, grouped_allreduce_here, resolve_op,
+                        scale_factor)
 from .context import Handle, call, check_name, refusing, resolve_group, unnamed
 
 __all__ = ["Handle", "allreduce_async", "allreduce_async_", "grouped_allreduce_async", "grouped_allreduce_async_",

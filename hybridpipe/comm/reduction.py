@@ -221,7 +221,7 @@ _RING_TAGS = (7101, 7102)  # the device ring's reduce-scatter and allgather (the
 def _device_ring_allreduce(buffer: Any, op: ReduceOp, comm: Any, segment_bytes: int) -> None:
     """Ring allreduce of a contiguous CUDA tensor, in place, over a CUDA-aware MPI: the chunks travel as device
     memory (MPI_Isend / MPI_Irecv between GPUs: CUDA IPC between ranks of one host), and each reduce-scatter step is
-    reduced on the GPU by the extension's kernel (device.reduce_on_device; float16 / bfloat16 added in float32).
+    reduced on the GPU by the extension's kernel (:func:`reduce_on_device`; float16 / bfloat16 added in float32).
     The chunks go in segments of ``segment_bytes`` (HYBRIDPIPE_DEVICE_RING_SEGMENT_BYTES), so that a segment is
     reduced while the next one arrives and leaves for the next step once it is reduced (hybridpipe.comm.ring: the
     order, tested on CPU tensors in tests/comm/test_ring.py). Each segment is an MPI message of its own, about
