@@ -41,6 +41,7 @@ from hybridpipe import runtime
 from hybridpipe.data_parallel.amp import LossScaler
 from hybridpipe.pipeline.memory import ActivationMeter, MemoryReport
 from hybridpipe.pipeline.memory import report as memory_report
+from hybridpipe.comm.agree import agree_on_failure
 from hybridpipe.comm.collectives import Average, grouped_allreduce_
 from hybridpipe.comm.device import compute_device
 from hybridpipe.comm.engine import call
@@ -287,8 +288,7 @@ class PipelineModel(nn.Module):
             raise HybridPipeError(f"schedule {name!r} is not yet supported for a module split by hp.PipelineModel; "
                                   "use 'gpipe', '1f1b', 'interleaved-1f1b' or 'zb-h1' (or hand in a layer list)")
         def from_rank_zero(function: Any) -> Any:
-            value = function() if grid.rank == 0 else None
-            return call(None, "PipelineModel", lambda: grid.world_comm.bcast(value, root=0))
+            return agree_on_failure(grid.world_comm, function, root=0, what="PipelineModel")
 
         prepared = split_module.prepare(root, sample, split, self.chunks, self.stages, self.stage, from_rank_zero,
                                         torch.device(device) if device is not None else None)
@@ -466,21 +466,18 @@ class PipelineModel(nn.Module):
             label = "parameters" if balance is not None else "parameters (default: no sample_input to time)"
             return balance_list, BalanceReport(balance_list, parameters, None, label)
         # "time": world rank 0 profiles, everyone gets its numbers (one pickled broadcast)
-        profiled = None
-        if grid.rank == 0:
-            try:
-                profiles = profile_layers(LazyLayers(layers, seed_layers), copy.deepcopy(sample_input))
-                # what a layer costs a stage: parameters and gradients, and the activations of `held`
-                # micro-batches (the schedule's most in flight at once)
-                memory = [2 * p.parameter_bytes + held * p.activation_bytes for p in profiles]
-                profiled = ([p.time_ms for p in profiles], PipelineModel._parameter_counts(layers, seed_layers),
-                            memory)
-            except Exception as error:  # every rank must raise, not only rank 0
-                profiled = f"{type(error).__name__}: {error}"
-        profiled = call(None, "PipelineModel", lambda: grid.world_comm.bcast(profiled, root=0))
-        if isinstance(profiled, str):
-            raise PartitionError(f'balance="{method}": profiling the layers on world rank 0 failed ({profiled})')
-        layer_ms, parameters, memory = profiled
+        def measured() -> tuple[list[float], list[int], list[float]]:
+            profiles = profile_layers(LazyLayers(layers, seed_layers), copy.deepcopy(sample_input))
+            # what a layer costs a stage: parameters and gradients, and the activations of `held` micro-batches
+            # (the schedule's most in flight at once)
+            memory = [2 * p.parameter_bytes + held * p.activation_bytes for p in profiles]
+            return [p.time_ms for p in profiles], PipelineModel._parameter_counts(layers, seed_layers), memory
+
+        try:
+            layer_ms, parameters, memory = agree_on_failure(grid.world_comm, measured, root=0, what="PipelineModel")
+        except Exception as error:  # the same on every rank; its own type stays the cause
+            raise PartitionError(f'balance="{method}": profiling the layers on world rank 0 failed '
+                                 f"({type(error).__name__}: {error})") from error
         # identical layers (same class, parameter count and memory) weigh the same: noise does not move cuts
         layer_ms = even_out_identical(layer_ms, [(getattr(layer, "cls", type(layer)).__name__, count, held_bytes)
                                                  for layer, count, held_bytes in zip(layers, parameters, memory)])

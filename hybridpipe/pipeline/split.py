@@ -765,7 +765,8 @@ def is_meta(root: nn.Module) -> bool:
 def prepare(root: nn.Module, sample: Any, split: Any, chunks: int, ranks: int, rank: int,
             from_rank_zero: Any, device: torch.device | None = None) -> PreparedSplit:
     """Traces ``root`` on ``sample``, chooses the cuts (``split="auto"``: profiled on world rank 0 and shared
-    by ``from_rank_zero(function)``, which runs ``function`` there and returns its result everywhere; or a
+    by ``from_rank_zero(function)``, which runs ``function`` there and returns its result everywhere, or raises
+    its exception everywhere; or a
     list of module names), finds the ties, releases other ranks' units and installs the dispatch. A module on
     the meta device is traced there, cut by parameter counts for "auto", and this rank's units (and the glue's
     buffers) are then materialized on ``device`` (:func:`materialize`)."""
@@ -788,19 +789,15 @@ def prepare(root: nn.Module, sample: Any, split: Any, chunks: int, ranks: int, r
             raise SplitError(f"split={split!r}: use 'auto' (cut by profiled time) or a list of the qualified module "
                              "names at which a new stage begins, e.g. split=['model.layers.4']")
 
-        def measured() -> Any:
-            try:
-                return profile_calls(root, units, trace, sample)
-            except Exception as error:  # every rank must raise, not only rank 0
-                return f"{type(error).__name__}: {error}"
-
         if meta:  # nothing to time yet: parameters stand for time
             boundaries = boundaries_from_costs([float(sum(p.numel() for p in c.module.parameters()))
                                                 for c in trace.calls], chunks)
         else:
-            costs = from_rank_zero(measured)
-            if isinstance(costs, str):
-                raise SplitError(f'split="auto": profiling the module on world rank 0 failed ({costs})')
+            try:
+                costs = from_rank_zero(lambda: profile_calls(root, units, trace, sample))
+            except Exception as error:  # the same on every rank; its own type stays the cause
+                raise SplitError(f'split="auto": profiling the module on world rank 0 failed '
+                                 f"({type(error).__name__}: {error})") from error
             boundaries = boundaries_from_costs(costs, chunks)
     elif isinstance(split, (list, tuple)):
         boundaries = boundaries_from_names(trace, list(split), chunks)
