@@ -401,13 +401,17 @@ void Engine::run() {
   }
   // inside every polite wait of this thread: transfers, probes from other ranks, its own timer
   progress_hook = {[](void* engine) { static_cast<Engine*>(engine)->service(); }, this};
+  // The communication lock (p2p.h): held while this thread makes MPI calls, i.e. always but in its sleeps
+  // between cycles, where a thread that needs a transfer may take it and make the calls itself.
+  std::unique_lock<std::mutex> mpi;
+  if (transfers) mpi = std::unique_lock<std::mutex>(transfers->mpi_lock());
   start_probes();
   std::string stopped_because = "it was shut down";
   try {
     while (true) {
       std::vector<int> order;
       service();
-      if (!await_cycle(next_cycle, last_cycle_idle, transfers, busy_wait, order)) break;
+      if (!await_cycle(next_cycle, last_cycle_idle, transfers, mpi, order)) break;
       bool idle = true, quiet = true, visited = false;
       for (int id : order) {
         Group& group = *groups_[id];
@@ -453,6 +457,7 @@ void Engine::run() {
     stopped_because = fail_engine(error.what());
   }
   progress_hook = {};
+  if (transfers && !mpi.owns_lock()) mpi.lock();
   if (transfers) transfers->stop(stopped_because);
   stop_probes();
   std::lock_guard<std::mutex> lock(mutex_);
@@ -466,12 +471,13 @@ void Engine::run() {
 }
 
 bool Engine::await_cycle(std::chrono::steady_clock::time_point next_cycle, bool last_cycle_idle,
-                         TransferQueue* transfers, const WaitPolicy& transfer_wait, std::vector<int>& order) {
-  // Between cycles, transfers in flight are tested as a waiting thread would test them itself (the
-  // polite wait: spin_us, then sleeps backing off to max_sleep_us) while some thread waits for one;
-  // otherwise every kIdleTransferPollUs (a stage that polls its receives posts their payload
-  // receives once a header is in: headers must not wait for a whole cycle).
+                         TransferQueue* transfers, std::unique_lock<std::mutex>& mpi, std::vector<int>& order) {
+  // Between cycles this thread holds the communication lock only to test the transfers in flight, every
+  // kIdleTransferPollUs while some are (their background progress: a dropped send, a rendezvous the
+  // sender must move on, a header a polling stage has not looked at). A thread that waits for a transfer
+  // tests it itself meanwhile (TransferQueue::wait), with the lock free.
   constexpr double kIdleTransferPollUs = 1000.0;
+  if (mpi.owns_lock()) mpi.unlock();
   std::unique_lock<std::mutex> lock(mutex_);
   // sleep until the next cycle; after an idle cycle, a submission, registration or stop wakes it early
   auto due = [&] {
@@ -483,43 +489,23 @@ bool Engine::await_cycle(std::chrono::steady_clock::time_point next_cycle, bool 
     }
     return false;
   };
-  // with transfers in flight the wait is a polite poll of them (a completion is seen within
-  // transfer_sleep_max_us); a submitted transfer wakes it at once
-  double sleep_us = 2.0;
-  auto eager_since = Clock::now();
-  bool eager = false;
   // a transfer submitted while nothing is in flight ends the sleep too (its wake is a notify of
   // wake_): it must not wait for the next cycle, up to idle_cycle_time_ms away
   auto transfer_busy = [&] { return transfers && transfers->busy(); };
   while (!due()) {
     if (!transfer_busy()) {
       wake_.wait_until(lock, next_cycle, [&] { return due() || transfer_busy(); });
-      continue;  // due: the cycle runs; a transfer came: the polite poll below
+      continue;  // due: the cycle runs; a transfer came: the poll below
     }
-    lock.unlock();
-    const bool moved = transfers->progress();
+    lock.unlock();  // the lock order is the communication lock, then mutex_
+    mpi.lock();
+    transfers->progress();
     answer_probes();
-    const bool wanted = transfers->wanted();
+    mpi.unlock();
     lock.lock();
     if (due()) break;
-    if (!wanted) {
-      eager = false;
-      wake_.wait_until(lock, std::min(next_cycle, Clock::now() + std::chrono::microseconds(
-                                                                     static_cast<int64_t>(kIdleTransferPollUs))));
-      continue;
-    }
-    const auto now = Clock::now();
-    if (!eager || moved) {  // a waiter came, or something completed: spin again first
-      eager = true;
-      eager_since = now;
-      sleep_us = 2.0;
-    }
-    if (transfer_wait.spin_us < 0 ||
-        now - eager_since < std::chrono::nanoseconds(static_cast<int64_t>(transfer_wait.spin_us * 1000))) {
-      continue;  // spinning: test again at once
-    }
-    wake_.wait_until(lock, std::min(next_cycle, now + std::chrono::nanoseconds(static_cast<int64_t>(sleep_us * 1000))));
-    sleep_us = std::min(sleep_us * 2, std::max(transfer_wait.max_sleep_us, 1.0));
+    wake_.wait_until(lock, std::min(next_cycle, Clock::now() + std::chrono::microseconds(
+                                                                static_cast<int64_t>(kIdleTransferPollUs))));
   }
   for (size_t id = 0; id < groups_.size(); ++id) {  // one-rank groups added since: no agreement needed
     const int gid = static_cast<int>(id);
@@ -529,7 +515,10 @@ bool Engine::await_cycle(std::chrono::steady_clock::time_point next_cycle, bool 
     }
   }
   order = cycle_order_;
-  return !(order.empty() && stop_requested_);
+  const bool go_on = !(order.empty() && stop_requested_);
+  lock.unlock();
+  if (transfers) mpi.lock();
+  return go_on;
 }
 
 std::string Engine::fail_engine(const std::string& what) {

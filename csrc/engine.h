@@ -23,10 +23,13 @@
 // its blocking operations in the same (cycle, group order) sequence; the rank whose operation is the
 // earliest in that order among all ranks' waiting operations finds every peer at it or before it,
 // and those before it are not blocked (docs/concepts.md has the argument in full).
-// Point-to-point transfers (the pipeline's activations and gradients, p2p.h) go through the same
-// thread once drive_transfers() installed its queue: it posts them as they come and tests them between
-// cycles and inside every polite wait (negotiations, rings), so they never wait for a cycle to end.
-// They never block the thread, so the argument above is unchanged.
+// Point-to-point transfers (the pipeline's activations and gradients, p2p.h) follow the same rule once
+// drive_transfers() installed its queue: their MPI calls are made under the queue's communication lock,
+// which this thread holds whenever it is in MPI (always but in its sleeps between cycles). A thread that
+// needs a transfer try-locks it and, when it is free, posts and tests the transfer itself; else this
+// thread posts it as it comes and tests it inside every polite wait (negotiations, rings) and between
+// cycles, so it never waits for a cycle to end. Under the lock only non-blocking calls are made and the
+// other threads never wait for it, so the argument above is unchanged.
 // Groups added after start() (user communicators) join at a cycle all ranks agree on: group 0 (the
 // first added; its ranks include every other group's) gathers pending registrations when any rank
 // has one, and a group becomes active, in the same cycle on each of its ranks, once all its ranks
@@ -295,7 +298,7 @@ class Engine {
   // something comes), polling point-to-point transfers meanwhile; then `order`: the groups to visit. False
   // when the thread should end (stopped, nothing left to visit).
   bool await_cycle(std::chrono::steady_clock::time_point next_cycle, bool last_cycle_idle, TransferQueue* transfers,
-                   const WaitPolicy& transfer_wait, std::vector<int>& order);
+                   std::unique_lock<std::mutex>& mpi, std::vector<int>& order);
   // The thread failed with `what`: every pending handle fails (kind Failed); returns why it stopped.
   std::string fail_engine(const std::string& what);
   void cycle_single(Group& group);  // a group of one rank: no MPI

@@ -380,6 +380,21 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "transfers_driven", [] { return installed_transfer_queue() != nullptr; },
       "Whether the communication thread makes the MPI calls of point-to-point transfers (after hp.init).");
+  m.def(
+      "transfer_counts",
+      []() -> py::object {
+        auto queue = installed_transfer_queue();
+        if (!queue) return py::none();
+        const TransferQueue::Counts counts = queue->counts();
+        py::dict out;
+        out["posted_here"] = counts.posted_here;
+        out["posted_by_driver"] = counts.posted_by_driver;
+        out["completed_here"] = counts.completed_here;
+        out["completed_by_driver"] = counts.completed_by_driver;
+        return out;
+      },
+      "After hp.init: how many transfers the requesting threads posted and completed themselves (under the "
+      "communication lock) and how many the communication thread did; None without hp.init.");
 
   py::class_<EngineOptions>(m, "EngineOptions")
       .def(py::init<>())

@@ -11,13 +11,10 @@ namespace hybridpipe {
 
 namespace {
 
-// Counts a thread as waiting (the driver tests eagerly meanwhile) and wakes the driver.
+// Counts a thread as waiting on a queue.
 class Waiting {
  public:
-  Waiting(std::atomic<int>& waiters, const std::function<void()>& wake) : waiters_(waiters) {
-    waiters_.fetch_add(1, std::memory_order_acq_rel);
-    wake();
-  }
+  explicit Waiting(std::atomic<int>& waiters) : waiters_(waiters) { waiters_.fetch_add(1, std::memory_order_acq_rel); }
   ~Waiting() { waiters_.fetch_sub(1, std::memory_order_acq_rel); }
 
  private:
@@ -133,7 +130,9 @@ bool Transfer::test_parts(std::string* error_out, int* code_out) {
 
 // ------------------------------------------------------------------ TransferQueue
 
-void TransferQueue::submit(const std::shared_ptr<Transfer>& transfer) {
+bool TransferQueue::submit(const std::shared_ptr<Transfer>& transfer) {
+  std::unique_lock<std::mutex> mpi(mpi_, std::try_to_lock);  // taken first: the lock order is mpi_, mutex_
+  bool was_idle = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (stopped_) {
@@ -141,19 +140,76 @@ void TransferQueue::submit(const std::shared_ptr<Transfer>& transfer) {
                                (stopped_because_.empty() ? std::string() : " (" + stopped_because_ + ")"));
     }
     queued_.push_back(transfer);
-    count_.fetch_add(1, std::memory_order_release);
+    was_idle = count_.fetch_add(1, std::memory_order_acq_rel) == 0;
   }
+  const bool posted_here = mpi.owns_lock();
+  if (posted_here) {
+    progress(true);  // posts what was queued before it, then it, and tests what is in flight
+    mpi.unlock();
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (transfer->done || !was_idle) return true;  // the driver already polls what is in flight
+  }
+  // The driver posts it, or (posted here, still in flight) tests it in the background from now on: its idle
+  // sleep ends only when it is woken.
   wake_();
+  return posted_here;
 }
 
-bool TransferQueue::test(Transfer& transfer) {
+bool TransferQueue::drive() {
+  std::unique_lock<std::mutex> mpi(mpi_, std::try_to_lock);
+  if (!mpi.owns_lock()) return false;
+  progress(true);
+  return true;
+}
+
+template <class Finished>
+bool TransferQueue::await(std::unique_lock<std::mutex>& lock, Finished finished, double timeout_s,
+                          const WaitPolicy& policy) {
+  using Clock = std::chrono::steady_clock;
+  const auto now = Clock::now();
+  const auto deadline = timeout_s < 0 ? Clock::time_point::max()
+                                      : now + std::chrono::duration_cast<Clock::duration>(
+                                                  std::chrono::duration<double>(timeout_s));
+  const double spin_us = policy.spin_us < 0 ? 50.0 : policy.spin_us;
+  const auto spin_until = now + std::chrono::nanoseconds(static_cast<int64_t>(spin_us * 1000));
+  const double max_sleep_us = std::max(policy.max_sleep_us, 1.0);
+  double sleep_us = 2.0;
+  while (!finished()) {
+    lock.unlock();
+    drive();  // tests what is in flight here when the driver is not in MPI (else it does)
+    lock.lock();
+    if (finished()) return true;
+    const auto at = Clock::now();
+    if (at >= deadline) return false;
+    if (at < spin_until) {
+      lock.unlock();
+      sched_yield();  // spinning: give a thread sharing this core (the peer rank, the driver) its turn
+      lock.lock();
+      continue;
+    }
+    // a completion by the driver wakes this sleep (changed_); else test again after the backoff
+    const auto wake_at = std::min(deadline, at + std::chrono::nanoseconds(static_cast<int64_t>(sleep_us * 1000)));
+    changed_.wait_until(lock, wake_at);
+    sleep_us = std::min(sleep_us * 2, max_sleep_us);
+  }
+  return true;
+}
+
+bool TransferQueue::test(Transfer& transfer, bool drive_first) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (transfer.done && !transfer.error.empty()) throw MPICallError(transfer.error);
+    if (transfer.done || !drive_first) return transfer.done;
+  }
+  drive();
   std::lock_guard<std::mutex> lock(mutex_);
   if (transfer.done && !transfer.error.empty()) throw MPICallError(transfer.error);
   return transfer.done;
 }
 
-size_t TransferQueue::wait(const std::vector<Transfer*>& transfers, bool any, double timeout_s) {
-  Waiting waiting(waiters_, wake_);
+size_t TransferQueue::wait(const std::vector<Transfer*>& transfers, bool any, double timeout_s,
+                           const WaitPolicy& policy) {
+  Waiting waiting(waiters_);
   std::unique_lock<std::mutex> lock(mutex_);
   size_t index = 0;
   auto finished = [&] {
@@ -170,24 +226,21 @@ size_t TransferQueue::wait(const std::vector<Transfer*>& transfers, bool any, do
     }
     return all;
   };
-  if (timeout_s < 0) {
-    changed_.wait(lock, finished);
-  } else if (!changed_.wait_for(lock, std::chrono::duration<double>(timeout_s), finished)) {
-    return transfers.size();
-  }
+  if (!await(lock, finished, timeout_s, policy)) return transfers.size();
   if (!transfers.empty() && !transfers[index]->error.empty()) throw MPICallError(transfers[index]->error);
   return index;
 }
 
-void TransferQueue::cancel(Transfer& transfer) {
+void TransferQueue::cancel(Transfer& transfer, const WaitPolicy& policy) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (transfer.done) return;
     transfer.cancel_requested = true;
   }
-  Waiting waiting(waiters_, wake_);
+  Waiting waiting(waiters_);
+  wake_();
   std::unique_lock<std::mutex> lock(mutex_);
-  changed_.wait(lock, [&] { return transfer.done; });
+  await(lock, [&] { return transfer.done; }, -1.0, policy);
 }
 
 void TransferQueue::release(const std::shared_ptr<Transfer>& transfer) {
@@ -211,7 +264,12 @@ size_t TransferQueue::released_in_flight() {
   return count;
 }
 
-bool TransferQueue::progress() {
+TransferQueue::Counts TransferQueue::counts() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return counts_;
+}
+
+bool TransferQueue::progress(bool requester) {
   if (!busy()) return false;
   std::vector<std::shared_ptr<Transfer>> finished;  // dropped after the lock: may release Python objects
   bool moved = false;
@@ -226,6 +284,7 @@ bool TransferQueue::progress() {
       }
       try {
         transfer->post();
+        ++(requester ? counts_.posted_here : counts_.posted_by_driver);
         in_flight_.push_back(std::move(transfer));
       } catch (const std::exception& error) {
         for (MPI_Request& part : transfer->parts) {  // parts posted before the failing one
@@ -246,6 +305,7 @@ bool TransferQueue::progress() {
         transfer->error = error;
         transfer->error_code = code;
         if (is_process_failure(code)) process_failure_.store(true, std::memory_order_release);
+        ++(requester ? counts_.completed_here : counts_.completed_by_driver);
         moved = true;
         finished.push_back(std::move(transfer));
       }
@@ -325,7 +385,7 @@ bool P2PRequest::test() {
 
 void P2PRequest::wait(const WaitPolicy& policy) {
   if (queue_) {
-    queue_->wait({transfer_.get()}, false);
+    queue_->wait({transfer_.get()}, false, -1.0, policy);
     return;
   }
   Transfer& t = *transfer_;
@@ -362,7 +422,7 @@ void P2PRequest::cancel() {
 bool P2PRequest::done() {
   if (queue_) {
     try {
-      return queue_->test(*transfer_);
+      return queue_->test(*transfer_, false);
     } catch (const MPICallError&) {
       return true;
     }
@@ -371,7 +431,7 @@ bool P2PRequest::done() {
 }
 
 size_t P2PRequest::received_bytes() {
-  if (queue_) queue_->test(*transfer_);  // synchronizes with the driving thread
+  if (queue_) queue_->test(*transfer_, false);  // synchronizes with the driving thread
   return transfer_->received_bytes;
 }
 
@@ -393,13 +453,11 @@ P2PRequest* start(bool receive, void* data, size_t bytes, int peer, int tag, MPI
   transfer->keep = std::move(keep);
   std::shared_ptr<TransferQueue> queue = installed_transfer_queue();
   if (queue) {
-    queue->submit(transfer);
-    // A send is posted by the communication thread. When it shares this thread's core (a rank bound to one
-    // core, as mpirun binds them by default), the scheduler may let this thread run on for its whole slice
-    // (milliseconds) before the woken communication thread gets the core, and the peer waits that long for
-    // the message: give the core up once, so the send is posted now. Costs a system call when nothing else
-    // is runnable here.
-    if (!receive) sched_yield();
+    // A send the communication thread posts (it held the communication lock): when it shares this thread's
+    // core (a rank bound to one core, as mpirun binds them by default), the scheduler may let this thread run
+    // on for its whole slice (milliseconds) before the woken communication thread gets the core, and the
+    // peer waits that long for the message: give the core up once, so the send is posted now.
+    if (!queue->submit(transfer) && !receive) sched_yield();
   } else {
     reap_direct_orphans();
     try {
@@ -437,7 +495,7 @@ size_t wait_any(const std::vector<P2PRequest*>& requests, const WaitPolicy& poli
   if (queue) {
     std::vector<Transfer*> transfers;
     for (P2PRequest* request : requests) transfers.push_back(&request->transfer());
-    return queue->wait(transfers, true, timeout_s);
+    return queue->wait(transfers, true, timeout_s, policy);
   }
   std::vector<MPI_Request> handles;
   for (size_t i = 0; i < requests.size(); ++i) {

@@ -2,11 +2,15 @@
 // gradients. A buffer address may be host memory or, with a CUDA-aware MPI, device memory; the
 // core only sees (address, bytes).
 //
-// Who makes the MPI calls: while a TransferQueue is installed (hp.init installs the engine's), a
-// transfer is posted, tested and cancelled by the communication thread, the one thread that makes
-// all of hybridpipe's MPI calls (engine.h says why). The requesting thread only queues it and waits
-// on a condition variable. With no queue installed (the transport used on its own, without hp.init),
-// the calling thread makes the calls itself.
+// Who makes the MPI calls: while a TransferQueue is installed (hp.init installs the engine's), every MPI
+// call of a transfer is made under the queue's communication lock (mpi_lock()), the lock the engine's
+// communication thread holds while it makes its own calls (engine.h says why one thread at a time). The
+// requesting thread takes it only with a try-lock: when it is free it posts the transfer itself, and a
+// waiting thread tests its transfers itself; when the communication thread holds it, the transfer is
+// queued and that thread posts and tests it (between the tests of its own waits and between cycles).
+// Under the lock only non-blocking calls are made (post, test, cancel), so no thread ever waits on MPI
+// while holding it, and the threads that try-lock never wait for it at all. With no queue installed (the
+// transport used on its own, without hp.init), the calling thread makes the calls itself.
 //
 // Buffers: a transfer holds `keep` (e.g. the Python object owning the memory) until MPI is done with
 // it, so a request dropped while in flight never lets MPI read or write freed memory.
@@ -60,35 +64,59 @@ class TransferQueue {
   explicit TransferQueue(std::function<void()> wake) : wake_(std::move(wake)) {}
 
   // Requesting threads.
-  void submit(const std::shared_ptr<Transfer>& transfer);  // throws if the driver has stopped
-  bool test(Transfer& transfer);                           // done? (throws its error)
+  // Queues `transfer` (throws if the driver has stopped) and, when the communication lock is free, posts
+  // it (with anything queued before it, in order: MPI's message order is the order of the calls) and
+  // tests what is in flight; returns false when the lock was taken (the driver posts it).
+  bool submit(const std::shared_ptr<Transfer>& transfer);
+  // Done? (throws its error). With `drive`, tests what is in flight first when the lock is free.
+  bool test(Transfer& transfer, bool drive = true);
   // Blocks until all (any=false) or one (any=true) of `transfers` is done; returns the index of a
   // done one (any) or 0. Throws the error of a failed one. With timeout_s >= 0 it returns
-  // transfers.size() when that many seconds passed first.
-  size_t wait(const std::vector<Transfer*>& transfers, bool any, double timeout_s = -1.0);
-  void cancel(Transfer& transfer);                             // blocks until withdrawn or done
+  // transfers.size() when that many seconds passed first. The waiting thread tests the transfers in
+  // flight itself whenever the communication lock is free: for policy.spin_us, then between sleeps
+  // that back off to policy.max_sleep_us (it is woken early when the driver completes one).
+  size_t wait(const std::vector<Transfer*>& transfers, bool any, double timeout_s = -1.0,
+              const WaitPolicy& policy = {});
+  void cancel(Transfer& transfer, const WaitPolicy& policy = {});  // blocks until withdrawn or done
   void release(const std::shared_ptr<Transfer>& transfer);     // its requester dropped it
   size_t released_in_flight();                                 // dropped ones MPI still holds
 
-  // The driving thread.
+  // The communication lock: held by whichever thread makes MPI calls for this queue's owner. The driver
+  // takes it blocking (the others hold it only for non-blocking calls); requesting threads only try it.
+  std::mutex& mpi_lock() { return mpi_; }
+
+  // The driving thread (or a requesting thread that holds the communication lock).
   // Posts queued transfers and tests the ones in flight; true if something was posted or finished.
-  bool progress();
+  // `requester`: a requesting thread calls it (counted apart in counts()).
+  bool progress(bool requester = false);
+  // Transfers posted and completed by requesting threads and by the driver, since the queue was made.
+  struct Counts {
+    uint64_t posted_here = 0, posted_by_driver = 0, completed_here = 0, completed_by_driver = 0;
+  };
+  Counts counts();
   bool busy() const { return count_.load(std::memory_order_acquire) > 0; }  // queued or in flight
-  // Whether a thread waits for a transfer now: the driver then tests eagerly; otherwise a slow pace
-  // suffices (nobody is blocked on the outcome).
+  // Whether a thread waits for a transfer now (it tests them itself while the lock is free).
   bool wanted() const { return waiters_.load(std::memory_order_acquire) > 0; }
   // Whether a transfer failed because its peer's process failed (the driver reports the lost ranks).
   bool saw_process_failure() const { return process_failure_.load(std::memory_order_acquire); }
-  // The driver stops: what is left fails with `why` (receives are cancelled, sends freed).
+  // The driver stops: what is left fails with `why` (receives are cancelled, sends freed). The caller
+  // holds the communication lock.
   void stop(const std::string& why);
 
  private:
+  bool drive();  // try-locks the communication lock and runs progress(); false when it was taken
+  // Waits until `finished()` (called under mutex_) holds, driving meanwhile; false at the deadline.
+  template <class Finished>
+  bool await(std::unique_lock<std::mutex>& lock, Finished finished, double timeout_s, const WaitPolicy& policy);
+
+  std::mutex mpi_;    // the communication lock (taken before mutex_, never the other way round)
   std::mutex mutex_;
   std::condition_variable changed_;
   std::vector<std::shared_ptr<Transfer>> queued_, in_flight_;
   std::atomic<int> count_{0};
   std::atomic<int> waiters_{0};            // threads blocked in wait() / cancel()
   std::atomic<bool> process_failure_{false};
+  Counts counts_;  // guarded by mutex_
   bool stopped_ = false;
   std::string stopped_because_;
   std::function<void()> wake_;

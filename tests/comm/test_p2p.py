@@ -541,3 +541,115 @@ def test_cancel_a_receive_that_never_matched(comm):
     assert_same(kept.wait(), make(torch.float32, (5,), source))
     comm.Barrier()
 
+
+
+# ------------------------------------------------------------------ who makes the MPI calls (after hp.init)
+
+
+def _counts_since(before):
+    after = _ext.core().transfer_counts()
+    return {key: after[key] - before[key] for key in after}
+
+
+def test_the_calling_thread_posts_and_completes_its_own_transfers(comm, request):
+    """After hp.init a thread that needs a transfer makes the MPI calls itself whenever the communication
+    thread is not in MPI (it sleeps between cycles nearly all the time when only transfers run): no hand-off
+    to the communication thread and back. Most of a ping-pong's transfers are posted and completed here."""
+    if request.node.callspec.params["comm"] != "engine":
+        pytest.skip("without hp.init the calling thread makes every MPI call anyway")
+    before = _ext.core().transfer_counts()
+    rounds = 50
+    for step in range(rounds):
+        got = exchange(comm, make(torch.float32, (64,), comm.rank + step), tag=160)
+        assert_same(got, make(torch.float32, (64,), ring(comm)[0] + step))
+    counts = _counts_since(before)
+    posted = counts["posted_here"] + counts["posted_by_driver"]
+    assert posted >= 2 * rounds, counts  # a header receive and a send per round, at least
+    assert counts["posted_here"] >= posted // 2, f"the communication thread posted most transfers: {counts}"
+    assert counts["completed_here"] >= rounds, f"the calling thread completed few transfers itself: {counts}"
+    comm.Barrier()
+
+
+def test_a_transfer_nobody_waits_for_completes_in_the_background(comm, request):
+    """A large send (MPI's rendezvous: the sender's side must be progressed) that the sending thread never
+    tests or waits for still completes: the communication thread tests what is in flight between its cycles.
+    Rank 0 sends and then only sleeps; rank 1 receives. Rank 0's send completes, by the communication thread,
+    while rank 0's thread sleeps."""
+    if request.node.callspec.params["comm"] != "engine":
+        pytest.skip("without hp.init nothing tests a transfer in the background")
+    payload = make(torch.float32, (1_000_000,), 7)
+    comm.Barrier()
+    if comm.rank == 0:
+        before = _ext.core().transfer_counts()
+        send = p2p.send(payload, 1, 162, comm)
+        deadline = time.monotonic() + 30
+        while not all(part.done for part in send._requests) and time.monotonic() < deadline:
+            time.sleep(0.01)  # `done` only reads the outcome: it makes no MPI call
+        sent = all(part.done for part in send._requests)
+        counts = _counts_since(before)
+    elif comm.rank == 1:
+        time.sleep(0.05)  # the send is in flight, unmatched, for a while
+        got = p2p.Receive(0, 162, comm).wait()
+    with ranks_agree(comm):
+        if comm.rank == 0:
+            assert sent, "the send never completed while its thread slept"
+            assert counts["completed_by_driver"] >= 1, counts
+        if comm.rank == 1:
+            assert_same(got, payload)
+
+
+def test_dropped_sends_from_the_calling_thread_keep_their_buffers(comm):
+    """Sends posted by the calling thread and dropped at once, their tensors temporaries: each keeps its
+    buffer until MPI is done with it, whoever completes it (the calling thread at its next wait or test, the
+    communication thread in the background)."""
+    source, dest = ring(comm)
+    for step in range(20):
+        p2p.send(make(torch.float32, (100_000,), comm.rank + step) * 3, dest, 164, comm)  # dropped
+    gc.collect()
+    junk = [torch.full((100_000,), 5.0) for _ in range(40)]  # reuse the freed memory, if any
+    for step in range(20):
+        got = p2p.Receive(source, 164, comm).wait()
+        assert_same(got, make(torch.float32, (100_000,), source + step) * 3)
+    del junk
+    comm.Barrier()
+    for _ in range(1000):
+        if not comm.allreduce(_ext.core().orphaned_transfers()):
+            break
+        time.sleep(1e-3)
+        exchange(comm, None, tag=166)
+    assert not _ext.core().orphaned_transfers(), "the dropped sends' buffers were never released"
+
+
+def test_transfers_beside_collectives_from_another_thread(comm, request):
+    """Under load: a second thread keeps the engine busy with allreduces (the communication thread holds the
+    communication lock through its cycles, so transfers are then queued to it) while this thread exchanges
+    messages on a ring (posted and tested here whenever the lock is free). Both give the right values, in
+    order, and nothing stalls."""
+    import threading
+
+    if request.node.callspec.params["comm"] != "engine":
+        pytest.skip("the engine's collectives need hp.init")
+    failures = []
+
+    def reduce_on():  # the same 100 allreduces on every rank
+        try:
+            for count in range(100):
+                out = hp.allreduce(torch.full((5000,), float(comm.rank + count)), op=hp.Sum, name=f"mixed.{count}")
+                want = float(sum(range(comm.size)) + comm.size * count)
+                if not torch.equal(out, torch.full((5000,), want)):
+                    failures.append(f"allreduce {count}: {out[:3]} != {want}")
+        except Exception as error:  # reported by the main thread
+            failures.append(repr(error))
+
+    thread = threading.Thread(target=reduce_on)
+    thread.start()
+    try:
+        for step in range(200):
+            value = make(torch.float32, (256 if step % 2 else 20_000,), comm.rank + step)
+            got = exchange(comm, value, tag=168)
+            assert_same(got, make(torch.float32, value.shape, ring(comm)[0] + step))
+    finally:
+        thread.join(timeout=120)
+    assert not thread.is_alive(), "the allreduce thread hung"
+    assert not failures, failures
+    comm.Barrier()
