@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -129,8 +130,10 @@ def imports_in(name: str, source: str, is_package: bool, known: set[str]) -> lis
     return found
 
 
+@functools.lru_cache(maxsize=1)
 def imports() -> list[tuple[str, str, int, bool]]:
-    """(importer, imported, line, inside a function) for every import of a package module by another."""
+    """(importer, imported, line, inside a function) for every import of a package module by another (read once
+    per test session: the files do not change during it)."""
     known = set(modules())
     found = [(name, *edge) for name, path in modules().items()
              for edge in imports_in(name, path.read_text(), path.name == "__init__.py", known)]
