@@ -1,7 +1,8 @@
 """Recording side of the timeline (see hybridpipe.timeline for the format and the tools).
 
 Kept apart from the analysis so that the package imports it without importing matplotlib code,
-and so that ``python -m hybridpipe.timeline`` runs a module the package has not imported.
+and so that ``python -m hybridpipe.timeline`` runs a module the package has not imported. The recorder
+belongs to the running job (its ``timeline``), so hp.shutdown drops it with the job.
 """
 
 from __future__ import annotations
@@ -15,9 +16,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from . import running
+
 __all__ = ["enabled", "span", "record", "start", "stop"]
 
-_active: _Recorder | None = None
+
+def _recorder() -> _Recorder | None:
+    """The running job's recorder, or None (no job, or no timeline)."""
+    job = running.current_or_none()
+    return None if job is None else job.timeline
 
 
 class _Recorder:
@@ -64,12 +71,12 @@ class _Recorder:
 
 def enabled() -> bool:
     """Whether this process records a timeline."""
-    return _active is not None
+    return _recorder() is not None
 
 
 def record(name: str, category: str, track: str, start: float, end: float, args: dict | None = None) -> None:
     """Adds a finished span (``time.monotonic()`` seconds) to this rank's track ``track``."""
-    recorder = _active
+    recorder = _recorder()
     if recorder is not None:
         recorder.add(name, category, track, start, end, args)
 
@@ -77,31 +84,32 @@ def record(name: str, category: str, track: str, start: float, end: float, args:
 @contextlib.contextmanager
 def span(name: str, category: str, track: str = "compute", **args: Any) -> Iterator[None]:
     """Records the enclosed block as one span (does nothing when the timeline is off)."""
-    if _active is None:
+    recorder = _recorder()
+    if recorder is None:
         yield
         return
     start = time.monotonic()
     try:
         yield
     finally:
-        _active.add(name, category, track, start, time.monotonic(), args or None)
+        recorder.add(name, category, track, start, time.monotonic(), args or None)
 
 
-def start(path: str, rank: int, barrier: Callable[[], None]) -> None:
-    """Starts recording into ``path`` after ``barrier()`` (every rank's: a common time zero); called by hp.init
-    when HYBRIDPIPE_TIMELINE is set and by hp.start_timeline, with a barrier run on the engine's thread."""
-    global _active
+def start(job: Any, path: str, barrier: Callable[[], None]) -> None:
+    """Starts recording ``job``'s timeline into ``path`` after ``barrier()`` (every rank's: a common time zero);
+    called by hp.init when HYBRIDPIPE_TIMELINE is set and by hp.start_timeline, with a barrier run on the
+    engine's thread."""
     barrier()
-    _active = _Recorder(path, rank)
+    job.timeline = _Recorder(path, job.grid.rank)
 
 
-def stop(grid: Any, engine_events: dict[str, list], barrier: Callable[[], None]) -> None:
-    """Called by hp.shutdown and hp.stop_timeline: writes the engine's events, closes, and rank 0 merges the
-    parts, between two ``barrier()`` calls of every rank."""
-    global _active
-    recorder, _active = _active, None
+def stop(job: Any, engine_events: dict[str, list], barrier: Callable[[], None]) -> None:
+    """Called by hp.shutdown and hp.stop_timeline: writes the engine's events, closes ``job``'s recorder, and
+    rank 0 merges the parts, between two ``barrier()`` calls of every rank."""
+    recorder, job.timeline = job.timeline, None
     if recorder is None:
         return
+    grid = job.grid
     for group, events in engine_events.items():
         for event in events:
             if event.start < recorder.t0:  # e.g. the timeline's own start-up barrier, run by the engine

@@ -159,7 +159,7 @@ def save_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
     Returns:
         The path of the written checkpoint (``DIR/step-XXXXXXXX``).
     """
-    grid = runtime._require("save_checkpoint").grid
+    grid = runtime.job("save_checkpoint").grid
     if callable(getattr(model, "flush", None)):
         model.flush()  # asynchronous pipeline schedules: apply what is in flight first
     optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
@@ -406,7 +406,7 @@ def load_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
         CheckpointError: missing, incomplete, truncated or foreign files; parameters missing or of
             another shape (names and shapes given).
     """
-    grid = runtime._require("load_checkpoint").grid
+    grid = runtime.job("load_checkpoint").grid
     if callable(getattr(model, "flush", None)):
         model.flush()  # asynchronous pipeline schedules: nothing may be in flight when the weights change
     optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
@@ -497,7 +497,7 @@ def _spans(ranks: list[int]) -> str:
 def _agreed_latest(directory: str | os.PathLike | None, function: str) -> tuple[Path | None, dict | None]:
     """The checkpoint every rank finds in ``directory`` (None: there is none) and its manifest;
     collective over the world. Ranks that find different ones raise CheckpointError on every rank."""
-    grid = runtime._require(function).grid
+    grid = runtime.job(function).grid
     error, found, manifest = "", None, None
     try:
         if directory is None:
@@ -579,7 +579,7 @@ def saved_balance(directory: str | os.PathLike | None,
     Raises:
         CheckpointError: ranks see different checkpoints, or its manifest is damaged (every rank).
     """
-    stages = pipeline_stages or runtime._require("saved_balance").grid.pipeline_stages
+    stages = pipeline_stages or runtime.job("saved_balance").grid.pipeline_stages
     _, manifest = _agreed_latest(directory, "saved_balance")
     if manifest is None or manifest.get("stages") != stages or len(manifest.get("balance") or []) != stages:
         return None

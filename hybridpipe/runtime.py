@@ -23,11 +23,12 @@ from typing import Any
 
 import numpy as np
 
+from . import running
 from .config import Config
-from .errors import GridError, NotInitializedError
+from .errors import GridError
 
 __all__ = ["Grid", "layout", "rank_of_place", "describe_stage_replicas", "parse_stage_replicas", "init", "shutdown",
-           "is_initialized", "grid", "rank", "size", "local_rank", "local_size", "config"]
+           "is_initialized", "job", "grid", "rank", "size", "local_rank", "local_size", "config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,18 +171,6 @@ def parse_stage_replicas(value: Any, size: int | None = None, where: str = "stag
     return tuple(counts)
 
 
-@dataclasses.dataclass
-class _Runtime:
-    grid: Grid
-    base_comm: Any
-    local_comm: Any
-    config: Config
-
-
-_runtime: _Runtime | None = None
-_atexit_registered = False
-
-
 def _agree_on_stages(comm: Any, pipeline_stages: int) -> None:
     """Every rank must ask for the same grid; otherwise raise on every rank (no hang)."""
     from mpi4py import MPI
@@ -235,7 +224,6 @@ def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | 
             init with another grid.
         BuildError: the extension is missing or built against another MPI.
     """
-    global _runtime
     from . import comm as communication
     from .comm import engine
 
@@ -252,34 +240,27 @@ def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | 
     base = MPI.COMM_WORLD if comm is None else comm
     if not isinstance(base, MPI.Intracomm):
         raise TypeError(f"hp.init(comm=...) needs an mpi4py intracommunicator, got {type(base).__name__}")
-    if _runtime is not None:
+    if running.current_or_none() is not None:
         return _existing_grid(base, pipeline_stages, stage_replicas, sets)
     if base.Get_rank() == 0:
         request.warn_overrides(base.Get_size())
     stage_replicas = _agreed_layout(base, pipeline_stages, stage_replicas)
     the_grid, local_comm = _build_grid(base, pipeline_stages, stage_replicas)
-    _runtime = _Runtime(grid=the_grid, base_comm=base, local_comm=local_comm,
-                        config=(config or Config.from_env()).validated())
+    settings = (config or Config.from_env()).validated()
+    communication.device.set_device(local_comm.Get_rank(), settings.set_device)
+    the_job = communication.start(settings, the_grid, base, local_comm)  # the running job from here on
     from . import _trace as timeline
 
     try:
-        communication.device.set_device(local_comm.Get_rank(), _runtime.config.set_device)
-        communication.start(_runtime.config, the_grid)
-        if _runtime.config.timeline:
-            timeline.start(_runtime.config.timeline, the_grid.rank, engine.world_barrier(the_grid))
+        if settings.timeline:
+            timeline.start(the_job, settings.timeline, engine.world_barrier(the_grid))
+        if sets:  # a failure here is the same on every rank (the sets are checked together), so all shut down
+            the_job.register_process_sets(sets, "init")
     except BaseException:
-        _runtime = None
+        shutdown()
         raise
-    if sets:
-        try:  # a failure here is the same on every rank (the sets are checked together), so all shut down
-            communication.current("init").register_process_sets(sets, "init")
-        except BaseException:
-            shutdown()
-            raise
-    global _atexit_registered
-    if not _atexit_registered:  # runs before mpi4py's MPI_Finalize (atexit is last-in, first-out)
-        atexit.register(_shutdown_at_exit)
-        _atexit_registered = True
+    # hp.shutdown at exit, before mpi4py's MPI_Finalize (atexit is last-in, first-out); hp.shutdown unregisters it
+    atexit.register(_shutdown_at_exit)
     return the_grid
 
 
@@ -287,15 +268,14 @@ def _existing_grid(base: Any, pipeline_stages: int, stage_replicas: tuple[int, .
     """:func:`init` again: the running grid if it is the one asked for (registering ``sets``), else a GridError."""
     from mpi4py import MPI
 
-    from . import comm as communication
-
-    current = _runtime.grid
-    same_comm = MPI.Comm.Compare(_runtime.base_comm, base) in (MPI.IDENT, MPI.CONGRUENT)
+    the_job = running.current("init")
+    current = the_job.grid
+    same_comm = MPI.Comm.Compare(the_job.base_comm, base) in (MPI.IDENT, MPI.CONGRUENT)
     same_replicas = stage_replicas is None or tuple(stage_replicas) == current.stage_replicas
     if current.pipeline_stages == pipeline_stages and same_replicas and same_comm:
         unregistered = [s for s in sets if s.process_set_id is None]
         if unregistered:
-            communication.current("init").register_process_sets(unregistered, "init")
+            the_job.register_process_sets(unregistered, "init")
         return current
     raise GridError(
         f"hybridpipe is already initialized with pipeline_stages={current.pipeline_stages} on "
@@ -415,58 +395,59 @@ def _shutdown_at_exit() -> None:
 
 
 def _shutdown(failed: bool) -> None:
-    global _runtime
-    if _runtime is None:
+    the_job = running.current_or_none()
+    if the_job is None:
         return
     from . import _trace as timeline
     from . import comm
     from .comm import engine
 
+    atexit.unregister(_shutdown_at_exit)
     events = comm.stop(failed)  # collective: every rank's engine agrees to stop; frees user duplicates
-    timeline.stop(_runtime.grid, events, engine.world_barrier(_runtime.grid))
-    g = _runtime.grid
-    for c in (g.data_comm, g.pipe_comm, _runtime.local_comm, g.world_comm):
+    timeline.stop(the_job, events, engine.world_barrier(the_job.grid))
+    g = the_job.grid
+    for c in (g.data_comm, g.pipe_comm, the_job.local_comm, g.world_comm):
         c.Free()
-    _runtime = None
 
 
 def is_initialized() -> bool:
     """Whether hp.init() has run (and hp.shutdown() has not)."""
-    return _runtime is not None
+    return running.current_or_none() is not None
 
 
-def _require(what: str) -> _Runtime:
-    if _runtime is None:
-        raise NotInitializedError(f"hp.{what}() was called before hp.init(); call hp.init() first")
-    return _runtime
+def job(function: str) -> Any:
+    """The running job: the one object that holds everything hp.init made (``grid``, ``config``,
+    ``local_comm``, the engine, ...: a :class:`hybridpipe.comm.CommContext`); NotInitializedError naming
+    ``hp.<function>`` before hp.init."""
+    return running.current(function)
 
 
 def grid() -> Grid:
     """This rank's Grid (see :class:`Grid`)."""
-    return _require("grid").grid
+    return job("grid").grid
 
 
 def rank() -> int:
     """Rank in the communicator hybridpipe was initialized on."""
-    return _require("rank").grid.rank
+    return job("rank").grid.rank
 
 
 def size() -> int:
     """Number of ranks (pipeline_stages × data_replicas)."""
-    return _require("size").grid.size
+    return job("size").grid.size
 
 
 def local_rank() -> int:
     """Rank among the ranks on this node (MPI_COMM_TYPE_SHARED); use it to pick a GPU."""
-    return _require("local_rank").local_comm.Get_rank()
+    return job("local_rank").local_comm.Get_rank()
 
 
 def local_size() -> int:
     """Number of ranks on this node."""
-    return _require("local_size").local_comm.Get_size()
+    return job("local_size").local_comm.Get_size()
 
 
 def config() -> Config:
     """The settings in force (from hp.init(config=...) or the HYBRIDPIPE_* variables)."""
-    return _require("config").config
+    return job("config").config
 

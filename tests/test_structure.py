@@ -26,9 +26,10 @@ PACKAGE = ROOT / "hybridpipe"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("errors", ("errors",)),
     ("config", ("config",)),
+    ("the running job", ("running",)),
     ("extension and trace", ("_ext", "_trace")),
     # comm, lowest first: what the context object is built from, the context, then what runs on it
-    ("comm: foundations", ("comm.running", "comm.departures", "comm.ring")),
+    ("comm: foundations", ("comm.departures", "comm.ring")),
     ("comm: device", ("comm.device",)),
     ("comm: buffers", ("comm.buffers",)),
     ("comm: process sets", ("comm.process_sets",)),

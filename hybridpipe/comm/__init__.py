@@ -15,7 +15,7 @@ from .reduction import engine_device_allreduce
 __all__ = ["CommContext", "communicator", "current", "start", "stop", "process_sets", "device"]
 
 
-def start(config: Any, grid: Any) -> CommContext:
-    """Called by hp.init: makes the communication context, whose engine reduces buckets of CUDA tensors in
-    device memory with reduction.engine_device_allreduce where it can."""
-    return _start_context(config, grid, device_allreduce=engine_device_allreduce)
+def start(config: Any, grid: Any, base_comm: Any = None, local_comm: Any = None) -> CommContext:
+    """Called by hp.init: makes the communication context (the running job), whose engine reduces buckets of CUDA
+    tensors in device memory with reduction.engine_device_allreduce where it can."""
+    return _start_context(config, grid, engine_device_allreduce, base_comm, local_comm)

@@ -14,7 +14,7 @@ A blocking collective runs on the communication thread through :func:`call`; an 
 through :func:`submit`, which returns a :class:`Handle` at once.
 
 ``hp.shutdown`` calls :func:`hybridpipe.comm.stop`. Every module of ``hybridpipe.comm`` reaches the
-context through :func:`current` (kept in :mod:`hybridpipe.comm.running`, so that the modules this one is built
+context through :func:`current` (kept in :mod:`hybridpipe.running`, so that the modules this one is built
 from can ask for it too); none of them imports the runtime (imports run runtime → comm).
 """
 
@@ -38,10 +38,11 @@ from ..errors import (
     MismatchError,
     PeerShutDownError,
 )
-from . import buffers, running
+from .. import running
+from . import buffers
 from .departures import Departures
 from .process_sets import ProcessSet, Registry
-from .running import current, current_or_none
+from ..running import current, current_or_none
 
 __all__ = ["CommContext", "Handle", "start", "stop", "current", "current_or_none", "communicator", "call", "submit",
            "wait_policy", "allreduce_options_for", "resolve_group", "unnamed", "check_name", "refusing",
@@ -87,8 +88,15 @@ DeviceAllreduce = Callable[[Any], Callable[[int, int, int, int, int], bool]]
 class CommContext:
     """What communication owns for one hp.init (see the module's docstring)."""
 
-    def __init__(self, config: Config, grid: Any, device_allreduce: DeviceAllreduce | None = None) -> None:
+    def __init__(self, config: Config, grid: Any, device_allreduce: DeviceAllreduce | None = None,
+                 base_comm: Any = None, local_comm: Any = None) -> None:
         self.config, self.grid = config, grid
+        # the communicator hp.init was given (default COMM_WORLD) and the ranks of this host (hp.local_rank)
+        self.base_comm, self.local_comm = base_comm, local_comm
+        self.timeline: Any = None  # the timeline's recorder while one records (hybridpipe/_trace.py)
+        self.nccl_groups: dict[tuple[int, int], Any] = {}  # (communicator handle, GPU) -> NCCL communicator or None
+        self.copy_streams: dict[Any, tuple[Any, Any]] = {}  # per CUDA device: staging's two side streams
+        self.warned_staging = False  # device.note_staged warns once per job
         self._device_allreduce = device_allreduce
         self.wait = wait_policy(config)
         # direct collectives spin, or wait politely while this process has tensors on the engine, so
@@ -292,7 +300,7 @@ class CommContext:
         core().release_dropped_owners()  # buffers of transfers the thread retired without the GIL
         from . import device
 
-        device.forget_nccl()  # NCCL communicators of the groups about to be freed
+        device.forget_nccl(self.nccl_groups)  # NCCL communicators of the groups about to be freed
         for entry in self._users.values():
             if entry.comm is not None:
                 entry.comm.Free()
@@ -301,12 +309,13 @@ class CommContext:
         return events
 
 
-def start(config: Config, grid: Any, device_allreduce: DeviceAllreduce | None = None) -> CommContext:
-    """Called by hp.init (through :func:`hybridpipe.comm.start`): makes the context (and starts the
-    communication thread). ``device_allreduce``: see :class:`CommContext`."""
+def start(config: Config, grid: Any, device_allreduce: DeviceAllreduce | None = None, base_comm: Any = None,
+          local_comm: Any = None) -> CommContext:
+    """Called by hp.init (through :func:`hybridpipe.comm.start`): makes the context, the running job (and starts
+    the communication thread). ``device_allreduce``, ``base_comm``, ``local_comm``: see :class:`CommContext`."""
     if running.current_or_none() is not None:
         raise RuntimeError("hybridpipe.comm.start: a communication context is already running (stop it first)")
-    context = CommContext(config, grid, device_allreduce)
+    context = CommContext(config, grid, device_allreduce, base_comm, local_comm)
     running.replace(context)
     return context
 

@@ -36,7 +36,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from . import running
+from .. import running
 
 __all__ = ["ROUTES", "route", "cuda_aware", "CUDA_ALLREDUCE", "cuda_allreduce_algorithm", "nccl_module",
            "nccl_decision", "gpu_place", "nccl_communicator", "forget_nccl", "note_staged", "mpi_cuda_support", "describe", "accepts_cupy", "is_cupy",
@@ -155,9 +155,6 @@ def nccl_decision(setting: str, ranks: list[tuple[bool, str, str]]) -> tuple[boo
     return not reason, reason
 
 
-_nccl_groups: dict[tuple[int, int], Any] = {}  # (communicator handle, device index) -> NCCL communicator or None
-
-
 def gpu_place(device_index: int) -> tuple[bool, str, str]:
     """This rank's ``(NCCL available, host, GPU uuid)`` for GPU ``device_index``: what :func:`nccl_decision` takes
     from every rank of a group (two ranks share a GPU when host and uuid are the same)."""
@@ -169,13 +166,16 @@ def gpu_place(device_index: int) -> tuple[bool, str, str]:
     return nccl_module() is not None, socket.gethostname(), uuid
 
 
-def nccl_communicator(comm: Any, device_index: int, setting: str) -> Any:
+def nccl_communicator(comm: Any, device_index: int, setting: str, made_here: dict | None = None) -> Any:
     """The NCCL communicator of ``comm``'s ranks on this rank's GPU ``device_index`` (made once: rank 0's
     unique id broadcast over MPI), or None where the group does not use NCCL (:func:`nccl_decision`).
-    Collective over ``comm`` the first time: every rank of it calls it for the same allreduce."""
+    Collective over ``comm`` the first time: every rank of it calls it for the same allreduce. Kept in
+    ``made_here``: the job's ``nccl_groups`` (default: the running job's) until hp.shutdown."""
+    if made_here is None:
+        made_here = running.current("allreduce").nccl_groups
     key = (comm.py2f(), device_index)
-    if key in _nccl_groups:
-        return _nccl_groups[key]
+    if key in made_here:
+        return made_here[key]
     nccl = nccl_module()
     use, _ = nccl_decision(setting, comm.allgather(gpu_place(device_index)))
     made = None
@@ -185,16 +185,17 @@ def nccl_communicator(comm: Any, device_index: int, setting: str) -> Any:
         unique = comm.bcast(nccl.get_unique_id() if comm.Get_rank() == 0 else None, root=0)
         with cupy.cuda.Device(device_index):
             made = nccl.NcclCommunicator(comm.Get_size(), unique, comm.Get_rank())
-    _nccl_groups[key] = made
+    made_here[key] = made
     return made
 
 
-def forget_nccl() -> None:
-    """Drops the NCCL communicators (hp.shutdown: their MPI communicators are freed)."""
-    for made in _nccl_groups.values():
+def forget_nccl(made_here: dict[tuple[int, int], Any]) -> None:
+    """Destroys the NCCL communicators of a job's ``nccl_groups`` (hp.shutdown: their MPI communicators are
+    freed)."""
+    for made in made_here.values():
         if made is not None and hasattr(made, "destroy"):
             made.destroy()
-    _nccl_groups.clear()
+    made_here.clear()
 
 
 def route(x: Any) -> str:
@@ -210,16 +211,14 @@ def route(x: Any) -> str:
                     f"tensor.cpu() or tensor.cuda())")
 
 
-_warned = False
-
-
 def note_staged(x: Any) -> None:
-    """Called for every staged buffer: warns once per process that CUDA tensors go through host memory (not
+    """Called for every staged buffer: warns once per job that CUDA tensors go through host memory (not
     where the MPI library moves device memory: what is staged then is staged by choice, see the module)."""
-    global _warned
-    if _warned or not _is_cuda(x) or cuda_aware():
+    job = running.current_or_none()
+    if (job is not None and job.warned_staging) or not _is_cuda(x) or cuda_aware():
         return
-    _warned = True
+    if job is not None:
+        job.warned_staging = True
     warnings.warn(f"hybridpipe stages CUDA tensors through host memory ({describe()}): collectives and "
                   "pipeline transfers of GPU tensors are copied to the host and back (an MPI built with CUDA, "
                   "e.g. Open MPI configured --with-cuda, moves device memory itself; silence with "

@@ -330,11 +330,11 @@ def start_timeline(file_path: str | os.PathLike, mark_cycles: bool = False) -> N
     state = context.current("start_timeline")
     if _trace.enabled():
         stop_timeline()
-    _trace.start(os.fspath(file_path), state.grid.rank, world_barrier(state.grid))
+    _trace.start(state, os.fspath(file_path), world_barrier(state.grid))
 
 
 def stop_timeline() -> None:
     """Stops the timeline and writes it (collective; nothing happens when none is recording)."""
     state = context.current("stop_timeline")
     if _trace.enabled():
-        _trace.stop(state.grid, state.events(), world_barrier(state.grid))
+        _trace.stop(state, state.events(), world_barrier(state.grid))

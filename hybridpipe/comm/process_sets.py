@@ -24,8 +24,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from .. import running
 from ..errors import MismatchError
-from . import running
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "find_process_set",
            "data_process_set", "pipe_process_set", "Registry", "SetEntry", "init_argument", "is_communicator"]

@@ -355,7 +355,7 @@ def _cuda_allreduce(tensors: Sequence[Any], op: ReduceOp, name: str | None, pres
     nccl_comm = None
     if ctx.config.gpu_allreduce != "mpi":  # collective the first time on this group: every rank is here
         gpu = tensors[0].device.index if tensors[0].device.index is not None else torch.cuda.current_device()
-        nccl_comm = device.nccl_communicator(comm, gpu, ctx.config.gpu_allreduce)
+        nccl_comm = device.nccl_communicator(comm, gpu, ctx.config.gpu_allreduce, ctx.nccl_groups)
     results: list[Any] = [None] * len(tensors)
     by_dtype: dict[Any, list[int]] = {}
     for index, t in enumerate(tensors):

@@ -26,6 +26,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from .. import running
+
 __all__ = ["segments", "schedule", "ready_event", "run", "SLOTS"]
 
 #: Host slots in flight: one being reduced while the next is filled (double buffering).
@@ -83,16 +85,16 @@ def ready_event(tensor: Any) -> Any:
     return event
 
 
-_streams: dict[Any, tuple[Any, Any]] = {}
-
-
 def copy_streams(device: Any) -> tuple[Any, Any]:
-    """The device's two side streams (copies down, copies up), made once per process."""
-    if device not in _streams:
+    """The device's two side streams (copies down, copies up), made once per job (kept by the running job's
+    ``copy_streams``; new ones for each call outside a job)."""
+    job = running.current_or_none()
+    streams = job.copy_streams if job is not None else {}
+    if device not in streams:
         import torch
 
-        _streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-    return _streams[device]
+        streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+    return streams[device]
 
 
 def run(source: Any, target: Any, transfer: Callable[[int, Any], None], ready: Any = None,

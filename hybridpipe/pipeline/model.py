@@ -169,7 +169,7 @@ class PipelineModel(nn.Module):
         weights: Any = None,
     ) -> None:
         super().__init__()
-        grid = runtime._require("PipelineModel").grid
+        grid = runtime.job("PipelineModel").grid
         root, layer_list = _layer_list(layers, sample, balance=balance, sample_input=sample_input,
                                        seed_layers=seed_layers, memory_limit=memory_limit)
         object.__setattr__(self, "module", root)  # the module being split (not registered: names stay its own)

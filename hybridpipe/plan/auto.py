@@ -51,7 +51,7 @@ __all__ = ["auto", "cluster_of_this_job", "host_cores"]
 def host_cores() -> int:
     """Cores the ranks of this host may use together (collective over the job): the union of their
     affinity masks. One rank's own mask undercounts: mpirun binds each rank to a core of its own."""
-    state = runtime._require("host_cores")
+    state = runtime.job("host_cores")
     if hasattr(os, "sched_getaffinity"):
         mine = sorted(os.sched_getaffinity(0))
     else:
@@ -65,7 +65,7 @@ def cluster_of_this_job(memory_per_rank: float = 0.0, **links: float) -> Cluster
     grid's local size), the cores the host's ranks may use (ranks beyond them share), and ``links``
     (e.g. ``intra_host_gbps``, ``inter_host_gbps``, ``latency_us``, ``action_overhead_us``) or the
     defaults."""
-    state = runtime._require("auto")
+    state = runtime.job("auto")
     return Cluster(ranks=state.grid.size, ranks_per_host=runtime.local_size(), cores_per_host=host_cores(),
                    memory_per_rank=memory_per_rank, **links)
 
@@ -191,7 +191,7 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
         asynchronous plan, ``opt`` is the pipeline's own optimizer, whose ``step()`` does nothing (the
         pipeline steps it; it warns once).
     """
-    state = runtime._require("auto")
+    state = runtime.job("auto")
     grid = state.grid
     if zero is not None and (isinstance(zero, bool) or zero not in ZERO_LEVELS):
         raise HybridPipeError(f"hp.auto: zero must be 0, 1, 2 or None to let the planner choose (got {zero!r})")
@@ -231,7 +231,7 @@ def _planned(layers: Any, loss_fn: Any, sample: tuple[Any, Any], global_batch: i
              precision: str | None) -> Plan:
     """:func:`auto`'s plan: the model profiled (a module on world rank 0; a layer list a slice per rank, in turn),
     then searched on every rank alike (collective)."""
-    grid = runtime._require("auto").grid
+    grid = runtime.job("auto").grid
     try:
         if module:
             measured = agree_on_failure(grid.world_comm, lambda: profile_module(
@@ -270,7 +270,7 @@ def _built(layers: Any, loss_fn: Any, optimizer: Any, plan: Plan, arguments: dic
 
 def _print_module_plan(model: Any, plan: Plan, module: bool) -> None:
     """A module's plan and ``split_report()``, printed on world rank 0 (what was cut where, and what crosses)."""
-    if module and runtime._require("auto").grid.rank == 0:
+    if module and runtime.job("auto").grid.rank == 0:
         print(f"hp.auto plan for {plan.ranks} ranks, global batch {plan.global_batch}: "
               f"{plan.describe()}; predicted {plan.step_seconds * 1e3:.1f} ms per step\n{model.split_report()}",
               flush=True)

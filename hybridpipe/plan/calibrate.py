@@ -280,7 +280,7 @@ def transfer_overhead(action_overhead_us: float, latency_us: float, repeats: int
     """A rank's own time per pipeline transfer, microseconds (collective: every rank of a grid with
     several stages calls it); see the module docstring."""
 
-    state = runtime._require("calibrate")
+    state = runtime.job("calibrate")
     stages = state.grid.pipeline_stages
     if stages < 2:
         raise HybridPipeError("transfer_overhead needs a grid of two or more pipeline stages (hp.init(pipeline_stages=2))")
@@ -310,7 +310,7 @@ def transfer_overhead(action_overhead_us: float, latency_us: float, repeats: int
 def calibrate(repeats: int = 9) -> dict[str, Any]:
     """Measures the running job's links (collective: every rank calls it after ``hp.init``)."""
 
-    state = runtime._require("calibrate")
+    state = runtime.job("calibrate")
     world = state.grid.world_comm
     size, rank = world.size, world.rank
     hosts = call(None, "calibrate", lambda: world.allgather(runtime.local_rank() == 0))

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import hybridpipe as hp
+from hybridpipe import runtime
 from hybridpipe.comm import buffers, device, reduction
 
 pytestmark = [pytest.mark.mpi(ranks=[2], timeout=600), pytest.mark.cuda]
@@ -375,7 +376,7 @@ def test_nccl_is_not_used_by_ranks_sharing_a_gpu_and_forcing_it_says_why(world):
 
 
 def test_staging_warns_once_naming_the_mpi_library(gpu_route):
-    device._warned = False
+    runtime.job("test").warned_staging = False
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):

@@ -39,7 +39,7 @@ def test_allreduce_through_nccl_against_numpy(world, dtype):
         np.testing.assert_allclose(hp.allreduce(x, op=op).double().cpu().numpy(), reference,
                                    rtol=1e-2 if dtype.itemsize == 2 else 1e-12)
     comm = context.communicator(None, "test")
-    made = device._nccl_groups.get((comm.py2f(), torch.cuda.current_device()))
+    made = context.current("test").nccl_groups.get((comm.py2f(), torch.cuda.current_device()))
     assert made is not None  # the world's allreduces went through an NCCL communicator
     if dtype.is_floating_point:
         y = x.clone()
