@@ -70,9 +70,12 @@ struct WaitPolicy {
 
 // Run between the tests of a polite wait on the thread that set it: the communication thread keeps
 // the pipeline's point-to-point transfers moving while it waits for a negotiation or a collective.
+// `sleeping(arg, true)` is called before each sleep of the wait and `sleeping(arg, false)` after it: the
+// communication thread lets go of its communication lock (p2p.h) while it sleeps.
 struct ProgressHook {
   void (*call)(void*) = nullptr;
   void* arg = nullptr;
+  void (*sleeping)(void*, bool) = nullptr;
 };
 extern thread_local ProgressHook progress_hook;
 
@@ -102,7 +105,9 @@ int polite_wait(Test test, const WaitPolicy& policy) {
       prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
     }
 #endif
+    if (progress_hook.sleeping) progress_hook.sleeping(progress_hook.arg, true);
     std::this_thread::sleep_for(std::chrono::nanoseconds(static_cast<int64_t>(sleep_us * 1000)));
+    if (progress_hook.sleeping) progress_hook.sleeping(progress_hook.arg, false);
     sleep_us = std::min(sleep_us * 2, max_sleep_us);
   }
 #ifdef __linux__

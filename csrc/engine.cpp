@@ -400,11 +400,20 @@ void Engine::run() {
     transfers = transfers_.get();
   }
   // inside every polite wait of this thread: transfers, probes from other ranks, its own timer
-  progress_hook = {[](void* engine) { static_cast<Engine*>(engine)->service(); }, this};
   // The communication lock (p2p.h): held while this thread makes MPI calls, i.e. always but in its sleeps
-  // between cycles, where a thread that needs a transfer may take it and make the calls itself.
+  // (between cycles, and between the tests of its polite waits), where a thread that needs a transfer may
+  // take it and make the calls itself. It is re-taken blocking whatever else this thread holds: a thread
+  // that holds it makes a few nonblocking calls and waits for nothing else meanwhile.
   std::unique_lock<std::mutex> mpi;
   if (transfers) mpi = std::unique_lock<std::mutex>(transfers->mpi_lock());
+  mpi_held_ = transfers ? &mpi : nullptr;
+  progress_hook = {[](void* engine) { static_cast<Engine*>(engine)->service(); }, this,
+                   [](void* engine, bool asleep) {
+                     std::unique_lock<std::mutex>* mpi = static_cast<Engine*>(engine)->mpi_held_;
+                     if (mpi == nullptr) return;
+                     if (asleep && mpi->owns_lock()) mpi->unlock();
+                     if (!asleep && !mpi->owns_lock()) mpi->lock();
+                   }};
   start_probes();
   std::string stopped_because = "it was shut down";
   try {
@@ -457,6 +466,7 @@ void Engine::run() {
     stopped_because = fail_engine(error.what());
   }
   progress_hook = {};
+  mpi_held_ = nullptr;
   if (transfers && !mpi.owns_lock()) mpi.lock();
   if (transfers) transfers->stop(stopped_because);
   stop_probes();
@@ -497,11 +507,13 @@ bool Engine::await_cycle(std::chrono::steady_clock::time_point next_cycle, bool 
       wake_.wait_until(lock, next_cycle, [&] { return due() || transfer_busy(); });
       continue;  // due: the cycle runs; a transfer came: the poll below
     }
-    lock.unlock();  // the lock order is the communication lock, then mutex_
-    mpi.lock();
-    transfers->progress();
-    answer_probes();
-    mpi.unlock();
+    lock.unlock();
+    // a waiting thread tests them itself; one that holds the lock makes progress meanwhile
+    if (!transfers->wanted() && mpi.try_lock()) {
+      transfers->progress();
+      answer_probes();
+      mpi.unlock();
+    }
     lock.lock();
     if (due()) break;
     wake_.wait_until(lock, std::min(next_cycle, Clock::now() + std::chrono::microseconds(

@@ -397,6 +397,7 @@ class Engine {
   bool failed_ = false;  // leave_failed() was called (guarded by mutex_)
   std::string fatal_;
   std::shared_ptr<TransferQueue> transfers_;  // point-to-point transfers this thread drives (or null)
+  std::unique_lock<std::mutex>* mpi_held_ = nullptr;  // the thread's hold on transfers_'s communication lock
   // Absent ranks: a private duplicate of group 0 for probes and answers, and every rank's host name.
   MPI_Comm health_ = MPI_COMM_NULL;
   std::vector<std::string> hosts_;

@@ -12,11 +12,11 @@ This is how the pipeline moves activations forward and gradients backward. A mes
 
 So a sender and receiver each consume two consecutive tags per message; callers use even tags.
 Both directions go through the C++ core (``hybridpipe._C.isend/irecv``), which releases the GIL
-while waiting. After ``hp.init`` the engine's communication thread makes their MPI calls (the one
-thread that makes all of hybridpipe's MPI calls, see docs/concepts.md); the calling thread queues a
-transfer and waits for it. Each request holds its buffers until MPI is done with them, so dropping
-a :class:`Send` or :class:`Receive` in flight is safe. Tensors on a GPU are staged through host
-memory for now.
+while waiting. After ``hp.init`` their MPI calls are made under the communication thread's lock (one
+thread at a time in MPI, see docs/concepts.md): by the calling thread itself when that thread is not in
+MPI, else by the communication thread, which also tests them in the background. Each request holds
+its buffers until MPI is done with them, so dropping a :class:`Send` or :class:`Receive` in flight is
+safe. Tensors on a GPU are staged through host memory for now.
 
 A stage that fails sends an **error message** on :data:`ERROR_TAG` to its neighbours; a receive
 waiting with ``abort=`` on such an error raises :class:`RemoteError` instead of hanging.
@@ -80,6 +80,13 @@ class _Leaf:
     dtype: torch.dtype
     requires_grad: bool
 
+    def __reduce__(self) -> tuple:  # a plain call, the dtype by name: a fifth of the default's pickling time
+        return _leaf, (self.index, self.shape, str(self.dtype)[6:], self.requires_grad)
+
+
+def _leaf(index: int, shape: tuple[int, ...], dtype: str, requires_grad: bool) -> _Leaf:
+    return _Leaf(index, shape, getattr(torch, dtype), requires_grad)
+
 
 def _skeleton(value: Any, leaves: list[torch.Tensor]) -> Any:
     """``value`` with each tensor replaced by its :class:`_Leaf` (appended to ``leaves``)."""
@@ -88,14 +95,20 @@ def _skeleton(value: Any, leaves: list[torch.Tensor]) -> Any:
         leaves.append(tensor)
         return _Leaf(len(leaves) - 1, tuple(tensor.shape), tensor.dtype, tensor.requires_grad)
 
+    if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:  # the usual hop: no tree walk
+        return describe(value)
     return pytree.tree_map_only(torch.Tensor, describe, value)
 
 
 def _rebuild(skeleton: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    if type(skeleton) is _Leaf:
+        return tensors[skeleton.index]
     return pytree.tree_map_only(_Leaf, lambda leaf: tensors[leaf.index], skeleton)
 
 
 def _leaves(skeleton: Any) -> list[_Leaf]:
+    if type(skeleton) is _Leaf:
+        return [skeleton]
     return sorted((leaf for leaf in pytree.tree_leaves(skeleton) if isinstance(leaf, _Leaf)),
                   key=lambda leaf: leaf.index)
 
@@ -104,8 +117,9 @@ _policy: tuple[Config, Any] | None = None
 
 
 def _wait_policy() -> Any:
-    """How waits here block without hp.init (with it, the communication thread makes the MPI calls and
-    the caller sleeps until it is done): the configured polite wait (spin briefly, then sleep between
+    """How waits here block (with hp.init too: the waiting thread tests its transfers itself under the
+    communication lock, or sleeps until the communication thread completes them): the configured polite
+    wait (spin briefly, then sleep between
     tests), so that a stage waiting for its neighbour leaves the core to compute (HYBRIDPIPE_WAIT_SPIN_US)."""
     global _policy
     running = context.current_or_none()
@@ -259,7 +273,8 @@ def _post_header(header: bytes, dest: int, tag: int, comm_f: int) -> Any:
 def _from_raw(data: bytes, leaf: _Leaf) -> torch.Tensor:
     if not data:
         return torch.empty(leaf.shape, dtype=leaf.dtype)
-    return torch.frombuffer(bytearray(data), dtype=leaf.dtype).reshape(leaf.shape)
+    flat = torch.frombuffer(bytearray(data), dtype=leaf.dtype)
+    return flat if len(leaf.shape) == 1 else flat.view(leaf.shape)
 
 
 def send(value: Any, dest: int, tag: int, comm: Any) -> Send:
@@ -427,7 +442,8 @@ class Receive:
             return self._value
         described = what or self.what or f"the message on tag {self.tag}"
         if self._skeleton is None:
-            _wait_any([self._header_request], abort, self.source, self._comm_f, described)
+            if not self._header_request.test():  # (already in: no bounded wait to set up)
+                _wait_any([self._header_request], abort, self.source, self._comm_f, described)
             self._open_header()
         for request in self._payload_requests:
             while not request.test():
