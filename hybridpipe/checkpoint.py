@@ -117,10 +117,10 @@ def _names(model: Any) -> dict[int, str]:
 
 def _zero_manifest(optimizer: Any, stage: int) -> dict[str, Any]:
     """The stage file's optimizer entry for a ZeRO optimizer: its hyper-parameters and the shard files."""
-    size = optimizer._hp_zsize
+    size = optimizer.zero_replicas
     groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     return {"state": {}, "param_groups": groups,
-            "zero": {"level": optimizer._hp_zero, "replicas": size,
+            "zero": {"level": optimizer.zero, "replicas": size,
                      "files": [f"stage-{stage}.optimizer-{r}-of-{size}.pt" for r in range(size)]}}
 
 
@@ -180,10 +180,10 @@ def save_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
         raise CheckpointError(error)
     rng_states = _gather_rng_states(model, grid)  # captured before anything below could draw
     writer = grid.replica == 0 and (stages > 1 or grid.stage == 0)
-    sharded = getattr(optimizer, "_hp_zero", 0) > 0
+    sharded = getattr(optimizer, "zero", 0) > 0
     if sharded:  # ZeRO: every replica writes its own shard of the optimizer state
         try:
-            shard_file = f"stage-{stage}.optimizer-{optimizer._hp_zrank}-of-{optimizer._hp_zsize}.pt"
+            shard_file = f"stage-{stage}.optimizer-{optimizer.zero_rank}-of-{optimizer.zero_replicas}.pt"
             _atomic_save({"format": FORMAT, "model": {}, "zero": optimizer.sharded_state_by_name(_names(model))},
                          target / shard_file)
         except Exception as exc:  # every rank must learn of it
@@ -347,7 +347,7 @@ def _prepare(checkpoint: Path, manifest: dict, payloads: list[dict], model: Any,
         return {key: tensors[key] for key in own}, None
     # a tied weight's state may be saved under another of its names (a grid where one rank held both)
     aliases = {name: tie for tie in getattr(model, "tied_parameter_names", ()) for name in tie}
-    if getattr(optimizer, "_hp_zero", 0) > 0:  # keeps its own pieces of the whole tensors (any saved D / level)
+    if getattr(optimizer, "zero", 0) > 0:  # keeps its own pieces of the whole tensors (any saved D / level)
         for tie in dict.fromkeys(map(tuple, aliases.values())):
             saved_as = next((name for name in tie if name in optimizer_state), None)
             for name in tie if saved_as is not None else ():
@@ -435,8 +435,8 @@ def load_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
             optimizer.load_full_state_by_name(*optimizer_state["zero"], names=_names(model))
         elif optimizer is not None:
             optimizer.load_state_dict(optimizer_state)
-        if callable(getattr(model, "_restart_weight_versions", None)):
-            model._restart_weight_versions()
+        if callable(getattr(model, "restart_weight_versions", None)):
+            model.restart_weight_versions()
         if scaler is not None and saved_scaler is not None:
             scaler.load_state_dict(saved_scaler)
         if restore_rng:

@@ -97,6 +97,8 @@ class CommContext:
         self.nccl_groups: dict[tuple[int, int], Any] = {}  # (communicator handle, GPU) -> NCCL communicator or None
         self.copy_streams: dict[Any, tuple[Any, Any]] = {}  # per CUDA device: staging's two side streams
         self.warned_staging = False  # device.note_staged warns once per job
+        self.on_engine_thread = threading.local()  # .inside: this thread runs a call of the engine's (see call)
+        self.step_guard: Any = None  # the optimizer step hook of asynchronous pipelines (pipeline/asynchronous.py)
         self._device_allreduce = device_allreduce
         self.wait = wait_policy(config)
         # direct collectives spin, or wait politely while this process has tensors on the engine, so
@@ -306,6 +308,9 @@ class CommContext:
                 entry.comm.Free()
         self._users.clear()
         self.process_sets.close()
+        if self.step_guard is not None:
+            self.step_guard.remove()
+            self.step_guard = None
         return events
 
 
@@ -334,7 +339,6 @@ def communicator(group: Any, function: str) -> Any:
     return current(function).communicator(group, function)
 
 
-_on_engine_thread = threading.local()
 _Result = TypeVar("_Result")
 _CALL_NAME = "hybridpipe.collective"  # one at a time per group and process: the name can repeat
 
@@ -465,14 +469,14 @@ def _call_handle(state: CommContext, group: Any, function: str, name: str, colle
     recording = _trace.enabled()
 
     def job() -> None:
-        _on_engine_thread.inside = True
+        state.on_engine_thread.inside = True
         start = time.monotonic()
         try:
             outcome["value"] = work()
         except BaseException as error:  # handed to the thread that waits
             outcome["error"] = error
         finally:
-            _on_engine_thread.inside = False
+            state.on_engine_thread.inside = False
             if recording:
                 _trace.record(function, "collective", "collectives", start, time.monotonic(),
                               {"name": name} if track else None)
@@ -510,7 +514,7 @@ def call(group: Any, function: str, work: Callable[[], _Result], collective: str
         MismatchError: ranks of the group called different collectives at this point (every rank).
     """
     state = running.current_or_none()
-    if state is None or getattr(_on_engine_thread, "inside", False):
+    if state is None or getattr(state.on_engine_thread, "inside", False):
         return work()
     return _call_handle(state, group, function, _CALL_NAME, collective or function, work, track=False).wait()
 
@@ -520,7 +524,7 @@ def submit(group: Any, function: str, name: str | None, work: Callable[[], Any],
     :class:`Handle` at once; ranks match it by ``name`` (default: the next unnamed name) and must agree on
     ``collective``. ``work`` stays referenced until the handle is waited for (or hp.shutdown)."""
     state = current(function)
-    if getattr(_on_engine_thread, "inside", False):
+    if getattr(state.on_engine_thread, "inside", False):
         raise HybridPipeError(f"hp.{function} cannot be queued from inside a collective running on the "
                               "communication thread")
     check_name(name, function)
@@ -555,7 +559,7 @@ def refusing(function: str, collective: str, group: Any = None, process_set: Any
 
 def _refuse(function: str, group: Any, process_set: Any, name: Any, asynchronous: bool, error: BaseException) -> None:
     state = running.current_or_none()
-    if state is None or getattr(_on_engine_thread, "inside", False):
+    if state is None or getattr(state.on_engine_thread, "inside", False):
         return  # no engine (or a collective nested in one): nobody is waiting through it
     try:
         group_id = state.engine_group(resolve_group(group, process_set, function), function)

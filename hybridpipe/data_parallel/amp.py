@@ -80,7 +80,7 @@ class LossScaler:
 
     @staticmethod
     def _gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        if getattr(optimizer, "_hp_zero", 0):
+        if getattr(optimizer, "zero", 0):
             return list(optimizer.shard_gradients())
         return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
@@ -90,7 +90,7 @@ class LossScaler:
         if self._unscaled:
             raise HybridPipeError("LossScaler.unscale_() was already called since the last update(): call it "
                                   "once per step, before clipping")
-        if callable(getattr(optimizer, "synchronize", None)) and not getattr(optimizer, "_hp_synchronized", True):
+        if callable(getattr(optimizer, "synchronize", None)) and not getattr(optimizer, "synchronized", True):
             optimizer.synchronize()
         inverse = torch.tensor(1.0 / self.loss_multiplier, dtype=torch.float32)
         found = False
@@ -112,8 +112,8 @@ class LossScaler:
         if not self._unscaled:
             self.unscale_(optimizer)
         if self._found_inf:
-            if hasattr(optimizer, "_hp_synchronized"):
-                optimizer._hp_synchronized = False
+            if hasattr(optimizer, "synchronized"):
+                optimizer.synchronized = False
             self.skipped_steps += 1
             return False
         if callable(getattr(optimizer, "skip_synchronize", None)):

@@ -38,6 +38,7 @@ from .. import runtime
 from . import zero as zero_module
 from .compression import Compression
 from ..pipeline import stage
+from ..pipeline.asynchronous import owner_of
 from ..pipeline.tied import copies_counted_elsewhere
 from ..comm.collectives import Average, ReduceOp, Sum
 from ..comm.process_sets import ProcessSet
@@ -190,6 +191,16 @@ class _DistributedOptimizerMixin:
         self._hp_hooks = [] if self._hp_outside else [
             parameter.register_post_accumulate_grad_hook(self._hp_hook(name))
             for name, parameter in self._hp_parameters if parameter.requires_grad]
+
+    @property
+    def synchronized(self) -> bool:
+        """Whether this step's gradients are reduced already (``synchronize()`` ran since the last step); set it
+        to False to have the next ``step()`` reduce again (hp.LossScaler does, after skipping a step)."""
+        return self._hp_synchronized
+
+    @synchronized.setter
+    def synchronized(self, value: bool) -> None:
+        self._hp_synchronized = bool(value)
 
     @property
     def _parameter_names(self) -> dict[torch.nn.Parameter, str]:
@@ -364,8 +375,7 @@ class _DistributedOptimizerMixin:
 def _refuse_pipeline_driven(optimizer: torch.optim.Optimizer, zero: int) -> None:
     """Parameters of a PipelineModel whose asynchronous schedule steps its own optimizer are not wrapped again."""
     for group_ in optimizer.param_groups:
-        owner = next((ref() for p in group_["params"] if (ref := getattr(p, "_hybridpipe_owner", None)) is not None
-                      and ref() is not None), None)
+        owner = next((model for p in group_["params"] if (model := owner_of(p)) is not None), None)
         if owner is not None:
             raise HybridPipeError(
                 f"hp.DistributedOptimizer(zero={zero}) wraps parameters of a PipelineModel whose schedule "
@@ -505,7 +515,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         root = objects.root_index(target, root_rank, "broadcast_optimizer_state")
     me = context.communicator(target, "broadcast_optimizer_state").Get_rank()
     source = root_rank if process_set is not None or isinstance(target, ProcessSet) else root  # as broadcast_object takes it
-    if getattr(optimizer, "_hp_zero", 0):
+    if getattr(optimizer, "zero", 0):
         # ZeRO: each replica holds its own shard of the moments, so root's would be the wrong piece; the
         # shards together are the one state. Only the hyper-parameters (lr, betas, ...) are made root's.
         groups = objects.broadcast_object([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]

@@ -310,6 +310,16 @@ class ZeroMixin:
         """The ZeRO stage: 1 (optimizer state sharded) or 2 (and gradients)."""
         return self._hp_zero
 
+    @property
+    def zero_rank(self) -> int:
+        """Which shard this replica holds: its rank in the optimizer's group."""
+        return self._hp_zrank
+
+    @property
+    def zero_replicas(self) -> int:
+        """How many shards the state is cut into: the size of the optimizer's group."""
+        return self._hp_zsize
+
     def shard_gradients(self) -> list[torch.Tensor]:
         """This replica's pieces of the averaged gradient (one flat tensor per param group), after
         ``synchronize()``."""

@@ -21,16 +21,18 @@ Design reasons:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from hybridpipe import running
 from hybridpipe.errors import HybridPipeError
 
-__all__ = ["WeightStash", "install_step_guard"]
+__all__ = ["WeightStash", "install_step_guard", "mark_owned", "owner_of"]
 
 
 class _Snapshot:
@@ -145,26 +147,35 @@ class WeightStash:
         return lambda x: torch.func.functional_call(self.module, version_tensors, (x,))
 
 
-_guard_installed = False
+def mark_owned(parameters: Iterable[nn.Parameter], model: Any) -> None:
+    """Marks ``parameters`` as held by ``model`` (a PipelineModel, weakly): see :func:`owner_of`."""
+    for parameter in parameters:
+        parameter._hybridpipe_owner = weakref.ref(model)
+
+
+def owner_of(parameter: Any) -> Any:
+    """The live PipelineModel that holds ``parameter`` (:func:`mark_owned`), or None: the step guard and
+    DistributedOptimizer find an asynchronous pipeline's parameters through it."""
+    reference = getattr(parameter, "_hybridpipe_owner", None)
+    return reference() if reference is not None else None
 
 
 def install_step_guard() -> None:
     """Makes ``step()`` of any optimizer over an asynchronous pipeline's parameters raise, unless the
-    pipeline itself calls it (a ``U`` action): a second update would break the weight versions."""
-    global _guard_installed
-    if not _guard_installed:
-        register_optimizer_step_pre_hook(_step_guard)
-        _guard_installed = True
+    pipeline itself calls it (a ``U`` action): a second update would break the weight versions. Installed once
+    per job (the running job's ``step_guard``; hp.shutdown removes it)."""
+    job = running.current("PipelineModel")
+    if job.step_guard is None:
+        job.step_guard = register_optimizer_step_pre_hook(_step_guard)
 
 
 def _step_guard(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     for group in optimizer.param_groups:
         for parameter in group["params"]:
-            reference = getattr(parameter, "_hybridpipe_owner", None)
-            model = reference() if reference is not None else None
+            model = owner_of(parameter)
             if model is None or not model.asynchronous:
                 continue
-            if optimizer is model.optimizer and model._updating:
+            if model.updates_with(optimizer):
                 return
             raise HybridPipeError(
                 f"schedule {model.schedule_name!r} updates the weights inside the pipeline (the optimizer given "

@@ -133,7 +133,7 @@ def report(model: Any, optimizer: torch.optim.Optimizer | None = None) -> Memory
     gradients = _tensor_bytes(p.grad for p in parameters)
     state = 0
     if optimizer is not None:
-        if getattr(optimizer, "_hp_zero", 0):
+        if getattr(optimizer, "zero", 0):
             gradients += _tensor_bytes(optimizer.shard_gradients())
         state = sum(v.numel() * v.element_size() for entry in optimizer.state.values() for v in entry.values()
                     if torch.is_tensor(v) and v.dim() > 0)

@@ -30,7 +30,6 @@ Design reasons:
 from __future__ import annotations
 
 import copy
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,7 +51,7 @@ from hybridpipe.pipeline.layers import LayerSpec, LazyLayers, TiedLayerSpec, bui
 from hybridpipe.pipeline.partition import (
     BALANCE_METHODS,
     BalanceReport,
-    _check_stage_count,
+    check_stage_count,
     even_out_identical,
     partition_by_weights,
     partition_uniform,
@@ -76,7 +75,7 @@ from hybridpipe.pipeline.schedule import (
     peak_in_flight,
     validate,
 )
-from hybridpipe.pipeline.asynchronous import install_step_guard
+from hybridpipe.pipeline.asynchronous import install_step_guard, mark_owned
 from hybridpipe.pipeline.stage import CHECKPOINT_MODES, StageExecutor, StepResult, split_summary
 
 __all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModel"]
@@ -410,8 +409,7 @@ class PipelineModel(nn.Module):
         self._executor.on_update = self._apply_update
         self._updating = False
         install_step_guard()
-        for parameter in parameters:
-            parameter._hybridpipe_owner = weakref.ref(self)
+        mark_owned(parameters, self)
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -443,7 +441,7 @@ class PipelineModel(nn.Module):
         if method not in BALANCE_METHODS + ("memory",):
             raise PartitionError(f"unknown balance {method!r}: pass a list of layer counts or one of "
                                  f"{', '.join(map(repr, BALANCE_METHODS + ('memory',)))}")
-        _check_stage_count(count, stages)
+        check_stage_count(count, stages)
         if method in ("time", "memory") and sample_input is None:
             raise PartitionError(f'balance="{method}" profiles the layers on a sample micro-batch: pass '
                                  'sample_input=<one micro-batch of inputs>, or use balance="parameters"')
@@ -721,7 +719,7 @@ class PipelineModel(nn.Module):
         self.last_step = self._executor.run(actions, 0, {}, {}, self.loss_fn, {}, self.checkpoint, train=True)
         self._executor.drain()
 
-    def _restart_weight_versions(self) -> None:
+    def restart_weight_versions(self) -> None:
         """After the live weights were replaced (``hp.load_checkpoint``): asynchronous schedules start
         their weight versions again from them."""
         if self.asynchronous:
@@ -746,6 +744,11 @@ class PipelineModel(nn.Module):
             lines.append(f"stage {stage}: W deferred for {', '.join(deferred) or 'no layer'}; fused into I: "
                          f"{', '.join(fused) or 'nothing'}")
         return "\n".join(lines)
+
+    def updates_with(self, optimizer: Any) -> bool:
+        """Whether ``optimizer.step()`` runs now as this pipeline's own scheduled update (a ``U`` action of an
+        asynchronous schedule; any other step of its optimizer is refused, see pipeline/asynchronous.py)."""
+        return optimizer is self.optimizer and self._updating
 
     def _apply_update(self, stage: int, micro_batch: int) -> None:
         """A ``U`` action: average the gradients over the stage's replicas, step, start a new version."""

@@ -46,6 +46,7 @@ __all__ = [
     "partition_by_weights",
     "even_out_identical",
     "validate_balance",
+    "check_stage_count",
     "SharedParameter",
     "find_shared_parameters",
     "shared_parameters_error",
@@ -57,7 +58,7 @@ BALANCE_METHODS = ("uniform", "parameters", "time")
 """Names accepted by :func:`balance_by`."""
 
 
-def _check_stage_count(num_layers: int, stages: int) -> None:
+def check_stage_count(num_layers: int, stages: int) -> None:
     if stages < 1:
         raise PartitionError(f"pipeline_stages must be >= 1 (got {stages})")
     if stages > num_layers:
@@ -74,7 +75,7 @@ def validate_balance(balance: Sequence[int], num_layers: int, stages: int) -> li
         PartitionError: more stages than layers, wrong length, a non-integer or empty stage,
             or counts that do not sum to ``num_layers`` — each naming the values and the fix.
     """
-    _check_stage_count(num_layers, stages)
+    check_stage_count(num_layers, stages)
     counts = list(balance)
     if any(isinstance(count, bool) or not isinstance(count, (int, np.integer)) for count in counts):
         raise PartitionError(f"balance must be a list of ints (got {counts})")
@@ -104,7 +105,7 @@ def partition_uniform(num_layers: int, stages: int) -> list[int]:
         >>> partition_uniform(10, 4)
         [2, 2, 3, 3]
     """
-    _check_stage_count(num_layers, stages)
+    check_stage_count(num_layers, stages)
     base, extra = divmod(num_layers, stages)
     return [base + 1 if s >= stages - extra else base for s in range(stages)]
 
@@ -203,7 +204,7 @@ def partition_by_weights(
         [3, 1, 2]
     """
     num_layers = len(weights)
-    _check_stage_count(num_layers, stages)
+    check_stage_count(num_layers, stages)
     prefix = _prefix(weights, "weights")
     other: list[tuple[list[float], float]] = []
     if (memory is None) != (memory_limit is None):
@@ -572,7 +573,7 @@ def balance_by(
         raise PartitionError(f"unknown balance method {method!r} (use one of {', '.join(BALANCE_METHODS)})")
     if method == "time" and sample_input is None:
         raise PartitionError('balance "time" needs a sample_input micro-batch to profile (pass one)')
-    _check_stage_count(len(layers), stages)
+    check_stage_count(len(layers), stages)
     parameters = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     layer_ms = None
     if sample_input is not None:
