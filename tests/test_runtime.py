@@ -70,6 +70,23 @@ def test_init_twice_same_grid_returns_it_and_other_grid_is_an_error():
 
 
 @ranks_agree()
+def test_shutdown_drops_the_jobs_state_and_init_starts_a_new_one():
+    from hybridpipe import runtime
+
+    hp.init()
+    first = runtime.job("test")
+    assert first.grid is hp.grid() and first.local_comm.Get_size() == hp.local_size()
+    first.warned_staging = True  # what a job holds (the staging warning, NCCL communicators, streams, ...)
+    hp.shutdown()
+    assert not hp.is_initialized()
+    with pytest.raises(hp.NotInitializedError, match=r"hp\.test\(\) was called before hp\.init"):
+        runtime.job("test")
+    hp.init()
+    second = runtime.job("test")
+    assert second is not first and not second.warned_staging and second.timeline is None
+
+
+@ranks_agree()
 def test_world_size_not_divisible_names_both_fixes():
     n = WORLD.Get_size()
     with pytest.raises(hp.GridError) as error:
