@@ -44,7 +44,7 @@ from .departures import Departures
 from .process_sets import ProcessSet, Registry
 from ..running import current, current_or_none
 
-__all__ = ["CommContext", "Handle", "start", "stop", "current", "current_or_none", "communicator", "call", "submit",
+__all__ = ["CommContext", "Group", "Handle", "start", "stop", "current", "current_or_none", "communicator", "call", "submit",
            "wait_policy", "allreduce_options_for", "resolve_group", "unnamed", "check_name", "refusing",
            "ARGUMENT_ERRORS", "RanksJoined"]
 
@@ -78,6 +78,21 @@ class _UserGroup:
     user: Any
     comm: Any
     engine_id: int | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Group:
+    """``group=`` / ``process_set=`` resolved once (:meth:`CommContext.group`): what the layers below the API
+    take as it is. ``builtin``: "world" / "data" / "pipe" (the grid's own communicator and engine group), else
+    ``entry``: the registered process set's :class:`~hybridpipe.comm.process_sets.SetEntry` or the user
+    communicator's duplicate (both made the first time they are used). ``set_ranks``: a process set's global
+    ranks (a process set's ``root_rank`` is global, as in Horovod), else None."""
+
+    label: str
+    size: int
+    builtin: str | None = None
+    entry: Any = None
+    set_ranks: list[int] | None = None
 
 
 #: Makes the engine's device allreduce of a group over an mpi4py communicator: ``reduce(address, count, dtype
@@ -136,6 +151,8 @@ class CommContext:
         self._device_allreduces: list[Any] = []  # the engine borrows them (set_device_allreduce)
         for label in BUILTIN_GROUPS:
             self._engine_ids[label] = self.add_engine_group(self._builtin(label), label)
+        self._builtin_groups = {label: Group(label, self._builtin(label).Get_size(), builtin=label)
+                                for label in BUILTIN_GROUPS}
         self.departures = Departures(grid)  # hp.shutdown tells the pipeline's other stages (departures.py)
         self.engine.drive_transfers()  # the pipeline's sends and receives go through the same thread
         self.departures.start()
@@ -184,70 +201,56 @@ class CommContext:
             call(entry.user, function, duplicate, "duplicate communicator")
         return entry.comm
 
-    def check_group(self, group: Any, function: str) -> None:
-        """Raises the TypeError / ValueError that using ``group`` here would raise; no communication."""
-        if group is None:
-            return
-        if isinstance(group, str):
-            if group not in BUILTIN_GROUPS:
+    def group(self, group: Any, function: str) -> Group:
+        """``group`` resolved: None/"world", "data", "pipe", a registered :class:`ProcessSet` this rank belongs to,
+        an mpi4py intracommunicator, or a :class:`Group` already resolved (returned as it is). Raises the
+        TypeError / ValueError using it would raise; no communication."""
+        if isinstance(group, Group):
+            return group
+        if group is None or isinstance(group, str):
+            resolved = self._builtin_groups.get("world" if group is None else group)
+            if resolved is None:
                 raise ValueError(f"hp.{function}: unknown group {group!r} (use None/'world', 'data', 'pipe', a "
                                  "hp.ProcessSet or an mpi4py communicator)")
-        elif isinstance(group, ProcessSet):
-            self.process_sets.member_entry(group, function)
-        else:
-            self._user(group, function)
+            return resolved
+        if isinstance(group, ProcessSet):
+            entry = self.process_sets.member_entry(group, function)
+            return Group(entry.label, len(entry.ranks), entry.builtin, None if entry.builtin else entry, entry.ranks)
+        user = self._user(group, function)
+        return Group(f"user communicator {id(group):#x}", group.Get_size(), entry=user)
+
+    def check_group(self, group: Any, function: str) -> None:
+        """Raises the TypeError / ValueError that using ``group`` here would raise; no communication."""
+        self.group(group, function)
 
     def group_size(self, group: Any, function: str) -> int:
         """The number of ranks of ``group`` (checked as :meth:`check_group` does); no communication."""
-        self.check_group(group, function)
-        if group is None or isinstance(group, str):
-            return self._builtin(group or "world").Get_size()
-        if isinstance(group, ProcessSet):
-            return len(self.process_sets.member_entry(group, function).ranks)
-        return group.Get_size()
+        return self.group(group, function).size
 
     def communicator(self, group: Any, function: str) -> Any:
-        """hybridpipe's communicator for ``group``: None/"world", "data", "pipe", a registered
-        :class:`ProcessSet` this rank belongs to, or an mpi4py comm (whose private duplicate is made,
-        collectively and on the communication thread, the first time)."""
-        if group is None:
-            return self.grid.world_comm
-        if isinstance(group, str):
-            if group not in BUILTIN_GROUPS:
-                raise ValueError(f"hp.{function}: unknown group {group!r} (use None/'world', 'data', 'pipe', a "
-                                 "hp.ProcessSet or an mpi4py communicator)")
-            return self._builtin(group)
-        if isinstance(group, ProcessSet):
-            entry = self.process_sets.member_entry(group, function)
-            return self._builtin(entry.builtin) if entry.builtin else entry.comm
-        return self._private(self._user(group, function), function)
+        """hybridpipe's communicator for ``group`` (see :meth:`group`); a user communicator's private duplicate is
+        made, collectively and on the communication thread, the first time."""
+        resolved = self.group(group, function)
+        if resolved.builtin is not None:
+            return self._builtin(resolved.builtin)
+        if isinstance(resolved.entry, _UserGroup):
+            return self._private(resolved.entry, function)
+        return resolved.entry.comm
 
     def set_ranks(self, group: Any, function: str) -> list[int] | None:
         """The global ranks of ``group`` in its rank order when it is a process set (whose ``root_rank``
         arguments are global ranks, as in Horovod), else None (a group's ``root_rank`` is its own rank)."""
-        if isinstance(group, ProcessSet):
-            return self.process_sets.member_entry(group, function).ranks
-        return None
+        return self.group(group, function).set_ranks
 
     def engine_group(self, group: Any, function: str) -> int:
         """The engine's id of ``group`` (a user communicator or process set joins the engine the first time)."""
-        if group is None:
-            return self._engine_ids["world"]
-        if isinstance(group, str):
-            if group not in BUILTIN_GROUPS:
-                raise ValueError(f"hp.{function}: unknown group {group!r} (use None/'world', 'data', 'pipe', a "
-                                 "hp.ProcessSet or an mpi4py communicator)")
-            return self._engine_ids[group]
-        if isinstance(group, ProcessSet):
-            set_entry = self.process_sets.member_entry(group, function)
-            if set_entry.builtin:
-                return self._engine_ids[set_entry.builtin]
-            if set_entry.engine_id is None:
-                set_entry.engine_id = self.add_engine_group(set_entry.comm, set_entry.label)
-            return set_entry.engine_id
-        entry = self._user(group, function)
+        resolved = self.group(group, function)
+        if resolved.builtin is not None:
+            return self._engine_ids[resolved.builtin]
+        entry = resolved.entry
         if entry.engine_id is None:
-            entry.engine_id = self.add_engine_group(entry.user, f"user communicator {id(group):#x}")
+            user = isinstance(entry, _UserGroup)
+            entry.engine_id = self.add_engine_group(entry.user if user else entry.comm, resolved.label)
         return entry.engine_id
 
     def allreduce_options(self) -> Any:
