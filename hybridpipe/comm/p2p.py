@@ -119,8 +119,8 @@ _policy: tuple[Config, Any] | None = None
 def _wait_policy() -> Any:
     """How waits here block (with hp.init too: the waiting thread tests its transfers itself under the
     communication lock, or sleeps until the communication thread completes them): the configured polite
-    wait (spin briefly, then sleep between
-    tests), so that a stage waiting for its neighbour leaves the core to compute (HYBRIDPIPE_WAIT_SPIN_US)."""
+    wait (spin briefly, then sleep between tests), so that a stage waiting for its neighbour leaves the
+    core to compute (HYBRIDPIPE_WAIT_SPIN_US)."""
     global _policy
     running = context.current_or_none()
     config = running.config if running is not None else Config.from_env()
