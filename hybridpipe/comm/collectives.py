@@ -23,7 +23,7 @@ import numpy as np
 
 from . import buffers, context, device, staging
 from .buffers import check_array, copy_into, describe, host, is_tensor
-from .context import check_name, refusing, resolve_group
+from .context import check_name, refusing, resolve_group, resolved
 from .engine import allreduce_while_joined
 from .reduction import (CORE_OPS, Adasum, Average, Max, Min, Product, ReduceOp, Sum, agree, allreduce_here,
                         check_tensors, device_buffer, digest, grouped_allreduce_here, named,
@@ -121,6 +121,7 @@ def _allreduce(tensor: Any, average: Any, name: str | None, op: Any, prescale: A
         postscale = scale_factor(postscale, "postscale_factor", function)
         group = resolve_group(group, process_set, function)
         check_tensors([tensor], group, function)
+        group = resolved(group, function)
         buffers.check_reducible([buffers.dtype_code(tensor)], [tensor], function)
     ready = staging.ready_event(tensor)  # a CUDA tensor is read once what this thread queued has written it
     try:
@@ -141,6 +142,7 @@ def _grouped(tensors: Sequence[Any], average: Any, name: str | None, op: Any, pr
         postscale = scale_factor(postscale, "postscale_factor", function)
         group = resolve_group(group, process_set, function)
         tensors = check_tensors(tensors, group, function)
+        group = resolved(group, function)
         buffers.check_reducible([buffers.dtype_code(t) for t in tensors], tensors, function)
     ready = staging.ready_event(tensors[0]) if tensors else None
     try:
@@ -226,6 +228,7 @@ def _broadcast_call(tensor: Any, root_rank: int, name: str | None, process_set: 
         check_name(name, function)
         group = resolve_group(group, process_set, function)
         check_tensors([tensor], group, function)
+        group = resolved(group, function)
         root_rank = check_root(root_rank, function)
 
     ready = staging.ready_event(tensor)
@@ -289,5 +292,5 @@ def barrier(process_set: Any = None, group: Any = None) -> None:
     """Blocks until every rank of the group (or process set) has called barrier."""
     with refusing("barrier", "barrier", group, process_set):
         group = resolve_group(group, process_set, "barrier")
-        context.current("barrier").check_group(group, "barrier")
+        group = resolved(group, "barrier")
     _on_engine(group, "barrier", lambda: context.communicator(group, "barrier").Barrier(), "barrier")

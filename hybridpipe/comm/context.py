@@ -45,7 +45,7 @@ from .process_sets import ProcessSet, Registry
 from ..running import current, current_or_none
 
 __all__ = ["CommContext", "Group", "Handle", "start", "stop", "current", "current_or_none", "communicator", "call", "submit",
-           "wait_policy", "allreduce_options_for", "resolve_group", "unnamed", "check_name", "refusing",
+           "wait_policy", "allreduce_options_for", "resolve_group", "resolved", "unnamed", "check_name", "refusing",
            "ARGUMENT_ERRORS", "RanksJoined"]
 
 BUILTIN_GROUPS = ("world", "data", "pipe")
@@ -370,6 +370,12 @@ def resolve_group(group: Any, process_set: Any, function: str) -> Any:
         raise TypeError(f"hp.{function}: process_set must be a hp.ProcessSet (e.g. hp.global_process_set), got "
                         f"{type(process_set).__name__}; for 'data', 'pipe' or a communicator use group=")
     return process_set
+
+
+def resolved(group: Any, function: str) -> Group:
+    """A collective's group (after :func:`resolve_group`) as the :class:`Group` the layers below take as it is:
+    resolved once, at the API (raises what using it would raise; no communication)."""
+    return current(function).group(group, function)
 
 
 class RanksJoined(HorovodInternalError):

@@ -25,7 +25,7 @@ from .. import _trace
 from . import buffers, context, staging
 from .reduction import (CORE_OPS, Average, allreduce_here, check_tensors, grouped_allreduce_here, resolve_op,
                         scale_factor)
-from .context import Handle, call, check_name, refusing, resolve_group, unnamed
+from .context import Handle, call, check_name, refusing, resolve_group, resolved, unnamed
 
 __all__ = ["Handle", "allreduce_async", "allreduce_async_", "grouped_allreduce_async", "grouped_allreduce_async_",
            "synchronize", "poll", "engine_stats", "call", "join", "allreduce_while_joined", "start_timeline",
@@ -42,6 +42,7 @@ def _submit(tensor: Any, average: Any, name: str | None, op: Any, prescale: Any,
         postscale = scale_factor(postscale, "postscale_factor", function)
         group = resolve_group(group, process_set, function)
         check_tensors([tensor], group, function)
+        group = resolved(group, function)
         if op in CORE_OPS:
             buffers.check_reducible([buffers.dtype_code(tensor)], [tensor], function)
     if op not in CORE_OPS:  # Product (MPI library) and Adasum (hybridpipe.comm.adasum): one queued call
@@ -208,6 +209,7 @@ def _grouped_submit(tensors: Sequence[Any], average: Any, name: str | None, op: 
         postscale = scale_factor(postscale, "postscale_factor", function)
         group = resolve_group(group, process_set, function)
         tensors = check_tensors(tensors, group, function)
+        group = resolved(group, function)
     ready = staging.ready_event(tensors[0]) if tensors else None
     return context.submit(group, function, name, lambda: grouped_allreduce_here(
         tensors, op, name, prescale, postscale, group, function, in_place, ready), "grouped_allreduce")

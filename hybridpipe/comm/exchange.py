@@ -21,7 +21,7 @@ from .._ext import core
 from . import buffers, context
 from .buffers import check_array, describe, host, is_tensor
 from .reduction import Average, Sum, agree, check_tensors, digest, list_ranks, named, reduce_op, scale_factor
-from .context import check_name, refusing, resolve_group
+from .context import check_name, refusing, resolve_group, resolved
 
 __all__ = ["allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async", "alltoall",
            "alltoall_async", "reducescatter", "reducescatter_async", "grouped_reducescatter",
@@ -142,6 +142,7 @@ def allgather(tensor: Any, name: str | None = None, process_set: Any = None, gro
         check_name(name, "allgather")
         group = resolve_group(group, process_set, "allgather")
         check_tensors([tensor], group, "allgather")
+        group = resolved(group, "allgather")
     return context.call(group, "allgather", lambda: allgather_here(tensor, name, group, "allgather")[0], "allgather")
 
 
@@ -152,6 +153,7 @@ def allgather_async(tensor: Any, name: str | None = None, process_set: Any = Non
         check_name(name, "allgather_async")
         group = resolve_group(group, process_set, "allgather_async")
         check_tensors([tensor], group, "allgather_async")
+        group = resolved(group, "allgather_async")
     return context.submit(group, "allgather_async", name,
                           lambda: allgather_here(tensor, name, group, "allgather_async")[0], "allgather")
 
@@ -167,6 +169,7 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None, process_s
         check_name(name, "grouped_allgather")
         group = resolve_group(group, process_set, "grouped_allgather")
         tensors = check_tensors(tensors, group, "grouped_allgather")
+        group = resolved(group, "grouped_allgather")
     return context.call(group, "grouped_allgather",
                       lambda: grouped_allgather_here(tensors, name, group, "grouped_allgather")[0], "grouped_allgather")
 
@@ -178,6 +181,7 @@ def grouped_allgather_async(tensors: Sequence[Any], name: str | None = None, pro
         check_name(name, "grouped_allgather_async")
         group = resolve_group(group, process_set, "grouped_allgather_async")
         tensors = check_tensors(tensors, group, "grouped_allgather_async")
+        group = resolved(group, "grouped_allgather_async")
     return context.submit(group, "grouped_allgather_async", name,
                           lambda: grouped_allgather_here(tensors, name, group, "grouped_allgather_async")[0],
                           "grouped_allgather")
@@ -271,6 +275,7 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, process_s
         check_name(name, "alltoall")
         group = resolve_group(group, process_set, "alltoall")
         check_tensors([tensor], group, "alltoall")
+        group = resolved(group, "alltoall")
         check_splits(tensor, splits, group, "alltoall")
     output, received = context.call(group, "alltoall", lambda: alltoall_here(tensor, splits, name, group, "alltoall"),
                                     "alltoall")
@@ -285,6 +290,7 @@ def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None, pro
         check_name(name, "alltoall_async")
         group = resolve_group(group, process_set, "alltoall_async")
         check_tensors([tensor], group, "alltoall_async")
+        group = resolved(group, "alltoall_async")
         check_splits(tensor, splits, group, "alltoall_async")
     return context.submit(group, "alltoall_async", name,
                           lambda: alltoall_here(tensor, splits, name, group, "alltoall_async"), "alltoall")
@@ -381,6 +387,7 @@ def _prepare(tensors: Any, op: Any, name: Any, prescale: Any, postscale: Any, pr
         prepared = (op, scale_factor(prescale, "prescale_factor", function),
                     scale_factor(postscale, "postscale_factor", function), resolve_group(group, process_set, function))
         check_tensors(tensors, prepared[3], function)
+        prepared = (*prepared[:3], resolved(prepared[3], function))
         for tensor in tensors:
             if len(tensor.shape) == 0:
                 raise ValueError(f"hp.{function} needs tensors with at least one dimension (got a 0-d scalar; "
@@ -504,8 +511,8 @@ def sparse_allreduce_async(tensor: Any, name: str | None = None, op: Any = Avera
         if not (is_tensor(tensor) and tensor.is_sparse):
             raise TypeError(f"hp.{function} takes a sparse COO torch tensor, got "
                             f"{type(tensor).__name__ if not is_tensor(tensor) else tensor.layout}")
-        group = resolve_group(group, process_set, function)
-        size = context.current(function).group_size(group, function)
+        group = resolved(resolve_group(group, process_set, function), function)
+        size = group.size
     if name is None:
         name = context.unnamed(function)
     indices = tensor._indices().transpose(0, 1).contiguous()  # gathered along the entries
