@@ -6,7 +6,8 @@ reply rank 1 pauses (``--pause-ms``, a sleep standing in for compute) before it 
 so the ping waits for it as an activation waits for a busy stage. The pause is a sleep or, as a stage's
 is, compute (``--pause-kinds``): rank 1 then computes right after handing its reply to the transport, as a
 stage does after sending an activation or a gradient, and on a rank bound to one core (mpirun's default
-when the ranks fit the cores) the reply is only posted when the communication thread gets that core.
+when the ranks fit the cores) a reply the transport had to queue to the communication thread (it was in
+MPI) is only posted when that thread gets the core.
 
 Usage:
     python bench/p2p.py [--pause-ms 0,5] [--pause-kinds sleep,compute] [--bytes 256,65536] [--iterations 200]
@@ -19,7 +20,8 @@ How it measures (a shared, noisy 2-core machine is the expected case, so it neve
   * Implementations, all in the same job and interleaved in blocks of ``--iterations`` round trips
     with a rotating order, so machine noise hits them alike:
       - "hybridpipe": ``hybridpipe.comm.p2p.send`` / ``Receive`` after ``hp.init()``, as the pipeline
-        executor uses them (the engine's communication thread makes the MPI calls);
+        executor uses them (the calling thread makes the MPI calls under the communication lock, or the
+        engine's communication thread when it holds it);
       - "mpi4py": ``comm.Send`` / ``comm.Recv`` of the tensor's numpy view, on a communicator of its own
         (the MPI library alone: the floor for MPI);
       - "gloo": ``torch.distributed.send`` / ``recv`` over loopback TCP.

@@ -396,8 +396,8 @@ class HybridpipeWorker(MPIWorker):
 
     def hop_seconds(self, repeats: int = 200) -> dict[str, float]:
         """One-way time of a 64-byte message between ranks 0 and 1, medians of ping-pongs: through MPI
-        directly (mpi4py on this thread) and through hybridpipe's pipeline path (p2p, handed to the
-        communication thread), while the other ranks wait in a barrier. The latter is what each
+        directly (mpi4py on this thread) and through hybridpipe's pipeline path (hybridpipe.comm.p2p after
+        hp.init), while the other ranks wait in a barrier. The latter is what each
         transfer on a schedule's critical path costs here."""
         from hybridpipe.comm import p2p
         from hybridpipe.comm.engine import call
@@ -812,7 +812,7 @@ def report(launches: list[Launch], args: argparse.Namespace, started: str, total
                 f"schedule runs v = {VIRTUAL_STAGES} chunks per rank and is compared with zb-h1 and its theory; "
                 "the schedules of a framework interleaved in one launch. theory with hybridpipe's hop = the same "
                 "simulation with every transfer between ranks taking the one-way time of a 64-byte message between "
-                "ranks 0 and 1 through hybridpipe's pipeline path (p2p handed to the communication thread), measured "
+                "ranks 0 and 1 through hybridpipe's pipeline path (hybridpipe.comm.p2p after hp.init), measured "
                 "in the hybridpipe launch while the other ranks wait" + (
                     f": {_hop_ms(sleep, 'hybridpipe'):.3f} ms here, against {_hop_ms(sleep, 'mpi'):.3f} ms through MPI "
                     "directly from the same thread" if _hop_ms(sleep, "hybridpipe") is not None else "") + (
