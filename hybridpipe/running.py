@@ -15,7 +15,7 @@ from .errors import NotInitializedError
 
 __all__ = ["current", "current_or_none", "replace"]
 
-_current: Any = None  # the running job (a CommContext), or None: the package's one module-level mutable state
+_current: Any = None  # the running job (a CommContext), or None
 
 
 def current(function: str) -> Any:
