@@ -410,6 +410,26 @@ def _shutdown(failed: bool) -> None:
         c.Free()
 
 
+def regrid(function: str, **arguments: Any) -> Grid:
+    """Re-makes the running job with another grid (``arguments`` as :func:`init` takes them: ``pipeline_stages``
+    or ``stage_replicas``), on the same communicator and with the same settings; collective. ``hp.auto`` does
+    this when its plan's grid is not the one running.
+
+    Whatever was made on the old grid ends with it, so it is refused (GridError on every rank, naming
+    ``hp.<function>`` and the fix) while the job holds what a user made on it: registered process sets or
+    communicators of their own."""
+    the_job = job(function)
+    made = the_job.made_on_grid()
+    if made:
+        raise GridError(f"hp.{function}: the plan needs the grid {arguments}, not the running "
+                        f"{the_job.grid.pipeline_stages} stage(s) × {the_job.grid.data_replicas} replica(s), and "
+                        f"re-making it would end what was made on this one ({'; '.join(made)}): call hp.{function} "
+                        "before making them, or start the job with the plan's grid (hp.init(**plan.init_arguments()))")
+    base, config = the_job.base_comm, the_job.config
+    shutdown()
+    return init(comm=base, config=config, **arguments)
+
+
 def is_initialized() -> bool:
     """Whether hp.init() has run (and hp.shutdown() has not)."""
     return running.current_or_none() is not None

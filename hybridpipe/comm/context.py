@@ -270,6 +270,15 @@ class CommContext:
         return call(None, "remove_process_set", lambda: self.process_sets.remove_here(process_set,
                                                                                       "remove_process_set"))
 
+    def made_on_grid(self) -> list[str]:
+        """What the user made on this job's grid that ends with it: registered process sets, and communicators of
+        their own used as ``group=`` (empty when there is none)."""
+        made = [f"process set {set_id} (ranks {entry.ranks})"
+                for set_id, entry in sorted(self.process_sets.entries.items()) if set_id > 0]
+        if self._users:
+            made.append(f"{len(self._users)} communicator(s) of your own used as group=")
+        return made
+
     def events(self) -> dict[str, list]:
         """The engine's recorded events since the last call, by group label (timeline)."""
         labels = {gid: label for label, gid in self._engine_ids.items()}

@@ -8,8 +8,10 @@ Design reasons:
   rank builds the whole model), every rank receives the profile, and every rank runs the same
   deterministic search for the running world: the same plan everywhere, with no second
   communication.
-* The grid follows the plan: ``hp.init`` is (re)made with the plan's stage count, so call
-  ``hp.auto`` before building other communicators on the grid.
+* The grid follows the plan: when the running grid is not the plan's, ``runtime.regrid`` re-makes the job
+  with the plan's grid on the same communicator and settings; it refuses (on every rank, naming them)
+  while process sets or communicators of the user's own live on the old grid, so call ``hp.auto`` before
+  making them.
 * Only the synchronous schedules are chosen unless ``asynchronous=True``: they train exactly like
   one process on the same global batch; PipeDream and 2BW train differently.
 * The plan's ZeRO level goes to the ``hp.DistributedOptimizer`` it builds; ``precision`` (passed on
@@ -211,8 +213,7 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
         raise HybridPipeError(f"hp.auto: the plan is for {plan.ranks} ranks, this job has {grid.size}")
     wanted = tuple(plan.stage_replicas) if plan.stage_replicas else (plan.replicas,) * plan.stages
     if grid.stage_replicas != wanted:
-        runtime.shutdown()
-        runtime.init(**plan.init_arguments())
+        runtime.regrid("auto", **plan.init_arguments())
     arguments = {**plan.model_arguments(), **model_options}  # the caller's precision, device, ... win
     if module:
         micro = max(1, global_batch // plan.replicas // plan.micro_batches)

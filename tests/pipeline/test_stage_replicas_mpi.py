@@ -232,6 +232,36 @@ def test_auto_builds_the_grid_of_a_plan_with_its_own_replica_counts():
         hp.shutdown()
 
 
+def test_auto_remakes_the_grid_with_the_jobs_settings_and_refuses_while_a_process_set_lives_on_it():
+    """hp.auto's re-made grid keeps the job's own settings (hp.init(config=...)); a process set made on the old grid
+    would end with it, so the re-making is refused on every rank, naming the set and the fix."""
+    from hybridpipe.plan.search import Plan
+
+    given = Plan(stages=2, replicas=1, balance=[4, 3], micro_batches=4, schedule="1f1b", checkpoint="never",
+                 step_seconds=1.0, samples_per_second=10.0, memory_bytes_per_rank=0.0, global_batch=10,
+                 stage_replicas=[3, 1])
+    factory = lambda parameters: torch.optim.SGD(parameters, lr=0.1)  # noqa: E731
+    hp.init(pipeline_stages=1, config=hp.Config(cycle_time_ms=3.5))
+    try:
+        pair = hp.add_process_set([0, 1])
+        try:
+            hp.auto(list(mlp()), nn.functional.cross_entropy, batches(1)[0], 10, factory, plan=given)
+            refused = None
+        except hp.GridError as error:
+            refused = str(error)
+        with ranks_agree():
+            assert refused is not None and "hp.auto: the plan needs the grid {'stage_replicas': [3, 1]}" in refused \
+                and "process set 1 (ranks [0, 1])" in refused and "call hp.auto before making them" in refused, refused
+            assert hp.grid().pipeline_stages == 1  # the running grid is left as it was
+        hp.remove_process_set(pair)
+        model, _ = hp.auto(list(mlp()), nn.functional.cross_entropy, batches(1)[0], 10, factory, plan=given)
+        with ranks_agree():
+            assert hp.grid().stage_replicas == (3, 1) and hp.config().cycle_time_ms == 3.5
+        model.close()
+    finally:
+        hp.shutdown()
+
+
 @pytest.mark.parametrize("replicas,balance,micro_batches", [([3, 1], [4, 3], 6), ([1, 3], [3, 4], 3),
                                                              ([2, 1, 1], [3, 2, 2], 4)])
 def test_pipedream_matches_its_one_process_replay(replicas, balance, micro_batches):
