@@ -44,6 +44,7 @@ import torch
 
 from .data_parallel import zero as zero_module
 from . import rng_state, runtime
+from .comm.agree import Failure
 from .comm.engine import call
 from .errors import HybridPipeError
 
@@ -60,6 +61,36 @@ RESTART_ENV = "HYBRIDPIPE_RESTART"
 
 class CheckpointError(HybridPipeError):
     """A checkpoint is missing, incomplete, truncated or not a hybridpipe checkpoint."""
+
+
+class _RankError:
+    """One rank's failure in a checkpoint step: the message every rank's CheckpointError lists, and the exception
+    itself (sent to the others with its type, as :class:`hybridpipe.comm.agree.Failure`), which becomes the
+    CheckpointError's cause on every rank."""
+
+    def __init__(self, message: str, exc: BaseException) -> None:
+        self.message, self.exc = message, exc
+        self.failure = Failure.of(exc, runtime.rank())
+
+    def __reduce__(self) -> Any:  # what travels: the message and the failure, not the live exception
+        return (_sent, (self.message, self.failure))
+
+
+def _sent(message: str, failure: Failure) -> Any:
+    error = _RankError.__new__(_RankError)
+    error.message, error.exc, error.failure = message, None, failure
+    return error
+
+
+def _raise_gathered(gathered: list[Any], text: Any, what: str, own: _RankError | None) -> None:
+    """Raises CheckpointError(``text(sorted messages)``) on every rank if some rank's entry of ``gathered`` is a
+    :class:`_RankError`, caused by this rank's ``own`` exception or else by the lowest failing rank's (its type
+    kept)."""
+    failed = [entry for entry in gathered if isinstance(entry, _RankError)]
+    if not failed:
+        return
+    cause = own.exc if own is not None and own.exc is not None else failed[0].failure.exception(what)
+    raise CheckpointError(text(sorted({entry.message for entry in failed}))) from cause
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
@@ -169,15 +200,15 @@ def save_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
     target = root / name
     stage = getattr(model, "stage", 0)
     stages = getattr(model, "stages", 1)
-    error = ""
+    error: _RankError | None = None
     if grid.rank == 0:
         try:
             target.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            error = f"cannot create {target}: {exc}"
-    error = call(None, "save_checkpoint", lambda: grid.world_comm.bcast(error, root=0))
-    if error:
-        raise CheckpointError(error)
+            error = _RankError(f"cannot create {target}: {exc}", exc)
+    created = call(None, "save_checkpoint", lambda: grid.world_comm.bcast(error, root=0))
+    _raise_gathered([created], "; ".join, "save_checkpoint", error)
+    error = None
     rng_states = _gather_rng_states(model, grid)  # captured before anything below could draw
     writer = grid.replica == 0 and (stages > 1 or grid.stage == 0)
     sharded = getattr(optimizer, "zero", 0) > 0
@@ -187,7 +218,8 @@ def save_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
             _atomic_save({"format": FORMAT, "model": {}, "zero": optimizer.sharded_state_by_name(_names(model))},
                          target / shard_file)
         except Exception as exc:  # every rank must learn of it
-            error = f"stage {stage} replica {grid.replica} could not write its optimizer shard: {_write_failed(exc)}"
+            error = _RankError(f"stage {stage} replica {grid.replica} could not write its optimizer shard: "
+                               f"{_write_failed(exc)}", exc)
     if writer and not error:
         try:
             payload = {
@@ -205,10 +237,9 @@ def save_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
                 payload["scaler"] = scaler.state_dict()
             _atomic_save(payload, target / f"stage-{stage}.pt")
         except Exception as exc:  # every rank must learn of it
-            error = f"stage {stage} could not write its file: {_write_failed(exc)}"
-    errors = [e for e in call(None, "save_checkpoint", lambda: grid.world_comm.allgather(error)) if e]
-    if errors:
-        raise CheckpointError("; ".join(errors))
+            error = _RankError(f"stage {stage} could not write its file: {_write_failed(exc)}", exc)
+    _raise_gathered(call(None, "save_checkpoint", lambda: grid.world_comm.allgather(error)), "; ".join,
+                    "save_checkpoint", error)
     if grid.rank == 0:
         manifest = {"format": FORMAT, "step": int(step), "stages": stages,
                     "balance": list(getattr(model, "balance", [])),
@@ -370,10 +401,9 @@ def _prepare(checkpoint: Path, manifest: dict, payloads: list[dict], model: Any,
     return {key: tensors[key] for key in own}, current
 
 
-def _raise_on_any(grid: runtime.Grid, error: str, what: str) -> None:
-    errors = sorted({e for e in call(None, "load_checkpoint", lambda: grid.world_comm.allgather(error)) if e})
-    if errors:
-        raise CheckpointError(f"{what} failed: " + " | ".join(errors))
+def _raise_on_any(grid: runtime.Grid, error: _RankError | None, what: str) -> None:
+    _raise_gathered(call(None, "load_checkpoint", lambda: grid.world_comm.allgather(error)),
+                    lambda errors: f"{what} failed: " + " | ".join(errors), "load_checkpoint", error)
 
 
 def load_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.optim.Optimizer | None = None,
@@ -411,20 +441,20 @@ def load_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
         model.flush()  # asynchronous pipeline schedules: nothing may be in flight when the weights change
     optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
     scaler = _scaler(model, scaler)
-    error, checkpoint, manifest, payloads, prepared = "", None, None, [], None
+    error: _RankError | None = None
+    checkpoint, manifest, payloads, prepared = None, None, [], None
     try:
         checkpoint = _resolve(directory)
         manifest = _read_manifest(checkpoint)
         payloads = [_read_file(checkpoint / name) for name in _files_needed(manifest, model)]
         prepared = _prepare(checkpoint, manifest, payloads, model, optimizer)
     except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
+        error = _RankError(f"{type(exc).__name__}: {exc}", exc)
     # rank 0 (stage 0, replica 0) always reads stage-0.pt: its ``extra`` travels with the error check
     shared = call(None, "load_checkpoint", lambda: grid.world_comm.allgather(
         (error, payloads[0].get("extra", {}) if grid.rank == 0 and payloads and not error else None)))
-    errors = sorted({e for e, _ in shared if e})
-    if errors:
-        raise CheckpointError("loading the checkpoint failed: " + " | ".join(errors))
+    _raise_gathered([e for e, _ in shared], lambda errors: "loading the checkpoint failed: " + " | ".join(errors),
+                    "load_checkpoint", error)
     assert checkpoint is not None and manifest is not None and prepared is not None
     rng = "skipped"
     saved_scaler = next((payload["scaler"] for payload in payloads if "scaler" in payload), None)
@@ -442,7 +472,7 @@ def load_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
         if restore_rng:
             rng = _restore_rng(manifest, payloads, model, grid)
     except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
+        error = _RankError(f"{type(exc).__name__}: {exc}", exc)
     _raise_on_any(grid, error, "restoring the checkpoint")
     if rng == "not saved" and grid.rank == 0:
         warnings.warn(f"{checkpoint} holds no random generator states (saved by an older hybridpipe): they "
@@ -498,7 +528,8 @@ def _agreed_latest(directory: str | os.PathLike | None, function: str) -> tuple[
     """The checkpoint every rank finds in ``directory`` (None: there is none) and its manifest;
     collective over the world. Ranks that find different ones raise CheckpointError on every rank."""
     grid = runtime.job(function).grid
-    error, found, manifest = "", None, None
+    error: _RankError | None = None
+    found, manifest = None, None
     try:
         if directory is None:
             directory = os.environ.get(CHECKPOINT_DIR_ENV, "")
@@ -513,11 +544,9 @@ def _agreed_latest(directory: str | os.PathLike | None, function: str) -> tuple[
         if found is not None:
             manifest = _read_manifest(found)
     except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
+        error = _RankError(f"{type(exc).__name__}: {exc}", exc)
     seen = call(None, function, lambda: grid.world_comm.allgather((error, found.name if found else None)))
-    errors = sorted({e for e, _ in seen if e})
-    if errors:
-        raise CheckpointError(f"hp.{function}: " + " | ".join(errors))
+    _raise_gathered([e for e, _ in seen], lambda errors: f"hp.{function}: " + " | ".join(errors), function, error)
     names = {name for _, name in seen}
     if len(names) > 1:
         ranks_by_name = {name: [rank for rank, (_, seen_name) in enumerate(seen) if seen_name == name]

@@ -444,3 +444,26 @@ def test_resume_refuses_a_directory_ranks_see_differently(directory, saved, tmp_
             hp.resume(None, model, optimizer)
     finally:
         model.close()
+
+
+def test_a_failure_is_every_ranks_with_its_own_type_as_the_cause(tmp_path_factory):
+    """Rank 0 cannot create the checkpoint's directory (a file stands where its parent should be): every rank
+    raises CheckpointError naming it, caused by that OSError's own type (sent from rank 0, with a note there)."""
+    root = Path(WORLD.bcast(str(tmp_path_factory.mktemp("blocked")) if WORLD.rank == 0 else None, root=0))
+    if WORLD.rank == 0:
+        (root / "file").write_text("not a directory")
+    WORLD.Barrier()
+    grid, model, optimizer = build(2)
+    try:
+        hp.save_checkpoint(root / "file", model, optimizer, step=1)
+        raised = None
+    except CheckpointError as error:
+        raised = error
+    finally:
+        model.close()
+    with ranks_agree():
+        assert raised is not None and "cannot create" in str(raised), raised
+        assert type(raised.__cause__) in (NotADirectoryError, FileExistsError), repr(raised.__cause__)
+        notes = getattr(raised.__cause__, "__notes__", [])
+        assert notes == ([] if grid.rank == 0 else
+                         ["save_checkpoint: raised on rank 0 of the group; every rank raises it"]), notes
