@@ -382,7 +382,7 @@ def report(configs: list[Config], args: argparse.Namespace, calibrations: dict, 
             lines.append(f"calibrated on {ranks} ranks: " + ", ".join(
                 f"{key} {measured[key]:.3g}" for key in ("intra_latency_us", "intra_gbps", "allreduce_gbps",
                                                          "action_overhead_us", "transfer_overhead_us",
-                                                         "compute_contention", "cores_per_host") if key in measured))
+                                                         "compute_contention", "memory_contention", "cores_per_host") if key in measured))
     lines += ["", render(header, rows, args.markdown, left=1), ""]
     within = sum(error <= 20 for error in errors)
     lines.append(f"median |error| {statistics.median(errors):.1f} % (target <= 10 %), largest {max(errors):.1f} %, "

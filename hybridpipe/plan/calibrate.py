@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -126,26 +127,62 @@ def _kernel() -> None:
         a = torch.tanh(a @ b) * 0.5
 
 
-def _windows(count: int, kernels: int, synchronize: Any, step_end: Any, alone: bool) -> tuple[list[float], list[float]]:
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache of this host, bytes (Linux sysfs; 0 where it cannot be read)."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (entry / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=0)
+
+
+def memory_kernel(weight_bytes: int) -> Any:
+    """A kernel like a layer stack's step over ``weight_bytes`` of float32 weights (1 MiB matrices): a forward of 32
+    rows through each, then each one's weight gradient written, so that it streams its weights and gradients as a
+    training step does; where the host's ranks stream more than its last cache holds, they contend for memory."""
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(512, 512, generator=generator) * 0.05 for _ in range(max(1, weight_bytes // 2**20))]
+    grads = [torch.empty_like(w) for w in weights]
+    x0 = torch.randn(32, 512, generator=generator)
+
+    def kernel() -> None:
+        x = x0
+        for w in weights:
+            x = torch.tanh(x @ w)
+        for grad in grads:
+            torch.mm(x0.t(), x, out=grad)
+
+    return kernel
+
+
+def _windows(count: int, kernels: int, synchronize: Any, step_end: Any, alone: bool,
+             kernel: Any = None) -> tuple[list[float], list[float]]:
     """``count`` pairs of windows, each after ``synchronize()``: in the first of a pair only a rank with ``alone``
     computes ``kernels`` kernels; in the second every rank runs :data:`SYNCHRONOUS_STEPS` steps back to back,
     each ``kernels`` kernels and then ``step_end()`` (the exchange that ends a synchronous step), and the last
     step is timed (a step that starts where the previous exchange left each rank, as in training).
     Alternating, so that both kinds see the same spells of a machine whose speed moves. Returns this rank's
     times of each kind (the first empty where it did not compute alone)."""
+    kernel = kernel or _kernel
     times: tuple[list[float], list[float]] = ([], [])
     for _ in range(count):
         synchronize()
         if alone:
             started = time.perf_counter()
             for _ in range(kernels):
-                _kernel()
+                kernel()
             times[0].append(time.perf_counter() - started)
         synchronize()
         for _ in range(SYNCHRONOUS_STEPS):
             started = time.perf_counter()
             for _ in range(kernels):
-                _kernel()
+                kernel()
             step_end()
         times[1].append(time.perf_counter() - started)
     return times
@@ -174,7 +211,8 @@ def sleeping_barrier(comm: Any) -> None:
         time.sleep(BARRIER_SLEEP_SECONDS)
 
 
-def compute_contention(comm: Any, windows: int = CONTENTION_WINDOWS, exchange_seconds: float = 0.0) -> float:
+def compute_contention(comm: Any, windows: int = CONTENTION_WINDOWS, exchange_seconds: float = 0.0,
+                       kernel: Any = None) -> float:
     """How much slower a synchronous job's ranks compute than the one process a profile is made in, beyond the
     sharing of cores by more ranks than a host has (which :attr:`Cluster.compute_slowdown` counts apart): the
     median over ``windows`` windows of the slowest rank's synchronous step — a fixed kernel, then an allreduce of
@@ -203,15 +241,16 @@ def compute_contention(comm: Any, windows: int = CONTENTION_WINDOWS, exchange_se
     def step_end() -> None:
         allreduce_(flag, op=Sum, name="calibrate.contention")
 
+    kernel = kernel or _kernel
     kernels = 1
     if rank == 0:
-        _kernel()
+        kernel()
         started = time.perf_counter()
         for _ in range(3):
-            _kernel()
+            kernel()
         kernels = max(1, round(CONTENTION_WINDOW_SECONDS / ((time.perf_counter() - started) / 3)))
     kernels = call(None, "calibrate", lambda: comm.bcast(kernels, root=0))
-    alone, steps = _windows(windows, kernels, barrier, step_end, rank == 0)
+    alone, steps = _windows(windows, kernels, barrier, step_end, rank == 0, kernel)
     gathered = call(None, "calibrate", lambda: comm.gather(steps, root=0))
     if rank != 0:
         return 1.0
@@ -347,8 +386,15 @@ def calibrate(repeats: int = 9) -> dict[str, Any]:
                     runs.append(time.perf_counter() - started)
             reduce_times.append(statistics.median(runs))
         contention = compute_contention(comm, exchange_seconds=reduce_times[0])
+        cache = last_level_cache_bytes()
+        # each rank streams weights and gradients of cache / ranks bytes each: twice the cache over the host
+        streaming = memory_kernel(max(2**20, cache // max(1, runtime.local_size()))) if cache else None
+        memory = compute_contention(comm, windows=CONTENTION_WINDOWS // 2, exchange_seconds=reduce_times[0],
+                                    kernel=streaming) if streaming else 0.0
         if rank == 0:
             result["compute_contention"] = contention
+            result["memory_contention"] = max(memory, contention) if memory else 0.0
+            result["cache_bytes"] = cache
         mine = _submit_overhead(repeats)  # on this thread: the hooks hand their tensors to the engine's
         submits = call(None, "calibrate", lambda: world.allgather(mine))
         after = _after_reduction(comm, repeats) if size > 1 else 0.0
@@ -388,5 +434,7 @@ def load_cluster(path: str, memory_per_rank: float = 0.0, ranks: int | None = No
                    allreduce_overhead_us=overhead,
                    transfer_overhead_us=float(data.get("transfer_overhead_us", 0.0)),
                    compute_contention=float(data.get("compute_contention", 1.0)),
+                   memory_contention=float(data.get("memory_contention", 0.0)),
+                   cache_bytes=float(data.get("cache_bytes", 0.0)),
                    submit_overhead_us=float(data.get("submit_overhead_us", 0.0)),
                    after_reduction_us_per_mib=float(data.get("after_reduction_us_per_mib", 0.0)))

@@ -83,6 +83,11 @@ class Cluster:
         after_reduction_us_per_mib: How much longer the optimizer's step takes per MiB of parameters right after
             their gradients' reduction than alone (the communication thread and the caches), microseconds;
             ``calibrate`` measures it.
+        memory_contention: ``compute_contention`` for ranks that stream more than the host's last cache holds
+            (``cache_bytes``): a host whose ranks each step through their weights and gradients, together more
+            than the cache, contends for memory (``calibrate`` measures it with a kernel that does; 0: as
+            ``compute_contention``).
+        cache_bytes: The host's last-level cache, bytes (0: unknown; then ``memory_contention`` is not used).
     """
 
     ranks: int
@@ -99,6 +104,8 @@ class Cluster:
     compute_contention: float = 1.0
     submit_overhead_us: float = 0.0
     after_reduction_us_per_mib: float = 0.0
+    memory_contention: float = 0.0
+    cache_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
@@ -127,9 +134,19 @@ class Cluster:
     def compute_slowdown(self) -> float:
         """How much slower each rank computes than the profile's one process: ranks sharing a host's cores
         (more ranks than cores) times the contention of cores computing at once."""
+        return self.slowdown_for(0.0)
+
+    def slowdown_for(self, rank_parameter_bytes: float) -> float:
+        """:attr:`compute_slowdown` for ranks holding ``rank_parameter_bytes`` of weights each: where the host's
+        ranks stream their weights and gradients (2 × the bytes each) through more than ``cache_bytes`` together,
+        ``memory_contention`` takes the place of ``compute_contention``."""
+        contention = self.compute_contention
+        ranks_here = min(self.per_host, self.ranks)
+        if self.memory_contention and self.cache_bytes and 2 * rank_parameter_bytes * ranks_here > self.cache_bytes:
+            contention = max(contention, self.memory_contention)
         if not self.cores_per_host:
-            return self.compute_contention
-        return max(1.0, min(self.per_host, self.ranks) / self.cores_per_host) * self.compute_contention
+            return contention
+        return max(1.0, ranks_here / self.cores_per_host) * contention
 
     def link_seconds(self, nbytes: float, a: int, b: int) -> float:
         """One message of ``nbytes`` from rank ``a`` to rank ``b``."""
@@ -285,11 +302,19 @@ def held_micro_batches(name: str, stages: int, micro_batches: int, virtual_stage
     return tuple(sched.peak_in_flight(actions) for actions in schedule_of(name, stages, micro_batches, virtual_stages))
 
 
+def rank_parameter_bytes(profile: Profile, candidate: Candidate) -> float:
+    """The most parameter bytes one rank of ``candidate`` holds (its chunks' layers)."""
+    layers = _chunk_layers(candidate.balance)
+    ranks = candidate.stages
+    return max(sum(profile.layers[i].parameter_bytes for c in range(r, len(layers), ranks) for i in layers[c])
+               for r in range(ranks))
+
+
 def chunk_seconds(profile: Profile, cluster: Cluster, candidate: Candidate, micro: float) -> tuple[list[float], list[float]]:
     """Each chunk's forward and backward time (compute only) for one micro-batch of ``micro`` samples,
     with the loss on the last chunk, re-materialization and ranks sharing cores counted."""
-    slow = cluster.compute_slowdown
     layers = _chunk_layers(candidate.balance)
+    slow = cluster.slowdown_for(rank_parameter_bytes(profile, candidate))
     forward = [sum(profile.layers[i].forward_seconds(micro) for i in chunk) * slow for chunk in layers]
     backward = [sum(profile.layers[i].backward_seconds(micro) for i in chunk) * slow for chunk in layers]
     backward[-1] += profile.loss_ms * micro * slow / 1e3
@@ -510,7 +535,7 @@ def _predict_stage_replicas(profile: Profile, cluster: Cluster, candidate: Candi
                               "deadlocks in the simulation; this is a bug in hybridpipe's planner, please report it")
     parameter_bytes = [sum(profile.layers[i].parameter_bytes for i in layers[s]) for s in range(p)]
     groups = [[rank_of[(s, r)] for r in range(counts[s])] for s in range(p)]
-    slow = cluster.compute_slowdown
+    slow = cluster.slowdown_for(max(parameter_bytes))
     # after its last action and its gradients' reduction, each stage's replicas agree on which gradients exist and
     # step: the optimizer's hooks and its step right after the reduction as in predict
     after = [profile.update_ms_per_mb * parameter_bytes[s] / 2**20 / 1e3 * slow
@@ -586,7 +611,7 @@ def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_bat
                     for i in reversed(layers[c]) if profile.layers[i].parameter_bytes] for r in range(p)]
     spans_hosts = d > 1 and cluster.host_of(groups[0][-1]) != cluster.host_of(groups[0][0])
     concurrent = min(p, cluster.per_host) if spans_hosts else 1  # stages of a host reducing at once
-    slow = cluster.compute_slowdown
+    slow = cluster.slowdown_for(max(parameter_bytes))
     zero = candidate.zero
     # the optimizer's step (ZeRO: on 1/D of the parameters, then their allgather)
     update = [profile.update_ms_per_mb * parameter_bytes[r] / (d if zero else 1) / 2**20 / 1e3 * slow

@@ -103,6 +103,23 @@ def test_compute_contention_and_core_sharing_multiply_the_compute():
         Cluster(ranks=2, compute_contention=0.5)
 
 
+def test_memory_contention_applies_where_the_hosts_ranks_stream_more_than_its_cache():
+    """Ranks whose weights and gradients (2 × their parameter bytes each) exceed the host's last cache together
+    compute with memory_contention; smaller ones with compute_contention."""
+    profile = uniform_profile(layers=4)
+    weights = sum(layer.parameter_bytes for layer in profile.layers)
+    candidate = Candidate(1, 2, (4,), 1, "1f1b")
+    small = Cluster(ranks=2, compute_contention=1.1, memory_contention=1.8, cache_bytes=4 * weights, **FREE)
+    large = dataclasses.replace(small, cache_bytes=weights)  # 2 ranks × 2 × weights > the cache
+    assert small.slowdown_for(weights) == pytest.approx(1.1) and large.slowdown_for(weights) == pytest.approx(1.8)
+    assert dataclasses.replace(large, memory_contention=0.0).slowdown_for(weights) == pytest.approx(1.1)
+    assert dataclasses.replace(large, cache_bytes=0.0).slowdown_for(weights) == pytest.approx(1.1)
+    free = Cluster(ranks=2, **FREE)
+    base = predict(profile, free, candidate, 4).pipeline_seconds
+    assert predict(profile, small, candidate, 4).pipeline_seconds == pytest.approx(1.1 * base)
+    assert predict(profile, large, candidate, 4).pipeline_seconds == pytest.approx(1.8 * base)
+
+
 def test_a_split_backward_pays_a_backward_call_per_layer_with_weights_again(monkeypatch):
     """zb-h1's W pass asks autograd for each layer's weight gradient apart: each such layer's fixed backward call
     cost is paid once more per micro-batch (two layers of 0.5 ms calls per chunk here), and only by zb-h1."""
