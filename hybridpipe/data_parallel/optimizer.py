@@ -339,9 +339,7 @@ class _DistributedOptimizerMixin:
             self._hp_skip = False
 
     def step(self, closure: Any = None) -> Any:  # noqa: D102 — torch's docstring applies
-        if closure is not None:
-            raise HybridPipeError("DistributedOptimizer.step(closure) is not supported: the closure's "
-                                  "gradients would not be averaged over ranks; call backward, then step()")
+        zero_module.refuse_closure(closure)
         if not self._hp_skip and not self._hp_synchronized:
             self.synchronize()
         elif not self._hp_skip:

@@ -73,6 +73,14 @@ def check_level(zero: Any) -> int:
     return zero
 
 
+def refuse_closure(closure: Any) -> None:
+    """``step(closure)`` of a DistributedOptimizer (sharded or not) is refused: the closure's gradients would not be
+    averaged over the ranks."""
+    if closure is not None:
+        raise HybridPipeError("DistributedOptimizer.step(closure) is not supported: the closure's "
+                              "gradients would not be averaged over ranks; call backward, then step()")
+
+
 class ZeroMixin:
     """The sharded step, layered over _DistributedOptimizerMixin (see DistributedOptimizer(zero=)), whose
     ``_hp_inner_step`` is the wrapped optimizer's own step."""
@@ -272,9 +280,7 @@ class ZeroMixin:
             unpack_oldest()
 
     def step(self, closure: Any = None) -> Any:  # noqa: D102 — torch's docstring applies
-        if closure is not None:
-            raise HybridPipeError("DistributedOptimizer.step(closure) is not supported: the closure's "
-                                  "gradients would not be averaged over ranks; call backward, then step()")
+        refuse_closure(closure)
         if not self._hp_skip and not self._hp_synchronized:
             self.synchronize()
         elif self._hp_skip and not self._hp_synchronized:
