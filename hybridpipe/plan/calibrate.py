@@ -39,6 +39,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -75,7 +76,6 @@ def fit(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
 
 def _ping_pong(comm: Any, peer: int, me: int, repeats: int) -> list[float]:
     """One-way times per size between ``me`` and ``peer`` (half the round trip), medians."""
-
     times = []
     for size in SIZES:
         payload = torch.zeros(size // 4, dtype=torch.float32)
@@ -97,14 +97,13 @@ def _ping_pong(comm: Any, peer: int, me: int, repeats: int) -> list[float]:
 def _tiny_steps(layers: int, repeats: int) -> dict[int, float]:
     """Median step time of a 1F1B ``PipelineModel`` of ``layers`` tiny layers (one per stage or all on
     one), with 2 and with 16 micro-batches, on the job's grid."""
-
     torch.manual_seed(0)
     inputs, targets = torch.randn(16, 4), torch.randn(16, 4)
     stages = runtime.grid().pipeline_stages
     steps = {}
     for micro_batches in (2, 16):
         model = PipelineModel([nn.Linear(4, 4) for _ in range(layers)], nn.MSELoss(),
-                                 micro_batches=micro_batches, balance=[layers // stages] * stages)
+                              micro_batches=micro_batches, balance=[layers // stages] * stages)
         try:
             runs = []
             for run in range(repeats + 2):
@@ -142,7 +141,7 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=0)
 
 
-def memory_kernel(weight_bytes: int) -> Any:
+def memory_kernel(weight_bytes: int) -> Callable[[], None]:
     """A kernel like a layer stack's step over ``weight_bytes`` of float32 weights (1 MiB matrices): a forward of 32
     rows through each, then each one's weight gradient written, so that it streams its weights and gradients as a
     training step does; where the host's ranks stream more than its last cache holds, they contend for memory."""
@@ -162,14 +161,13 @@ def memory_kernel(weight_bytes: int) -> Any:
 
 
 def _windows(count: int, kernels: int, synchronize: Any, step_end: Any, alone: bool,
-             kernel: Any = None) -> tuple[list[float], list[float]]:
+             kernel: Callable[[], None] = _kernel) -> tuple[list[float], list[float]]:
     """``count`` pairs of windows, each after ``synchronize()``: in the first of a pair only a rank with ``alone``
     computes ``kernels`` kernels; in the second every rank runs :data:`SYNCHRONOUS_STEPS` steps back to back,
     each ``kernels`` kernels and then ``step_end()`` (the exchange that ends a synchronous step), and the last
     step is timed (a step that starts where the previous exchange left each rank, as in training).
     Alternating, so that both kinds see the same spells of a machine whose speed moves. Returns this rank's
     times of each kind (the first empty where it did not compute alone)."""
-    kernel = kernel or _kernel
     times: tuple[list[float], list[float]] = ([], [])
     for _ in range(count):
         synchronize()
@@ -212,7 +210,7 @@ def sleeping_barrier(comm: Any) -> None:
 
 
 def compute_contention(comm: Any, windows: int = CONTENTION_WINDOWS, exchange_seconds: float = 0.0,
-                       kernel: Any = None) -> float:
+                       kernel: Callable[[], None] = _kernel) -> float:
     """How much slower a synchronous job's ranks compute than the one process a profile is made in, beyond the
     sharing of cores by more ranks than a host has (which :attr:`Cluster.compute_slowdown` counts apart): the
     median over ``windows`` windows of the slowest rank's synchronous step — a fixed kernel, then an allreduce of
@@ -228,7 +226,6 @@ def compute_contention(comm: Any, windows: int = CONTENTION_WINDOWS, exchange_se
     the exchange while the others still compute, across the scheduler's time slices (measured: 2 ranks
     1.2–1.3×, 4 ranks on 2 cores 2.3–2.6× alone where the cores are shared 2× — docs/planner.md). 1.0 with one
     rank. Collective over ``comm``; every rank must call ``hp.allreduce_`` from this thread."""
-
     rank = comm.Get_rank()
     if comm.Get_size() < 2:
         return 1.0
@@ -241,7 +238,6 @@ def compute_contention(comm: Any, windows: int = CONTENTION_WINDOWS, exchange_se
     def step_end() -> None:
         allreduce_(flag, op=Sum, name="calibrate.contention")
 
-    kernel = kernel or _kernel
     kernels = 1
     if rank == 0:
         kernel()
@@ -262,11 +258,10 @@ def _submit_overhead(repeats: int) -> float:
     """Seconds a ``hp.DistributedOptimizer`` adds to the backward per gradient tensor (its hook handing the tensor to
     the engine): a forward and backward of 32 tiny layers (64 tensors) with its hooks, against the same without
     (collective: every rank at once, as in training)."""
-
     torch.manual_seed(0)
     plain, hooked = (nn.Sequential(*[nn.Linear(4, 4) for _ in range(32)]) for _ in range(2))
     optimizer = DistributedOptimizer(torch.optim.SGD(hooked.parameters(), lr=0.0),
-                                        named_parameters=hooked.named_parameters())
+                                     named_parameters=hooked.named_parameters())
     x = torch.ones(2, 4)
     times: dict[str, list[float]] = {"plain": [], "hooked": []}
     for run in range(repeats + 2):
@@ -290,7 +285,6 @@ def _after_reduction(comm: Any, repeats: int) -> float:
     """Seconds per MiB that an SGD-like update over the parameters takes longer right after their gradients' allreduce
     than alone (the communication thread and the caches after a reduction; a data-parallel step's optimizer runs
     there). Collective over ``comm``."""
-
     grads = [torch.ones(AFTER_REDUCTION_BYTES // 4 // 16) for _ in range(16)]
     weights = [torch.zeros_like(g) for g in grads]
     times: dict[str, list[float]] = {"alone": [], "after": []}
@@ -318,7 +312,6 @@ def _action_overhead(repeats: int) -> float:
 def transfer_overhead(action_overhead_us: float, latency_us: float, repeats: int = 9) -> float:
     """A rank's own time per pipeline transfer, microseconds (collective: every rank of a grid with
     several stages calls it); see the module docstring."""
-
     state = runtime.job("calibrate")
     stages = state.grid.pipeline_stages
     if stages < 2:
@@ -348,7 +341,6 @@ def transfer_overhead(action_overhead_us: float, latency_us: float, repeats: int
 
 def calibrate(repeats: int = 9) -> dict[str, Any]:
     """Measures the running job's links (collective: every rank calls it after ``hp.init``)."""
-
     state = runtime.job("calibrate")
     world = state.grid.world_comm
     size, rank = world.size, world.rank
