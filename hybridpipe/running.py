@@ -13,9 +13,12 @@ from typing import Any
 
 from .errors import NotInitializedError
 
-__all__ = ["current", "current_or_none", "replace"]
+__all__ = ["current", "current_or_none", "replace", "unopened_receives"]
 
 _current: Any = None  # the running job (a CommContext), or None
+# hybridpipe.comm.p2p's receives posted outside a job (p2p works without hp.init: the planner's ping-pong, scripts
+# that only exchange tensors); inside one they are the job's (CommContext.unopened_receives)
+_outside_job: dict[tuple[int, int, int], list[Any]] = {}
 
 
 def current(function: str) -> Any:
@@ -35,3 +38,9 @@ def replace(job: Any) -> Any:
     global _current
     previous, _current = _current, job
     return previous
+
+
+def unopened_receives() -> dict[tuple[int, int, int], list[Any]]:
+    """hybridpipe.comm.p2p's receives whose headers are not opened yet, per (communicator handle, source, tag), in
+    posting order: the running job's, or outside a job the process's own."""
+    return _current.unopened_receives if _current is not None else _outside_job

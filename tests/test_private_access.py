@@ -50,9 +50,8 @@ ALLOWED_STATE: dict[tuple[str, str], str] = {
                                  "and hp.pop work without hp.init, in one process)",
     ("comm.process_sets", "global_process_set"): "Horovod's hp.global_process_set, a public object of the API "
                                                  "(id 0; each hp.init sets its ranks)",
-    # TODO(issue 30): onto the job once issue 33's rewrite of the pipeline hop in p2p.py has landed
-    ("comm.p2p", "_policy"): "the transfers' wait policy, made from the settings (to move onto the job)",
-    ("comm.p2p", "_unopened"): "receives posted before their peer's first send (to move onto the job)",
+    ("running", "_outside_job"): "p2p's receives posted outside a job (hybridpipe.comm.p2p works without hp.init); "
+                                 "inside one they are the job's",
     ("testing.emulated_hosts", "_instances"): "the test harness's count of emulated host sets (network "
                                               "namespace names must not repeat in one process)",
 }

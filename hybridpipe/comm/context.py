@@ -114,6 +114,8 @@ class CommContext:
         self.warned_staging = False  # device.note_staged warns once per job
         self.on_engine_thread = threading.local()  # .inside: this thread runs a call of the engine's (see call)
         self.step_guard: Any = None  # the optimizer step hook of asynchronous pipelines (pipeline/asynchronous.py)
+        # p2p receives posted and not opened yet, per (communicator handle, source, tag), in posting order (p2p.py)
+        self.unopened_receives: dict[tuple[int, int, int], list[Any]] = {}
         self._device_allreduce = device_allreduce
         self.wait = wait_policy(config)
         # direct collectives spin, or wait politely while this process has tensors on the engine, so

@@ -44,6 +44,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..config import Config
+from .. import running
 from ..errors import HybridPipeError, PeerShutDownError, WaitTimeoutError
 from .._ext import core
 from . import context
@@ -113,20 +114,16 @@ def _leaves(skeleton: Any) -> list[_Leaf]:
                   key=lambda leaf: leaf.index)
 
 
-_policy: tuple[Config, Any] | None = None
-
-
-def _wait_policy() -> Any:
-    """How waits here block (with hp.init too: the waiting thread tests its transfers itself under the
-    communication lock, or sleeps until the communication thread completes them): the configured polite
-    wait (spin briefly, then sleep between tests), so that a stage waiting for its neighbour leaves the
-    core to compute (HYBRIDPIPE_WAIT_SPIN_US)."""
-    global _policy
+def _wait_policy() -> tuple[Config, Any]:
+    """How waits here block, and the settings that say so (with hp.init too: the waiting thread tests its transfers
+    itself under the communication lock, or sleeps until the communication thread completes them): the
+    configured polite wait (spin briefly, then sleep between tests), so that a stage waiting for its neighbour
+    leaves the core to compute (HYBRIDPIPE_WAIT_SPIN_US). The running job's; outside a job, the environment's."""
     running = context.current_or_none()
-    config = running.config if running is not None else Config.from_env()
-    if _policy is None or _policy[0] is not config:
-        _policy = (config, context.wait_policy(config))
-    return _policy[1]
+    if running is not None:
+        return running.config, running.wait
+    config = Config.from_env()
+    return config, context.wait_policy(config)
 
 
 #: After a departure notice from the rank a wait is for, how long what it sent before it left may still
@@ -160,8 +157,7 @@ def _wait_any(requests: Sequence[Any], abort: Sequence[Receive], peer: int, comm
     down (after :data:`DEPARTURE_GRACE_SECONDS` for what it sent before); :class:`WaitTimeoutError` past
     ``timeout_seconds``. Warns on stderr past ``stall_check_seconds``.
     """
-    policy = _wait_policy()
-    config: Config = _policy[0]  # type: ignore[index]  # the settings that policy came from
+    config, policy = _wait_policy()
     running = context.current_or_none()
     departures = running.departures if running is not None else None
     started = time.monotonic()
@@ -315,20 +311,14 @@ def send_error(text: str, rank: int, dest: int, comm: Any) -> Send:
     return Send([_post_header(header, dest, ERROR_TAG, comm.py2f())], dest, comm.py2f(), ERROR_TAG)
 
 
-# Receives posted on one (communicator, source, tag) whose header is not opened yet, in posting
-# order. MPI matches their headers to messages in that order, so their payload receives (all on
-# tag + 1) must be posted in that order too, whichever receive is polled or waited first.
-_unopened: dict[tuple[int, int, int], list[weakref.ref]] = {}
-
-
 def forget(comm: Any) -> None:
     """Drops the receives on ``comm`` whose headers were never opened (a pipeline that failed or was closed in the
     middle of a step), before ``comm`` is freed: MPI may give a later communicator the same handle, whose
     receives must not find these as "earlier" ones on their source and tag (whose requests a stopped
     communication thread has failed)."""
-    handle = comm.py2f()
-    for key in [key for key in _unopened if key[0] == handle]:
-        del _unopened[key]
+    handle, unopened = comm.py2f(), running.unopened_receives()
+    for key in [key for key in unopened if key[0] == handle]:
+        del unopened[key]
 
 
 class Receive:
@@ -362,9 +352,13 @@ class Receive:
         self._payload_requests: list[Any] = []
         self._value: Any = None
         self._done = False
+        # Receives posted on one (communicator, source, tag) whose header is not opened yet, in posting order (the
+        # job's, see running.unopened_receives). MPI matches their headers to messages in that order, so their
+        # payload receives (all on tag + 1) must be posted in that order too, whichever is polled or waited first.
         self._key = None if _error_tag else (self._comm_f, source, tag)
+        self._unopened = running.unopened_receives()
         if self._key is not None:
-            _unopened.setdefault(self._key, []).append(weakref.ref(self))
+            self._unopened.setdefault(self._key, []).append(weakref.ref(self))
 
     def _open_header(self, block: bool = True) -> bool:
         """Our header is in: open it, after the headers of the earlier receives on our source and tag
@@ -372,7 +366,7 @@ class Receive:
 
         Returns False, without blocking, when ``block`` is False and an earlier header is not in yet.
         """
-        queue = _unopened.get(self._key, []) if self._key is not None else []
+        queue = self._unopened.get(self._key, []) if self._key is not None else []
         position = next((i for i, ref in enumerate(queue) if ref() is self), None)
         if position is not None:
             earlier = [receive for ref in queue[:position]
@@ -381,9 +375,9 @@ class Receive:
                 return False
             del queue[:position + 1]
             if not queue:
-                del _unopened[self._key]
+                del self._unopened[self._key]
             for receive in earlier:
-                receive._header_request.wait(_wait_policy())  # matched before ours: in, or just arriving
+                receive._header_request.wait(_wait_policy()[1])  # matched before ours: in, or just arriving
                 receive._decode_header()
         self._decode_header()
         return True
@@ -465,11 +459,11 @@ class Receive:
         if not self._done and self._skeleton is None:
             self._header_request.cancel()
             self._done = True
-            queue = _unopened.get(self._key) if self._key is not None else None
+            queue = self._unopened.get(self._key) if self._key is not None else None
             if queue is not None:
                 queue[:] = [ref for ref in queue if ref() is not self]
                 if not queue:
-                    del _unopened[self._key]
+                    del self._unopened[self._key]
 
 
 def receive_error(source: int, comm: Any) -> Receive:
