@@ -12,7 +12,7 @@ from typing import Any
 from . import context
 from .collectives import check_root
 
-__all__ = ["DEFAULT_GROUP", "allgather_object", "broadcast_object", "group_name", "root_index", "target"]
+__all__ = ["DEFAULT_GROUP", "allgather_object", "broadcast_object", "group_name", "root_index", "spelling", "target"]
 
 #: The group of the data-parallel helpers when none is given: the replicas of this rank's pipeline stage.
 DEFAULT_GROUP = "data"
@@ -20,14 +20,24 @@ DEFAULT_GROUP = "data"
 
 def group_name(group: Any) -> str:
     """How an error message names ``group``."""
+    if isinstance(group, context.Group):
+        return group.label
     return group if isinstance(group, str) else "a user communicator" if group is not None else "world"
 
 
-def target(group: Any, process_set: Any, function: str) -> Any:
-    """The group of a data-parallel helper: ``process_set`` (Horovod's keyword) or ``group`` (default "data")."""
+def spelling(group: Any, process_set: Any, function: str) -> Any:
+    """The group a data-parallel helper means, as the user spelled it: ``process_set`` (Horovod's keyword) or
+    ``group`` (default "data"). What a long-lived object keeps (a DistributedOptimizer resolves it at each step:
+    elastic training re-makes the job under it)."""
     if process_set is None:
         return DEFAULT_GROUP if group is None else group
     return context.resolve_group(group, process_set, function)
+
+
+def target(group: Any, process_set: Any, function: str) -> context.Group:
+    """The group of a one-shot call (an object collective, a parameter broadcast), resolved once
+    (:class:`~hybridpipe.comm.context.Group`): raises what using it would raise; no communication."""
+    return context.resolved(spelling(group, process_set, function), function)
 
 
 def root_index(group: Any, root_rank: Any, function: str) -> int:
@@ -69,7 +79,6 @@ def allgather_object(obj: Any, name: str | None = None, process_set: Any = None,
     with context.refusing("allgather_object", "allgather_object", group, process_set):
         context.check_name(name, "allgather_object")
         resolved = target(group, process_set, "allgather_object")
-        context.current("allgather_object").check_group(resolved, "allgather_object")
     return context.call(resolved, "allgather_object",
                         lambda: context.communicator(resolved, "allgather_object").allgather(obj),
                         _agreed_kind("allgather_object", name))

@@ -437,7 +437,7 @@ def DistributedOptimizer(  # noqa: N802 — Horovod's spelling, a factory that r
     op = collectives.reduce_op(op, "DistributedOptimizer")
     if op not in (Average, Sum, collectives.Adasum):
         raise ValueError(f"DistributedOptimizer op must be hp.Average, hp.Sum or hp.Adasum (got {op.name})")
-    group = objects.target(group, process_set, "DistributedOptimizer")
+    group = objects.spelling(group, process_set, "DistributedOptimizer")
     if op == Average and group == objects.DEFAULT_GROUP and runtime.is_initialized() and not runtime.grid().uniform:
         # hp.init(stage_replicas=...): micro-batches go round-robin over a stage's replicas and each one's loss is
         # already weighted for the whole mini-batch, so the replicas' gradients add up to the mini-batch's
@@ -479,7 +479,8 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
         process_set: a hp.ProcessSet (Horovod's keyword) instead of ``group``.
         group: ``"data"`` (default), ``"world"``, ``"pipe"``, a hp.ProcessSet or an mpi4py communicator.
     """
-    target = objects.target(group, process_set, "broadcast_parameters")
+    with context.refusing("broadcast_parameters", "broadcast", group, process_set):
+        target = objects.target(group, process_set, "broadcast_parameters")
     items = sorted(params.items() if isinstance(params, Mapping) else params, key=lambda item: item[0])
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):
@@ -506,13 +507,13 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     A ZeRO optimizer (``zero=1|2``) keeps each replica's own shard of the moments (the shards together are
     the state): only its hyper-parameters are made root's.
     """
-    target = objects.target(group, process_set, "broadcast_optimizer_state")
     with context.refusing("broadcast_optimizer_state", "broadcast_object", group, process_set):
+        target = objects.target(group, process_set, "broadcast_optimizer_state")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"broadcast_optimizer_state takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
         root = objects.root_index(target, root_rank, "broadcast_optimizer_state")
     me = context.communicator(target, "broadcast_optimizer_state").Get_rank()
-    source = root_rank if process_set is not None or isinstance(target, ProcessSet) else root  # as broadcast_object takes it
+    source = root_rank if target.set_ranks is not None else root  # a process set's root is global (as broadcast_object)
     if getattr(optimizer, "zero", 0):
         # ZeRO: each replica holds its own shard of the moments, so root's would be the wrong piece; the
         # shards together are the one state. Only the hyper-parameters (lr, betas, ...) are made root's.
