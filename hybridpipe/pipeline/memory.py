@@ -80,9 +80,6 @@ class ActivationMeter:
             self.live -= entry[1]
             del self._references[key]
 
-    def reset_peak(self) -> None:
-        self.peak = self.live
-
 
 @dataclass
 class RankMemory:

@@ -437,13 +437,6 @@ class SplitPlan:
                     found.append(module)
         return found
 
-    def module_ranks(self) -> dict[int, set[int]]:
-        """Unit id -> the pipeline ranks whose chunks call it."""
-        where: dict[int, set[int]] = {}
-        for call in self.trace.calls:
-            where.setdefault(id(call.module), set()).add(self.call_chunk[call.index] % self.ranks)
-        return where
-
     def crossing(self, chunk: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """What chunk ``chunk`` receives: ``(description, shape on the sample, dtype)`` per value."""
         described = []

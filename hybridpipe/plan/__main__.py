@@ -79,18 +79,9 @@ def load_factory(spec: str):
     return factory
 
 
-def profile_factory(spec: str, sample_batch: int) -> Profile:
-    """Profiles the model that ``MODULE:FACTORY`` returns on ``sample_batch`` samples.
-
-    Raises:
-        HybridPipeError: the factory, its ``sample`` or the model failed (the message names which and why).
-    """
-    return profile_factory_model(spec, sample_batch)[0]
-
-
 def profile_factory_model(spec: str, sample_batch: int) -> tuple[Profile, ModuleLayers | None]:
-    """:func:`profile_factory`, with the module's :class:`ModuleLayers` when the factory returns a module (not a
-    layer list), for its split report.
+    """Profiles the model that ``MODULE:FACTORY`` returns on ``sample_batch`` samples; also the module's
+    :class:`ModuleLayers` when the factory returns a module (not a layer list), for its split report.
 
     Raises:
         HybridPipeError: the factory, its ``sample`` or the model failed (the message names which and why).

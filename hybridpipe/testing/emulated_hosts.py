@@ -251,10 +251,6 @@ class EmulatedHosts:
         """Brings host ``host``'s link back up."""
         _ip("link", "set", self.links[host], "up")
 
-    def run_in(self, host: int, argv: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess:
-        """Runs ``argv`` inside host ``host``'s namespace (``subprocess.run`` keywords pass through)."""
-        return subprocess.run(["ip", "netns", "exec", self.namespaces[host], *argv], **kwargs)
-
     def mpirun_command(self, ranks_per_host: int | Sequence[int], argv: Sequence[str],
                        env: Mapping[str, str] | None = None, mpirun: str | None = None,
                        extra_args: Sequence[str] = (), round_robin: bool = False) -> list[str]:
