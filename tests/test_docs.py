@@ -71,3 +71,25 @@ def test_hp_names_in_the_new_pages_exist():
             if not _resolve(dotted):
                 missing.append(f"{page}: hp.{dotted}")
     assert not missing, f"names that hybridpipe does not have: {missing}"
+
+
+#: How the docs must not read: a lab notebook (who did the work, when, in which round of it). A table says
+#: when it was measured ("Measured on DATE"); the history is in git.
+NOTEBOOK_WORDS = re.compile(r"\bissue \d+|\bthis session|\btonight|\bfindings for|\blast session|\bhelper \d+",
+                            re.IGNORECASE)
+
+
+def test_docs_read_as_a_manual_not_a_notebook():
+    pages = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+    found = [f"{page.relative_to(ROOT)}:{number}: {match.group(0)!r}"
+             for page in pages for number, line in enumerate(page.read_text().splitlines(), 1)
+             for match in [NOTEBOOK_WORDS.search(line)] if match]
+    assert not found, "words about how or when the work was done (keep results, the command and the machine):\n" \
+        + "\n".join(found)
+
+
+def test_readme_and_benchmark_pages_fit_in_150_lines():
+    pages = [ROOT / "README.md", *sorted(DOCS.glob("*benchmarks.md"))]
+    assert len(pages) >= 4, pages
+    long = {str(page.relative_to(ROOT)): n for page in pages if (n := len(page.read_text().splitlines())) > 150}
+    assert not long, f"pages over 150 lines (current numbers only, one table per machine; git keeps the rest): {long}"
