@@ -2,9 +2,14 @@
 #include "hierarchical.h"
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstring>
+#include <exception>
+#include <mutex>
+#include <thread>
 
 #include "reduce.h"
+#include "shm_allreduce.h"
 
 namespace hybridpipe {
 namespace {
@@ -50,8 +55,45 @@ int cache_key() {
   return key;
 }
 
+// What the two threads of the pipeline tell each other: chunks reduced inside the host (the helper's step
+// 1), chunks carried between hosts (the calling thread's step 2), and the first failure of either.
+class Handoff {
+ public:
+  void reduced(size_t chunks) { set(&reduced_, chunks); }
+  void carried(size_t chunks) { set(&carried_, chunks); }
+  // Wait until that many chunks are reduced / carried; false when the other thread failed.
+  bool wait_reduced(size_t chunks) { return wait(&reduced_, chunks); }
+  bool wait_carried(size_t chunks) { return wait(&carried_, chunks); }
+  void fail(std::exception_ptr error) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!error_) error_ = error;
+    changed_.notify_all();
+  }
+  std::exception_ptr error() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return error_;
+  }
+
+ private:
+  void set(size_t* counter, size_t value) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    *counter = value;
+    changed_.notify_all();
+  }
+  bool wait(const size_t* counter, size_t value) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    changed_.wait(lock, [&] { return *counter >= value || error_; });
+    return !error_;
+  }
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  size_t reduced_ = 0, carried_ = 0;
+  std::exception_ptr error_;
+};
+
 constexpr size_t kDivideSlot = 7;  // a workspace slot the ring and library paths do not use
 constexpr size_t kMaxBroadcastBytes = size_t(1) << 30;
+constexpr size_t kRampSteps = 3;  // the first and last chunks: 1/8, 1/4, 1/2 of the nominal one
 
 }  // namespace
 
@@ -78,8 +120,14 @@ Hierarchy::Hierarchy(MPI_Comm comm) : comm_(comm) {
   }
   piece_comms_.assign(static_cast<size_t>(pieces_), MPI_COMM_NULL);
   if (hosts_ < 2 || pieces_ < 2) return;  // not useful: no piece communicators
-  for (int p = 0; p < pieces_; ++p) {  // the carriers of piece p: local rank p mod k on each host
-    const int color = local_rank_ == p % local_size_ ? p : MPI_UNDEFINED;
+  first_piece_ = pieces_;
+  end_piece_ = 0;
+  for (int p = 0; p < pieces_; ++p) {  // the carriers of piece p: local rank p * k / P on each host
+    if (carrier(p) == local_rank_) {
+      first_piece_ = std::min(first_piece_, p);
+      end_piece_ = p + 1;
+    }
+    const int color = carrier(p) == local_rank_ ? p : MPI_UNDEFINED;
     HP_MPI(MPI_Comm_split, comm, comm, color, rank, &piece_comms_[static_cast<size_t>(p)]);
     if (piece_comms_[static_cast<size_t>(p)] != MPI_COMM_NULL) {
       MPI_Comm_set_errhandler(piece_comms_[static_cast<size_t>(p)], MPI_ERRORS_RETURN);
@@ -97,49 +145,153 @@ Hierarchy::~Hierarchy() {
   if (local_ != MPI_COMM_NULL) MPI_Comm_free(&local_);
 }
 
+std::vector<size_t> Hierarchy::chunk_lengths(size_t count, size_t element_bytes, size_t chunk_bytes) {
+  const size_t nominal = std::max<size_t>(1, chunk_bytes / std::max<size_t>(1, element_bytes));
+  if (chunk_bytes == 0 || count <= nominal) return {count};
+  std::vector<size_t> ramp;  // the first chunks, smallest first; the last ones mirror them
+  size_t ramped = 0;
+  for (size_t step = kRampSteps; step > 0; --step) {
+    const size_t length = nominal >> step;
+    if (length == 0 || 2 * (ramped + length) > count / 2) continue;  // the ramps take at most half the buffer
+    ramp.push_back(length);
+    ramped += length;
+  }
+  const size_t middle = count - 2 * ramped;
+  const size_t parts = (middle + nominal - 1) / nominal;
+  std::vector<size_t> lengths(ramp);
+  for (size_t i = 0; i < parts; ++i) lengths.push_back(middle / parts + (i < middle % parts ? 1 : 0));
+  lengths.insert(lengths.end(), ramp.rbegin(), ramp.rend());
+  return lengths;
+}
+
 void Hierarchy::allreduce(const Buffer& input, const Buffer& output, ReduceOp op, const AllreduceOptions& options,
                           Workspace& workspace) {
   if (input.count != output.count || input.dtype != output.dtype) {
     throw std::invalid_argument("hierarchical allreduce: input and output differ in count or dtype");
   }
-  const size_t count = output.count;
   ++calls_;
-  if (count == 0) return;
+  if (output.count == 0) return;
   if (input.data != output.data) std::memcpy(output.data, input.data, output.bytes());
+  // the same answer on every rank of a host: the segment exists on all of them or on none
+  SharedMemoryAllreduce* shm = nullptr;
+  if (local_size_ > 1 && options.shared_memory) shm = shared_memory_for(local_, options.shared_memory_chunk_bytes);
+  if (local_size_ > 1 && shm == nullptr) {
+    in_steps(output, op, options, workspace);
+  } else {
+    pipelined(output, op, options, workspace, shm);
+  }
+}
+
+void Hierarchy::carry(const Buffer& output, size_t begin, size_t length, ReduceOp op, const AllreduceOptions& flat,
+                      Workspace& workspace) {
   const ReduceOp step_op = op == ReduceOp::Average ? ReduceOp::Sum : op;
-  // the parts run the flat algorithms (ring, library, shared memory), never this one again
-  AllreduceOptions flat = options;
+  for (int p = first_piece_; p < end_piece_; ++p) {  // in piece order on every rank
+    size_t at = 0, span = 0;
+    piece_span(length, static_cast<size_t>(pieces_), static_cast<size_t>(p), &at, &span);
+    if (span == 0) continue;
+    const Buffer piece = slice(output, begin + at, span);
+    hybridpipe::allreduce(piece, piece, step_op, piece_comms_[static_cast<size_t>(p)], flat, workspace);
+    if (op == ReduceOp::Average) divide(piece.data, span, output.dtype, static_cast<size_t>(size_), workspace, kDivideSlot);
+  }
+}
+
+void Hierarchy::pipelined(const Buffer& output, ReduceOp op, const AllreduceOptions& options, Workspace& workspace,
+                          SharedMemoryAllreduce* shm) {
+  AllreduceOptions flat = options;  // the pieces run the flat algorithms, never this one again
+  flat.hierarchical = 0;
+  const ReduceOp step_op = op == ReduceOp::Average ? ReduceOp::Sum : op;
+  const std::vector<size_t> lengths = chunk_lengths(output.count, dtype_size(output.dtype), options.hierarchical_chunk_bytes);
+  std::vector<size_t> starts(1, 0);
+  for (size_t length : lengths) starts.push_back(starts.back() + length);
+  const size_t chunks = lengths.size();
+  pipelined_chunks_ += chunks;
+  // this rank's share of chunk c: its pieces, consecutive
+  auto share = [&](size_t c, size_t* begin) {
+    size_t first = 0, span = 0, last = 0, last_span = 0;
+    piece_span(lengths[c], static_cast<size_t>(pieces_), static_cast<size_t>(first_piece_), &first, &span);
+    piece_span(lengths[c], static_cast<size_t>(pieces_), static_cast<size_t>(end_piece_ - 1), &last, &last_span);
+    *begin = first;
+    return slice(output, starts[c] + first, last + last_span - first);
+  };
+  auto reduce_in_host = [&](size_t c) {
+    size_t begin = 0;
+    const Buffer kept = share(c, &begin);
+    shm->reduce_scatter({slice(output, starts[c], lengths[c])}, kept, begin, step_op, options.wait);
+  };
+  auto gather_in_host = [&](size_t c) {
+    size_t begin = 0;
+    const Buffer kept = share(c, &begin);
+    shm->allgather(kept, begin, slice(output, starts[c], lengths[c]), options.wait);
+  };
+  if (shm == nullptr || chunks == 1) {  // alone on this host, or one chunk: this thread does every step
+    for (size_t c = 0; c < chunks; ++c) {
+      if (shm) reduce_in_host(c);
+      carry(output, starts[c], lengths[c], op, flat, workspace);
+      if (shm) gather_in_host(c);
+    }
+    return;
+  }
+  // The helper: reduce c + 1, then gather c once it has crossed; the same order on every rank of the host.
+  Handoff handoff;
+  std::thread helper([&] {
+    shared_memory_probes_mpi = false;
+    try {
+      reduce_in_host(0);
+      handoff.reduced(1);
+      for (size_t c = 0; c < chunks; ++c) {
+        if (c + 1 < chunks) {
+          reduce_in_host(c + 1);
+          handoff.reduced(c + 2);
+        }
+        if (!handoff.wait_carried(c + 1)) return;
+        gather_in_host(c);
+      }
+    } catch (...) {
+      handoff.fail(std::current_exception());
+    }
+  });
+  try {
+    for (size_t c = 0; c < chunks && handoff.wait_reduced(c + 1); ++c) {
+      carry(output, starts[c], lengths[c], op, flat, workspace);
+      handoff.carried(c + 1);
+    }
+  } catch (...) {
+    handoff.fail(std::current_exception());
+  }
+  helper.join();
+  if (std::exception_ptr error = handoff.error()) std::rethrow_exception(error);
+}
+
+void Hierarchy::in_steps(const Buffer& output, ReduceOp op, const AllreduceOptions& options, Workspace& workspace) {
+  const ReduceOp step_op = op == ReduceOp::Average ? ReduceOp::Sum : op;
+  AllreduceOptions flat = options;  // the parts run the flat algorithms, never this one again
   flat.hierarchical = 0;
   // 1. inside the host
-  if (local_size_ > 1) hybridpipe::allreduce(output, output, step_op, local_, flat, workspace);
-  // 2. between hosts, each piece over the ranks that carry it (in piece order on every rank)
-  const size_t parts = static_cast<size_t>(pieces_);
-  for (size_t p = 0; p < parts; ++p) {
-    if (piece_comms_[p] == MPI_COMM_NULL) continue;
-    size_t begin = 0, length = 0;
-    piece_span(count, parts, p, &begin, &length);
-    if (length == 0) continue;
-    const Buffer piece = slice(output, begin, length);
-    hybridpipe::allreduce(piece, piece, step_op, piece_comms_[p], flat, workspace);
-    if (op == ReduceOp::Average) divide(piece.data, length, output.dtype, static_cast<size_t>(size_), workspace, kDivideSlot);
+  hybridpipe::allreduce(output, output, step_op, local_, flat, workspace);
+  // 2. between hosts, chunk by chunk as pipelined() cuts them (another host may have a segment and pipeline)
+  const std::vector<size_t> lengths = chunk_lengths(output.count, dtype_size(output.dtype), options.hierarchical_chunk_bytes);
+  size_t start = 0;
+  for (size_t length : lengths) {
+    carry(output, start, length, op, flat, workspace);
+    start += length;
   }
-  // 3. inside the host, every piece from the rank that carried it
-  if (local_size_ == 1) return;
+  // 3. inside the host, every piece of every chunk from the rank that carried it
   std::vector<MPI_Request> requests;
-  for (size_t p = 0; p < parts; ++p) {
-    size_t begin = 0, length = 0;
-    piece_span(count, parts, p, &begin, &length);
-    if (length == 0) continue;
-    const int root = static_cast<int>(p % static_cast<size_t>(local_size_));
-    auto* data = static_cast<unsigned char*>(output.data) + begin * dtype_size(output.dtype);
-    size_t bytes = length * dtype_size(output.dtype);
-    for (; bytes > 0;) {  // MPI counts are int
-      const size_t part = std::min(bytes, kMaxBroadcastBytes);
-      requests.emplace_back(MPI_REQUEST_NULL);
-      HP_MPI(MPI_Ibcast, local_, data, static_cast<int>(part), MPI_BYTE, root, local_, &requests.back());
-      data += part;
-      bytes -= part;
+  start = 0;
+  for (size_t length : lengths) {
+    for (int p = 0; p < pieces_; ++p) {
+      size_t begin = 0, span = 0;
+      piece_span(length, static_cast<size_t>(pieces_), static_cast<size_t>(p), &begin, &span);
+      auto* data = static_cast<unsigned char*>(output.data) + (start + begin) * dtype_size(output.dtype);
+      for (size_t bytes = span * dtype_size(output.dtype); bytes > 0;) {  // MPI counts are int
+        const size_t part = std::min(bytes, kMaxBroadcastBytes);
+        requests.emplace_back(MPI_REQUEST_NULL);
+        HP_MPI(MPI_Ibcast, local_, data, static_cast<int>(part), MPI_BYTE, carrier(p), local_, &requests.back());
+        data += part;
+        bytes -= part;
+      }
     }
+    start += length;
   }
   HP_MPI(wait_all, local_, static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE, options.wait);
 }

@@ -177,7 +177,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("small_message_bytes", &AllreduceOptions::small_message_bytes)
       .def_readwrite("shared_memory", &AllreduceOptions::shared_memory)
       .def_readwrite("shared_memory_chunk_bytes", &AllreduceOptions::shared_memory_chunk_bytes)
-      .def_readwrite("hierarchical", &AllreduceOptions::hierarchical);
+      .def_readwrite("hierarchical", &AllreduceOptions::hierarchical)
+      .def_readwrite("hierarchical_chunk_bytes", &AllreduceOptions::hierarchical_chunk_bytes);
 
   m.def(
       "hierarchy_info",
@@ -193,6 +194,7 @@ PYBIND11_MODULE(_C, m) {
         info["pieces"] = hierarchy->pieces();
         info["useful"] = hierarchy->useful();
         info["calls"] = hierarchy->calls();
+        info["pipelined_chunks"] = hierarchy->pipelined_chunks();
         return info;
       },
       py::arg("comm"),

@@ -35,6 +35,9 @@ struct AllreduceOptions {
   // (hierarchical.h): -1 (auto) when some host has more than one of their ranks, 1 whenever they span
   // hosts, 0 never (the flat ring).
   int hierarchical = -1;
+  // The hierarchical allreduce streams the buffer through its steps in chunks of about this size, so that
+  // the steps inside a host overlap the transfer between hosts; 0: one chunk (the steps one after another).
+  size_t hierarchical_chunk_bytes = 4 << 20;
 };
 
 class SharedMemoryAllreduce;

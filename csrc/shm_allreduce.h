@@ -30,6 +30,11 @@
 
 namespace hybridpipe {
 
+// Whether this thread's waits on the segment's counters also probe MPI now and then (see wait_until in
+// shm_allreduce.cpp; true by default). A helper thread that must make no MPI call (hierarchical.cpp's, beside
+// the communication thread, which drives MPI's progress meanwhile) sets it to false.
+extern thread_local bool shared_memory_probes_mpi;
+
 // Whether every rank of `comm` is on this host (MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)); collective.
 bool on_one_host(MPI_Comm comm);
 

@@ -127,6 +127,9 @@ class Config:
             carrying its share on its own ring, then broadcast inside each host. auto: when some
             host has more than one of the group's ranks; 1: whenever the group spans hosts; 0: the
             flat ring (HYBRIDPIPE_HIERARCHICAL).
+        hierarchical_chunk_bytes: the hierarchical allreduce streams a buffer through those steps in
+            chunks of about this size, so that the steps inside a host overlap the transfer between
+            hosts; 0: the whole buffer as one chunk (HYBRIDPIPE_HIERARCHICAL_CHUNK, e.g. ``4MiB``).
         cycle_time_ms: how often the background engine fuses and runs ready tensors
             (HYBRIDPIPE_CYCLE_TIME_MS).
         stall_check_seconds: warn when a collective waits this long for some rank
@@ -194,6 +197,7 @@ class Config:
     shared_memory: bool = True
     shared_memory_chunk_bytes: int = 128 * 1024
     hierarchical: str = "auto"
+    hierarchical_chunk_bytes: int = 4 * 1024 * 1024
     cycle_time_ms: float = 0.5
     stall_check_seconds: float = 60.0
     stall_shutdown_seconds: float = 0.0
@@ -234,6 +238,7 @@ class Config:
             ("HYBRIDPIPE_SHARED_MEMORY", "shared_memory", _switch),
             ("HYBRIDPIPE_SHARED_MEMORY_CHUNK", "shared_memory_chunk_bytes", parse_bytes),
             ("HYBRIDPIPE_HIERARCHICAL", "hierarchical", _auto_switch),
+            ("HYBRIDPIPE_HIERARCHICAL_CHUNK", "hierarchical_chunk_bytes", parse_bytes),
             ("HYBRIDPIPE_CYCLE_TIME_MS", "cycle_time_ms", _positive_float),
             ("HYBRIDPIPE_STALL_CHECK_SECONDS", "stall_check_seconds", _positive_float),
             ("HYBRIDPIPE_STALL_SHUTDOWN_SECONDS", "stall_shutdown_seconds", _non_negative_float),
@@ -286,6 +291,9 @@ class Config:
             raise HybridPipeError(f"join_average={self.join_average!r} must be 'size' (Horovod's) or 'contributors'")
         if self.hierarchical not in ("auto", "1", "0"):
             raise HybridPipeError(f"hierarchical={self.hierarchical!r} must be 'auto', '1' or '0'")
+        if self.hierarchical_chunk_bytes < 0:
+            raise HybridPipeError(f"hierarchical_chunk_bytes={self.hierarchical_chunk_bytes} must be >= 0 "
+                                  "(e.g. 4MiB; 0: one chunk)")
         if self.timeout_seconds < 0:
             raise HybridPipeError(f"timeout_seconds={self.timeout_seconds} must be >= 0 (0: never; default 300)")
         if self.wait_sleep_us <= 0:

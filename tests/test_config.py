@@ -79,3 +79,10 @@ def test_shared_memory_settings():
         Config.from_env({"HYBRIDPIPE_SHARED_MEMORY": "maybe"})
     with pytest.raises(HybridPipeError, match=r"shared_memory_chunk_bytes=100 must be >= 4096 \(e.g. 128KiB\)"):
         Config.from_env({"HYBRIDPIPE_SHARED_MEMORY_CHUNK": "100"})
+
+
+def test_hierarchical_chunk_setting():
+    assert Config.from_env({"HYBRIDPIPE_HIERARCHICAL_CHUNK": "1MiB"}).hierarchical_chunk_bytes == 1 << 20
+    assert Config.from_env({"HYBRIDPIPE_HIERARCHICAL_CHUNK": "0"}).hierarchical_chunk_bytes == 0  # one chunk
+    with pytest.raises(HybridPipeError, match=r"hierarchical_chunk_bytes=-1 must be >= 0"):
+        Config(hierarchical_chunk_bytes=-1).validated()

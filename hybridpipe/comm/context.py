@@ -66,6 +66,7 @@ def allreduce_options_for(config: Config, wait: Any = None) -> Any:
     options.shared_memory = config.shared_memory
     options.shared_memory_chunk_bytes = config.shared_memory_chunk_bytes
     options.hierarchical = {"auto": -1, "1": 1, "0": 0}[config.hierarchical]
+    options.hierarchical_chunk_bytes = config.hierarchical_chunk_bytes
     if wait is not None:
         options.wait = wait
     return options

@@ -50,6 +50,35 @@ def check(got, dtype, count, size, salt, op, what):
         np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance * 4 * size, err_msg=f"{what} {dtype} {op}")
 
 
+def chunked(comm, rank, size, salt):
+    """The hierarchical allreduce forced, in small chunks (a pipeline of many chunks, with the helper thread) and
+    in one: every dtype and op equals numpy, on odd counts and counts below the number of pieces; float32 and
+    int64 sums are bitwise the same in both (two hosts: each element's additions happen in the same order)."""
+    from hybridpipe.comm.buffers import dtype_code
+
+    def run(tensor, op, chunk_bytes):
+        options = context.allreduce_options_for(hp.config())
+        options.hierarchical_chunk_bytes = chunk_bytes
+        address = tensor.data_ptr()
+        call(None, "chunked", lambda: core().allreduce(address, address, tensor.numel(), dtype_code(tensor), int(op),
+                                                       comm.py2f(), options, [], core().AllreduceAlgorithm.Hierarchical))
+        return tensor
+
+    info = lambda: core().hierarchy_info(comm.py2f())  # noqa: E731 (cached: no communication)
+    for count in (COUNT, 2_999, 1):
+        for dtype in DTYPES:
+            for name, op in OPS.items():
+                salt += 1
+                before = info()["pipelined_chunks"]
+                got = run(contribution(dtype, count, rank, salt), op, 4096)
+                check(got, dtype, count, size, salt, name, f"chunked {count}")
+                if count == COUNT:
+                    assert info()["pipelined_chunks"] - before > 10, (before, info())
+                    whole = run(contribution(dtype, count, rank, salt), op, 0)
+                    if name == "Sum" and dtype in (torch.float32, torch.int64):
+                        assert torch.equal(got, whole), (dtype, name, (got != whole).sum())
+
+
 def main(layout_text: str, label: str = "hierarchical") -> int:
     hp.init()
     world = MPI.COMM_WORLD
@@ -90,6 +119,8 @@ def main(layout_text: str, label: str = "hierarchical") -> int:
         for i, (n, tensor) in enumerate(zip(counts, tensors)):
             check(tensor, dtype, n, size, salt + i, "Sum", "engine")
         salt += len(counts)
+    if not flat:
+        chunked(comm, world.rank, size, salt)
     print(f"rank {world.rank} ok: {label} on {MPI.Get_processor_name()}", flush=True)
     hp.shutdown()
     return 0
