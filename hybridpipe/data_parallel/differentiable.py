@@ -20,6 +20,9 @@ and tensors that need no gradient go straight to :mod:`hybridpipe.comm`.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -27,7 +30,7 @@ import torch
 from ..comm import collectives, context, exchange
 from ..comm.collectives import Average, Sum, resolve_op, scale_factor
 from ..comm.collectives import check_tensors
-from ..comm.context import check_name, refusing, resolve_group
+from ..comm.context import check_name, refusing, resolve_group, resolved
 from .compression import Compression
 
 __all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall",
@@ -42,6 +45,41 @@ def _check_compression(compression: Any, function: str) -> None:
     if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
         raise TypeError(f"hp.{function}: compression must be hp.Compression.none / fp16 / bf16 (or an object with "
                         f"compress() and decompress()), got {compression!r}")
+
+
+@dataclass
+class _Checked:
+    """A collective's arguments, checked: its group resolved once (what the layers below take as it is)."""
+
+    function: str
+    group: Any
+    prescale: float = 1.0
+    postscale: float = 1.0
+
+    def scales(self, prescale_factor: Any, postscale_factor: Any) -> None:
+        self.prescale = scale_factor(prescale_factor, "prescale_factor", self.function)
+        self.postscale = scale_factor(postscale_factor, "postscale_factor", self.function)
+
+
+@contextlib.contextmanager
+def _checking(function: str, tensors: Sequence[Any], name: Any, group: Any, process_set: Any,
+              compression: Any = None) -> Iterator[_Checked]:
+    """The checks every public collective makes (its name, compression, group and tensors), and the
+    ``with`` body's own, run as one rank-local step: an error in any of them still takes this rank's place
+    in the collective (context.refusing), so the other ranks fail too instead of waiting."""
+    with refusing(function, function, group, process_set):
+        check_name(name, function)
+        if compression is not None:
+            _check_compression(compression, function)
+        checked = _Checked(function, resolved(resolve_group(group, process_set, function), function))
+        check_tensors(tensors, checked.group, function)
+        yield checked
+
+
+def _checked_group(function: str, tensors: Sequence[Any], name: Any, group: Any, process_set: Any) -> Any:
+    """:func:`_checking` for a collective without arguments of its own: the resolved group."""
+    with _checking(function, tensors, name, group, process_set) as checked:
+        return checked.group
 
 
 class _Allreduce(torch.autograd.Function):
@@ -87,14 +125,10 @@ def allreduce(tensor: Any, average: Any = None, name: str | None = None, compres
         TypeError: not a tensor/array, or a dtype that cannot be reduced.
         ValueError: both ``average`` and ``op``, or both ``group`` and ``process_set``.
     """
-    with refusing("allreduce", "allreduce", group, process_set):
+    with _checking("allreduce", [tensor], name, group, process_set, compression) as checked:
         op = resolve_op(op, average, "allreduce")
-        check_name(name, "allreduce")
-        _check_compression(compression, "allreduce")
-        prescale = scale_factor(prescale_factor, "prescale_factor", "allreduce")
-        postscale = scale_factor(postscale_factor, "postscale_factor", "allreduce")
-        group = resolve_group(group, process_set, "allreduce")
-        check_tensors([tensor], group, "allreduce")
+        checked.scales(prescale_factor, postscale_factor)
+    group, prescale, postscale = checked.group, checked.prescale, checked.postscale
     wire, compression_ctx = compression.compress(tensor)
     if _needs_grad(wire):
         reduced = _Allreduce.apply(wire, op, name, prescale, postscale, group)
@@ -137,14 +171,10 @@ def grouped_allreduce(tensors: Sequence[Any], average: Any = None, name: str | N
     Raises:
         MismatchError: the lists differ between ranks (on every rank).
     """
-    with refusing("grouped_allreduce", "grouped_allreduce", group, process_set):
+    with _checking("grouped_allreduce", tensors, name, group, process_set, compression) as checked:
         op = resolve_op(op, average, "grouped_allreduce")
-        check_name(name, "grouped_allreduce")
-        _check_compression(compression, "grouped_allreduce")
-        prescale = scale_factor(prescale_factor, "prescale_factor", "grouped_allreduce")
-        postscale = scale_factor(postscale_factor, "postscale_factor", "grouped_allreduce")
-        group = resolve_group(group, process_set, "grouped_allreduce")
-        check_tensors(tensors, group, "grouped_allreduce")
+        checked.scales(prescale_factor, postscale_factor)
+    group, prescale, postscale = checked.group, checked.prescale, checked.postscale
     compressed = [compression.compress(t) for t in tensors]
     wires = [wire for wire, _ in compressed]
     if _needs_grad(*wires):
@@ -201,11 +231,7 @@ def allgather(tensor: Any, name: str | None = None, process_set: Any = None, gro
     """
     if not _needs_grad(tensor):  # the plain collective (which checks its arguments itself)
         return exchange.allgather(tensor, name=name, process_set=process_set, group=group)
-    with refusing("allgather", "allgather", group, process_set):
-        check_name(name, "allgather")
-        group = resolve_group(group, process_set, "allgather")
-        check_tensors([tensor], group, "allgather")
-    return _Allgather.apply(tensor, name, group)
+    return _Allgather.apply(tensor, name, _checked_group("allgather", [tensor], name, group, process_set))
 
 
 class _GroupedAllgather(torch.autograd.Function):
@@ -236,10 +262,7 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None, process_s
     Raises:
         MismatchError: the lists differ between ranks (length, dtypes, trailing dimensions; on every rank).
     """
-    with refusing("grouped_allgather", "grouped_allgather", group, process_set):
-        check_name(name, "grouped_allgather")
-        group = resolve_group(group, process_set, "grouped_allgather")
-        check_tensors(tensors, group, "grouped_allgather")
+    group = _checked_group("grouped_allgather", tensors, name, group, process_set)
     tensors = list(tensors)
     if _needs_grad(*tensors):
         return list(_GroupedAllgather.apply(name, group, *tensors))
@@ -282,12 +305,9 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, process_set:
     """
     if not _needs_grad(tensor):  # the plain collective (which checks its arguments itself)
         return collectives.broadcast(tensor, root_rank, name=name, process_set=process_set, group=group)
-    with refusing("broadcast", "broadcast", group, process_set):
-        check_name(name, "broadcast")
-        group = resolve_group(group, process_set, "broadcast")
-        check_tensors([tensor], group, "broadcast")
+    with _checking("broadcast", [tensor], name, group, process_set) as checked:
         collectives.check_root(root_rank, "broadcast")
-    return _Broadcast.apply(tensor, root_rank, name, group)
+    return _Broadcast.apply(tensor, root_rank, name, checked.group)
 
 
 class _Alltoall(torch.autograd.Function):
@@ -329,12 +349,9 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, process_s
     """
     if not _needs_grad(tensor):  # the plain collective (which checks its arguments itself)
         return exchange.alltoall(tensor, splits=splits, name=name, process_set=process_set, group=group)
-    with refusing("alltoall", "alltoall", group, process_set):
-        check_name(name, "alltoall")
-        group = resolve_group(group, process_set, "alltoall")
-        check_tensors([tensor], group, "alltoall")
-        exchange.check_splits(tensor, splits, group, "alltoall")
-    return _Alltoall.apply(tensor, splits, name, group)
+    with _checking("alltoall", [tensor], name, group, process_set) as checked:
+        exchange.check_splits(tensor, splits, checked.group, "alltoall")
+    return _Alltoall.apply(tensor, splits, name, checked.group)
 
 
 class _Reducescatter(torch.autograd.Function):
@@ -362,14 +379,10 @@ class _Reducescatter(torch.autograd.Function):
 
 def _reducescatter(tensors: list, name: Any, compression: Any, op: Any, process_set: Any, prescale_factor: Any,
                    postscale_factor: Any, group: Any, function: str) -> list:
-    with refusing(function, "reducescatter", group, process_set):
+    with _checking(function, tensors, name, group, process_set, compression) as checked:
         op = exchange.reducescatter_op(op, function)
-        check_name(name, function)
-        _check_compression(compression, function)
-        prescale = scale_factor(prescale_factor, "prescale_factor", function)
-        postscale = scale_factor(postscale_factor, "postscale_factor", function)
-        group = resolve_group(group, process_set, function)
-        check_tensors(tensors, group, function)
+        checked.scales(prescale_factor, postscale_factor)
+    group, prescale, postscale = checked.group, checked.prescale, checked.postscale
     compressed = [compression.compress(t) for t in tensors]
     wires = [wire for wire, _ in compressed]
     if _needs_grad(*wires):
