@@ -21,7 +21,7 @@ and tensors that need no gradient go straight to :mod:`hybridpipe.comm`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -63,23 +63,29 @@ class _Checked:
 
 @contextlib.contextmanager
 def _checking(function: str, tensors: Sequence[Any], name: Any, group: Any, process_set: Any,
-              compression: Any = None) -> Iterator[_Checked]:
-    """The checks every public collective makes (its name, compression, group and tensors), and the
-    ``with`` body's own, run as one rank-local step: an error in any of them still takes this rank's place
+              compression: Any = None, then: Callable[[Any], None] | None = None) -> Iterator[_Checked]:
+    """The checks every public collective makes, run as one rank-local step with the ``with`` body's own:
+    its name and compression, the body (op, scale factors, root: they need no hp.init), then its group
+    (resolved once) and tensors, then ``then(group)``. An error in any of them still takes this rank's place
     in the collective (context.refusing), so the other ranks fail too instead of waiting."""
     with refusing(function, function, group, process_set):
         check_name(name, function)
         if compression is not None:
             _check_compression(compression, function)
-        checked = _Checked(function, resolved(resolve_group(group, process_set, function), function))
-        check_tensors(tensors, checked.group, function)
+        checked = _Checked(function, None)
         yield checked
+        checked.group = resolved(resolve_group(group, process_set, function), function)
+        check_tensors(tensors, checked.group, function)
+        if then is not None:
+            then(checked.group)
 
 
-def _checked_group(function: str, tensors: Sequence[Any], name: Any, group: Any, process_set: Any) -> Any:
+def _checked_group(function: str, tensors: Sequence[Any], name: Any, group: Any, process_set: Any,
+                   then: Callable[[Any], None] | None = None) -> Any:
     """:func:`_checking` for a collective without arguments of its own: the resolved group."""
-    with _checking(function, tensors, name, group, process_set) as checked:
-        return checked.group
+    with _checking(function, tensors, name, group, process_set, then=then) as checked:
+        pass
+    return checked.group
 
 
 class _Allreduce(torch.autograd.Function):
@@ -349,9 +355,9 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, process_s
     """
     if not _needs_grad(tensor):  # the plain collective (which checks its arguments itself)
         return exchange.alltoall(tensor, splits=splits, name=name, process_set=process_set, group=group)
-    with _checking("alltoall", [tensor], name, group, process_set) as checked:
-        exchange.check_splits(tensor, splits, checked.group, "alltoall")
-    return _Alltoall.apply(tensor, splits, name, checked.group)
+    group = _checked_group("alltoall", [tensor], name, group, process_set,
+                           then=lambda checked: exchange.check_splits(tensor, splits, checked, "alltoall"))
+    return _Alltoall.apply(tensor, splits, name, group)
 
 
 class _Reducescatter(torch.autograd.Function):
