@@ -190,13 +190,17 @@ void Engine::set_device_allreduce(int group_id, DeviceAllreduce reduce) {
 }
 
 uint64_t Engine::submit(int group_id, const std::string& name, const Buffer& buffer, ReduceOp op, int device,
-                        const Buffer& output, uintptr_t ready_event) {
+                        const Buffer& output, uintptr_t ready_event, const WireFormat& wire) {
+  if (wire.dtype >= 0 && !is_half(static_cast<DType>(wire.dtype))) {
+    throw std::invalid_argument("submit: the wire dtype of '" + name + "' must be float16 or bfloat16 (code " +
+                                std::to_string(wire.dtype) + ")");
+  }
   if (output.data && (output.count != buffer.count || output.dtype != buffer.dtype)) {
     throw std::invalid_argument("submit: the output of '" + name + "' differs from its input in count or dtype");
   }
   if (ready_event) cuda_event_done(ready_event);  // a driver that cannot be loaded fails here, in the caller
   return enqueue(group_id, name, buffer, op, nullptr, "", false, device, false,
-                 output.data != buffer.data ? output : Buffer{}, ready_event);
+                 output.data != buffer.data ? output : Buffer{}, ready_event, wire);
 }
 
 std::vector<Engine::Entry> Engine::ready_entries(Group& group) {
@@ -211,7 +215,7 @@ std::vector<Engine::Entry> Engine::ready_entries(Group& group) {
 
 uint64_t Engine::enqueue(int group_id, const std::string& name, const Buffer& buffer, ReduceOp op,
                          std::function<void()> job, const std::string& refusal, bool detached, int device,
-                         bool join, const Buffer& output, uintptr_t ready_event) {
+                         bool join, const Buffer& output, uintptr_t ready_event, const WireFormat& wire) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!fatal_.empty()) throw std::runtime_error("the background engine stopped after an error: " + fatal_);
   if (stop_requested_) throw std::runtime_error("hybridpipe is shutting down: no new allreduce_async");
@@ -232,7 +236,7 @@ uint64_t Engine::enqueue(int group_id, const std::string& name, const Buffer& bu
   }
   const uint64_t handle = next_handle_++;
   group.pending.push_back(Entry{handle, name, buffer, op, Clock::now(), false, std::move(job), refusal, detached, device, join, 0,
-                                      nullptr, output, ready_event});
+                                      nullptr, output, ready_event, wire});
   handles_[handle] = HandleState{group_id, false, "", ErrorKind::None};
   wake_.notify_one();
   return handle;

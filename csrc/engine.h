@@ -155,8 +155,10 @@ class Engine {
   // `ready_event`: a CUDA event (CUevent, e.g. torch.cuda.Event.cuda_event) recorded after the work that fills
   // `buffer`; the tensor is announced to the other ranks only once it has completed (polled each cycle with
   // cuEventQuery, never waited on), as Horovod's ready events. 0: ready now.
+  // `wire`: what a float32 buffer travels as (ring_allreduce.h's WireFormat); ranks must agree on it too, and
+  // buckets hold entries of one wire format.
   uint64_t submit(int group, const std::string& name, const Buffer& buffer, ReduceOp op, int device = 0,
-                  const Buffer& output = Buffer{}, uintptr_t ready_event = 0);
+                  const Buffer& output = Buffer{}, uintptr_t ready_event = 0, const WireFormat& wire = WireFormat{});
   // Queues `job`, to be run by the communication thread once every rank of `group` has queued a call
   // under `name` with the same `kind`, at the same point of the thread's sequence on each of them: a
   // blocking collective made this way is ordered with the engine's own operations on every rank, and
@@ -228,6 +230,7 @@ class Engine {
     std::shared_ptr<std::vector<unsigned char>> zeros;  // a joined rank's stand-in buffer
     Buffer output;              // out of place (submit's output); data == nullptr: in place, into `buffer`
     uintptr_t ready_event = 0;  // see submit(); cleared once the event has completed
+    WireFormat wire;            // see submit()
     const Buffer& result() const { return output.data ? output : buffer; }
   };
   struct CacheEntry {
@@ -236,6 +239,7 @@ class Engine {
     DType dtype;
     ReduceOp op;
     int device;
+    WireFormat wire;
   };
   // An allreduce an engine thread hands to a thread blocked in wait() (see reduce_bucket).
   struct Job {
@@ -284,7 +288,7 @@ class Engine {
 
   uint64_t enqueue(int group, const std::string& name, const Buffer& buffer, ReduceOp op, std::function<void()> job,
                    const std::string& refusal = "", bool detached = false, int device = 0, bool join = false,
-                   const Buffer& output = Buffer{}, uintptr_t ready_event = 0);
+                   const Buffer& output = Buffer{}, uintptr_t ready_event = 0, const WireFormat& wire = WireFormat{});
   struct Failure {
     Entry entry;
     std::string error;

@@ -18,6 +18,17 @@ namespace hybridpipe {
 
 using namespace engine_detail;
 
+namespace {
+
+// The engine's options with the wire format its bucket's entries were submitted with.
+AllreduceOptions with_wire(const AllreduceOptions& options, const WireFormat& wire) {
+  AllreduceOptions carried = options;
+  carried.wire = wire;
+  return carried;
+}
+
+}  // namespace
+
 void Engine::reduce_bucket(Group& group, const std::function<void(const AllreduceOptions&)>& run) {
   auto run_here = [&] {
     block_on(&group, "finish an allreduce");
@@ -79,12 +90,14 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
     const double started = seconds_now();
     if (reduce_cuda_bucket(group, entries, total_bytes, started)) return;
     const ReduceOp op = entries[0].op;
-    const bool streamed = group.shm && total_bytes > options_.allreduce.small_message_bytes;
+    const WireFormat wire = entries[0].wire;
+    const bool forced = wire.narrows(entries[0].buffer.dtype) && wire.on_one_host;  // the ring, even on one host
+    const bool streamed = group.shm && !forced && total_bytes > options_.allreduce.small_message_bytes;
     if (entries.size() == 1) {
       const Buffer& buffer = entries[0].buffer;
       const Buffer& output = entries[0].result();
       reduce_bucket(group, [&](const AllreduceOptions& options) {
-        allreduce(buffer, output, op, group.comm, options, group.workspace);
+        allreduce(buffer, output, op, group.comm, with_wire(options, wire), group.workspace);
       });
       record(group, "ring", started, seconds_now(), total_bytes, 1);
     } else if (streamed) {
@@ -109,7 +122,7 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
       const DType dtype = entries[0].buffer.dtype;
       const Buffer fused{fusion_.data(), total_bytes / dtype_size(dtype), dtype};
       reduce_bucket(group, [&](const AllreduceOptions& options) {
-        allreduce(fused, fused, op, group.comm, options, group.workspace);
+        allreduce(fused, fused, op, group.comm, with_wire(options, wire), group.workspace);
       });
       const double reduced = seconds_now();
       record(group, "ring", packed, reduced, total_bytes, entries.size());
@@ -144,7 +157,7 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
       complete({entry}, "", started);
       continue;
     }
-    reduce_all(cutter.add(i, entry.buffer.bytes(), entry.buffer.dtype, entry.op));
+    reduce_all(cutter.add(i, entry.buffer.bytes(), entry.buffer.dtype, entry.op, entry.wire));
   }
   reduce_all(cutter.flush());
 }
@@ -243,7 +256,7 @@ bool Engine::reduce_cuda_bucket(Group& group, std::vector<Entry>& entries, size_
   record(group, "pack", started, packed, total_bytes, entries.size());
   const Buffer fused{host, total_bytes / dtype_size(dtype), dtype};
   reduce_bucket(group, [&](const AllreduceOptions& options) {
-    allreduce(fused, fused, op, group.comm, options, group.workspace);
+    allreduce(fused, fused, op, group.comm, with_wire(options, entries[0].wire), group.workspace);
   });
   const double reduced = seconds_now();
   record(group, "ring", packed, reduced, total_bytes, entries.size());

@@ -24,6 +24,7 @@ struct Announced {  // one pending name of one rank, as gathered in a slow round
   int device;
   bool join;
   bool call;
+  WireFormat wire;
 };
 
 namespace {
@@ -41,7 +42,9 @@ T take(const char*& cursor) {
 std::string describe(const Announced& a) {
   static const char* const devices[] = {"", " device=cuda", " device=accelerator"};
   return "count=" + std::to_string(a.count) + " dtype=" + dtype_name(static_cast<DType>(a.dtype)) +
-         " op=" + op_name(static_cast<ReduceOp>(a.op)) + devices[a.device >= 0 && a.device <= 2 ? a.device : 2];
+         " op=" + op_name(static_cast<ReduceOp>(a.op)) + devices[a.device >= 0 && a.device <= 2 ? a.device : 2] +
+         (a.wire.dtype < 0 ? "" : std::string(" wire=") + dtype_name(static_cast<DType>(a.wire.dtype))) +
+         (a.wire.on_one_host ? " (on one host too)" : "");
 }
 
 // "rank 1 raised TypeError: ...; rank 3 raised ...": the ranks that refused the operation (submit_refusal).
@@ -56,7 +59,8 @@ std::string refusals_of(const std::vector<Announced>& ranks) {
 // Whether the ranks agree on what they submitted under one name.
 bool same_metadata(const std::vector<Announced>& ranks) {
   return std::all_of(ranks.begin(), ranks.end(), [&](const Announced& a) {
-    return a.count == ranks[0].count && a.dtype == ranks[0].dtype && a.op == ranks[0].op && a.device == ranks[0].device;
+    return a.count == ranks[0].count && a.dtype == ranks[0].dtype && a.op == ranks[0].op && a.device == ranks[0].device &&
+           a.wire == ranks[0].wire;
   });
 }
 
@@ -65,7 +69,7 @@ std::string disagreement(const std::string& name, const std::string& group, cons
   std::string listing;
   for (const Announced& a : ranks) listing += (listing.empty() ? "" : "; ") + ("rank " + std::to_string(a.rank) + ": " + describe(a));
   return "allreduce_async '" + name + "' on group '" + group + "': ranks disagree (" + listing +
-         "); every rank must submit the same count, dtype, op and device under one name";
+         "); every rank must submit the same count, dtype, op, device and compression under one name";
 }
 
 }  // namespace
@@ -158,7 +162,7 @@ void Engine::start_negotiation(Group& group) {
     const bool cached = entry.refusal.empty() && bit != group.bits.end() &&
                         group.cache[bit->second].count == entry.buffer.count &&
                         group.cache[bit->second].dtype == entry.buffer.dtype && group.cache[bit->second].op == entry.op &&
-                        group.cache[bit->second].device == entry.device;
+                        group.cache[bit->second].device == entry.device && group.cache[bit->second].wire == entry.wire;
     if (cached) {
       group.vector[1 + bit->second / 64] |= 1ull << (bit->second % 64);
     } else {
@@ -301,6 +305,10 @@ Engine::Announcements Engine::gather_names(Group& group, std::chrono::steady_clo
     const uint8_t join = entry.join, call = entry.job != nullptr;
     put(mine, &join, sizeof join);
     put(mine, &call, sizeof call);
+    const int32_t wire_dtype = entry.wire.dtype;
+    const uint8_t wire_on_one_host = entry.wire.on_one_host;
+    put(mine, &wire_dtype, sizeof wire_dtype);
+    put(mine, &wire_on_one_host, sizeof wire_on_one_host);
   }
   int my_length = static_cast<int>(mine.size());
   std::vector<int> lengths(group.size), offsets(group.size, 0);
@@ -331,6 +339,8 @@ Engine::Announcements Engine::gather_names(Group& group, std::chrono::steady_clo
       a.device = take<int32_t>(cursor);
       a.join = take<uint8_t>(cursor) != 0;
       a.call = take<uint8_t>(cursor) != 0;
+      a.wire.dtype = take<int32_t>(cursor);
+      a.wire.on_one_host = take<uint8_t>(cursor) != 0;
       by_name[name].push_back(std::move(a));
     }
   }
@@ -339,7 +349,7 @@ Engine::Announcements Engine::gather_names(Group& group, std::chrono::steady_clo
 
 void Engine::remember(Group& group, const std::string& name, const Announced& meta) {
   const CacheEntry cached{name, meta.count, static_cast<DType>(meta.dtype), static_cast<ReduceOp>(meta.op),
-                          meta.device};
+                          meta.device, meta.wire};
   auto bit = group.bits.find(name);
   if (bit == group.bits.end()) {
     group.bits[name] = group.cache.size();
@@ -408,6 +418,7 @@ bool Engine::reduce_with_joined(Group& group, const std::string& name, const std
     entry.name = name;
     entry.zeros = std::make_shared<std::vector<unsigned char>>(meta.count * dtype_size(static_cast<DType>(meta.dtype)), 0);
     entry.buffer = Buffer{entry.zeros->data(), meta.count, static_cast<DType>(meta.dtype)};
+    entry.wire = meta.wire;
     entry.submitted = now;
   }
   // an Average is a sum here, divided by the contributors afterwards (wait's contributors)

@@ -24,7 +24,8 @@ void grouped_allreduce(const std::vector<Buffer>& inputs, const std::vector<Buff
       allreduce(inputs[i], outputs[i], op, comm, options, workspace);
       return;
     }
-    if (shm && bucket.bytes > options.small_message_bytes) {  // straight into the segment and back
+    const bool forced = options.wire.narrows(inputs[bucket.items[0]].dtype) && options.wire.on_one_host;
+    if (shm && !forced && bucket.bytes > options.small_message_bytes) {  // straight into the segment and back
       std::vector<Buffer> ins, outs;
       for (size_t i : bucket.items) {
         ins.push_back(inputs[i]);
@@ -59,18 +60,19 @@ void grouped_allreduce(const std::vector<Buffer>& inputs, const std::vector<Buff
   for (const Bucket& bucket : cutter.flush()) reduce(bucket);
 }
 
-std::vector<Bucket> BucketCutter::add(size_t index, size_t bytes, DType dtype, ReduceOp op) {
+std::vector<Bucket> BucketCutter::add(size_t index, size_t bytes, DType dtype, ReduceOp op, const WireFormat& wire) {
   std::vector<Bucket> done;
   if (reduced_alone(bytes, threshold_, options_, streamed_)) {  // in place, alone; the bucket stays open
     done.push_back(Bucket{{index}, bytes, true});
     return done;
   }
-  if (!open_.items.empty() && (dtype != dtype_ || op != op_ || open_.bytes + bytes > threshold_)) {
+  if (!open_.items.empty() && (dtype != dtype_ || op != op_ || wire != wire_ || open_.bytes + bytes > threshold_)) {
     done.push_back(std::move(open_));
     open_ = Bucket{};
   }
   dtype_ = dtype;
   op_ = op;
+  wire_ = wire;
   open_.items.push_back(index);
   open_.bytes += bytes;
   return done;

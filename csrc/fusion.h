@@ -15,7 +15,7 @@ struct Bucket {
 };
 
 // How fused allreduces cut a sequence of buffers into buckets; grouped_allreduce and the engine's
-// buckets both use it, so they bucket alike. Buffers of one dtype and op are packed in order up to
+// buckets both use it, so they bucket alike. Buffers of one dtype, op and wire format are packed in order up to
 // `threshold` bytes per bucket; a buffer that reduced_alone() says goes alone is a bucket of its own,
 // and the open bucket stays open across it.
 class BucketCutter {
@@ -23,7 +23,7 @@ class BucketCutter {
   BucketCutter(size_t threshold, const AllreduceOptions& options, bool streamed)
       : threshold_(threshold), options_(options), streamed_(streamed) {}
   // Offers buffer `index`; returns the buckets that are complete now, in the order to reduce them.
-  std::vector<Bucket> add(size_t index, size_t bytes, DType dtype, ReduceOp op);
+  std::vector<Bucket> add(size_t index, size_t bytes, DType dtype, ReduceOp op, const WireFormat& wire = WireFormat{});
   // The open bucket, if any (at the end, or before something that must not be passed).
   std::vector<Bucket> flush();
 
@@ -34,6 +34,7 @@ class BucketCutter {
   Bucket open_;
   DType dtype_ = DType::Float32;
   ReduceOp op_ = ReduceOp::Sum;
+  WireFormat wire_;
 };
 
 // Reduces each inputs[i] into outputs[i] (same count and dtype; may alias). Buffers of one dtype

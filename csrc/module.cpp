@@ -168,6 +168,15 @@ PYBIND11_MODULE(_C, m) {
   m.def("spinning_wait", &spinning, py::arg("policy"),
         "The policy without its sleeps, making the same MPI calls (a polite one tests until done).");
 
+  py::class_<WireFormat>(m, "WireFormat",
+                         "What float32 buffers travel as: dtype -1 (float32) or the code of float16 / bfloat16; "
+                         "on_one_host: also between ranks of one host (the ring instead of shared memory).")
+      .def(py::init<>())
+      .def(py::init([](int dtype, bool on_one_host) { return WireFormat{dtype, on_one_host}; }), py::arg("dtype"),
+           py::arg("on_one_host") = false)
+      .def_readwrite("dtype", &WireFormat::dtype)
+      .def_readwrite("on_one_host", &WireFormat::on_one_host);
+
   py::class_<AllreduceOptions>(m, "AllreduceOptions")
       .def(py::init<>())
       .def_readwrite("wait", &AllreduceOptions::wait)
@@ -178,7 +187,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("shared_memory", &AllreduceOptions::shared_memory)
       .def_readwrite("shared_memory_chunk_bytes", &AllreduceOptions::shared_memory_chunk_bytes)
       .def_readwrite("hierarchical", &AllreduceOptions::hierarchical)
-      .def_readwrite("hierarchical_chunk_bytes", &AllreduceOptions::hierarchical_chunk_bytes);
+      .def_readwrite("hierarchical_chunk_bytes", &AllreduceOptions::hierarchical_chunk_bytes)
+      .def_readwrite("wire", &AllreduceOptions::wire);
 
   m.def(
       "hierarchy_info",
@@ -460,15 +470,16 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "submit",
           [](Engine& engine, int group, const std::string& name, uintptr_t address, size_t count, int dtype, int op,
-             int device, uintptr_t output, uintptr_t ready_event) {
+             int device, uintptr_t output, uintptr_t ready_event, const WireFormat& wire) {
             return engine.submit(group, name, to_buffer(address, count, dtype), static_cast<ReduceOp>(op), device,
-                                 output ? to_buffer(output, count, dtype) : Buffer{}, ready_event);
+                                 output ? to_buffer(output, count, dtype) : Buffer{}, ready_event, wire);
           },
           py::arg("group"), py::arg("name"), py::arg("address"), py::arg("count"), py::arg("dtype"), py::arg("op"),
-          py::arg("device") = 0, py::arg("output") = 0, py::arg("ready_event") = 0,
+          py::arg("device") = 0, py::arg("output") = 0, py::arg("ready_event") = 0, py::arg("wire") = WireFormat{},
           "Queues an allreduce of the buffer at `address`; with `output`, the result is written there and the "
           "input only read (out of place). With `ready_event` (a CUDA event handle), the buffer is reduced only "
-          "after that event has completed (polled by the engine thread, never waited on).")
+          "after that event has completed (polled by the engine thread, never waited on). `wire`: what a float32 "
+          "buffer travels as (WireFormat; every rank must pass the same).")
       .def(
           "submit_call",
           [](Engine& engine, int group, const std::string& name, int kind, py::function function) {

@@ -3,6 +3,10 @@
 
 #include <cstring>
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#endif
+
 namespace hybridpipe {
 namespace {
 
@@ -113,14 +117,49 @@ uint16_t float_to_bfloat16_bits(float value) {
 
 float bfloat16_bits_to_float(uint16_t bits) { return bits_float(static_cast<uint32_t>(bits) << 16); }
 
+namespace {
+
+// float16 <-> float32 with the x86 F16C instructions, 8 values at a time (the same round-to-nearest-even as
+// the scalar functions; a NaN keeps its payload's top bits): ~10x the scalar speed, which the compressed
+// ring's conversions need to hide behind the wire. Chosen at run time, so the build needs no -march.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HYBRIDPIPE_F16C 1
+__attribute__((target("avx,f16c"))) size_t float16_to_float_f16c(const uint16_t* in, float* out, size_t count) {
+  size_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+  }
+  return i;
+}
+
+__attribute__((target("avx,f16c"))) size_t float_to_float16_f16c(const float* in, uint16_t* out, size_t count) {
+  size_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
+  }
+  return i;
+}
+
+bool has_f16c() {
+  static const bool supported = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  return supported;
+}
+#endif
+
+}  // namespace
+
 void half_to_float(const void* source, float* destination, size_t count, DType half_dtype) {
   const uint16_t* __restrict__ in = static_cast<const uint16_t*>(source);
   float* __restrict__ out = destination;
   if (half_dtype == DType::BFloat16) {
     for (size_t i = 0; i < count; ++i) out[i] = bfloat16_bits_to_float(in[i]);
-  } else {
-    for (size_t i = 0; i < count; ++i) out[i] = float16_bits_to_float(in[i]);
+    return;
   }
+  size_t i = 0;
+#if defined(HYBRIDPIPE_F16C)
+  if (has_f16c()) i = float16_to_float_f16c(in, out, count);
+#endif
+  for (; i < count; ++i) out[i] = float16_bits_to_float(in[i]);
 }
 
 void float_to_half(const float* source, void* destination, size_t count, DType half_dtype) {
@@ -128,9 +167,13 @@ void float_to_half(const float* source, void* destination, size_t count, DType h
   uint16_t* __restrict__ out = static_cast<uint16_t*>(destination);
   if (half_dtype == DType::BFloat16) {
     for (size_t i = 0; i < count; ++i) out[i] = float_to_bfloat16_bits(in[i]);
-  } else {
-    for (size_t i = 0; i < count; ++i) out[i] = float_to_float16_bits(in[i]);
+    return;
   }
+  size_t i = 0;
+#if defined(HYBRIDPIPE_F16C)
+  if (has_f16c()) i = float_to_float16_f16c(in, out, count);
+#endif
+  for (; i < count; ++i) out[i] = float_to_float16_bits(in[i]);
 }
 
 }  // namespace hybridpipe

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <stdexcept>
 #include <mutex>
@@ -17,7 +18,8 @@ namespace {
 
 constexpr int kReduceScatterTag = 7001;
 constexpr int kAllgatherTag = 7002;
-enum WorkspaceSlot : size_t { kHalfCopy = 0, kReceiveSlots = 1, kWireCopy = 2, kIncoming = 3, kScatterCopy = 4 };
+enum WorkspaceSlot : size_t { kHalfCopy = 0, kReceiveSlots = 1, kWireCopy = 2, kIncoming = 3, kScatterCopy = 4,
+                            kGatherCopy = 5 };
 
 std::atomic<uint64_t> wire_bytes{0};  // bytes this process handed to MPI sends and MPI_Allreduce (see header)
 
@@ -90,9 +92,10 @@ void send_chunk(unsigned char* data, const Span& chunk, size_t segment, size_t e
 // as it is reduced, while the receives of later segments are already posted. `wire`: the dtype that
 // travels — the accumulation dtype, or for float16/bfloat16 buffers the half type itself: partial sums
 // are rounded to it to be sent (half the bytes of float32) and accumulated in float32 where received.
+// `finished`: called with each segment of this rank's chunk once it is fully reduced (the last step).
 void reduce_scatter(unsigned char* work, size_t count, const std::vector<Span>& chunks, DType dtype, DType wire,
                     ReduceOp op, int rank, int size, MPI_Comm comm, const AllreduceOptions& options,
-                    Workspace& workspace) {
+                    Workspace& workspace, const std::function<void(const Span&)>& finished = nullptr) {
   const size_t element = dtype_size(dtype);
   const bool narrow = wire != dtype;
   const size_t wire_element = dtype_size(wire);
@@ -113,9 +116,15 @@ void reduce_scatter(unsigned char* work, size_t count, const std::vector<Span>& 
   };
 
   std::vector<MPI_Request> sends, receives(window, MPI_REQUEST_NULL);
+  auto send = [&](const Span& part) {  // rounded right before it goes, while the previous ones are on the wire
+    stage(part);
+    sends.emplace_back();
+    HP_MPI(MPI_Isend, comm, sent + part.begin * wire_element, static_cast<int>(part.length), type, next,
+           kReduceScatterTag, comm, &sends.back());
+    count_wire(part.length, wire_element);
+  };
   const Span own = chunks[static_cast<size_t>(rank)];
-  stage(own);
-  send_chunk(sent, own, segment, wire_element, type, next, kReduceScatterTag, comm, sends);
+  for (size_t k = 0; k < segments_in(own.length, segment); ++k) send(segment_of(own, segment, k));
   for (int step = 0; step < size - 1; ++step) {
     const Span chunk = chunks[static_cast<size_t>((rank - step - 1 + 2 * size) % size)];
     const size_t parts = segments_in(chunk.length, segment);
@@ -135,11 +144,9 @@ void reduce_scatter(unsigned char* work, size_t count, const std::vector<Span>& 
       }
       reduce_into(work + part.begin * element, received, part.length, dtype, op);
       if (step < size - 2) {
-        stage(part);
-        sends.emplace_back();
-        HP_MPI(MPI_Isend, comm, sent + part.begin * wire_element, static_cast<int>(part.length), type, next,
-               kReduceScatterTag, comm, &sends.back());
-        count_wire(part.length, wire_element);
+        send(part);
+      } else if (finished) {
+        finished(part);
       }
       if (k + window < parts) post(k + window);
     }
@@ -147,36 +154,57 @@ void reduce_scatter(unsigned char* work, size_t count, const std::vector<Span>& 
   wait_sends(sends, comm, options.wait);
 }
 
-// Allgather of the reduced chunks in `data` (the output dtype): rank r starts with chunk
-// (r + 1) % size, receives straight into place and forwards each segment once it arrives.
-void allgather_chunks(unsigned char* data, const std::vector<Span>& chunks, DType dtype, int rank, int size,
-                      MPI_Comm comm, const AllreduceOptions& options) {
+// Receives of every segment of `chunk` of `data` from `previous` (the allgather's).
+void receive_chunk(unsigned char* data, const Span& chunk, size_t segment, size_t element, MPI_Datatype type,
+                   int previous, MPI_Comm comm, std::vector<MPI_Request>& receives) {
+  receives.assign(segments_in(chunk.length, segment), MPI_REQUEST_NULL);
+  for (size_t k = 0; k < receives.size(); ++k) {
+    const Span part = segment_of(chunk, segment, k);
+    HP_MPI(MPI_Irecv, comm, data + part.begin * element, static_cast<int>(part.length), type, previous,
+           kAllgatherTag, comm, &receives[k]);
+  }
+}
+
+// The allgather's first moves when its caller made them already (the compressed ring, during its
+// reduce-scatter): the receives of its first step posted, and the sends of this rank's own chunk.
+struct GatherStart {
+  std::vector<MPI_Request> receives, sends;
+};
+
+// Allgather of the reduced chunks in `data` (the dtype that travels), in segments of `segment` elements:
+// rank r starts with chunk (r + 1) % size, receives straight into place and forwards each segment once it
+// arrives. `wide`: a float32 buffer whose chunks travel in the half type `dtype` (`data` their mirror):
+// each received segment is widened into it. `start`: the first moves, made by the caller.
+void allgather_chunks(unsigned char* data, const std::vector<Span>& chunks, DType dtype, size_t segment, int rank,
+                      int size, MPI_Comm comm, const AllreduceOptions& options, float* wide = nullptr,
+                      GatherStart* start = nullptr) {
   const size_t element = dtype_size(dtype);
-  const size_t segment = std::max<size_t>(1, options.segment_bytes / element);
   const MPI_Datatype type = mpi_type(dtype);
   const int next = (rank + 1) % size, previous = (rank - 1 + size) % size;
+  auto chunk_at = [&](int step) { return chunks[static_cast<size_t>((rank - step + size) % size)]; };
 
-  std::vector<MPI_Request> sends, receives;
-  send_chunk(data, chunks[static_cast<size_t>((rank + 1) % size)], segment, element, type, next, kAllgatherTag,
-             comm, sends);
+  GatherStart here;
+  std::vector<MPI_Request>& sends = start ? start->sends : here.sends;
+  std::vector<MPI_Request>& receives = start ? start->receives : here.receives;
+  if (!start) {
+    receive_chunk(data, chunk_at(0), segment, element, type, previous, comm, receives);
+    send_chunk(data, chunks[static_cast<size_t>((rank + 1) % size)], segment, element, type, next, kAllgatherTag,
+               comm, sends);
+  }
   for (int step = 0; step < size - 1; ++step) {
-    const Span chunk = chunks[static_cast<size_t>((rank - step + size) % size)];
+    const Span chunk = chunk_at(step);
     const size_t parts = segments_in(chunk.length, segment);
-    receives.assign(parts, MPI_REQUEST_NULL);
-    for (size_t k = 0; k < parts; ++k) {
-      const Span part = segment_of(chunk, segment, k);
-      HP_MPI(MPI_Irecv, comm, data + part.begin * element, static_cast<int>(part.length), type, previous,
-             kAllgatherTag, comm, &receives[k]);
-    }
+    if (step > 0) receive_chunk(data, chunk, segment, element, type, previous, comm, receives);
     for (size_t k = 0; k < parts; ++k) {
       wait_one(receives[k], comm, options.wait);
+      const Span part = segment_of(chunk, segment, k);
       if (step < size - 2) {
-        const Span part = segment_of(chunk, segment, k);
         sends.emplace_back();
         HP_MPI(MPI_Isend, comm, data + part.begin * element, static_cast<int>(part.length), type, next,
                kAllgatherTag, comm, &sends.back());
         count_wire(part.length, element);
       }
+      if (wide) half_to_float(data + part.begin * element, wide + part.begin, part.length, dtype);
     }
   }
   wait_sends(sends, comm, options.wait);
@@ -249,6 +277,32 @@ void library_allreduce(const Buffer& input, const Buffer& output, ReduceOp op, M
   if (op == ReduceOp::Average) finalize_average(output.data, output.count, output.dtype, static_cast<size_t>(size));
 }
 
+// The ring over a float32 buffer whose segments travel in the half type `wire`. The allgather starts inside
+// the reduce-scatter: its first receives are posted before it (into a mirror of the buffer in `wire` apart
+// from the reduce-scatter's), and each segment of this rank's chunk is rounded and sent as soon as it is
+// reduced, so the link does not wait between the phases. Its owner keeps the rounded value too.
+void narrow_ring_allreduce(float* work, size_t count, const std::vector<Span>& chunks, DType wire, ReduceOp op,
+                           MPI_Comm comm, int rank, int size, const AllreduceOptions& options, Workspace& workspace) {
+  const size_t segment = std::max<size_t>(1, options.segment_bytes / sizeof(float));  // the reduce-scatter's
+  const size_t wire_element = dtype_size(wire);
+  auto* gathered = static_cast<unsigned char*>(workspace.get(kGatherCopy, count * wire_element));
+  GatherStart start;
+  receive_chunk(gathered, chunks[static_cast<size_t>(rank)], segment, wire_element, mpi_type(wire),
+                (rank - 1 + size) % size, comm, start.receives);
+  auto finished = [&](const Span& part) {
+    float* values = work + part.begin;
+    unsigned char* rounded = gathered + part.begin * wire_element;
+    if (op == ReduceOp::Average) finalize_average(values, part.length, DType::Float32, static_cast<size_t>(size));
+    float_to_half(values, rounded, part.length, wire);
+    send_chunk(gathered, part, segment, wire_element, mpi_type(wire), (rank + 1) % size, kAllgatherTag, comm,
+               start.sends);
+    half_to_float(rounded, values, part.length, wire);
+  };
+  reduce_scatter(reinterpret_cast<unsigned char*>(work), count, chunks, DType::Float32, wire, op, rank, size, comm,
+                 options, workspace, finished);
+  allgather_chunks(gathered, chunks, wire, segment, rank, size, comm, options, work, &start);
+}
+
 void ring_allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_Comm comm, int rank, int size,
                     const AllreduceOptions& options, Workspace& workspace) {
   const size_t count = output.count;
@@ -264,6 +318,11 @@ void ring_allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_
   }
   std::vector<Span> chunks;
   for (int i = 0; i < size; ++i) chunks.push_back(chunk_of(count, static_cast<size_t>(size), static_cast<size_t>(i)));
+  if (options.wire.narrows(output.dtype)) {  // float32 here, the wire's half type between ranks
+    narrow_ring_allreduce(reinterpret_cast<float*>(work), count, chunks, static_cast<DType>(options.wire.dtype), op,
+                          comm, rank, size, options, workspace);
+    return;
+  }
   reduce_scatter(work, count, chunks, work_dtype, output.dtype, op, rank, size, comm, options, workspace);
 
   const Span mine = chunks[static_cast<size_t>((rank + 1) % size)];
@@ -274,7 +333,8 @@ void ring_allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_
                   static_cast<unsigned char*>(output.data) + mine.begin * dtype_size(output.dtype), mine.length,
                   output.dtype);
   }
-  allgather_chunks(static_cast<unsigned char*>(output.data), chunks, output.dtype, rank, size, comm, options);
+  allgather_chunks(static_cast<unsigned char*>(output.data), chunks, output.dtype,
+                   std::max<size_t>(1, options.segment_bytes / dtype_size(output.dtype)), rank, size, comm, options);
 }
 
 }  // namespace
@@ -307,9 +367,14 @@ void allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_Comm 
     if (input.data != output.data) std::memcpy(output.data, input.data, output.bytes());
     return;
   }
+  if (options.wire.dtype >= 0 && !is_half(static_cast<DType>(options.wire.dtype))) {
+    throw std::invalid_argument("allreduce: the wire dtype must be float16 or bfloat16 (code " +
+                                std::to_string(options.wire.dtype) + ")");
+  }
   const bool large = output.bytes() > options.small_message_bytes && output.count >= static_cast<size_t>(size);
+  const bool forced = options.wire.narrows(output.dtype) && options.wire.on_one_host;  // the ring, even on one host
   if (algorithm == AllreduceAlgorithm::SharedMemory ||
-      (algorithm == AllreduceAlgorithm::Auto && large && options.shared_memory)) {
+      (algorithm == AllreduceAlgorithm::Auto && large && options.shared_memory && !forced)) {
     if (SharedMemoryAllreduce* shm = shared_memory_for(comm, options.shared_memory_chunk_bytes)) {
       shm->allreduce({input}, {output}, op, options.wait);
       return;
@@ -336,7 +401,11 @@ void allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_Comm 
   }
   bool use_ring = algorithm == AllreduceAlgorithm::Ring;
   if (algorithm == AllreduceAlgorithm::Auto) use_ring = large;
-  if (use_ring) {
+  if (use_ring && options.wire.narrows(output.dtype) && !forced && !hierarchy_for(comm)->spans_hosts()) {
+    AllreduceOptions one_host = options;  // ranks of one host: the wire dtype would only cost conversions
+    one_host.wire = WireFormat{};
+    ring_allreduce(input, output, op, comm, rank, size, one_host, workspace);
+  } else if (use_ring) {
     ring_allreduce(input, output, op, comm, rank, size, options, workspace);
   } else {
     library_allreduce(input, output, op, comm, size, options, workspace);
@@ -516,7 +585,8 @@ void allgather(const Buffer& input, const Buffer& output, const std::vector<size
   const bool use_ring = algorithm == AllreduceAlgorithm::Ring ||
                         ((algorithm == AllreduceAlgorithm::Auto || algorithm == AllreduceAlgorithm::Hierarchical) && large);
   if (use_ring) {
-    allgather_chunks(out, rotated_for_ring(spans), output.dtype, rank, size, comm, options);
+    allgather_chunks(out, rotated_for_ring(spans), output.dtype, std::max<size_t>(1, options.segment_bytes / element),
+                     rank, size, comm, options);
     return;
   }
   const std::vector<int> ints = int_counts("allgather", counts);

@@ -9,6 +9,10 @@
 // copy and rounds each partial sum to the half type to send it, each rank rounds its finished chunk
 // once, and the allgather moves half values (the MPI library path: a user-defined op on the 16-bit
 // values, adding in float32). A sum over n ranks carries up to n - 1 roundings.
+// float32 buffers with a wire dtype (WireFormat) stay float32: the ring rounds each segment to the wire's
+// half type right before it sends it (while the previous ones are on the wire) and widens what it receives
+// into float32 where it accumulates, with the rules above: each partial sum rounded once to be sent, each
+// finished chunk rounded once (its owner keeps the rounded values too, so that every rank ends alike).
 #pragma once
 
 #include <mutex>
@@ -17,6 +21,19 @@
 #include "common.h"
 
 namespace hybridpipe {
+
+// What float32 buffers travel as between ranks: their own dtype (dtype < 0) or Float16 / BFloat16 (a DType
+// code). Only the ring honors it; at or below small_message_bytes (the MPI library) they travel as float32.
+// Across a communicator whose ranks share one host it is ignored (shared memory, or a ring through memory,
+// gains nothing from halving the bytes and pays the conversions) unless `on_one_host`: then every
+// allreduce with it runs the ring with the wire dtype, shared memory skipped, on one host too.
+struct WireFormat {
+  int dtype = -1;
+  bool on_one_host = false;
+  bool narrows(DType buffer) const { return dtype >= 0 && buffer == DType::Float32; }
+  bool operator==(const WireFormat& other) const { return dtype == other.dtype && on_one_host == other.on_one_host; }
+  bool operator!=(const WireFormat& other) const { return !(*this == other); }
+};
 
 struct AllreduceOptions {
   size_t segment_bytes = 256 * 1024;          // ring segment; cache-sized
@@ -38,6 +55,7 @@ struct AllreduceOptions {
   // The hierarchical allreduce streams the buffer through its steps in chunks of about this size, so that
   // the steps inside a host overlap the transfer between hosts; 0: one chunk (the steps one after another).
   size_t hierarchical_chunk_bytes = 4 << 20;
+  WireFormat wire;                            // the dtype float32 buffers travel in (see WireFormat)
 };
 
 class SharedMemoryAllreduce;
