@@ -35,8 +35,8 @@ test: $(STAMP)
 # host and the job restarted; a 2 × 2 grid losing a host; a restarted run against one that never
 # failed), a rank killed while saving a checkpoint (tests/misuse), the MPI test files' long_ranks (8
 # ranks oversubscribed on this machine; launches whose cases the other launches of the file already
-# cover, kept out of `make test` for its time), then the multi-host tests 20 times in a row (they must
-# pass every time).
+# cover, kept out of `make test` for its time), then the multi-host tests 20 times in a row, their long cases
+# (the hierarchical allreduce on 2 + 2 ranks) included (they must pass every time).
 MULTIHOST_REPEATS ?= 20
 test-long: $(STAMP)
 	HYBRIDPIPE_LONG_TESTS=1 PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests/test_restart.py \
@@ -49,7 +49,7 @@ test-long: $(STAMP)
 	  -q -p no:cacheprovider
 	for i in $$(seq 1 $(MULTIHOST_REPEATS)); do \
 	  echo "multi-host run $$i of $(MULTIHOST_REPEATS)"; \
-	  PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests/test_multihost.py -q -p no:cacheprovider || exit 1; \
+	  HYBRIDPIPE_LONG_TESTS=1 PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests/test_multihost.py -q -p no:cacheprovider || exit 1; \
 	done
 
 # Mutation check (not part of make test; many minutes): tests/mutants.py plants each bug of its list in a
