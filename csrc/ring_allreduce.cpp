@@ -252,9 +252,22 @@ void combine_halves(void* in, void* inout, int* length, MPI_Datatype* type) {
   }
 }
 
-// MPI_Allreduce: one library call, best for small buffers (half types travel as 16-bit, see HalfOps).
+// MPI_Allreduce: one library call, best for small buffers (half types travel as 16-bit, see HalfOps; so does a
+// float32 buffer with a wire dtype: rounded to it whole, summed by HalfOps, widened back).
 void library_allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_Comm comm, int size,
                        const AllreduceOptions& options, Workspace& workspace) {
+  if (options.wire.narrows(output.dtype)) {
+    const DType wire = static_cast<DType>(options.wire.dtype);
+    auto* halves = static_cast<unsigned char*>(workspace.get(kWireCopy, output.count * dtype_size(wire)));
+    float_to_half(static_cast<const float*>(input.data), halves, output.count, wire);
+    AllreduceOptions as_half = options;
+    as_half.wire = WireFormat{};
+    const Buffer narrow{halves, output.count, wire};
+    library_allreduce(narrow, narrow, op == ReduceOp::Average ? ReduceOp::Sum : op, comm, size, as_half, workspace);
+    half_to_float(halves, static_cast<float*>(output.data), output.count, wire);
+    if (op == ReduceOp::Average) finalize_average(output.data, output.count, DType::Float32, static_cast<size_t>(size));
+    return;
+  }
   if (is_half(output.dtype)) {
     const HalfOps& ops = half_ops();
     if (input.data != output.data) std::memcpy(output.data, input.data, output.bytes());
@@ -401,14 +414,19 @@ void allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_Comm 
   }
   bool use_ring = algorithm == AllreduceAlgorithm::Ring;
   if (algorithm == AllreduceAlgorithm::Auto) use_ring = large;
-  if (use_ring && options.wire.narrows(output.dtype) && !forced && !hierarchy_for(comm)->spans_hosts()) {
+  auto run = [&](const AllreduceOptions& chosen) {
+    if (use_ring) {
+      ring_allreduce(input, output, op, comm, rank, size, chosen, workspace);
+    } else {
+      library_allreduce(input, output, op, comm, size, chosen, workspace);
+    }
+  };
+  if (options.wire.narrows(output.dtype) && !forced && !hierarchy_for(comm)->spans_hosts()) {
     AllreduceOptions one_host = options;  // ranks of one host: the wire dtype would only cost conversions
     one_host.wire = WireFormat{};
-    ring_allreduce(input, output, op, comm, rank, size, one_host, workspace);
-  } else if (use_ring) {
-    ring_allreduce(input, output, op, comm, rank, size, options, workspace);
+    run(one_host);
   } else {
-    library_allreduce(input, output, op, comm, size, options, workspace);
+    run(options);
   }
 }
 

@@ -23,8 +23,8 @@
 namespace hybridpipe {
 
 // What float32 buffers travel as between ranks: their own dtype (dtype < 0) or Float16 / BFloat16 (a DType
-// code). Only the ring honors it; at or below small_message_bytes (the MPI library) they travel as float32.
-// Across a communicator whose ranks share one host it is ignored (shared memory, or a ring through memory,
+// code): the ring rounds segment by segment; at or below small_message_bytes the MPI library path rounds the
+// whole buffer and sums the 16-bit values in float32 as it does for half buffers. Across a communicator whose ranks share one host it is ignored (shared memory, or a ring through memory,
 // gains nothing from halving the bytes and pays the conversions) unless `on_one_host`: then every
 // allreduce with it runs the ring with the wire dtype, shared memory skipped, on one host too.
 struct WireFormat {

@@ -77,7 +77,7 @@ def _on_engine(group: Any, function: str, work: Callable[[], Any], collective: s
 
 
 def allreduce(tensor: Any, average: Any = None, name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, process_set: Any = None, group: Any = None) -> Any:
+              postscale_factor: float = 1.0, process_set: Any = None, group: Any = None, *, wire: Any = None) -> Any:
     """Reduces ``tensor`` over the ranks of ``group`` and returns the result as a new tensor/array.
 
     Args:
@@ -91,18 +91,20 @@ def allreduce(tensor: Any, average: Any = None, name: str | None = None, op: Any
         process_set: a hp.ProcessSet (Horovod's spelling of ``group``).
         group: None or "world" (all ranks), "data" (my stage's replicas), "pipe" (my pipeline), a
             hp.ProcessSet, or an mpi4py communicator.
+        wire: None, or what a float32 tensor in host memory travels as (a reduction.Wire, which hp.Compression.fp16
+            / bf16 make); every rank must pass the same.
 
     Returns:
         A new tensor (same device) or array with the reduced values.
 
     Raises:
-        MismatchError: ranks passed different shapes, dtypes, ops or names (on every rank).
+        MismatchError: ranks passed different shapes, dtypes, ops, names or wires (on every rank).
         TypeError: not a tensor/array, or a dtype that cannot be reduced.
         ValueError: both ``average`` and ``op``, or both ``group`` and ``process_set``.
         ValueError: op=hp.Adasum over a group whose size is not a power of two.
     """
     return _allreduce(tensor, average, name, op, prescale_factor, postscale_factor, process_set, group, "allreduce",
-                      False)
+                      False, wire)
 
 
 def allreduce_(tensor: Any, average: Any = None, name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
@@ -113,7 +115,7 @@ def allreduce_(tensor: Any, average: Any = None, name: str | None = None, op: An
 
 
 def _allreduce(tensor: Any, average: Any, name: str | None, op: Any, prescale: Any, postscale: Any, process_set: Any,
-               group: Any, function: str, in_place: bool) -> Any:
+               group: Any, function: str, in_place: bool, wire: Any = None) -> Any:
     with refusing(function, "allreduce", group, process_set):
         op = resolve_op(op, average, function)
         check_name(name, function)
@@ -126,7 +128,7 @@ def _allreduce(tensor: Any, average: Any, name: str | None, op: Any, prescale: A
     ready = staging.ready_event(tensor)  # a CUDA tensor is read once what this thread queued has written it
     try:
         return _on_engine(group, function, lambda: allreduce_here(tensor, op, name, prescale, postscale, group,
-                                                                  function, in_place, ready), "allreduce")
+                                                                  function, in_place, ready, wire), "allreduce")
     except context.RanksJoined:
         if op not in CORE_OPS:
             raise
@@ -134,7 +136,7 @@ def _allreduce(tensor: Any, average: Any, name: str | None, op: Any, prescale: A
 
 
 def _grouped(tensors: Sequence[Any], average: Any, name: str | None, op: Any, prescale: Any, postscale: Any,
-             process_set: Any, group: Any, function: str, in_place: bool) -> list:
+             process_set: Any, group: Any, function: str, in_place: bool, wire: Any = None) -> list:
     with refusing(function, "grouped_allreduce", group, process_set):
         op = resolve_op(op, average, function)
         check_name(name, function)
@@ -147,7 +149,7 @@ def _grouped(tensors: Sequence[Any], average: Any, name: str | None, op: Any, pr
     ready = staging.ready_event(tensors[0]) if tensors else None
     try:
         return _on_engine(group, function, lambda: grouped_allreduce_here(tensors, op, name, prescale, postscale,
-                                                                          group, function, in_place, ready),
+                                                                          group, function, in_place, ready, wire),
                           "grouped_allreduce")
     except context.RanksJoined:
         if op not in CORE_OPS:
@@ -157,7 +159,7 @@ def _grouped(tensors: Sequence[Any], average: Any, name: str | None, op: Any, pr
 
 def grouped_allreduce(tensors: Sequence[Any], average: Any = None, name: str | None = None, op: Any = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: Any = None,
-                      group: Any = None) -> list:
+                      group: Any = None, *, wire: Any = None) -> list:
     """Allreduces many tensors at once through the fusion buffer; returns new tensors/arrays.
 
     Tensors are packed into buckets of ``fusion_threshold_bytes`` (HYBRIDPIPE_FUSION_THRESHOLD) and
@@ -166,7 +168,8 @@ def grouped_allreduce(tensors: Sequence[Any], average: Any = None, name: str | N
     Args:
         tensors: a list of torch tensors / numpy arrays; every rank passes the same shapes and dtypes
             in the same order (dtypes may be mixed).
-        average, name, op, prescale_factor, postscale_factor, process_set, group: as in :func:`allreduce`.
+        average, name, op, prescale_factor, postscale_factor, process_set, group, wire: as in :func:`allreduce`
+            (``wire`` applies to the float32 tensors in host memory).
 
     Returns:
         A list of new tensors/arrays, in the order given.
@@ -175,7 +178,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: Any = None, name: str | N
         MismatchError: the lists differ between ranks (on every rank).
     """
     return _grouped(tensors, average, name, op, prescale_factor, postscale_factor, process_set, group,
-                    "grouped_allreduce", in_place=False)
+                    "grouped_allreduce", in_place=False, wire=wire)
 
 
 def grouped_allreduce_(tensors: Sequence[Any], average: Any = None, name: str | None = None, op: Any = None,

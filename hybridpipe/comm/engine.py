@@ -22,6 +22,7 @@ import os
 from typing import Any, Callable, Sequence
 
 from .. import _trace
+from .._ext import core
 from . import buffers, context, staging
 from .reduction import (CORE_OPS, Average, allreduce_here, check_tensors, grouped_allreduce_here, resolve_op,
                         scale_factor)
@@ -33,7 +34,7 @@ __all__ = ["Handle", "allreduce_async", "allreduce_async_", "grouped_allreduce_a
 
 
 def _submit(tensor: Any, average: Any, name: str | None, op: Any, prescale: Any, postscale: Any, process_set: Any,
-            group: Any, function: str, in_place: bool) -> Handle:
+            group: Any, function: str, in_place: bool, wire: Any = None) -> Handle:
     state = context.current(function)
     with refusing(function, "allreduce", group, process_set, name, asynchronous=True):
         op = resolve_op(op, average, function)
@@ -47,7 +48,8 @@ def _submit(tensor: Any, average: Any, name: str | None, op: Any, prescale: Any,
             buffers.check_reducible([buffers.dtype_code(tensor)], [tensor], function)
     if op not in CORE_OPS:  # Product (MPI library) and Adasum (hybridpipe.comm.adasum): one queued call
         return context.submit(group, function, name, lambda: allreduce_here(tensor, op, name, prescale, postscale,
-                                                                            group, function, in_place), "allreduce")
+                                                                            group, function, in_place, None, wire),
+                              "allreduce")
     group_id = state.engine_group(group, function)
     if name is None:
         name = unnamed(function)
@@ -67,6 +69,7 @@ def _submit(tensor: Any, average: Any, name: str | None, op: Any, prescale: Any,
         work = buffers.host(result)
         buffers.scale_(work, prescale)
     code = buffers.dtype_code(work)
+    wire_format = core().WireFormat() if wire is None else wire.format()
 
     submitted: list[Handle] = []
 
@@ -94,10 +97,11 @@ def _submit(tensor: Any, average: Any, name: str | None, op: Any, prescale: Any,
     def submit() -> int:
         if source is None:
             return state.engine.submit(group_id, name, buffers.address(work), buffers.count(work), code, int(op),
-                                       buffers.device_code(tensor), 0, 0 if ready is None else ready.cuda_event)
+                                       buffers.device_code(tensor), 0, 0 if ready is None else ready.cuda_event,
+                                       wire_format)
         return state.engine.submit(group_id, name, buffers.address(source), buffers.count(work), code, int(op),
                                    buffers.device_code(tensor), buffers.address(work),
-                                   0 if ready is None else ready.cuda_event)
+                                   0 if ready is None else ready.cuda_event, wire_format)
 
     submitted.append(context.queue(state, group_id, name, function, submit, (result, work, source, ready), finish))
     return submitted[0]
@@ -172,7 +176,7 @@ def _stage_down(tensor: Any, in_place: bool, prescale: float) -> tuple[Any, Any,
 
 def allreduce_async_(tensor: Any, average: Any = None, name: str | None = None, op: Any = None,
                      prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: Any = None,
-                     group: Any = None) -> Handle:
+                     group: Any = None, *, wire: Any = None) -> Handle:
     """Queues an in-place allreduce of ``tensor``; ``handle.wait()`` returns ``tensor`` reduced.
 
     Do not read or write ``tensor`` until the handle is done.
@@ -187,21 +191,23 @@ def allreduce_async_(tensor: Any, average: Any = None, name: str | None = None, 
         postscale_factor: multiplies the result.
         process_set: a hp.ProcessSet (Horovod's spelling of ``group``).
         group: None/"world", "data", "pipe", a hp.ProcessSet or an mpi4py communicator.
+        wire: None, or what a float32 tensor in host memory travels as (a reduction.Wire, which
+            hp.Compression.fp16 / bf16 make); every rank must pass the same under one name.
     """
     return _submit(tensor, average, name, op, prescale_factor, postscale_factor, process_set, group,
-                   "allreduce_async_", in_place=True)
+                   "allreduce_async_", in_place=True, wire=wire)
 
 
 def allreduce_async(tensor: Any, average: Any = None, name: str | None = None, op: Any = None,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: Any = None,
-                    group: Any = None) -> Handle:
+                    group: Any = None, *, wire: Any = None) -> Handle:
     """Like :func:`allreduce_async_` but reduces a copy: ``tensor`` is left as it is."""
     return _submit(tensor, average, name, op, prescale_factor, postscale_factor, process_set, group,
-                   "allreduce_async", in_place=False)
+                   "allreduce_async", in_place=False, wire=wire)
 
 
 def _grouped_submit(tensors: Sequence[Any], average: Any, name: str | None, op: Any, prescale: Any, postscale: Any,
-                    process_set: Any, group: Any, function: str, in_place: bool) -> Handle:
+                    process_set: Any, group: Any, function: str, in_place: bool, wire: Any = None) -> Handle:
     with refusing(function, "grouped_allreduce", group, process_set, name, asynchronous=True):
         op = resolve_op(op, average, function)
         check_name(name, function)
@@ -212,24 +218,25 @@ def _grouped_submit(tensors: Sequence[Any], average: Any, name: str | None, op: 
         group = resolved(group, function)
     ready = staging.ready_event(tensors[0]) if tensors else None
     return context.submit(group, function, name, lambda: grouped_allreduce_here(
-        tensors, op, name, prescale, postscale, group, function, in_place, ready), "grouped_allreduce")
+        tensors, op, name, prescale, postscale, group, function, in_place, ready, wire), "grouped_allreduce")
 
 
 def grouped_allreduce_async(tensors: Sequence[Any], average: Any = None, name: str | None = None, op: Any = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: Any = None,
-                            group: Any = None) -> Handle:
+                            group: Any = None, *, wire: Any = None) -> Handle:
     """Queues :func:`~hybridpipe.grouped_allreduce` (fused, as one collective); ``handle.wait()`` returns
-    the list of new tensors. Ranks match it by ``name`` and must pass the same list."""
+    the list of new tensors. Ranks match it by ``name`` and must pass the same list (and ``wire``, as in
+    :func:`allreduce_async_`)."""
     return _grouped_submit(tensors, average, name, op, prescale_factor, postscale_factor, process_set, group,
-                           "grouped_allreduce_async", in_place=False)
+                           "grouped_allreduce_async", in_place=False, wire=wire)
 
 
 def grouped_allreduce_async_(tensors: Sequence[Any], average: Any = None, name: str | None = None, op: Any = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: Any = None,
-                             group: Any = None) -> Handle:
+                             group: Any = None, *, wire: Any = None) -> Handle:
     """In-place :func:`grouped_allreduce_async`: ``handle.wait()`` returns the same tensors, reduced."""
     return _grouped_submit(tensors, average, name, op, prescale_factor, postscale_factor, process_set, group,
-                           "grouped_allreduce_async_", in_place=True)
+                           "grouped_allreduce_async_", in_place=True, wire=wire)
 
 
 def join(device: int = -1, process_set: Any = None, group: Any = None) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import sys
+from dataclasses import dataclass
 import warnings
 import zlib
 from typing import Any, Callable, Sequence
@@ -28,7 +29,8 @@ from .buffers import check_array, copy_into, describe, host, is_tensor
 
 __all__ = ["ReduceOp", "Sum", "Average", "Min", "Max", "Product", "Adasum", "CORE_OPS", "agree", "digest", "named",
            "list_ranks", "wait_policy", "reduce_op", "resolve_op", "scale_factor", "check_tensors", "device_buffer",
-           "engine_device_allreduce", "allreduce_here", "grouped_allreduce_here", "from_address", "reduce_on_device"]
+           "engine_device_allreduce", "allreduce_here", "grouped_allreduce_here", "from_address", "reduce_on_device",
+           "Wire", "wire_fields"]
 
 
 class ReduceOp(enum.IntEnum):
@@ -53,6 +55,41 @@ Sum, Average, Min, Max, Product, Adasum = (ReduceOp.Sum, ReduceOp.Average, Reduc
 CORE_OPS = (Sum, Average, Min, Max)  # what the C++ core and the engine reduce with
 
 _SAME_TENSOR = "every rank must pass the same shape, dtype and op"
+
+
+@dataclass(frozen=True)
+class Wire:
+    """What float32 buffers in host memory travel as between ranks in the C++ ring (hp.Compression.fp16 / bf16
+    make one): float16 or bfloat16 (``dtype_code``, as buffers.dtype_code), each segment rounded right before it is
+    sent and accumulated in float32 where it arrives. A group whose ranks share one host reduces float32 as it is
+    (shared memory), unless ``on_one_host``: then the ring with the wire dtype there too. Other dtypes and
+    buffers at or below small_message_bytes (the MPI library) travel as they are."""
+
+    dtype_code: int
+    on_one_host: bool = False
+
+    def fields(self) -> list[int]:
+        """Its header fields (wire_fields)."""
+        return [self.dtype_code, int(self.on_one_host)]
+
+    def format(self) -> Any:
+        """The C++ core's WireFormat."""
+        return core().WireFormat(self.dtype_code, self.on_one_host)
+
+    def options(self, base: Any, config: Any) -> Any:
+        """A copy of the AllreduceOptions ``base`` (made from ``config``) that carries this wire format."""
+        options = context.allreduce_options_for(config, base.wait)
+        options.wire = self.format()
+        return options
+
+    def __str__(self) -> str:
+        dtype = {2: "float16", 3: "bfloat16"}.get(self.dtype_code, str(self.dtype_code))
+        return f" wire={dtype}" + (" (on one host too)" if self.on_one_host else "")
+
+
+def wire_fields(wire: Wire | None) -> list[int]:
+    """The header fields of a wire format (the ranks of a collective must agree on it)."""
+    return [-1, 0] if wire is None else wire.fields()
 
 
 def wait_policy(config: Any = None) -> Any:
@@ -173,22 +210,24 @@ def _library_reduce(source: Any, target: Any, op: ReduceOp, comm: Any, function:
 
 
 def _allreduce_into(source: Any, target: Any, op: ReduceOp, comm: Any, function: str, name: str | None = None,
-                    device: str = "") -> None:
+                    device: str = "", wire: Wire | None = None) -> None:
     code = buffers.dtype_code(source)
     count = buffers.count(source)
     header = [1, count, code, int(op),
-              digest(str(tuple(source.shape)) + device + ("" if name is None else f"|{name}"))]
+              digest(str(tuple(source.shape)) + device + ("" if name is None else f"|{name}")), *wire_fields(wire)]
 
     def description() -> str:
-        return f"{describe(source)}{device} op={op.name}{named(name)}"
+        return f"{describe(source)}{device} op={op.name}{named(name)}{wire or ''}"
 
     if code == buffers.UNSUPPORTED or op not in CORE_OPS:  # agree first: a bad value on one rank must not hang
         agree(comm, function, header, description, _SAME_TENSOR)
         buffers.check_reducible([code], [source], function)
         _library_reduce(source, target, op, comm, function)
         return
+    ctx = context.current(function)
+    options = ctx.allreduce_options() if wire is None else wire.options(ctx.allreduce_options(), ctx.config)
     if not core().allreduce(buffers.address(source), buffers.address(target), count, code, int(op), comm.py2f(),
-                            context.current(function).allreduce_options(), header):
+                            options, header):
         _mismatch(comm, function, description, _SAME_TENSOR)
 
 
@@ -392,10 +431,11 @@ def _cuda_allreduce(tensors: Sequence[Any], op: ReduceOp, name: str | None, pres
 
 
 def allreduce_here(tensor: Any, op: ReduceOp, name: str | None, prescale: float, postscale: float, group: Any,
-                   function: str, in_place: bool, ready: Any = None) -> Any:
+                   function: str, in_place: bool, ready: Any = None, wire: Wire | None = None) -> Any:
     """One allreduce, run on the communication thread: the body of allreduce / allreduce_ and of the
     asynchronous ones the engine cannot run itself (Product). ``ready``: for a CUDA tensor, the event its
-    producer's stream recorded when the call was made (staging.ready_event)."""
+    producer's stream recorded when the call was made (staging.ready_event). ``wire``: what a float32 buffer in
+    host memory travels as (:class:`Wire`)."""
     check_array(tensor, function)
     comm = context.communicator(group, function)
     if op in CORE_OPS and device.route(tensor) != "host" and buffers.dtype_code(tensor) != buffers.UNSUPPORTED:
@@ -405,7 +445,7 @@ def allreduce_here(tensor: Any, op: ReduceOp, name: str | None, prescale: float,
     if prescale != 1.0:
         source = target  # scale a copy (or the in-place work), never the caller's input
         buffers.scale_(target, prescale)
-    _allreduce_into(source, target, op, comm, function, name, buffers.device_tag(tensor))
+    _allreduce_into(source, target, op, comm, function, name, buffers.device_tag(tensor), wire)
     buffers.scale_(target, postscale)
     if in_place:
         copy_into(tensor, target)
@@ -414,9 +454,10 @@ def allreduce_here(tensor: Any, op: ReduceOp, name: str | None, prescale: float,
 
 
 def grouped_allreduce_here(tensors: Sequence[Any], op: ReduceOp, name: str | None, prescale: float, postscale: float,
-                           group: Any, function: str, in_place: bool, ready: Any = None) -> list:
+                           group: Any, function: str, in_place: bool, ready: Any = None, wire: Wire | None = None) -> list:
     """A grouped allreduce, run on the communication thread (sync and async forms). ``ready``: for CUDA
-    tensors, the event the caller's stream recorded when the call was made (staging.ready_event)."""
+    tensors, the event the caller's stream recorded when the call was made (staging.ready_event). ``wire``: what
+    its float32 buffers in host memory travel as (:class:`Wire`)."""
     tensors = list(tensors)
     for t in tensors:
         check_array(t, function)
@@ -432,9 +473,10 @@ def grouped_allreduce_here(tensors: Sequence[Any], op: ReduceOp, name: str | Non
             buffers.scale_(target, prescale)
     codes = [buffers.dtype_code(w) for w in works]
     entries = [describe(t) for t in tensors]
-    agree(comm, function, [2, len(tensors), digest("|".join(entries) + named(name)), int(op)],
-           lambda: (op.name + named(name), entries),
-           "every rank must pass the same list of tensors (same order, shapes and dtypes), op and name", _explain_lists)
+    agree(comm, function, [2, len(tensors), digest("|".join(entries) + named(name)), int(op), *wire_fields(wire)],
+           lambda: (op.name + named(name) + str(wire or ""), entries),
+           "every rank must pass the same list of tensors (same order, shapes and dtypes), op, name and compression",
+           _explain_lists)
     buffers.check_reducible(codes, works, function)
     if staged:  # packed on the device, one buffer per dtype (see _cuda_allreduce)
         return _cuda_allreduce(tensors, op, name, prescale, postscale, comm, function, in_place, ready, agreed=True)
@@ -443,7 +485,9 @@ def grouped_allreduce_here(tensors: Sequence[Any], op: ReduceOp, name: str | Non
         counts = [buffers.count(works[i]) for i in order]
         core().grouped_allreduce([buffers.address(works[i]) for i in order],
                                  [buffers.address(targets[i]) for i in order], counts, [codes[i] for i in order],
-                                 int(op), comm.py2f(), ctx.config.fusion_threshold_bytes, ctx.allreduce_options())
+                                 int(op), comm.py2f(), ctx.config.fusion_threshold_bytes,
+                                 ctx.allreduce_options() if wire is None else wire.options(ctx.allreduce_options(),
+                                                                                           ctx.config))
     else:
         for work, target in zip(works, targets):
             _library_reduce(work, target, op, comm, function)

@@ -31,7 +31,7 @@ from ..comm import collectives, context, exchange
 from ..comm.collectives import Average, Sum, resolve_op, scale_factor
 from ..comm.collectives import check_tensors
 from ..comm.context import check_name, refusing, resolve_group, resolved
-from .compression import Compression
+from .compression import Compression, wire_for
 
 __all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall",
            "reducescatter", "grouped_reducescatter"]
@@ -88,18 +88,26 @@ def _checked_group(function: str, tensors: Sequence[Any], name: Any, group: Any,
     return checked.group
 
 
+def _compressed(compression: Any, tensors: Sequence[Any], op: Any) -> tuple[list, Any]:
+    """What travels, ``[(tensor, ctx)]``, and the wire format of the ring: float32 tensors in host memory as they
+    are (the ring converts each segment, compression.wire_for), the others through ``compression.compress``."""
+    formats = [wire_for(compression, t, op) for t in tensors]
+    compressed = [(t, None) if wire is not None else compression.compress(t) for t, wire in zip(tensors, formats)]
+    return compressed, next((wire for wire in formats if wire is not None), None)
+
+
 class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, op: Any, name: Any, prescale: float, postscale: float,
-                group: Any) -> torch.Tensor:
+                group: Any, wire: Any) -> torch.Tensor:
         ctx.op, ctx.prescale, ctx.postscale, ctx.group = op, prescale, postscale, group
         return collectives.allreduce(tensor, name=name, op=op, prescale_factor=prescale, postscale_factor=postscale,
-                                     group=group)
+                                     group=group, wire=wire)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         return (allreduce(grad, op=ctx.op, prescale_factor=ctx.prescale, postscale_factor=ctx.postscale,
-                          group=ctx.group), None, None, None, None, None)
+                          group=ctx.group), None, None, None, None, None, None)
 
 
 def allreduce(tensor: Any, average: Any = None, name: str | None = None, compression: Any = Compression.none,
@@ -114,7 +122,8 @@ def allreduce(tensor: Any, average: Any = None, name: str | None = None, compres
         average: deprecated (Horovod's): True is op=hp.Average, False op=hp.Sum; warns. Giving it with
             ``op`` is a ValueError.
         name: optional; every rank must pass the same name (checked with the shape).
-        compression: hp.Compression.none (default), fp16 or bf16: the dtype on the wire.
+        compression: hp.Compression.none (default), fp16 or bf16: the dtype on the wire between hosts (their
+            ``.forced``: between the ranks of one host too; see hp.Compression), or a Horovod-style compressor.
         op: hp.Average (default, like Horovod), hp.Sum, hp.Min, hp.Max, hp.Product or hp.Adasum (a power-of-two
             group).
         prescale_factor: multiplies the input before the reduction (on a copy).
@@ -135,28 +144,28 @@ def allreduce(tensor: Any, average: Any = None, name: str | None = None, compres
         op = resolve_op(op, average, "allreduce")
         checked.scales(prescale_factor, postscale_factor)
     group, prescale, postscale = checked.group, checked.prescale, checked.postscale
-    wire, compression_ctx = compression.compress(tensor)
+    [(wire, compression_ctx)], wire_format = _compressed(compression, [tensor], op)
     if _needs_grad(wire):
-        reduced = _Allreduce.apply(wire, op, name, prescale, postscale, group)
+        reduced = _Allreduce.apply(wire, op, name, prescale, postscale, group, wire_format)
     else:
         reduced = collectives.allreduce(wire, name=name, op=op, prescale_factor=prescale, postscale_factor=postscale,
-                                        group=group)
+                                        group=group, wire=wire_format)
     return compression.decompress(reduced, compression_ctx)
 
 
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, op: Any, name: Any, prescale: float, postscale: float, group: Any,
+    def forward(ctx: Any, op: Any, name: Any, prescale: float, postscale: float, group: Any, wire: Any,
                 *tensors: torch.Tensor) -> tuple:
         ctx.op, ctx.prescale, ctx.postscale, ctx.group = op, prescale, postscale, group
         return tuple(collectives.grouped_allreduce(list(tensors), name=name, op=op, prescale_factor=prescale,
-                                                   postscale_factor=postscale, group=group))
+                                                   postscale_factor=postscale, group=group, wire=wire))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         reduced = grouped_allreduce(list(grads), op=ctx.op, prescale_factor=ctx.prescale,
                                     postscale_factor=ctx.postscale, group=ctx.group)
-        return (None, None, None, None, None, *reduced)
+        return (None, None, None, None, None, None, *reduced)
 
 
 def grouped_allreduce(tensors: Sequence[Any], average: Any = None, name: str | None = None,
@@ -181,13 +190,13 @@ def grouped_allreduce(tensors: Sequence[Any], average: Any = None, name: str | N
         op = resolve_op(op, average, "grouped_allreduce")
         checked.scales(prescale_factor, postscale_factor)
     group, prescale, postscale = checked.group, checked.prescale, checked.postscale
-    compressed = [compression.compress(t) for t in tensors]
+    compressed, wire_format = _compressed(compression, tensors, op)
     wires = [wire for wire, _ in compressed]
     if _needs_grad(*wires):
-        reduced = list(_GroupedAllreduce.apply(op, name, prescale, postscale, group, *wires))
+        reduced = list(_GroupedAllreduce.apply(op, name, prescale, postscale, group, wire_format, *wires))
     else:
         reduced = collectives.grouped_allreduce(wires, name=name, op=op, prescale_factor=prescale,
-                                                postscale_factor=postscale, group=group)
+                                                postscale_factor=postscale, group=group, wire=wire_format)
     return [compression.decompress(t, c) for t, (_, c) in zip(reduced, compressed)]
 
 

@@ -36,7 +36,7 @@ from .. import _trace as timeline
 from ..comm import autotune, buffers, collectives, context, engine, exchange, objects
 from .. import runtime
 from . import zero as zero_module
-from .compression import Compression
+from .compression import Compression, wire_for
 from ..pipeline import stage
 from ..pipeline.asynchronous import owner_of
 from ..pipeline.tied import copies_counted_elsewhere
@@ -237,13 +237,16 @@ class _DistributedOptimizerMixin:
                 return grad, _SPARSE  # reduced by hp.sparse_allreduce_async (allgather of indices and values)
             grad = grad.to_dense()
         grad = grad.detach() if grad.is_contiguous() else grad.detach().contiguous()
+        if wire_for(self._hp_compression, grad, self._hp_op) is not None:
+            return grad, None  # float32 in host memory: the ring converts each segment as it sends it
         return self._hp_compression.compress(grad)
 
     def _hp_submit(self, key: str, names: list[str]) -> None:
         """Queues the gradients of ``names`` (one parameter, or a group: one fused call) on the engine."""
         members = [(self._hp_by_name[name], *self._hp_wire(self._hp_by_name[name])) for name in names]
+        wires = (wire_for(self._hp_compression, wire, self._hp_op) for _, wire, ctx in members if ctx is not _SPARSE)
         options = dict(op=self._hp_op, prescale_factor=self._hp_prescale, postscale_factor=self._hp_postscale,
-                       group=self._hp_group)
+                       group=self._hp_group, wire=next((wire for wire in wires if wire is not None), None))
         if len(names) == 1 and key == names[0] and members[0][2] is _SPARSE:
             handle = exchange.sparse_allreduce_async(members[0][1], name=key, op=self._hp_op, group=self._hp_group)
         elif self._hp_auto and key != names[0] and any(ctx is _SPARSE for _, _, ctx in members):
@@ -404,8 +407,9 @@ def DistributedOptimizer(  # noqa: N802 — Horovod's spelling, a factory that r
         optimizer: any torch optimizer (its param groups, state and hooks are shared, not copied).
         named_parameters: ``model.named_parameters()``; names match gradients across ranks (default: the
             optimizer's parameter order).
-        compression: ``hp.Compression.none / fp16 / bf16`` or any object with Horovod's ``compress(tensor) ->
-            (tensor, ctx)`` and ``decompress(tensor, ctx)``: what travels.
+        compression: ``hp.Compression.none / fp16 / bf16`` (what crosses hosts; ``.forced``: between the ranks
+            of one host too) or an object with Horovod's ``compress(tensor) -> (tensor, ctx)`` and
+            ``decompress(tensor, ctx)``: what travels (docs/compression.md).
         backward_passes_per_step: local accumulation passes per ``step()`` (see the module's docstring).
         op: ``hp.Average`` (default), ``hp.Sum`` or ``hp.Adasum`` (the gradients combined by Adasum over a
             power-of-two group; Horovod combines the optimizer's updates instead, see docs/horovod.md).

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+import compression_checks  # beside this file
 import hybridpipe as hp
 from hybridpipe._ext import core
 from hybridpipe.comm import context
@@ -121,6 +122,7 @@ def main(layout_text: str, label: str = "hierarchical") -> int:
         salt += len(counts)
     if not flat:
         chunked(comm, world.rank, size, salt)
+    compression_checks.check(comm, world.rank, size)
     print(f"rank {world.rank} ok: {label} on {MPI.Get_processor_name()}", flush=True)
     hp.shutdown()
     return 0
