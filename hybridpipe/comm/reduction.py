@@ -441,7 +441,12 @@ def allreduce_here(tensor: Any, op: ReduceOp, name: str | None, prescale: float,
     if op in CORE_OPS and device.route(tensor) != "host" and buffers.dtype_code(tensor) != buffers.UNSUPPORTED:
         return _cuda_allreduce([tensor], op, name, prescale, postscale, comm, function, in_place, ready)[0]
     source = host(tensor)
-    target = source if in_place else buffers.clone(source)
+    if in_place:
+        target = source
+    elif prescale == 1.0 and buffers.is_host_contiguous(source):
+        target = buffers.empty_like(source)  # the core reads the source and writes the target: no copy first
+    else:
+        target = buffers.clone(source)
     if prescale != 1.0:
         source = target  # scale a copy (or the in-place work), never the caller's input
         buffers.scale_(target, prescale)
