@@ -93,7 +93,7 @@ class Handoff {
 
 constexpr size_t kDivideSlot = 7;  // a workspace slot the ring and library paths do not use
 constexpr size_t kMaxBroadcastBytes = size_t(1) << 30;
-constexpr size_t kRampSteps = 3;  // the first and last chunks: 1/8, 1/4, 1/2 of the nominal one
+constexpr size_t kRampSteps = 4;  // the first and last chunks: 1/16, 1/8, 1/4, 1/2 of the nominal one
 
 }  // namespace
 

@@ -54,7 +54,7 @@ struct AllreduceOptions {
   int hierarchical = -1;
   // The hierarchical allreduce streams the buffer through its steps in chunks of about this size, so that
   // the steps inside a host overlap the transfer between hosts; 0: one chunk (the steps one after another).
-  size_t hierarchical_chunk_bytes = 4 << 20;
+  size_t hierarchical_chunk_bytes = 2 << 20;
   WireFormat wire;                            // the dtype float32 buffers travel in (see WireFormat)
 };
 

@@ -124,12 +124,12 @@ class Config:
             segment holds 4 x (ranks + 1) chunks (HYBRIDPIPE_SHARED_MEMORY_CHUNK, e.g. ``128KiB``).
         hierarchical: "auto", "1" or "0": groups spanning hosts reduce buffers above the small-message
             cutoff inside each host (shared memory), then between hosts with every rank of a host
-            carrying its share on its own ring, then broadcast inside each host. auto: when some
+            carrying its share on its own ring, then gathered inside each host. auto: when some
             host has more than one of the group's ranks; 1: whenever the group spans hosts; 0: the
             flat ring (HYBRIDPIPE_HIERARCHICAL).
         hierarchical_chunk_bytes: the hierarchical allreduce streams a buffer through those steps in
             chunks of about this size, so that the steps inside a host overlap the transfer between
-            hosts; 0: the whole buffer as one chunk (HYBRIDPIPE_HIERARCHICAL_CHUNK, e.g. ``4MiB``).
+            hosts; 0: the whole buffer as one chunk (HYBRIDPIPE_HIERARCHICAL_CHUNK, e.g. ``2MiB``).
         cycle_time_ms: how often the background engine fuses and runs ready tensors
             (HYBRIDPIPE_CYCLE_TIME_MS).
         stall_check_seconds: warn when a collective waits this long for some rank
@@ -197,7 +197,7 @@ class Config:
     shared_memory: bool = True
     shared_memory_chunk_bytes: int = 128 * 1024
     hierarchical: str = "auto"
-    hierarchical_chunk_bytes: int = 4 * 1024 * 1024
+    hierarchical_chunk_bytes: int = 2 * 1024 * 1024
     cycle_time_ms: float = 0.5
     stall_check_seconds: float = 60.0
     stall_shutdown_seconds: float = 0.0
