@@ -59,8 +59,8 @@ MUTANTS ?=
 mutants: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tests/mutants.py $(if $(MUTANTS),--only $(MUTANTS),)
 
-# The same multi-host tests under MPICH: a second venv (.venv-mpich) with the mpich wheel, mpi4py built
-# against it, and hybridpipe's extension compiled with MPICH's mpicxx.
+# The same multi-host tests under MPICH, their long cases included: a second venv (.venv-mpich) with the mpich
+# wheel, mpi4py built against it, and hybridpipe's extension compiled with MPICH's mpicxx.
 MPICH_VENV := .venv-mpich
 MPICH_PY := $(MPICH_VENV)/bin/python
 $(MPICH_VENV)/.installed: requirements-dev.txt $(SOURCES)
@@ -76,7 +76,7 @@ $(MPICH_VENV)/.installed: requirements-dev.txt $(SOURCES)
 
 # run from tests/ so that `import hybridpipe` finds the MPICH build installed in .venv-mpich, not the tree
 test-mpich: $(MPICH_VENV)/.installed
-	cd tests && PATH="$(CURDIR)/$(MPICH_VENV)/bin:$$PATH" HYBRIDPIPE_MPIRUN="$(CURDIR)/$(MPICH_VENV)/bin/mpirun" \
+	cd tests && HYBRIDPIPE_LONG_TESTS=1 PATH="$(CURDIR)/$(MPICH_VENV)/bin:$$PATH" HYBRIDPIPE_MPIRUN="$(CURDIR)/$(MPICH_VENV)/bin/mpirun" \
 	  ../$(MPICH_PY) -m pytest test_multihost.py -q -p no:cacheprovider --rootdir=$(CURDIR) -c $(CURDIR)/pyproject.toml
 
 # On a machine with a CUDA GPU (and a torch that sees it): the GPU tests (tests/gpu, skipped elsewhere), then
