@@ -93,9 +93,14 @@ void send_chunk(unsigned char* data, const Span& chunk, size_t segment, size_t e
 // travels — the accumulation dtype, or for float16/bfloat16 buffers the half type itself: partial sums
 // are rounded to it to be sent (half the bytes of float32) and accumulated in float32 where received.
 // `finished`: called with each segment of this rank's chunk once it is fully reduced (the last step).
+// `source`: this rank's values when they are not in `work` yet (out of place: each segment is copied into
+// `work` right before the first reduction into it, and this rank's own chunk is sent from `source`, so the
+// copy and the first touch of `work`'s pages overlap the transfers instead of preceding them).
 void reduce_scatter(unsigned char* work, size_t count, const std::vector<Span>& chunks, DType dtype, DType wire,
                     ReduceOp op, int rank, int size, MPI_Comm comm, const AllreduceOptions& options,
-                    Workspace& workspace, const std::function<void(const Span&)>& finished = nullptr) {
+                    Workspace& workspace, const std::function<void(const Span&)>& finished = nullptr,
+                    const unsigned char* source = nullptr) {
+  if (!source) source = work;
   const size_t element = dtype_size(dtype);
   const bool narrow = wire != dtype;
   const size_t wire_element = dtype_size(wire);
@@ -106,25 +111,24 @@ void reduce_scatter(unsigned char* work, size_t count, const std::vector<Span>& 
   auto* slots = static_cast<unsigned char*>(workspace.get(kReceiveSlots, window * segment * wire_element));
   // narrow: what is sent, rounded from `work` (every position is sent at most once, so one mirror of
   // the buffer keeps each send's bytes alive until the sends are waited for); received halves widened
-  unsigned char* sent = narrow ? static_cast<unsigned char*>(workspace.get(kWireCopy, count * wire_element)) : work;
+  unsigned char* mirror = narrow ? static_cast<unsigned char*>(workspace.get(kWireCopy, count * wire_element)) : nullptr;
   float* incoming = narrow ? static_cast<float*>(workspace.get(kIncoming, segment * sizeof(float))) : nullptr;
-  auto stage = [&](const Span& part) {
-    if (narrow) {
-      float_to_half(reinterpret_cast<const float*>(work + part.begin * element), sent + part.begin * wire_element,
-                    part.length, wire);
-    }
-  };
 
   std::vector<MPI_Request> sends, receives(window, MPI_REQUEST_NULL);
-  auto send = [&](const Span& part) {  // rounded right before it goes, while the previous ones are on the wire
-    stage(part);
+  // Sends segment `part` of `from`: narrow, rounded into the mirror right before it goes, while the previous
+  // ones are on the wire.
+  auto send = [&](const Span& part, const unsigned char* from) {
+    const unsigned char* out = from + part.begin * element;
+    if (narrow) {
+      float_to_half(reinterpret_cast<const float*>(out), mirror + part.begin * wire_element, part.length, wire);
+      out = mirror + part.begin * wire_element;
+    }
     sends.emplace_back();
-    HP_MPI(MPI_Isend, comm, sent + part.begin * wire_element, static_cast<int>(part.length), type, next,
-           kReduceScatterTag, comm, &sends.back());
+    HP_MPI(MPI_Isend, comm, out, static_cast<int>(part.length), type, next, kReduceScatterTag, comm, &sends.back());
     count_wire(part.length, wire_element);
   };
   const Span own = chunks[static_cast<size_t>(rank)];
-  for (size_t k = 0; k < segments_in(own.length, segment); ++k) send(segment_of(own, segment, k));
+  for (size_t k = 0; k < segments_in(own.length, segment); ++k) send(segment_of(own, segment, k), source);
   for (int step = 0; step < size - 1; ++step) {
     const Span chunk = chunks[static_cast<size_t>((rank - step - 1 + 2 * size) % size)];
     const size_t parts = segments_in(chunk.length, segment);
@@ -142,9 +146,10 @@ void reduce_scatter(unsigned char* work, size_t count, const std::vector<Span>& 
         half_to_float(received, incoming, part.length, wire);
         received = reinterpret_cast<const unsigned char*>(incoming);
       }
+      if (source != work) std::memcpy(work + part.begin * element, source + part.begin * element, part.length * element);
       reduce_into(work + part.begin * element, received, part.length, dtype, op);
       if (step < size - 2) {
-        send(part);
+        send(part, work);
       } else if (finished) {
         finished(part);
       }
@@ -294,8 +299,9 @@ void library_allreduce(const Buffer& input, const Buffer& output, ReduceOp op, M
 // the reduce-scatter: its first receives are posted before it (into a mirror of the buffer in `wire` apart
 // from the reduce-scatter's), and each segment of this rank's chunk is rounded and sent as soon as it is
 // reduced, so the link does not wait between the phases. Its owner keeps the rounded value too.
-void narrow_ring_allreduce(float* work, size_t count, const std::vector<Span>& chunks, DType wire, ReduceOp op,
-                           MPI_Comm comm, int rank, int size, const AllreduceOptions& options, Workspace& workspace) {
+void narrow_ring_allreduce(const float* source, float* work, size_t count, const std::vector<Span>& chunks, DType wire,
+                           ReduceOp op, MPI_Comm comm, int rank, int size, const AllreduceOptions& options,
+                           Workspace& workspace) {
   const size_t segment = std::max<size_t>(1, options.segment_bytes / sizeof(float));  // the reduce-scatter's
   const size_t wire_element = dtype_size(wire);
   auto* gathered = static_cast<unsigned char*>(workspace.get(kGatherCopy, count * wire_element));
@@ -312,7 +318,7 @@ void narrow_ring_allreduce(float* work, size_t count, const std::vector<Span>& c
     half_to_float(rounded, values, part.length, wire);
   };
   reduce_scatter(reinterpret_cast<unsigned char*>(work), count, chunks, DType::Float32, wire, op, rank, size, comm,
-                 options, workspace, finished);
+                 options, workspace, finished, reinterpret_cast<const unsigned char*>(source));
   allgather_chunks(gathered, chunks, wire, segment, rank, size, comm, options, work, &start);
 }
 
@@ -321,22 +327,23 @@ void ring_allreduce(const Buffer& input, const Buffer& output, ReduceOp op, MPI_
   const size_t count = output.count;
   const DType work_dtype = accumulation_dtype(output.dtype);
   const size_t work_element = dtype_size(work_dtype);
-  unsigned char* work;
+  // out of place, the reduce-scatter copies the input into the output segment by segment as it goes
+  unsigned char* work = static_cast<unsigned char*>(output.data);
+  const auto* source = static_cast<const unsigned char*>(input.data);
   if (is_half(output.dtype)) {
     work = static_cast<unsigned char*>(workspace.get(kHalfCopy, count * sizeof(float)));
     half_to_float(input.data, reinterpret_cast<float*>(work), count, output.dtype);
-  } else {
-    work = static_cast<unsigned char*>(output.data);
-    if (input.data != output.data) std::memcpy(work, input.data, output.bytes());
+    source = work;
   }
   std::vector<Span> chunks;
   for (int i = 0; i < size; ++i) chunks.push_back(chunk_of(count, static_cast<size_t>(size), static_cast<size_t>(i)));
   if (options.wire.narrows(output.dtype)) {  // float32 here, the wire's half type between ranks
-    narrow_ring_allreduce(reinterpret_cast<float*>(work), count, chunks, static_cast<DType>(options.wire.dtype), op,
-                          comm, rank, size, options, workspace);
+    narrow_ring_allreduce(reinterpret_cast<const float*>(source), reinterpret_cast<float*>(work), count, chunks,
+                          static_cast<DType>(options.wire.dtype), op, comm, rank, size, options, workspace);
     return;
   }
-  reduce_scatter(work, count, chunks, work_dtype, output.dtype, op, rank, size, comm, options, workspace);
+  reduce_scatter(work, count, chunks, work_dtype, output.dtype, op, rank, size, comm, options, workspace, nullptr,
+                 source);
 
   const Span mine = chunks[static_cast<size_t>((rank + 1) % size)];
   unsigned char* my_work = work + mine.begin * work_element;
