@@ -126,13 +126,22 @@ def _allreduce(tensor: Any, average: Any, name: str | None, op: Any, prescale: A
         group = resolved(group, function)
         buffers.check_reducible([buffers.dtype_code(tensor)], [tensor], function)
     ready = staging.ready_event(tensor)  # a CUDA tensor is read once what this thread queued has written it
+    # out of place in host memory: an output the caller let go of, whose pages are mapped already (a fresh one's
+    # first touch costs the ring time between its MPI calls)
+    outputs = context.current(function).outputs
+    reuse = not in_place and prescale == 1.0 and buffers.is_host_contiguous(tensor)
+    output = outputs.take(tensor.detach() if buffers.is_tensor(tensor) else tensor) if reuse else None
     try:
-        return _on_engine(group, function, lambda: allreduce_here(tensor, op, name, prescale, postscale, group,
-                                                                  function, in_place, ready, wire), "allreduce")
+        result = _on_engine(group, function, lambda: allreduce_here(tensor, op, name, prescale, postscale, group,
+                                                                    function, in_place, ready, wire, output),
+                            "allreduce")
     except context.RanksJoined:
         if op not in CORE_OPS:
             raise
         return allreduce_while_joined([tensor], in_place, op, prescale, postscale, group, function)[0]
+    if output is not None and result is output:
+        outputs.offer(result)
+    return result
 
 
 def _grouped(tensors: Sequence[Any], average: Any, name: str | None, op: Any, prescale: Any, postscale: Any,

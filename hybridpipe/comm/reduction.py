@@ -431,11 +431,12 @@ def _cuda_allreduce(tensors: Sequence[Any], op: ReduceOp, name: str | None, pres
 
 
 def allreduce_here(tensor: Any, op: ReduceOp, name: str | None, prescale: float, postscale: float, group: Any,
-                   function: str, in_place: bool, ready: Any = None, wire: Wire | None = None) -> Any:
+                   function: str, in_place: bool, ready: Any = None, wire: Wire | None = None, output: Any = None) -> Any:
     """One allreduce, run on the communication thread: the body of allreduce / allreduce_ and of the
     asynchronous ones the engine cannot run itself (Product). ``ready``: for a CUDA tensor, the event its
     producer's stream recorded when the call was made (staging.ready_event). ``wire``: what a float32 buffer in
-    host memory travels as (:class:`Wire`)."""
+    host memory travels as (:class:`Wire`). ``output``: out of place, where the result goes (a host tensor / array
+    like ``tensor``; default: a new one)."""
     check_array(tensor, function)
     comm = context.communicator(group, function)
     if op in CORE_OPS and device.route(tensor) != "host" and buffers.dtype_code(tensor) != buffers.UNSUPPORTED:
@@ -444,7 +445,7 @@ def allreduce_here(tensor: Any, op: ReduceOp, name: str | None, prescale: float,
     if in_place:
         target = source
     elif prescale == 1.0 and buffers.is_host_contiguous(source):
-        target = buffers.empty_like(source)  # the core reads the source and writes the target: no copy first
+        target = buffers.empty_like(source) if output is None else output  # the core reads the source: no copy
     else:
         target = buffers.clone(source)
     if prescale != 1.0:
