@@ -88,15 +88,16 @@ class OutputPool:
     """Outputs of out-of-place allreduces, reused once their user let go of them.
 
     A fresh 100 MiB of outputs per call costs its page faults again and again (the ResNet-50 benchmark:
-    up to 3× the in-place time); the results handed out are kept here and one is taken again for an
-    output of the same shape and dtype only when nothing else refers to it: no Python reference but
-    ours, no view, no numpy array on its memory, nothing autograd saved. Bounded by ``limit_bytes``
-    (the oldest go first); emptied by hp.shutdown.
+    up to 3× the in-place time). The pool keeps the memory (the torch storage) of each result it handed out
+    and gives it out again, for an output of the same kind, shape and dtype, only when torch counts no other
+    user of that storage: no tensor, view, numpy array on its memory or tensor autograd saved holds it — the
+    count by which torch itself frees a storage. numpy results are arrays on a torch storage for that reason.
+    Bounded by ``limit_bytes`` (the oldest go first); emptied by hp.shutdown.
     """
 
     def __init__(self, limit_bytes: int = 512 << 20) -> None:
         self.limit_bytes = limit_bytes
-        self._items: dict[tuple, list] = {}  # (type, dtype, shape) -> outputs handed out, oldest first
+        self._items: dict[tuple, list[Any]] = {}  # (type, dtype, shape) -> storages of results handed out, oldest first
         self._bytes = 0
 
     @staticmethod
@@ -104,40 +105,49 @@ class OutputPool:
         return (type(x), x.dtype, tuple(x.shape))
 
     @staticmethod
-    def _size(x: Any) -> int:
-        return x.nbytes if isinstance(x, np.ndarray) else x.numel() * x.element_size()
+    def _storage(x: Any) -> Any:
+        """The torch storage under a result this pool made (a numpy result's base is its tensor), else None."""
+        torch = torch_module()
+        tensor = x.base if isinstance(x, np.ndarray) else x
+        return tensor.untyped_storage() if isinstance(tensor, torch.Tensor) else None
 
     @staticmethod
-    def _unused(x: Any) -> bool:
-        # references: the pool's list, this argument, getrefcount's argument
-        if sys.getrefcount(x) != 3:
-            return False
-        if isinstance(x, np.ndarray):
-            return x.base is None
+    def _output(like: Any, storage: Any = None) -> Any:
+        """An output shaped as ``like`` on ``storage`` (None: new memory); a numpy array for a numpy ``like``."""
         torch = torch_module()
-        return x._use_count() == 1 and torch._C._storage_Use_Count(x.untyped_storage()._cdata) == 2
+        numpy = isinstance(like, np.ndarray)
+        try:
+            dtype = torch.from_numpy(np.empty(0, like.dtype)).dtype if numpy else like.dtype
+        except TypeError:  # a numpy dtype torch has no tensor for: a plain array, not pooled
+            return np.empty(like.shape, like.dtype)
+        if storage is None:
+            tensor = torch.empty(like.shape, dtype=dtype)
+        else:
+            tensor = torch.empty(0, dtype=dtype).set_(storage, 0, tuple(like.shape))
+        return tensor.numpy() if numpy else tensor
 
     def take(self, like: Any) -> Any:
         """An output for ``like`` (a contiguous host tensor / array): a released one, else a new one."""
         candidates = self._items.get(self._key(like))
         if candidates:
-            for index in range(len(candidates)):
-                if self._unused(candidates[index]):
-                    found = candidates.pop(index)
-                    self._bytes -= self._size(found)
-                    return found
-        return empty_like(like)
+            torch = torch_module()
+            for index, storage in enumerate(candidates):
+                if torch._C._storage_Use_Count(storage._cdata) == 1:  # the pool's reference alone
+                    del candidates[index]
+                    self._bytes -= storage.nbytes()
+                    return self._output(like, storage)
+        return self._output(like)
 
     def offer(self, result: Any) -> None:
         """Remembers a result handed to the user, for a later take() once they dropped it."""
-        size = self._size(result)
-        if size > self.limit_bytes:
+        storage = self._storage(result)
+        if storage is None or storage.nbytes() > self.limit_bytes:
             return
-        self._items.setdefault(self._key(result), []).append(result)
-        self._bytes += size
+        self._items.setdefault(self._key(result), []).append(storage)
+        self._bytes += storage.nbytes()
         while self._bytes > self.limit_bytes:
             key = max(self._items, key=lambda k: len(self._items[k]))
-            self._bytes -= self._size(self._items[key].pop(0))
+            self._bytes -= self._items[key].pop(0).nbytes()
             if not self._items[key]:
                 del self._items[key]
 

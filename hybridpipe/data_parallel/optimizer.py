@@ -459,7 +459,11 @@ def DistributedOptimizer(  # noqa: N802 — Horovod's spelling, a factory that r
         bases = (zero_module.ZeroMixin, *bases)
     cls = type(optimizer.__class__.__name__, bases, {})
     wrapped = cls.__new__(cls)
-    wrapped.__dict__ = optimizer.__dict__  # shares param_groups, state, defaults and hooks
+    # The wrapper is the user's optimizer seen through a subclass: one attribute dictionary for both names, so
+    # whatever rebinds an attribute on either (load_state_dict rebinds param_groups and state; an LR scheduler
+    # made before wrapping changes the groups) is seen by both. A copy or a new instance built from the
+    # param_groups (Horovod's way) would part the two at the first load_state_dict.
+    wrapped.__dict__ = optimizer.__dict__
     wrapped._hp_setup(named_parameters, op, compression, backward_passes_per_step, gradient_predivide_factor, groups,
                       num_groups, sparse_as_dense, group, auto_buckets=not level)
     if level:
