@@ -11,7 +11,8 @@ rotating order):
   AllreduceOptions; ``--step-two`` a row of the transfer between hosts alone (each local rank's half of the
   buffer over a ring with its peer on the other host: what the hierarchical allreduce cannot beat).
 * **ResNet-50's 161 gradients through the engine** (``hp.allreduce_async_`` per tensor, then
-  ``synchronize``, as ``DistributedOptimizer`` does), with ``HYBRIDPIPE_HIERARCHICAL=1`` and ``=0``
+  ``synchronize``, as ``DistributedOptimizer`` does), with ``HYBRIDPIPE_HIERARCHICAL=1`` (in chunks as
+  configured, and in one: ``HYBRIDPIPE_HIERARCHICAL_CHUNK=0``) and ``=0``
   (the engine's setting is fixed per ``hp.init``: each round re-inits hybridpipe once per setting),
   against 161 mpi4py ``Allreduce`` calls.
 
@@ -160,11 +161,14 @@ class Worker:
         tensors = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
         arrays = [t.numpy().reshape(-1) for t in tensors]
         total = sum(t.numel() for t in tensors) * 4
-        rounds: dict[str, list[list[float]]] = {"hierarchical": [], "flat ring": [], "MPI library": []}
+        settings = (({"hierarchical": "1"}, "hierarchical"), ({"hierarchical": "0"}, "flat ring"),
+                    ({"hierarchical": "1", "hierarchical_chunk_bytes": 0}, "hierarchical, one chunk"))
+        rounds: dict[str, list[list[float]]] = {name: [] for _, name in settings}
+        rounds["MPI library"] = []
         checked = True
         for _ in range(self.rounds):  # a round: each setting in turn (ABAB: noise hits both alike)
-            for setting, name in (("1", "hierarchical"), ("0", "flat ring")):
-                hp.init(config=hp.Config(hierarchical=setting))
+            for setting, name in settings:
+                hp.init(config=hp.Config(**setting))
                 comm = context.communicator(None, "bench")
                 library = call(None, "dup", comm.Dup)
                 def engine():
