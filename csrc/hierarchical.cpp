@@ -93,6 +93,9 @@ class Handoff {
 
 constexpr size_t kDivideSlot = 7;  // a workspace slot the ring and library paths do not use
 constexpr size_t kMaxBroadcastBytes = size_t(1) << 30;
+// Smaller buffers (the engine's fused buckets) go through the steps in one chunk: their pipeline's extra
+// transfers and hand-offs cost more than it hides where the cores are the bottleneck (docs/benchmarks.md).
+constexpr size_t kMinChunks = 4;
 constexpr size_t kRampSteps = 4;  // the first and last chunks: 1/16, 1/8, 1/4, 1/2 of the nominal one
 
 }  // namespace
@@ -119,7 +122,7 @@ Hierarchy::Hierarchy(MPI_Comm comm) : comm_(comm) {
     }
   }
   piece_comms_.assign(static_cast<size_t>(pieces_), MPI_COMM_NULL);
-  if (hosts_ < 2 || pieces_ < 2) return;  // not useful: no piece communicators
+  if (hosts_ < 2) return;  // all on one host: never used (one rank per host: one piece, over all the ranks)
   first_piece_ = pieces_;
   end_piece_ = 0;
   for (int p = 0; p < pieces_; ++p) {  // the carriers of piece p: local rank p * k / P on each host
@@ -147,7 +150,7 @@ Hierarchy::~Hierarchy() {
 
 std::vector<size_t> Hierarchy::chunk_lengths(size_t count, size_t element_bytes, size_t chunk_bytes) {
   const size_t nominal = std::max<size_t>(1, chunk_bytes / std::max<size_t>(1, element_bytes));
-  if (chunk_bytes == 0 || count <= nominal) return {count};
+  if (chunk_bytes == 0 || count < kMinChunks * nominal) return {count};
   std::vector<size_t> ramp;  // the first chunks, smallest first; the last ones mirror them
   size_t ramped = 0;
   for (size_t step = kRampSteps; step > 0; --step) {

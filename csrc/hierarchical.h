@@ -58,7 +58,8 @@ class Hierarchy {
   void allreduce(const Buffer& input, const Buffer& output, ReduceOp op, const AllreduceOptions& options,
                  Workspace& workspace);
   // The chunks (element counts, in order) a buffer of `count` elements of `element_bytes` goes through for
-  // a nominal chunk of `chunk_bytes` (0: one chunk): a ramp of halvings at each end, equal ones between.
+  // a nominal chunk of `chunk_bytes` (0: one chunk; so is a buffer of fewer than 4 nominal chunks): a ramp of
+  // halvings at each end, equal ones between.
   static std::vector<size_t> chunk_lengths(size_t count, size_t element_bytes, size_t chunk_bytes);
 
  private:

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "multihost" / "worker.py"
 PIPELINE_WORKER = ROOT / "tests" / "multihost" / "pipeline_worker.py"
 HIERARCHICAL_WORKER = ROOT / "tests" / "multihost" / "hierarchical_worker.py"
+ONE_RANK_PER_HOST_WORKER = ROOT / "tests" / "multihost" / "one_rank_per_host_worker.py"
 
 
 def launch_worker(hosts: EmulatedHosts, *args: str, worker: Path = WORKER, round_robin: bool = False,
@@ -91,6 +92,18 @@ def test_hierarchical_allreduce_every_dtype_and_op_equals_numpy(emulated_hosts, 
     if layout == [2, 2] and os.environ.get("HYBRIDPIPE_LONG_TESTS") != "1":
         pytest.skip("slow: set HYBRIDPIPE_LONG_TESTS=1 (make test-long)")
     run_worker(emulated_hosts, "+".join(map(str, layout)), worker=HIERARCHICAL_WORKER, ranks_per_host=layout)
+
+
+def test_hierarchical_forced_with_one_rank_per_host(emulated_hosts):
+    """1 + 1 ranks with the hierarchical allreduce forced: one piece over both ranks, in one chunk and in a
+    pipeline of chunks, equals numpy (make test-long)."""
+    if os.environ.get("HYBRIDPIPE_LONG_TESTS") != "1":
+        pytest.skip("slow: set HYBRIDPIPE_LONG_TESTS=1 (make test-long)")
+    result = launch_worker(emulated_hosts, worker=ONE_RANK_PER_HOST_WORKER, ranks_per_host=[1, 1])
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    for rank in range(2):
+        assert f"rank {rank} ok" in output, output
 
 
 def test_hierarchical_off_takes_the_flat_ring(block_placement):
