@@ -385,6 +385,16 @@ def _refuse_pipeline_driven(optimizer: torch.optim.Optimizer, zero: int) -> None
                 "again); ZeRO needs a synchronous schedule ('gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1')")
 
 
+def _refuse_zero_outside(group: Any, zero: int, level: int) -> None:
+    """ZeRO on a rank outside the process set ``group``: a ValueError (only the set's ranks build it)."""
+    if level and _outside_process_set(group, "DistributedOptimizer"):
+        rank = context.current("DistributedOptimizer").grid.rank
+        raise ValueError(f"hp.DistributedOptimizer(zero={zero}): rank {rank} is not in the process set (ranks "
+                         f"{group.ranks}): ZeRO shards the optimizer state over the "
+                         "set's ranks, so only they build it; pass zero=0 here (a rank outside the set then steps "
+                         "with its own gradients, as Horovod's optimizer does)")
+
+
 def DistributedOptimizer(  # noqa: N802 — Horovod's spelling, a factory that returns an optimizer
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
@@ -407,9 +417,8 @@ def DistributedOptimizer(  # noqa: N802 — Horovod's spelling, a factory that r
         optimizer: any torch optimizer (its param groups, state and hooks are shared, not copied).
         named_parameters: ``model.named_parameters()``; names match gradients across ranks (default: the
             optimizer's parameter order).
-        compression: ``hp.Compression.none / fp16 / bf16`` (what crosses hosts; ``.forced``: between the ranks
-            of one host too) or an object with Horovod's ``compress(tensor) -> (tensor, ctx)`` and
-            ``decompress(tensor, ctx)``: what travels (docs/compression.md).
+        compression: ``hp.Compression.none / fp16 / bf16`` (between hosts; ``.forced``: on one host too) or an
+            object with Horovod's ``compress(tensor) -> (tensor, ctx)`` / ``decompress`` (docs/compression.md).
         backward_passes_per_step: local accumulation passes per ``step()`` (see the module's docstring).
         op: ``hp.Average`` (default), ``hp.Sum`` or ``hp.Adasum`` (the gradients combined by Adasum over a
             power-of-two group; Horovod combines the optimizer's updates instead, see docs/horovod.md).
@@ -447,12 +456,7 @@ def DistributedOptimizer(  # noqa: N802 — Horovod's spelling, a factory that r
         # already weighted for the whole mini-batch, so the replicas' gradients add up to the mini-batch's
         op = Sum
     level = zero_module.check_level(zero)
-    if level and _outside_process_set(group, "DistributedOptimizer"):
-        rank = context.current("DistributedOptimizer").grid.rank
-        raise ValueError(f"hp.DistributedOptimizer(zero={zero}): rank {rank} is not in the process set (ranks "
-                         f"{group.ranks}): ZeRO shards the optimizer state over the "
-                         "set's ranks, so only they build it; pass zero=0 here (a rank outside the set then steps "
-                         "with its own gradients, as Horovod's optimizer does)")
+    _refuse_zero_outside(group, zero, level)
     _refuse_pipeline_driven(optimizer, zero)
     bases = (_DistributedOptimizerMixin, optimizer.__class__)
     if level:
