@@ -234,7 +234,8 @@ def run_rate(rate: str, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as scratch, EmulatedHosts(2, rate=rate) as hosts:
         result_path = Path(scratch) / "result.json"
         argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--result", str(result_path),
-                "--rounds", str(args.rounds), "--repeats", str(args.repeats), "--workloads", args.workloads, "--variants", args.variants,
+                "--rounds", str(args.rounds), "--repeats", str(args.repeats), "--workloads", args.workloads,
+                "--variants", args.variants,
                 *(["--step-two"] if args.step_two else [])]
         env = {"OMP_NUM_THREADS": "1"}
         env.update({k: v for k, v in os.environ.items() if k.startswith("HYBRIDPIPE_") and k != "HYBRIDPIPE_MPIRUN"})

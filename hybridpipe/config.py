@@ -129,7 +129,8 @@ class Config:
             flat ring (HYBRIDPIPE_HIERARCHICAL).
         hierarchical_chunk_bytes: the hierarchical allreduce streams a buffer through those steps in
             chunks of about this size, so that the steps inside a host overlap the transfer between
-            hosts; 0: the whole buffer as one chunk (HYBRIDPIPE_HIERARCHICAL_CHUNK, e.g. ``2MiB``).
+            hosts; a buffer under 4 chunks, or any with 0, goes as one chunk (HYBRIDPIPE_HIERARCHICAL_CHUNK,
+            e.g. ``2MiB``).
         cycle_time_ms: how often the background engine fuses and runs ready tensors
             (HYBRIDPIPE_CYCLE_TIME_MS).
         stall_check_seconds: warn when a collective waits this long for some rank
