@@ -30,7 +30,7 @@ from .buffers import check_array, copy_into, describe, host, is_tensor
 __all__ = ["ReduceOp", "Sum", "Average", "Min", "Max", "Product", "Adasum", "CORE_OPS", "agree", "digest", "named",
            "list_ranks", "wait_policy", "reduce_op", "resolve_op", "scale_factor", "check_tensors", "device_buffer",
            "engine_device_allreduce", "allreduce_here", "grouped_allreduce_here", "from_address", "reduce_on_device",
-           "Wire", "wire_fields"]
+           "Wire", "options_for", "wire_fields"]
 
 
 class ReduceOp(enum.IntEnum):
@@ -76,15 +76,20 @@ class Wire:
         """The C++ core's WireFormat."""
         return core().WireFormat(self.dtype_code, self.on_one_host)
 
-    def options(self, base: Any, config: Any) -> Any:
-        """A copy of the AllreduceOptions ``base`` (made from ``config``) that carries this wire format."""
-        options = context.allreduce_options_for(config, base.wait)
-        options.wire = self.format()
-        return options
 
     def __str__(self) -> str:
         dtype = {2: "float16", 3: "bfloat16"}.get(self.dtype_code, str(self.dtype_code))
         return f" wire={dtype}" + (" (on one host too)" if self.on_one_host else "")
+
+
+def options_for(ctx: Any, wire: Wire | None) -> Any:
+    """The AllreduceOptions of a direct collective now (``ctx.allreduce_options()``), carrying ``wire`` if any."""
+    base = ctx.allreduce_options()
+    if wire is None:
+        return base
+    options = context.allreduce_options_for(ctx.config, base.wait)
+    options.wire = wire.format()
+    return options
 
 
 def wire_fields(wire: Wire | None) -> list[int]:
@@ -225,9 +230,8 @@ def _allreduce_into(source: Any, target: Any, op: ReduceOp, comm: Any, function:
         _library_reduce(source, target, op, comm, function)
         return
     ctx = context.current(function)
-    options = ctx.allreduce_options() if wire is None else wire.options(ctx.allreduce_options(), ctx.config)
     if not core().allreduce(buffers.address(source), buffers.address(target), count, code, int(op), comm.py2f(),
-                            options, header):
+                            options_for(ctx, wire), header):
         _mismatch(comm, function, description, _SAME_TENSOR)
 
 
@@ -491,9 +495,7 @@ def grouped_allreduce_here(tensors: Sequence[Any], op: ReduceOp, name: str | Non
         counts = [buffers.count(works[i]) for i in order]
         core().grouped_allreduce([buffers.address(works[i]) for i in order],
                                  [buffers.address(targets[i]) for i in order], counts, [codes[i] for i in order],
-                                 int(op), comm.py2f(), ctx.config.fusion_threshold_bytes,
-                                 ctx.allreduce_options() if wire is None else wire.options(ctx.allreduce_options(),
-                                                                                           ctx.config))
+                                 int(op), comm.py2f(), ctx.config.fusion_threshold_bytes, options_for(ctx, wire))
     else:
         for work, target in zip(works, targets):
             _library_reduce(work, target, op, comm, function)

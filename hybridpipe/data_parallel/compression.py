@@ -8,11 +8,10 @@ from typing import Any
 
 import torch
 
+from ..comm.buffers import torch_codes
 from ..comm.reduction import CORE_OPS, Wire
 
 __all__ = ["Compression", "ForcedCompression", "wire_for"]
-
-_WIRE_CODES = {torch.float16: 2, torch.bfloat16: 3}  # the C++ core's dtype codes (buffers.dtype_code)
 
 
 class Compression(enum.Enum):
@@ -100,4 +99,4 @@ def wire_for(compression: Any, tensor: Any, op: Any) -> Wire | None:
         import numpy as np
 
         host_float32 = isinstance(tensor, np.ndarray) and tensor.dtype == np.float32
-    return Wire(_WIRE_CODES[compression.value], forced) if host_float32 else None
+    return Wire(torch_codes()[compression.value], forced) if host_float32 else None
