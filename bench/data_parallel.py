@@ -46,7 +46,11 @@ Two benchmarks:
        engine straight from the input); "out of place / in place" is the median over repetitions
        of the ratio of the two (measured back to back, so machine noise cancels partly);
      * ``grouped_allreduce_``: one call on the same list (fused on the calling thread);
-     * ``mpi4py × 161``: one ``Comm.Allreduce`` per tensor (Open MPI's MPI_Allreduce).
+     * ``mpi4py × 161``: one ``Comm.Allreduce`` per tensor (Open MPI's MPI_Allreduce);
+     * the memory floor (not an allreduce): every rank at once copies all the gradients' bytes as one
+       block; an allreduce through shared memory writes (and at n = 2 reads) each rank's bytes at least
+       twice, so twice that copy's time is a floor no implementation beats on this machine, and
+       "mpi4py × 161 / floor" the largest speed-up over the mpi4py calls there can be.
    All use op sum on the same buffers (zeros, checked once with rank + 1). For the async variant
    the script also reports where the time goes (the submit loop, when the first bucket started
    and the last one finished, from the handles' ``started_at`` / ``finished_at``) and the deltas
@@ -92,6 +96,11 @@ sys.path.insert(1, str(HERE.parent))  # hybridpipe from this checkout when it is
 from _common import (command_line, format_ratio, int_list, progress, render, round_ratio, run_worker,  # noqa: E402
                      start_gloo)
 
+# An allreduce through shared memory of private buffers reads and writes each rank's buffer at least twice
+# over: its share of the others' reductions goes out (n-1)/n, its own share is reduced (the n inputs read, the
+# result written to its output and to the segment), the others' results come in (n-1)/n: 2N bytes written per
+# rank, as two copies of the buffer write (the reads are more, 2N at n = 2).
+MEMORY_FLOOR_COPIES = 2
 RESNET_ROUNDS = 5  # the engine's ratios are medians over this many rounds of the repetitions, with their spread
 
 SEED = 1234
@@ -497,6 +506,8 @@ class ResNetWorker:
         self.names = [f"resnet50.{name}" for name, _ in shapes]
         self.tensors = [torch.zeros(shape, dtype=torch.float32) for _, shape in shapes]
         self.arrays = [t.numpy().reshape(-1) for t in self.tensors]  # the same memory, for mpi4py
+        total = sum(t.numel() for t in self.tensors)
+        self.flat_source, self.flat_target = torch.zeros(total), torch.empty(total)  # the memory floor's copy
         self.async_runs: list[dict[str, Any]] = []
         self.checking = False
 
@@ -541,6 +552,10 @@ class ResNetWorker:
         for array in self.arrays:
             comm.Allreduce(in_place, array, op=total)
 
+    def call_copy(self) -> None:
+        """Not an allreduce: one copy of all the gradients' bytes in one contiguous block (the memory floor)."""
+        self.flat_target.copy_(self.flat_source)
+
     def check(self, name: str, call: Callable[[], None]) -> bool:
         """One untimed call with rank + 1 everywhere; True on every rank iff all got n(n+1)/2."""
         for a in self.arrays:
@@ -564,6 +579,7 @@ class ResNetWorker:
         correct = {name: self.check(name, call) for name, call in calls.items()}
         first_run = self.async_runs.pop()["stats"]  # the check: the names' first negotiation
         self.async_runs.clear()
+        calls["copy"] = self.call_copy  # timed with the others, every rank at once; not checked
         names = list(calls)
         times = np.zeros((len(names), args.repeats), dtype=np.float64)
         clock = time.perf_counter
@@ -907,7 +923,8 @@ def resnet_rows(launches: list[Launch]) -> tuple[list[str], list[list[str]]]:
               "Horovod (issue) ms", "target ms", "async / grouped",
               f"mpi4py × 161 / async (≥ 2 wanted; {RESNET_ROUNDS} rounds)", "submit loop ms",
               "first bucket starts ms",
-              "last bucket ends ms", "cycles / buckets (helped) per run", "slow rounds: first / warm-up / timed runs"]
+              "last bucket ends ms", "cycles / buckets (helped) per run", "slow rounds: first / warm-up / timed runs",
+              "memory floor ms (2 copies)", "mpi4py × 161 / floor (the most any allreduce reaches here)"]
     rows = []
     for launch in (launch for launch in launches if launch.kind == "resnet"):
         r = launch.results[0]
@@ -937,8 +954,19 @@ def resnet_rows(launches: list[Launch]) -> tuple[list[str], list[list[str]]]:
                      f"{breakdown['last_finish_s'] * 1e3:.1f}",
                      (f"{statistics.median(timed['cycles']):.0f} / {statistics.median(timed['buckets']):.0f} "
                       f"({statistics.median(timed['helped']):.0f})"),
-                     f"{first_run} / {warm} / {slow_timed}"])
+                     f"{first_run} / {warm} / {slow_timed}", *_floor_cells(launch)])
     return header, rows
+
+
+def _floor_cells(launch: Launch) -> list[str]:
+    """The memory floor (``MEMORY_FLOOR_COPIES`` times the median time of one copy of all the gradients,
+    every rank copying at once) and the ratio to it of the 161 mpi4py calls, per round: no allreduce through
+    shared memory can beat the mpi4py calls by more here."""
+    if "copy" not in launch.results[0]["all_seconds"]:
+        return ["—", "—"]
+    floor = [[MEMORY_FLOOR_COPIES * t for t in times] for times in _rounds(launch, "copy")]
+    return [f"{MEMORY_FLOOR_COPIES * _resnet_median(launch, 'copy') * 1e3:.1f}",
+            format_ratio(*round_ratio(_rounds(launch, "mpi4py"), floor), RESNET_ROUNDS)]
 
 
 def sweep_rows(sweep: list[Launch], args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
