@@ -1,7 +1,8 @@
 """Allreduce with compression: plain float32 vs hp.Compression.fp16 vs bf16, on one host and across emulated hosts.
 
 One job per setting: ``local:N`` (N ranks on this host, shared memory) or ``RATE:N`` (2 emulated hosts,
-``hybridpipe.testing.emulated_hosts``, N ranks in all, each host's outbound link limited by tc to RATE). Each
+``hybridpipe.testing.emulated_hosts``, N ranks in all, each host's outbound link limited by tc to RATE;
+``unlimited:N``: the same hosts with no limit, where the cores, not the link, set the time). Each
 job runs ``hp.allreduce(tensor, op=hp.Average, compression=...)`` of float32 tensors of each size, the
 implementations interleaved within each of ``--rounds`` rounds (rotating which goes first); a time is the
 slowest rank's (a barrier before each call), a round's value the median of its ``--repeats``. On one host the
@@ -11,7 +12,10 @@ there.
 Columns: the medians over rounds; ``fp16 x`` / ``bf16 x`` = plain's time / the compressed one's, the median over
 rounds of each round's ratio (both from the same round) with its spread. ``link`` = the link's ceiling: the
 bytes that must cross between the hosts each way (the buffer, once, after each host reduced its own ranks),
-over the rate: plain float32 / 16-bit values. Nothing crosses a link on one host.
+over the rate: plain float32 / 16-bit values. Nothing crosses a link on one host. ``most fp16 x``: with an
+``unlimited:N`` job of as many ranks in the run, the largest ratio the machine allows: plain's time over the
+larger of the 16-bit link time and fp16's time with no limit (the emulated hosts share this machine's cores:
+what both hosts' ranks, helper threads and kernel network stacks compute takes that long at any link rate).
 
 Usage:
     sudo python bench/compression.py [--settings local:2,1gbit:2,1gbit:4,10gbit:2,10gbit:4]
@@ -115,7 +119,7 @@ def run_setting(setting: str, args: argparse.Namespace) -> dict[str, Any]:
         else:
             from hybridpipe.testing.emulated_hosts import EmulatedHosts
 
-            with EmulatedHosts(2, rate=rate) as hosts:
+            with EmulatedHosts(2, rate=None if rate == "unlimited" else rate) as hosts:
                 command = hosts.mpirun_command(ranks_count // 2, argv, env=env)
                 finished = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
         if finished.returncode != 0 or not result_path.exists():
@@ -128,29 +132,36 @@ def table(results: dict[str, dict[str, Any]], markdown: bool) -> str:
     from hybridpipe.testing.emulated_hosts import rate_bits_per_second
 
     header = ["setting", "size", "plain ms", "fp16 ms", "bf16 ms", "fp16 x", "bf16 x", "link ms (f32 / 16-bit)",
-              "fp16.forced ms"]
+              "fp16.forced ms", "most fp16 x"]
+    unlimited = {(result["ranks"], mib): statistics.median(statistics.median(r) for r in rounds["fp16"]) * 1e3
+                 for setting, result in results.items() if setting.startswith("unlimited:")
+                 for mib, rounds in result["rounds"].items()}
     rows = []
     for setting, result in results.items():
         rate = setting.split(":")[0]
         for mib, rounds in result["rounds"].items():
             medians = {name: statistics.median(statistics.median(r) for r in values) * 1e3
                        for name, values in rounds.items()}
-            link = "" if rate == "local" else (
+            link = "" if rate in ("local", "unlimited") else (
                 f"{int(mib) * MIB / (rate_bits_per_second(rate) / 8) * 1e3:.0f} / "
                 f"{int(mib) * MIB / 2 / (rate_bits_per_second(rate) / 8) * 1e3:.0f}")
             ratios = {name: format_ratio(*round_ratio(rounds["plain"], rounds[name]), len(rounds["plain"]))
                       for name in ("fp16", "bf16")}
             forced = f"{medians['fp16.forced']:.1f}" if "fp16.forced" in medians else ""
+            most = ""
+            if link and (result["ranks"], mib) in unlimited:
+                floor = max(int(mib) * MIB / 2 / (rate_bits_per_second(rate) / 8) * 1e3, unlimited[result["ranks"], mib])
+                most = f"{medians['plain'] / floor:.2f}"
             rows.append([f"{setting} ({result['ranks']} ranks)", f"{mib} MiB", f"{medians['plain']:.1f}",
                          f"{medians['fp16']:.1f}", f"{medians['bf16']:.1f}", ratios["fp16"], ratios["bf16"], link,
-                         forced])
+                         forced, most])
     return render(header, rows, markdown, left=2)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--settings", default="local:2,1gbit:2,1gbit:4,10gbit:2,10gbit:4",
-                        help="local:RANKS or RATE:RANKS (2 emulated hosts), comma-separated")
+                        help="local:RANKS, RATE:RANKS (2 emulated hosts) or unlimited:RANKS (2 hosts, no limit), comma-separated")
     parser.add_argument("--sizes", default="4,16,64,256", help="MiB, comma-separated")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (a ratio per round)")
     parser.add_argument("--repeats", type=int, default=1, help="timed calls per implementation and round")
