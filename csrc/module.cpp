@@ -343,6 +343,19 @@ PYBIND11_MODULE(_C, m) {
             release_dropped_owners();
           },
           py::arg("policy") = WaitPolicy{}, "Blocks (without the GIL) until the transfer completed.")
+      .def(
+          "wait_for",
+          [](P2PRequest& request, double timeout_s, const WaitPolicy& policy) {
+            bool done = false;
+            {
+              py::gil_scoped_release no_gil;
+              done = request.wait_for(timeout_s, policy);
+            }
+            release_dropped_owners();
+            return done;
+          },
+          py::arg("timeout_s"), py::arg("policy") = WaitPolicy{},
+          "Blocks (without the GIL) until the transfer completed or timeout_s seconds passed; whether it completed.")
       .def("cancel", &P2PRequest::cancel, py::call_guard<py::gil_scoped_release>(),
            "Cancels a receive that has not matched a message yet.")
       .def_property_readonly("done", &P2PRequest::done)
@@ -361,6 +374,32 @@ PYBIND11_MODULE(_C, m) {
       py::arg("keep") = py::none(), py::return_value_policy::take_ownership,
       "Starts sending `bytes` bytes at `address` to rank `dest`; `keep` (the object owning the memory) is "
       "held until MPI is done with it, even if the request is dropped.");
+  m.def(
+      "isend_copy",
+      [](py::bytes header, uintptr_t address, size_t bytes, int dest, int tag, long long comm) {
+        release_dropped_owners();
+        char* head = nullptr;
+        Py_ssize_t head_bytes = 0;
+        PyBytes_AsStringAndSize(header.ptr(), &head, &head_bytes);
+        return isend_copy(head, static_cast<size_t>(head_bytes), reinterpret_cast<const void*>(address), bytes, dest,
+                          tag, to_comm(comm));
+      },
+      py::arg("header"), py::arg("address"), py::arg("bytes"), py::arg("dest"), py::arg("tag"), py::arg("comm"),
+      py::return_value_policy::take_ownership,
+      "Starts sending one message: `header` followed by `bytes` bytes at `address`, both copied first.");
+  m.def(
+      "irecv_message",
+      [](size_t capacity, int source, int tag, long long comm) {
+        release_dropped_owners();
+        py::object buffer = py::reinterpret_steal<py::object>(
+            PyByteArray_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(capacity)));
+        if (!buffer) throw py::error_already_set();
+        P2PRequest* request = irecv(PyByteArray_AS_STRING(buffer.ptr()), capacity, source, tag, to_comm(comm),
+                                    keep_alive(buffer));
+        return py::make_tuple(py::cast(request, py::return_value_policy::take_ownership), buffer);
+      },
+      py::arg("capacity"), py::arg("source"), py::arg("tag"), py::arg("comm"),
+      "Starts receiving a message of at most `capacity` bytes into a new bytearray; returns (request, bytearray).");
   m.def(
       "irecv",
       [](uintptr_t address, size_t bytes, int source, int tag, long long comm, py::object keep) {

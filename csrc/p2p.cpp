@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstring>
 #include <stdexcept>
 
 #include <sched.h>
@@ -429,6 +430,12 @@ void P2PRequest::wait(const WaitPolicy& policy) {
   t.finish(statuses.data(), statuses.size());
 }
 
+bool P2PRequest::wait_for(double timeout_s, const WaitPolicy& policy) {
+  if (queue_) return queue_->wait({transfer_.get()}, false, timeout_s, policy) == 0;
+  if (transfer_->done) return true;
+  return hybridpipe::wait_any({this}, policy, timeout_s) == 0;
+}
+
 void P2PRequest::cancel() {
   if (queue_) {
     queue_->cancel(*transfer_);
@@ -506,6 +513,15 @@ P2PRequest* isend(const void* data, size_t bytes, int dest, int tag, MPI_Comm co
 
 P2PRequest* irecv(void* data, size_t bytes, int source, int tag, MPI_Comm comm, std::shared_ptr<void> keep) {
   return start(true, data, bytes, source, tag, comm, std::move(keep));
+}
+
+P2PRequest* isend_copy(const void* header, size_t header_bytes, const void* data, size_t bytes, int dest, int tag,
+                       MPI_Comm comm) {
+  std::shared_ptr<char> message(new char[header_bytes + bytes], std::default_delete<char[]>());
+  if (header_bytes) std::memcpy(message.get(), header, header_bytes);
+  if (bytes) std::memcpy(message.get() + header_bytes, data, bytes);
+  char* address = message.get();
+  return start(false, address, header_bytes + bytes, dest, tag, comm, std::move(message));
 }
 
 size_t wait_any(const std::vector<P2PRequest*>& requests, const WaitPolicy& policy, double timeout_s) {

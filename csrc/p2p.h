@@ -137,6 +137,8 @@ class P2PRequest {
 
   bool test();                               // true once every part completed
   void wait(const WaitPolicy& policy = {});  // blocks until every part completed
+  // Blocks until done or timeout_s seconds passed (false then); the fast first wait of a hop.
+  bool wait_for(double timeout_s, const WaitPolicy& policy = {});
   void cancel();                             // cancels a receive that has not matched (no-op once done)
   bool done();
   size_t received_bytes();                   // a receive, once done
@@ -152,6 +154,11 @@ class P2PRequest {
 
 // Starts sending `bytes` bytes at `data` to rank `dest` of `comm` with `tag`; `keep` owns the buffer.
 P2PRequest* isend(const void* data, size_t bytes, int dest, int tag, MPI_Comm comm, std::shared_ptr<void> keep = {});
+// Starts sending one message: `header_bytes` bytes at `header` followed by `bytes` bytes at `data`, both
+// copied first (the caller may change them at once). A hop's description and its small tensor thus travel as
+// one MPI message instead of two.
+P2PRequest* isend_copy(const void* header, size_t header_bytes, const void* data, size_t bytes, int dest, int tag,
+                       MPI_Comm comm);
 // Starts receiving at most `bytes` bytes into `data` from rank `source` of `comm` with `tag`.
 // A message larger than 1 GiB must be received with the exact size it was sent with.
 P2PRequest* irecv(void* data, size_t bytes, int source, int tag, MPI_Comm comm, std::shared_ptr<void> keep = {});

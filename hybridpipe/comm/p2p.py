@@ -1,22 +1,29 @@
 """Point-to-point transport of structured values (a tensor, or tuples/lists/dicts of tensors).
 
-This is how the pipeline moves activations forward and gradients backward. A message is:
+This is how the pipeline moves activations forward and gradients backward. A value's **first message**
+goes on tag ``tag``; the receiver posts its receive early into a buffer of :data:`MESSAGE_CAPACITY`
+bytes, so it never needs to know shapes in advance and shapes may change from one step to the next.
+Its first byte says what it holds:
 
-* a **header**: the value's structure with every tensor replaced by its shape, dtype and
-  ``requires_grad`` (pickled; non-tensor leaves such as ``None`` or ints travel inside it), sent
-  on tag ``tag``. The receiver posts the header receive early into a fixed buffer of
-  :data:`HEADER_CAPACITY` bytes, so it never needs to know shapes in advance and shapes may change
-  from one step to the next;
-* then one **payload** message per tensor, raw bytes, on tag ``tag + 1``. The receiver allocates
-  the tensors as soon as the header is in and posts their receives.
+* a plain tensor (the usual hop): a fixed binary header (:data:`_TENSOR`: dtype code, shape,
+  ``requires_grad``), then, when its data is at most :data:`HEADER_CAPACITY` bytes, the data itself.
+  One MPI message per hop, no pickling; the receiver's tensor is a view of the receive buffer. Larger
+  tensors (and those a CUDA-aware MPI sends from device memory) follow as a payload message on
+  ``tag + 1``;
+* any other value (tuples/lists/dicts of tensors, non-tensor leaves such as ``None`` or ints): its
+  structure with every tensor replaced by its shape, dtype and ``requires_grad``, pickled, with the
+  tensors' bytes inside when they hold at most :data:`INLINE_BYTES` in all, else one payload message per
+  tensor on ``tag + 1``;
+* an error (below).
 
 So a sender and receiver each consume two consecutive tags per message; callers use even tags.
-Both directions go through the C++ core (``hybridpipe._C.isend/irecv``), which releases the GIL
+Both directions go through the C++ core (``hybridpipe._C``), which releases the GIL
 while waiting. After ``hp.init`` their MPI calls are made under the communication thread's lock (one
 thread at a time in MPI, see docs/concepts.md): by the calling thread itself when that thread is not in
 MPI, else by the communication thread, which also tests them in the background. Each request holds
-its buffers until MPI is done with them, so dropping a :class:`Send` or :class:`Receive` in flight is
-safe. Tensors on a GPU are staged through host memory for now.
+its buffers until MPI is done with them (a one-message tensor is copied into the message first), so
+dropping a :class:`Send` or :class:`Receive` in flight is safe. Tensors on a GPU are staged through host
+memory unless the MPI library is CUDA-aware.
 
 A stage that fails sends an **error message** on :data:`ERROR_TAG` to its neighbours; a receive
 waiting with ``abort=`` on such an error raises :class:`RemoteError` instead of hanging.
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import pickle
 import socket
+import struct
 import sys
 import time
 import weakref
@@ -39,7 +47,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
@@ -52,18 +59,32 @@ from . import device as devices
 from .buffers import host_contiguous, raw_bytes
 from .departures import FAILED
 
-__all__ = ["HEADER_CAPACITY", "ERROR_TAG", "RemoteError", "Send", "Receive", "send", "send_error",
-           "receive_error", "forget"]
+__all__ = ["HEADER_CAPACITY", "MESSAGE_CAPACITY", "ERROR_TAG", "RemoteError", "Send", "Receive", "send",
+           "send_error", "receive_error", "forget"]
 
-#: Largest pickled structure a header may hold (bytes).
+#: Largest pickled structure a first message may hold, and largest tensor data sent inside it (bytes).
 HEADER_CAPACITY = 64 * 1024
 #: Tag of error messages (the payload tag, ERROR_TAG + 1, is never used).
 ERROR_TAG = 32000
-_ERROR_MARK = "__hybridpipe_remote_error__"
-_INLINE_MARK = "__hybridpipe_inline__"
-#: Values whose tensors hold at most this many bytes in all travel inside the header message: one
+#: Values whose tensors hold at most this many bytes in all travel inside the pickled first message: one
 #: MPI message per value instead of 1 + tensors (small activations are latency-bound).
 INLINE_BYTES = 32 * 1024
+# First byte of a first message: a tensor with its data, a tensor whose data follows on tag + 1, a pickled
+# structure, an error.
+_TENSOR_INLINE, _TENSOR_APART, _PICKLED, _ERROR = b"T"[0], b"A"[0], b"P"[0], b"E"[0]
+#: A tensor's header: kind, dtype code, number of dimensions, requires_grad, then the shape (64 bytes; the data
+#: that follows it starts 64-byte aligned in the message).
+_TENSOR = struct.Struct("<BBBB4x7q")
+_MAX_DIMS = 7
+_NO_DIMS = (0,) * _MAX_DIMS
+#: Size of the buffer every first message is received into.
+MESSAGE_CAPACITY = HEADER_CAPACITY + _TENSOR.size
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+#: How long a wait first waits in C++ alone, before the bounded wait's bookkeeping (:func:`_wait_any`) starts: a
+#: neighbour's RemoteError or departure is noticed at most this much later, a hop's wait costs no Python.
+FAST_WAIT_SECONDS = 0.02
 
 
 class RemoteError(HybridPipeError):
@@ -257,13 +278,43 @@ class Send:
                 _wait_any([request], abort, self.dest, self._comm_f, described)
 
 
-def _post_header(header: bytes, dest: int, tag: int, comm_f: int) -> Any:
-    if len(header) > HEADER_CAPACITY:
-        raise ValueError(f"the structure of the value to send pickles to {len(header)} bytes, more than "
+def _post_pickled(kind: int, value: Any, dest: int, tag: int, comm_f: int) -> Any:
+    message = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    if len(message) > HEADER_CAPACITY:
+        raise ValueError(f"the structure of the value to send pickles to {len(message)} bytes, more than "
                          f"HEADER_CAPACITY={HEADER_CAPACITY}: pass fewer tensors / smaller non-tensor "
                          "values between stages")
-    buffer = np.frombuffer(header, dtype=np.uint8)
-    return core().isend(buffer.ctypes.data, buffer.nbytes, dest, tag, comm_f, buffer)
+    return core().isend_copy(bytes((kind,)) + message, 0, 0, dest, tag, comm_f)
+
+
+def _post_payload(tensor: torch.Tensor, dest: int, tag: int, comm_f: int, synchronized: set) -> Any:
+    """Starts sending a tensor's data as a message of its own (in place when it is contiguous host memory)."""
+    if devices.route(tensor) == "cuda-aware":  # device memory straight to MPI, once it is written
+        host = tensor.detach().resolve_conj().resolve_neg().contiguous()
+        if host.device not in synchronized:
+            torch.cuda.current_stream(host.device).synchronize()
+            synchronized.add(host.device)
+    else:
+        host = host_contiguous(tensor)
+    return core().isend(host.data_ptr(), host.numel() * host.element_size(), dest, tag, comm_f, host)
+
+
+def _send_tensor(tensor: torch.Tensor, dest: int, tag: int, comm_f: int) -> list[Any] | None:
+    """Starts sending a plain tensor with its binary header (None: its dtype or rank has no header code)."""
+    code = _DTYPE_CODES.get(tensor.dtype)
+    dims = tensor.dim()
+    if code is None or dims > _MAX_DIMS:
+        return None
+    nbytes = tensor.nbytes
+    inline = nbytes <= HEADER_CAPACITY and (tensor.is_cpu or devices.route(tensor) != "cuda-aware")
+    header = _TENSOR.pack(_TENSOR_INLINE if inline else _TENSOR_APART, code, dims, tensor.requires_grad,
+                          *tensor.shape, *_NO_DIMS[dims:])
+    if not inline:
+        return [core().isend_copy(header, 0, 0, dest, tag, comm_f),
+                _post_payload(tensor, dest, tag + 1, comm_f, set())]
+    plain = tensor.is_cpu and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+    host = tensor if plain else host_contiguous(tensor)
+    return [core().isend_copy(header, host.data_ptr(), nbytes, dest, tag, comm_f)]
 
 
 def _from_raw(data: bytes, leaf: _Leaf) -> torch.Tensor:
@@ -274,41 +325,37 @@ def _from_raw(data: bytes, leaf: _Leaf) -> torch.Tensor:
 
 
 def send(value: Any, dest: int, tag: int, comm: Any) -> Send:
-    """Starts sending ``value`` to rank ``dest`` of ``comm`` on tags ``tag`` (header), ``tag + 1``.
+    """Starts sending ``value`` to rank ``dest`` of ``comm`` on tags ``tag`` (first message), ``tag + 1``.
 
-    Contiguous CPU tensors are sent in place, not copied: do not modify them in place until the
-    returned :class:`Send` is done (:meth:`Send.test` / :meth:`Send.wait`), or the receiver may
-    get the new values. (Non-contiguous and GPU tensors are copied first, but do not rely on it.)
-    Wait for the :class:`Send` before the job ends.
+    A tensor of at most :data:`HEADER_CAPACITY` bytes is copied into its message; larger contiguous CPU
+    tensors are sent in place: do not modify them in place until the returned :class:`Send` is done
+    (:meth:`Send.test` / :meth:`Send.wait`), or the receiver may get the new values. Wait for the
+    :class:`Send` before the job ends.
     """
     _check_tag(tag)
+    comm_f = comm.py2f()
+    if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:  # the usual hop: no tree walk, no pickle
+        requests = _send_tensor(value, dest, tag, comm_f)
+        if requests is not None:
+            return Send(requests, dest, comm_f, tag)
     tensors: list[torch.Tensor] = []
     skeleton = _skeleton(value, tensors)
-    comm_f = comm.py2f()
     if sum(t.numel() * t.element_size() for t in tensors) <= INLINE_BYTES:
         payload = [raw_bytes(tensor) for tensor in tensors]
-        message = pickle.dumps((_INLINE_MARK, skeleton, payload), protocol=pickle.HIGHEST_PROTOCOL)
+        message = pickle.dumps((skeleton, payload), protocol=pickle.HIGHEST_PROTOCOL)
         if len(message) <= HEADER_CAPACITY:
-            return Send([_post_header(message, dest, tag, comm_f)], dest, comm_f, tag)
-    requests = [_post_header(pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL), dest, tag, comm_f)]
+            request = core().isend_copy(bytes((_PICKLED,)) + message, 0, 0, dest, tag, comm_f)
+            return Send([request], dest, comm_f, tag)
+    requests = [_post_pickled(_PICKLED, (skeleton, None), dest, tag, comm_f)]
     synchronized: set = set()
-    for tensor in tensors:
-        if devices.route(tensor) == "cuda-aware":  # device memory straight to MPI, once it is written
-            host = tensor.detach().resolve_conj().resolve_neg().contiguous()
-            if host.device not in synchronized:
-                torch.cuda.current_stream(host.device).synchronize()
-                synchronized.add(host.device)
-        else:
-            host = host_contiguous(tensor)
-        nbytes = host.numel() * host.element_size()
-        requests.append(core().isend(host.data_ptr(), nbytes, dest, tag + 1, comm_f, host))
+    requests += [_post_payload(tensor, dest, tag + 1, comm_f, synchronized) for tensor in tensors]
     return Send(requests, dest, comm_f, tag)
 
 
 def send_error(text: str, rank: int, dest: int, comm: Any) -> Send:
     """Tells rank ``dest`` that rank ``rank`` failed with ``text`` (a small, eager message)."""
-    header = pickle.dumps((_ERROR_MARK, rank, text[-4000:]), protocol=pickle.HIGHEST_PROTOCOL)
-    return Send([_post_header(header, dest, ERROR_TAG, comm.py2f())], dest, comm.py2f(), ERROR_TAG)
+    request = _post_pickled(_ERROR, (rank, text[-4000:]), dest, ERROR_TAG, comm.py2f())
+    return Send([request], dest, comm.py2f(), ERROR_TAG)
 
 
 def forget(comm: Any) -> None:
@@ -340,13 +387,14 @@ class Receive:
     def __init__(self, source: int, tag: int, comm: Any, device: Any = None, requires_grad: bool = False,
                  _error_tag: bool = False, what: str | None = None) -> None:
         self.what = what
-        if not _error_tag:
+        if not _error_tag and not 0 <= tag < ERROR_TAG - 1:
             _check_tag(tag)
         self.source, self.tag, self._comm_f = source, tag, comm.py2f()
-        self._device, self._requires_grad = device, requires_grad
-        self._header = np.empty(HEADER_CAPACITY, dtype=np.uint8)
-        self._header_request = core().irecv(self._header.ctypes.data, HEADER_CAPACITY, source, tag, self._comm_f,
-                                            self._header)
+        # where wait() moves the tensors to (None: they stay where they landed, on the host)
+        on_host = device is None or (device.type if type(device) is torch.device else torch.device(device).type) == "cpu"
+        self._device = None if on_host else device
+        self._requires_grad = requires_grad
+        self._header_request, self._header = core().irecv_message(MESSAGE_CAPACITY, source, tag, self._comm_f)
         self._skeleton: Any = None
         self._tensors: list[torch.Tensor] = []
         self._payload_requests: list[Any] = []
@@ -355,10 +403,16 @@ class Receive:
         # Receives posted on one (communicator, source, tag) whose header is not opened yet, in posting order (the
         # job's, see running.unopened_receives). MPI matches their headers to messages in that order, so their
         # payload receives (all on tag + 1) must be posted in that order too, whichever is polled or waited first.
-        self._key = None if _error_tag else (self._comm_f, source, tag)
         self._unopened = running.unopened_receives()
-        if self._key is not None:
-            self._unopened.setdefault(self._key, []).append(weakref.ref(self))
+        if _error_tag:
+            self._key = None
+            return
+        self._key = key = (self._comm_f, source, tag)
+        queue = self._unopened.get(key)
+        if queue is None:
+            self._unopened[key] = [weakref.ref(self)]
+        else:
+            queue.append(weakref.ref(self))
 
     def _open_header(self, block: bool = True) -> bool:
         """Our header is in: open it, after the headers of the earlier receives on our source and tag
@@ -366,7 +420,14 @@ class Receive:
 
         Returns False, without blocking, when ``block`` is False and an earlier header is not in yet.
         """
-        queue = self._unopened.get(self._key, []) if self._key is not None else []
+        queue = self._unopened.get(self._key, ()) if self._key is not None else ()
+        if queue and queue[0]() is self:  # the usual case: the earliest one
+            if len(queue) == 1:
+                del self._unopened[self._key]
+            else:
+                del queue[0]
+            self._decode_header()
+            return True
         position = next((i for i, ref in enumerate(queue) if ref() is self), None)
         if position is not None:
             earlier = [receive for ref in queue[:position]
@@ -383,22 +444,39 @@ class Receive:
         return True
 
     def _decode_header(self) -> None:
-        """The header is in: decode it and post the payload receives."""
+        """The first message is in: decode it and post the payload receives."""
         size = self._header_request.received_bytes
-        skeleton = pickle.loads(self._header[:size].tobytes())
-        if isinstance(skeleton, tuple) and len(skeleton) == 3 and skeleton[0] == _ERROR_MARK:
-            error = RemoteError(skeleton[2])
+        buffer = self._header
+        kind = buffer[0]
+        if kind == _TENSOR_INLINE or kind == _TENSOR_APART:
+            _, code, dims, requires_grad, *shape = _TENSOR.unpack_from(buffer)
+            leaf = _Leaf(0, tuple(shape[:dims]), _DTYPES[code], requires_grad == 1)
+            self._skeleton = leaf
+            if kind == _TENSOR_APART:
+                self._post_payloads([leaf])
+            elif size > _TENSOR.size:
+                del buffer[size:]  # the tensor keeps only the message's memory
+                flat = torch.frombuffer(buffer, dtype=leaf.dtype, offset=_TENSOR.size)
+                self._tensors = [flat if dims == 1 else flat.view(leaf.shape)]
+            else:
+                self._tensors = [torch.empty(leaf.shape, dtype=leaf.dtype)]
+            return
+        value = pickle.loads(memoryview(buffer)[1:size])
+        if kind == _ERROR:
+            error = RemoteError(value[1])
             error.source = self.source  # type: ignore[attr-defined]
             raise error
-        if isinstance(skeleton, tuple) and len(skeleton) == 3 and skeleton[0] == _INLINE_MARK:
-            self._skeleton = skeleton[1]
-            self._tensors = [_from_raw(data, leaf) for data, leaf in zip(skeleton[2], _leaves(skeleton[1]))]
-            return
-        self._skeleton = skeleton
+        self._skeleton, payload = value
+        if payload is not None:
+            self._tensors = [_from_raw(data, leaf) for data, leaf in zip(payload, _leaves(self._skeleton))]
+        else:
+            self._post_payloads(_leaves(self._skeleton))
+
+    def _post_payloads(self, leaves: list[_Leaf]) -> None:
         # a CUDA-aware MPI receives into device memory; otherwise into host memory, copied over in wait()
         land = self._device if self._device is not None and torch.device(self._device).type == "cuda" \
             and devices.cuda_aware() else "cpu"
-        for leaf in _leaves(skeleton):
+        for leaf in leaves:
             tensor = torch.empty(leaf.shape, dtype=leaf.dtype, device=land)
             self._tensors.append(tensor)
             nbytes = tensor.numel() * tensor.element_size()
@@ -434,25 +512,35 @@ class Receive:
         """
         if self._done:
             return self._value
-        described = what or self.what or f"the message on tag {self.tag}"
         if self._skeleton is None:
-            if not self._header_request.test():  # (already in: no bounded wait to set up)
-                _wait_any([self._header_request], abort, self.source, self._comm_f, described)
+            request = self._header_request
+            if not request.wait_for(FAST_WAIT_SECONDS, _wait_policy()[1]):  # the hop's wait: no Python
+                _wait_any([request], abort, self.source, self._comm_f, self._described(what))
             self._open_header()
         for request in self._payload_requests:
             while not request.test():
-                _wait_any([request], abort, self.source, self._comm_f, described)
+                _wait_any([request], abort, self.source, self._comm_f, self._described(what))
         tensors = self._tensors
-        if self._device is not None and torch.device(self._device).type != "cpu":
+        if self._device is not None:
             tensors = [tensor.to(self._device) for tensor in tensors]
-        if self._requires_grad:
-            for leaf, tensor in zip(_leaves(self._skeleton), tensors):
-                if leaf.requires_grad and (tensor.is_floating_point() or tensor.is_complex()):
-                    tensor.requires_grad_(True)
-        self._value = _rebuild(self._skeleton, tensors)
+        skeleton = self._skeleton
+        if type(skeleton) is _Leaf:  # a plain tensor
+            value = tensors[0]
+            if self._requires_grad and skeleton.requires_grad and (value.is_floating_point() or value.is_complex()):
+                value.requires_grad_(True)
+        else:
+            if self._requires_grad:
+                for leaf, tensor in zip(_leaves(skeleton), tensors):
+                    if leaf.requires_grad and (tensor.is_floating_point() or tensor.is_complex()):
+                        tensor.requires_grad_(True)
+            value = _rebuild(skeleton, tensors)
+        self._value = value
         self._done = True
         self._header = self._tensors = self._payload_requests = None  # type: ignore[assignment]
-        return self._value
+        return value
+
+    def _described(self, what: str | None) -> str:
+        return what or self.what or f"the message on tag {self.tag}"
 
     def cancel(self) -> None:
         """Withdraws a receive whose header has not arrived (e.g. at shutdown)."""

@@ -25,10 +25,10 @@ pytestmark = pytest.mark.mpi(ranks=[2], long_ranks=[3], timeout=300, shared=True
 
 Pair = namedtuple("Pair", "left right")
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8,
-          torch.bool, torch.complex64]
-# empty, empty with more dims, 0-dim, one element, odd 2-D, 4-D
-SHAPES = [(0,), (3, 0, 2), (), (1,), (7, 13), (2, 3, 4, 5)]
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+# empty, empty with more dims, 0-dim, one element, odd 2-D, 4-D, 7-D (the most a binary header holds), 8-D (pickled)
+SHAPES = [(0,), (3, 0, 2), (), (1,), (7, 13), (2, 3, 4, 5), (1, 2, 1, 3, 1, 2, 2), (2, 1, 2, 1, 1, 2, 1, 3)]
 
 
 @pytest.fixture(scope="module", params=["engine", "caller"])
@@ -98,15 +98,22 @@ def test_tensor_round_trip_every_dtype_and_shape(comm, dtype):
 def test_small_values_travel_in_one_message_large_ones_with_payloads(comm):
     source, dest = ring(comm)
     small = (torch.arange(6, dtype=torch.bfloat16), torch.tensor(True), torch.empty(0, 3), {"n": 7})
-    large = torch.arange(p2p.INLINE_BYTES // 4 + 1, dtype=torch.float32)  # one element past the limit
-    receives = [p2p.Receive(source, 24, comm) for _ in range(2)]
-    sends = [p2p.send(small, dest, 24, comm), p2p.send(large, dest, 24, comm)]
-    assert [len(send._requests) for send in sends] == [1, 2]
-    got_small, got_large = receives[0].wait(), receives[1].wait()
+    large = [torch.arange(p2p.INLINE_BYTES // 4 + 1, dtype=torch.float32)]  # a structure one element past the limit
+    # a plain tensor goes with its binary header up to HEADER_CAPACITY bytes of data
+    tensor = torch.arange(p2p.HEADER_CAPACITY // 4, dtype=torch.float32)
+    big = torch.arange(p2p.HEADER_CAPACITY // 4 + 1, dtype=torch.float32)
+    values = [small, large, tensor, big]
+    receives = [p2p.Receive(source, 24, comm) for _ in values]
+    sends = [p2p.send(value, dest, 24, comm) for value in values]
+    assert [len(send._requests) for send in sends] == [1, 2, 1, 2]
+    got_small, got_large, got_tensor, got_big = [receive.wait() for receive in receives]
     for got, want in zip(got_small[:3], small[:3]):
         assert_same(got, want)
     assert got_small[3] == {"n": 7}
-    assert_same(got_large, large)
+    assert isinstance(got_large, list) and len(got_large) == 1
+    assert_same(got_large[0], large[0])
+    assert_same(got_tensor, tensor)
+    assert_same(got_big, big)
     for send in sends:
         send.wait()
 
@@ -390,6 +397,20 @@ def test_modifying_after_the_send_completes_does_not_change_what_arrived(comm):
     assert_same(got, make(torch.float32, (3_000_000,), source))
 
 
+def test_a_small_tensor_is_copied_into_its_message(comm):
+    """A plain tensor of at most HEADER_CAPACITY bytes travels in one message with its header, copied in by
+    send(): changing it right after send() returns does not change what arrives."""
+    source, dest = ring(comm)
+    receive = p2p.Receive(source, 112, comm)
+    value = make(torch.float32, (1000,), comm.rank)
+    send = p2p.send(value, dest, 112, comm)
+    value.fill_(-1)
+    got = receive.wait()
+    send.wait()
+    with ranks_agree(comm):
+        assert_same(got, make(torch.float32, (1000,), source))
+
+
 def test_dropped_send_keeps_its_buffers_until_sent(comm):
     """A Send dropped while in flight (its tensor a temporary) used to free the buffers MPI was
     still reading: the sender crashed with a segfault inside MPI. Now they live until sent."""
@@ -429,7 +450,8 @@ def test_transfers_progress_while_python_holds_the_gil(comm, request):
         before = sys.getswitchinterval()
         sys.setswitchinterval(1000.0)  # this thread keeps the GIL unless it blocks
         try:
-            p2p.send(make(torch.float32, (64,), 0), 1, 124, comm)  # dropped: the thread retires it
+            # dropped: the thread retires it (past HEADER_CAPACITY, so its payload is the tensor itself)
+            p2p.send(make(torch.float32, (20000,), 0), 1, 124, comm)
             deadline = time.monotonic() + 20
             while not answer._header_request.done and time.monotonic() < deadline:
                 pass  # holds the GIL: only the communication thread can complete the receive
@@ -439,7 +461,7 @@ def test_transfers_progress_while_python_holds_the_gil(comm, request):
     with ranks_agree(comm):  # (the others wait there for rank 0's checks)
         if comm.rank == 0:
             assert arrived, "the answer did not arrive while Python held the GIL (the communication thread waited)"
-            assert_same(answer.wait(), make(torch.float32, (64,), 0) * 2)
+            assert_same(answer.wait(), make(torch.float32, (20000,), 0) * 2)
 
 
 # ------------------------------------------------------------------ errors
