@@ -20,8 +20,9 @@ How it measures (a shared, noisy 2-core machine is the expected case, so it neve
   * Implementations, all in the same job and interleaved in blocks of ``--iterations`` round trips
     with a rotating order, so machine noise hits them alike:
       - "hybridpipe": ``hybridpipe.comm.p2p.send`` / ``Receive`` after ``hp.init()``, as the pipeline
-        executor uses them (the calling thread makes the MPI calls under the communication lock, or the
-        engine's communication thread when it holds it);
+        executor uses them (a receive for the neighbour's error message posted all along, watched by every
+        wait; the calling thread makes the MPI calls under the communication lock, or the engine's
+        communication thread when it holds it);
       - "mpi4py": ``comm.Send`` / ``comm.Recv`` of the tensor's numpy view, on a communicator of its own
         (the MPI library alone: the floor for MPI);
       - "gloo": ``torch.distributed.send`` / ``recv`` over loopback TCP;
@@ -73,12 +74,18 @@ class Worker:
         self.mpi_comm = self.world.Dup()  # mpi4py's own messages
         self.p2p_comm = self.world.Dup()  # hybridpipe's
         self.floor_comm = self.world.Dup()  # its C++ transfers alone
+        from hybridpipe.comm import p2p
+
+        # as a stage does: a receive for the neighbour's error message stays posted, and waits watch it
+        self.errors = [p2p.receive_error(1 - self.rank, self.p2p_comm)]
         self.dist, self.store = start_gloo(self.world)
         self.tag = 0
 
     def close(self) -> None:
         self.dist.destroy_process_group()
         self.mpi_comm.Free()
+        for error in self.errors:
+            error.cancel()
         self.p2p_comm.Free()
         self.floor_comm.Free()
         self.hp.shutdown()
@@ -92,9 +99,9 @@ class Worker:
             self.tag = (self.tag + 2) % 30000
             if self.rank == 0:
                 p2p.send(tensor, peer, self.tag, self.p2p_comm)
-                p2p.Receive(peer, self.tag, self.p2p_comm).wait()
+                p2p.Receive(peer, self.tag, self.p2p_comm).wait(abort=self.errors)
             else:
-                got = p2p.Receive(peer, self.tag, self.p2p_comm).wait()
+                got = p2p.Receive(peer, self.tag, self.p2p_comm).wait(abort=self.errors)
                 p2p.send(got, peer, self.tag, self.p2p_comm)
         elif name == "C++ floor":
             self.floor_exchange(tensor, peer)

@@ -37,6 +37,7 @@ ranks that called ``hp.shutdown`` (:mod:`hybridpipe.comm.departures`) and raises
 
 from __future__ import annotations
 
+import functools
 import pickle
 import socket
 import struct
@@ -44,7 +45,6 @@ import sys
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -95,12 +95,17 @@ class RemoteError(HybridPipeError):
     """
 
 
-@dataclass(frozen=True)
 class _Leaf:
-    index: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool
+    """A tensor in a value's structure: where it is among the value's tensors, its shape, dtype and requires_grad.
+    (A plain class with slots: one is made per hop, a frozen dataclass takes three times as long.)"""
+
+    __slots__ = ("index", "shape", "dtype", "requires_grad")
+
+    def __init__(self, index: int, shape: tuple[int, ...], dtype: torch.dtype, requires_grad: bool) -> None:
+        self.index, self.shape, self.dtype, self.requires_grad = index, shape, dtype, requires_grad
+
+    def __repr__(self) -> str:
+        return f"_Leaf({self.index}, {self.shape}, {self.dtype}, requires_grad={self.requires_grad})"
 
     def __reduce__(self) -> tuple:  # a plain call, the dtype by name: a fifth of the default's pickling time
         return _leaf, (self.index, self.shape, str(self.dtype)[6:], self.requires_grad)
@@ -299,20 +304,35 @@ def _post_payload(tensor: torch.Tensor, dest: int, tag: int, comm_f: int, synchr
     return core().isend(host.data_ptr(), host.numel() * host.element_size(), dest, tag, comm_f, host)
 
 
+@functools.lru_cache(maxsize=1024)
+def _tensor_header(kind: int, dtype: torch.dtype, shape: torch.Size, requires_grad: bool) -> bytes | None:
+    """A tensor's binary header (None: its dtype or number of dimensions has none). Cached: a pipeline's hops
+    repeat a few shapes, and packing a shape costs more than finding it."""
+    code = _DTYPE_CODES.get(dtype)
+    if code is None or len(shape) > _MAX_DIMS:
+        return None
+    return _TENSOR.pack(kind, code, len(shape), requires_grad, *shape, *_NO_DIMS[len(shape):])
+
+
+@functools.lru_cache(maxsize=1024)
+def _header_leaf(header: bytes) -> _Leaf:
+    """The :class:`_Leaf` a tensor's binary header describes (cached as :func:`_tensor_header`)."""
+    _, code, dims, requires_grad, *shape = _TENSOR.unpack(header)
+    return _Leaf(0, tuple(shape[:dims]), _DTYPES[code], requires_grad == 1)
+
+
 def _send_tensor(tensor: torch.Tensor, dest: int, tag: int, comm_f: int) -> list[Any] | None:
     """Starts sending a plain tensor with its binary header (None: its dtype or rank has no header code)."""
-    code = _DTYPE_CODES.get(tensor.dtype)
-    dims = tensor.dim()
-    if code is None or dims > _MAX_DIMS:
+    nbytes, on_host = tensor.nbytes, tensor.is_cpu
+    inline = nbytes <= HEADER_CAPACITY and (on_host or devices.route(tensor) != "cuda-aware")
+    header = _tensor_header(_TENSOR_INLINE if inline else _TENSOR_APART, tensor.dtype, tensor.shape,
+                            tensor.requires_grad)
+    if header is None:
         return None
-    nbytes = tensor.nbytes
-    inline = nbytes <= HEADER_CAPACITY and (tensor.is_cpu or devices.route(tensor) != "cuda-aware")
-    header = _TENSOR.pack(_TENSOR_INLINE if inline else _TENSOR_APART, code, dims, tensor.requires_grad,
-                          *tensor.shape, *_NO_DIMS[dims:])
     if not inline:
         return [core().isend_copy(header, 0, 0, dest, tag, comm_f),
                 _post_payload(tensor, dest, tag + 1, comm_f, set())]
-    plain = tensor.is_cpu and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+    plain = on_host and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
     host = tensor if plain else host_contiguous(tensor)
     return [core().isend_copy(header, host.data_ptr(), nbytes, dest, tag, comm_f)]
 
@@ -332,9 +352,10 @@ def send(value: Any, dest: int, tag: int, comm: Any) -> Send:
     (:meth:`Send.test` / :meth:`Send.wait`), or the receiver may get the new values. Wait for the
     :class:`Send` before the job ends.
     """
-    _check_tag(tag)
+    if not 0 <= tag < ERROR_TAG - 1:
+        _check_tag(tag)
     comm_f = comm.py2f()
-    if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:  # the usual hop: no tree walk, no pickle
+    if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:  # the usual hop: no tree walk, no pickling
         requests = _send_tensor(value, dest, tag, comm_f)
         if requests is not None:
             return Send(requests, dest, comm_f, tag)
@@ -391,8 +412,8 @@ class Receive:
             _check_tag(tag)
         self.source, self.tag, self._comm_f = source, tag, comm.py2f()
         # where wait() moves the tensors to (None: they stay where they landed, on the host)
-        on_host = device is None or (device.type if type(device) is torch.device else torch.device(device).type) == "cpu"
-        self._device = None if on_host else device
+        kind = None if device is None else device.type if type(device) is torch.device else torch.device(device).type
+        self._device = None if kind in (None, "cpu") else device
         self._requires_grad = requires_grad
         self._header_request, self._header = core().irecv_message(MESSAGE_CAPACITY, source, tag, self._comm_f)
         self._skeleton: Any = None
@@ -449,15 +470,13 @@ class Receive:
         buffer = self._header
         kind = buffer[0]
         if kind == _TENSOR_INLINE or kind == _TENSOR_APART:
-            _, code, dims, requires_grad, *shape = _TENSOR.unpack_from(buffer)
-            leaf = _Leaf(0, tuple(shape[:dims]), _DTYPES[code], requires_grad == 1)
-            self._skeleton = leaf
+            self._skeleton = leaf = _header_leaf(bytes(buffer[:_TENSOR.size]))
             if kind == _TENSOR_APART:
                 self._post_payloads([leaf])
             elif size > _TENSOR.size:
                 del buffer[size:]  # the tensor keeps only the message's memory
                 flat = torch.frombuffer(buffer, dtype=leaf.dtype, offset=_TENSOR.size)
-                self._tensors = [flat if dims == 1 else flat.view(leaf.shape)]
+                self._tensors = [flat if len(leaf.shape) == 1 else flat.view(leaf.shape)]
             else:
                 self._tensors = [torch.empty(leaf.shape, dtype=leaf.dtype)]
             return
