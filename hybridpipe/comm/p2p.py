@@ -257,6 +257,8 @@ class Send:
     them (``hybridpipe._C.orphaned_transfers()`` counts such sends).
     """
 
+    __slots__ = ("_requests", "dest", "_comm_f", "tag")
+
     def __init__(self, requests: list[Any], dest: int = 0, comm_f: int = 0, tag: int = 0) -> None:
         self._requests = requests
         self.dest, self._comm_f, self.tag = dest, comm_f, tag
@@ -404,6 +406,9 @@ class Receive:
         what: what this is, for messages about the wait (e.g. "its activation of micro-batch 3";
             default "the message on tag T").
     """
+
+    __slots__ = ("what", "source", "tag", "_comm_f", "_device", "_requires_grad", "_header_request", "_header",
+                 "_skeleton", "_tensors", "_payload_requests", "_value", "_done", "_key", "_unopened", "__weakref__")
 
     def __init__(self, source: int, tag: int, comm: Any, device: Any = None, requires_grad: bool = False,
                  _error_tag: bool = False, what: str | None = None) -> None:
