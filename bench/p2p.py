@@ -29,7 +29,10 @@ How it measures (a shared, noisy 2-core machine is the expected case, so it neve
       - "C++ floor" (not a peer: hybridpipe's own ceiling): hybridpipe's C++ transfers alone, as a hop makes them
         (``hybridpipe._C.isend_copy`` of the tensor behind a 64-byte header, ``irecv_message`` into the receive
         buffer, ``wait_for`` with the job's wait policy: the same polite wait), without the Python of ``send`` /
-        ``Receive`` around them. hybridpipe − C++ floor is what the Python of two hops costs.
+        ``Receive`` around them. hybridpipe − C++ floor is what the Python of two hops costs;
+      - "least Python" (not a peer either): the C++ floor plus the least Python a hop can run around it (the
+        header packed from the tensor's shape, the received data viewed as a tensor): the floor of any
+        Python transport built on these calls.
   * Rank 0 times each round trip; rank 1 times each pause as it actually slept (``time.sleep``
     overshoots). Reported: the median over the round trips of (round trip − the pause that fell inside
     it), i.e. the cost of two hops, and each implementation's ratio to the fastest peer.
@@ -43,6 +46,7 @@ import json
 import os
 import shlex
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -54,7 +58,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (SPREAD_LIMIT, command_line, format_ratio, int_list, launch_env, progress, render,  # noqa: E402
                      round_ratio, run_worker, start_gloo)
 
-IMPLEMENTATIONS = ("hybridpipe", "mpi4py", "gloo", "C++ floor")
+IMPLEMENTATIONS = ("hybridpipe", "mpi4py", "gloo", "C++ floor", "least Python")
+#: a hop's binary header as hybridpipe.comm.p2p lays it out (kind, dtype code, dimensions, requires_grad, shape)
+HEADER = struct.Struct("<BBBB4x7q")
+RATIOS = ("mpi4py", "gloo", "C++ floor")
+TARGETED = ("hybridpipe", "C++ floor", "least Python")  # checked against the target: hybridpipe and its floors
 
 
 class Worker:
@@ -74,7 +82,12 @@ class Worker:
         self.mpi_comm = self.world.Dup()  # mpi4py's own messages
         self.p2p_comm = self.world.Dup()  # hybridpipe's
         self.floor_comm = self.world.Dup()  # its C++ transfers alone
+        from hybridpipe import running
+        from hybridpipe._ext import core
         from hybridpipe.comm import p2p
+
+        self.core, self.policy, self.floor_handle = core(), running.current_or_none().wait, self.floor_comm.py2f()
+        self.capacity, self.empty_header = p2p.MESSAGE_CAPACITY, bytes(HEADER.size)
 
         # as a stage does: a receive for the neighbour's error message stays posted, and waits watch it
         self.errors = [p2p.receive_error(1 - self.rank, self.p2p_comm)]
@@ -103,8 +116,8 @@ class Worker:
             else:
                 got = p2p.Receive(peer, self.tag, self.p2p_comm).wait(abort=self.errors)
                 p2p.send(got, peer, self.tag, self.p2p_comm)
-        elif name == "C++ floor":
-            self.floor_exchange(tensor, peer)
+        elif name in ("C++ floor", "least Python"):
+            self.floor_exchange(tensor, peer, name == "least Python")
         elif name == "mpi4py":
             view = tensor.numpy()
             if self.rank == 0:
@@ -121,19 +134,30 @@ class Worker:
                 self.dist.recv(tensor, peer)
                 self.dist.send(tensor, peer)
 
-    def floor_exchange(self, tensor: Any, peer: int) -> None:
-        from hybridpipe import running
-        from hybridpipe._ext import core
-        from hybridpipe.comm import p2p
-
-        c, policy, comm = core(), running.current_or_none().wait, self.floor_comm.py2f()
-        header, nbytes = bytes(64), tensor.numel() * tensor.element_size()
+    def floor_exchange(self, tensor: Any, peer: int, python: bool) -> None:
+        """hybridpipe's C++ transfers of a hop each way; with ``python``, also the least Python a hop can run around
+        them (the header packed from the tensor, the received data viewed as a tensor)."""
         if self.rank == 0:
-            c.isend_copy(header, tensor.data_ptr(), nbytes, peer, 0, comm)
-            c.irecv_message(p2p.MESSAGE_CAPACITY, peer, 0, comm)[0].wait_for(-1.0, policy)
+            self.floor_post(tensor, peer, python)
+            self.floor_take(tensor, peer, python)
         else:
-            c.irecv_message(p2p.MESSAGE_CAPACITY, peer, 0, comm)[0].wait_for(-1.0, policy)
-            c.isend_copy(header, tensor.data_ptr(), nbytes, peer, 0, comm)
+            self.floor_post(self.floor_take(tensor, peer, python), peer, python)
+
+    def floor_post(self, tensor: Any, peer: int, python: bool) -> None:
+        dims = tensor.dim()
+        header = HEADER.pack(0, 0, dims, tensor.requires_grad, *tensor.shape, *(0,) * (7 - dims)) if python \
+            else self.empty_header
+        self.core.isend_copy(header, tensor.data_ptr(), tensor.nbytes, peer, 0, self.floor_handle)
+
+    def floor_take(self, tensor: Any, peer: int, python: bool) -> Any:
+        request, buffer = self.core.irecv_message(self.capacity, peer, 0, self.floor_handle)
+        request.wait_for(-1.0, self.policy)
+        if not python:
+            return tensor
+        del buffer[request.received_bytes:]
+        _, _, dims, _, *shape = HEADER.unpack_from(buffer)
+        flat = self.torch.frombuffer(buffer, dtype=self.torch.float32, offset=HEADER.size)
+        return flat if dims == 1 else flat.view(shape[:dims])
 
     def block(self, name: str, tensor: Any, pause_s: float, kind: str) -> list[float]:
         """``iterations`` round trips; returns (rank 0) the round trips less the pause inside each."""
@@ -208,18 +232,18 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
     from hybridpipe._ext import describe
 
     header = ["bytes", "pause ms", "pause", *(f"{name} ms" for name in IMPLEMENTATIONS),
-              "hybridpipe / mpi4py", "hybridpipe / gloo", "hybridpipe / C++ floor", "≤ 2 × mpi4py + 0.02 ms",
-              "C++ floor ≤ target"]
+              *(f"hybridpipe / {peer}" for peer in RATIOS), "≤ 2 × mpi4py + 0.02 ms",
+              *(f"{name} ≤ target" for name in TARGETED[1:])]
     rows = []
     for case in result["cases"]:
         s, rounds = case["seconds"], case["rounds"]
-        ratios = {peer: round_ratio(rounds["hybridpipe"], rounds[peer]) for peer in ("mpi4py", "gloo", "C++ floor")}
+        ratios = {peer: round_ratio(rounds["hybridpipe"], rounds[peer]) for peer in RATIOS}
         target = 2 * s["mpi4py"] + 20e-6
         rows.append([str(case["bytes"]), str(case["pause_ms"]), case["pause"] if case["pause_ms"] else "",
                      *(f"{s[name] * 1e3:.3f}" for name in IMPLEMENTATIONS),
-                     *(format_ratio(*ratios[peer], len(rounds["hybridpipe"])) for peer in ("mpi4py", "gloo", "C++ floor")),
-                     f"{'yes' if s['hybridpipe'] <= target else 'no'} ({target * 1e3:.3f} ms)",
-                     "yes" if s["C++ floor"] <= target else "no"])
+                     *(format_ratio(*ratios[peer], len(rounds["hybridpipe"])) for peer in RATIOS),
+                     *(f"{'yes' if s[name] <= target else 'no'}" + (f" ({target * 1e3:.3f} ms)" if name == "hybridpipe"
+                                                                    else "") for name in TARGETED)])
     setup = (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {describe()}; "
              f"{os.cpu_count()} CPU cores; 2 ranks; {args.iterations} round trips × {args.blocks} blocks per cell")
     md = args.markdown
