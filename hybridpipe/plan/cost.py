@@ -148,6 +148,14 @@ class Cluster:
             return contention
         return max(1.0, ranks_here / self.cores_per_host) * contention
 
+    def reductions_share_cores(self, device: str) -> bool:
+        """Whether the gradients' reductions take their time from the ranks' compute: a CPU model on a host
+        whose cores are known and number fewer than two per rank, so each rank's communication thread (shared
+        memory or the ring: copies and sums on the CPU) runs on the core its backward runs on. Measured here
+        (2 ranks on 2 cores, an MLP with 8 MiB of gradients): the reductions overlapped with the backward
+        lengthen it by what they cost, the step ends about one whole allreduce after a plain one."""
+        return device.startswith("cpu") and 0 < self.cores_per_host < 2 * min(self.per_host, self.ranks)
+
     def link_seconds(self, nbytes: float, a: int, b: int) -> float:
         """One message of ``nbytes`` from rank ``a`` to rank ``b``."""
         gbps = self.intra_host_gbps if self.host_of(a) == self.host_of(b) else self.inter_host_gbps
@@ -424,7 +432,10 @@ def _reduction_end(items: list[sched.TimedAction], chunks_here: list[int], layer
     """When this rank's last gradient bucket is reduced (ZeRO: reduce-scattered), and the reductions' total time.
 
     A layer's gradient is final when its share of its chunk's last backward (``B``, or ``W`` when split)
-    is done; the layers of a chunk finish in reverse order, each after its own backward time."""
+    is done; the layers of a chunk finish in reverse order, each after its own backward time. Where the
+    reductions run on the cores the backward computes on (:meth:`Cluster.reductions_share_cores`), the
+    reductions that overlap the backward delay it as much: the last one ends their total time after the
+    rank's last action."""
     ready: list[tuple[float, float]] = []
     for c in chunks_here:
         last = max((t for t in items if t.action.stage == c and t.action.kind in (
@@ -446,6 +457,8 @@ def _reduction_end(items: list[sched.TimedAction], chunks_here: list[int], layer
         if bucket >= cluster.fusion_bytes or index == len(ready) - 1:
             cost = (reducescatter_seconds if zero else allreduce_seconds)(bucket, group, cluster, concurrent)
             end, busy, bucket = max(end, time) + cost, busy + cost, 0.0
+    if ready and cluster.reductions_share_cores(profile.device):
+        end = max(end, max(t.end for t in items) + busy)
     return end, busy
 
 

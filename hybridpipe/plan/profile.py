@@ -21,6 +21,7 @@ Design reasons:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -306,7 +307,9 @@ def profile(layers: nn.Sequential | Sequence[nn.Module], sample_input: Any, loss
             ``Profile.update_temporary_factor``). None: neither.
 
     Returns:
-        The :class:`Profile`, per sample.
+        The :class:`Profile`, per sample. Its layers' times are scaled to add up, at the profiled batch, to the
+        median of timed passes through all the layers (forward, loss, backward), in the proportions each layer's
+        own timing gave (the factor is in its ``note``).
     """
     layer_list = list(layers)
     batch = next(iter_tensors(sample_input)).shape[0] if any(True for _ in iter_tensors(sample_input)) else 0
@@ -346,18 +349,10 @@ def profile(layers: nn.Sequential | Sequence[nn.Module], sample_input: Any, loss
                                    parameter_bytes=timing.parameter_bytes, forward_call_ms=forward_call,
                                    backward_call_ms=backward_call, split_call_ms=split,
                                    parameter_tensors=sum(1 for p in layer.parameters() if p.requires_grad)))
-    loss_ms = 0.0
-    if sample_target is not None:
-        output = map_tensors(value, lambda t: t.detach().requires_grad_(t.is_floating_point()))
-        runs = []
-        for run in range(warmup + repeats):
-            started = time.perf_counter()
-            loss = loss_fn(output, sample_target)
-            loss.backward()
-            if run >= warmup:
-                runs.append((time.perf_counter() - started) * 1e3)
-        loss_ms = statistics.median(runs) / batch
+    loss_ms = 0.0 if sample_target is None else _loss_ms(value, loss_fn, sample_target, repeats, warmup) / batch
     device = next((str(t.device) for t in iter_tensors(sample_input)), "cpu")
+    whole = _whole_pass_ms(layer_list, sample_input, loss_fn, sample_target, max(repeats, WHOLE_PASS_RUNS), warmup)
+    costs, loss_ms, factor = _scaled_to_whole(costs, loss_ms, batch, whole)
     update, together, per_tensor = 0.0, 0.0, 0.0
     if optimizer is not None:
         update, together, per_tensor = update_costs(
@@ -367,4 +362,74 @@ def profile(layers: nn.Sequential | Sequence[nn.Module], sample_input: Any, loss
                    update_temporary_per_tensor=per_tensor,
                    device=device, note=f"measured by hybridpipe.plan.profile on {batch} samples, "
                                        f"and {small}, {repeats} repeats after {warmup} warm-up runs, "
-                                       f"{torch.get_num_threads()} torch threads")
+                                       f"{torch.get_num_threads()} torch threads; layer times scaled by "
+                                       f"{factor:.3f} to the whole pass ({whole:.3f} ms)")
+
+
+def _loss_ms(value: Any, loss_fn: Callable[[Any, Any], Any], target: Any, repeats: int, warmup: int) -> float:
+    """Median ms of the loss and its backward on the last layer's output ``value``."""
+    output = map_tensors(value, lambda t: t.detach().requires_grad_(t.is_floating_point()))
+    runs = []
+    for run in range(warmup + repeats):
+        started = time.perf_counter()
+        loss_fn(output, target).backward()
+        if run >= warmup:
+            runs.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(runs)
+
+
+#: Timed runs of the whole pass that :func:`profile` scales the layers' times to (at least its ``repeats``).
+WHOLE_PASS_RUNS = 11
+
+
+def _whole_pass_ms(layers: list[nn.Module], sample_input: Any, loss_fn: Callable[[Any, Any], Any],
+                   sample_target: Any, repeats: int, warmup: int) -> float:
+    """Median ms of the forward through all the layers one after another (then the loss, with a target), and the
+    backward through them all: what a stage holding them computes. Each layer timed alone runs with its own
+    weights and input hot in the caches and pays a hook's bookkeeping, and ten-odd small timings vary more
+    than one large one, so their sum misses the whole pass, by tens of per cent on this VM (an MLP of 8 MiB:
+    the sums of three profiles made seconds apart were 19-27 ms around a pass of 24). The parameters'
+    ``.grad`` are restored afterwards."""
+    parameters = [p for layer in layers for p in layer.parameters()]
+    saved = [p.grad for p in parameters]
+    cuda = any(t.is_cuda for t in iter_tensors(sample_input))
+    runs = []
+    try:
+        with torch.enable_grad():
+            for run in range(warmup + repeats):
+                value = map_tensors(sample_input, torch.clone)  # an in-place first layer leaves the sample alone
+                if cuda:
+                    torch.cuda.synchronize()
+                started = time.perf_counter()
+                for layer in layers:
+                    value = layer(value)
+                if sample_target is not None:
+                    loss_fn(value, sample_target).backward()
+                else:
+                    roots = [t for t in iter_tensors(value) if t.requires_grad]
+                    if roots:
+                        torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+                if cuda:
+                    torch.cuda.synchronize()
+                if run >= warmup:
+                    runs.append((time.perf_counter() - started) * 1e3)
+    finally:
+        for parameter, grad in zip(parameters, saved):
+            parameter.grad = grad
+    return statistics.median(runs)
+
+
+def _scaled_to_whole(costs: list[LayerCost], loss_ms: float, batch: int,
+                     whole_ms: float) -> tuple[list[LayerCost], float, float]:
+    """The layers' costs (and the loss's, per sample) scaled so that, at the profiled batch, they add up to
+    the whole pass's ``whole_ms``; their proportions are the per-layer measurements'. Returns them and the factor."""
+    parts = sum(c.forward_call_ms + c.forward_ms * batch + c.backward_call_ms + c.backward_ms * batch
+                for c in costs) + loss_ms * batch
+    if parts <= 0 or whole_ms <= 0:
+        return costs, loss_ms, 1.0
+    factor = whole_ms / parts
+    scaled = [dataclasses.replace(
+        c, forward_ms=c.forward_ms * factor, backward_ms=c.backward_ms * factor,
+        forward_call_ms=c.forward_call_ms * factor, backward_call_ms=c.backward_call_ms * factor,
+        split_call_ms=None if c.split_call_ms is None else c.split_call_ms * factor) for c in costs]
+    return scaled, loss_ms * factor, factor

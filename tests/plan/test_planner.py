@@ -174,6 +174,49 @@ def test_memory_counts_what_the_schedule_holds():
     assert always.memory_bytes_per_rank[1] == params + 8 * 4.0 + 200.0  # inputs, and one being recomputed
 
 
+def test_reductions_on_the_computing_cores_add_their_whole_time_after_the_backward():
+    """A CPU model with fewer than two cores per rank: the reductions that overlap the backward run on its core,
+    so the step ends their total time after the last backward; with cores to spare (or a GPU) they hide."""
+    profile = uniform_profile(layers=4, parameters=10**6)
+    candidate = Candidate(1, 2, (4,), 1, "1f1b")
+    spare = Cluster(ranks=2, ranks_per_host=2, cores_per_host=4, fusion_bytes=10**6, latency_us=0.0,
+                    intra_host_gbps=8.0)
+    sharing = dataclasses.replace(spare, cores_per_host=2)
+    assert sharing.reductions_share_cores("cpu") and not spare.reductions_share_cores("cpu")
+    assert not sharing.reductions_share_cores("cuda:0")
+    assert not dataclasses.replace(sharing, cores_per_host=0).reductions_share_cores("cpu")  # cores unknown
+    hidden, shared = predict(profile, spare, candidate, 2), predict(profile, sharing, candidate, 2)
+    bucket, flags = allreduce_seconds(10**6, [0, 1], spare), allreduce_seconds(64, [0, 1], spare)  # + step()'s
+    assert hidden.pipeline_seconds == pytest.approx(shared.pipeline_seconds)
+    # hidden: the first three buckets overlap the backward (each layer's 2 ms > a bucket's 1 ms), the last not
+    assert hidden.step_seconds == pytest.approx(hidden.pipeline_seconds + bucket + flags)
+    assert shared.step_seconds == pytest.approx(shared.pipeline_seconds + 4 * bucket + flags)
+    gpu = dataclasses.replace(profile, device="cuda:0")
+    assert predict(gpu, sharing, candidate, 2).step_seconds == pytest.approx(hidden.step_seconds)
+
+
+def test_layer_times_add_up_to_the_whole_pass():
+    """The profile scales its layers' times so that at the profiled batch they add up to one timed pass through
+    all of them (forward, loss, backward), keeping their proportions; the note says by how much."""
+    from hybridpipe.plan.profile import _scaled_to_whole
+
+    costs = [LayerCost("A", 1.0, 2.0, 4.0, 4.0, 8, forward_call_ms=0.5, backward_call_ms=0.25, split_call_ms=0.1),
+             LayerCost("B", 0.5, 1.0, 4.0, 4.0, 0)]
+    # at 4 samples: A 4.5 + 8.25, B 2 + 4, the loss 0.25 * 4: 19.75 ms
+    scaled, loss, factor = _scaled_to_whole(costs, 0.25, 4, 39.5)
+    assert factor == pytest.approx(2.0) and loss == pytest.approx(0.5)
+    assert scaled[0] == dataclasses.replace(costs[0], forward_ms=2.0, backward_ms=4.0, forward_call_ms=1.0,
+                                            backward_call_ms=0.5, split_call_ms=0.2)
+    assert scaled[1].split_call_ms is None and scaled[1].backward_ms == pytest.approx(2.0)
+    assert _scaled_to_whole(costs, 0.25, 4, 0.0) == (costs, 0.25, 1.0)
+    torch.manual_seed(0)
+    profile = hplan.profile([nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)], torch.randn(16, 8), nn.MSELoss(),
+                            torch.randn(16, 4), repeats=2, warmup=1)
+    whole = float(profile.note.split("to the whole pass (")[1].split(" ms")[0])
+    parts = sum(layer.forward_seconds(16) + layer.backward_seconds(16) for layer in profile.layers) * 1e3
+    assert parts + profile.loss_ms * 16 == pytest.approx(whole, rel=1e-3, abs=2e-3)
+
+
 def test_profile_measures_per_sample_costs_and_round_trips_as_json(tmp_path):
     torch.manual_seed(0)
     layers = [nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)]
