@@ -99,7 +99,9 @@ from _common import (command_line, format_ratio, int_list, progress, render, rou
 # An allreduce through shared memory of private buffers reads and writes each rank's buffer at least twice
 # over: its share of the others' reductions goes out (n-1)/n, its own share is reduced (the n inputs read, the
 # result written to its output and to the segment), the others' results come in (n-1)/n: 2N bytes written per
-# rank, as two copies of the buffer write (the reads are more, 2N at n = 2).
+# rank, as two copies of the buffer write (the reads are more, 2N at n = 2). A kernel-assisted single copy
+# (CMA, which Open MPI's sm uses) that reads a peer's private buffer directly saves at most half a write of the
+# buffer at n = 2: 1.75 copies, so a speed-up over the floor's ratio by more than 2 / 1.75 is not possible either.
 MEMORY_FLOOR_COPIES = 2
 RESNET_ROUNDS = 5  # the engine's ratios are medians over this many rounds of the repetitions, with their spread
 
