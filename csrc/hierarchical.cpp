@@ -98,6 +98,15 @@ constexpr size_t kMaxBroadcastBytes = size_t(1) << 30;
 constexpr size_t kMinChunks = 4;
 constexpr size_t kRampSteps = 4;  // the first and last chunks: 1/16, 1/8, 1/4, 1/2 of the nominal one
 
+// The bytes an element of `buffer` puts on the link between hosts: a nominal chunk is that many bytes there, so
+// a float32 buffer with a 16-bit wire format goes in chunks of twice the elements, each as long on the link as
+// a plain chunk (with plain chunks, half-length transfers paid the per-chunk costs twice as often: 64 MiB over
+// 1 Gbit/s, 2 hosts x 2 ranks, took 368 ms in fp16 against 308 ms in these).
+size_t wire_element_bytes(const Buffer& buffer, const AllreduceOptions& options) {
+  return options.wire.narrows(buffer.dtype) ? dtype_size(static_cast<DType>(options.wire.dtype))
+                                            : dtype_size(buffer.dtype);
+}
+
 }  // namespace
 
 Hierarchy::Hierarchy(MPI_Comm comm) : comm_(comm) {
@@ -203,7 +212,8 @@ void Hierarchy::pipelined(const Buffer& output, ReduceOp op, const AllreduceOpti
   AllreduceOptions flat = options;  // the pieces run the flat algorithms, never this one again
   flat.hierarchical = 0;
   const ReduceOp step_op = op == ReduceOp::Average ? ReduceOp::Sum : op;
-  const std::vector<size_t> lengths = chunk_lengths(output.count, dtype_size(output.dtype), options.hierarchical_chunk_bytes);
+  const std::vector<size_t> lengths = chunk_lengths(output.count, wire_element_bytes(output, options),
+                                                         options.hierarchical_chunk_bytes);
   std::vector<size_t> starts(1, 0);
   for (size_t length : lengths) starts.push_back(starts.back() + length);
   const size_t chunks = lengths.size();
@@ -272,7 +282,8 @@ void Hierarchy::in_steps(const Buffer& output, ReduceOp op, const AllreduceOptio
   // 1. inside the host
   hybridpipe::allreduce(output, output, step_op, local_, flat, workspace);
   // 2. between hosts, chunk by chunk as pipelined() cuts them (another host may have a segment and pipeline)
-  const std::vector<size_t> lengths = chunk_lengths(output.count, dtype_size(output.dtype), options.hierarchical_chunk_bytes);
+  const std::vector<size_t> lengths = chunk_lengths(output.count, wire_element_bytes(output, options),
+                                                         options.hierarchical_chunk_bytes);
   size_t start = 0;
   for (size_t length : lengths) {
     carry(output, start, length, op, flat, workspace);

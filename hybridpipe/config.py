@@ -128,7 +128,8 @@ class Config:
             host has more than one of the group's ranks; 1: whenever the group spans hosts; 0: the
             flat ring (HYBRIDPIPE_HIERARCHICAL).
         hierarchical_chunk_bytes: the hierarchical allreduce streams a buffer through those steps in
-            chunks of about this size, so that the steps inside a host overlap the transfer between
+            chunks that put about this many bytes on the link between hosts (a float32 buffer compressed to
+            16 bits: twice the elements), so that the steps inside a host overlap the transfer between
             hosts; a buffer under 4 chunks, or any with 0, goes as one chunk (HYBRIDPIPE_HIERARCHICAL_CHUNK,
             e.g. ``2MiB``).
         cycle_time_ms: how often the background engine fuses and runs ready tensors
