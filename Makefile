@@ -61,13 +61,14 @@ mutants: $(STAMP)
 
 # The same multi-host tests under MPICH, their long cases included: a second venv (.venv-mpich) with the mpich
 # wheel, mpi4py built against it, and hybridpipe's extension compiled with MPICH's mpicxx.
+# (mpi4py built here, never from pip's cache: a wheel built in another venv links to that venv's MPICH)
 MPICH_VENV := .venv-mpich
 MPICH_PY := $(MPICH_VENV)/bin/python
 $(MPICH_VENV)/.installed: requirements-dev.txt $(SOURCES)
 	test -x $(MPICH_PY) || $(PYTHON) -m venv $(MPICH_VENV)
 	$(MPICH_PY) -m pip install --quiet --upgrade pip
 	$(MPICH_PY) -m pip install --quiet mpich cython setuptools wheel pybind11 numpy pytest torch==2.13.0
-	PATH="$(CURDIR)/$(MPICH_VENV)/bin:$$PATH" $(MPICH_PY) -m pip install --quiet --no-build-isolation --no-binary mpi4py mpi4py
+	PATH="$(CURDIR)/$(MPICH_VENV)/bin:$$PATH" $(MPICH_PY) -m pip install --quiet --no-cache-dir --force-reinstall --no-deps --no-build-isolation --no-binary mpi4py mpi4py
 	rm -rf build
 	PATH="$(CURDIR)/$(MPICH_VENV)/bin:$$PATH" MPICXX="$(CURDIR)/$(MPICH_VENV)/bin/mpicxx" \
 	  $(MPICH_PY) -m pip install --quiet --no-build-isolation --no-deps .
