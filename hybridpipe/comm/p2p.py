@@ -354,8 +354,7 @@ def send(value: Any, dest: int, tag: int, comm: Any) -> Send:
     (:meth:`Send.test` / :meth:`Send.wait`), or the receiver may get the new values. Wait for the
     :class:`Send` before the job ends.
     """
-    if not 0 <= tag < ERROR_TAG - 1:
-        _check_tag(tag)
+    _check_tag(tag)
     comm_f = comm.py2f()
     if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:  # the usual hop: no tree walk, no pickling
         requests = _send_tensor(value, dest, tag, comm_f)
@@ -413,7 +412,7 @@ class Receive:
     def __init__(self, source: int, tag: int, comm: Any, device: Any = None, requires_grad: bool = False,
                  _error_tag: bool = False, what: str | None = None) -> None:
         self.what = what
-        if not _error_tag and not 0 <= tag < ERROR_TAG - 1:
+        if not _error_tag:
             _check_tag(tag)
         self.source, self.tag, self._comm_f = source, tag, comm.py2f()
         # where wait() moves the tensors to (None: they stay where they landed, on the host)
@@ -433,12 +432,8 @@ class Receive:
         if _error_tag:
             self._key = None
             return
-        self._key = key = (self._comm_f, source, tag)
-        queue = self._unopened.get(key)
-        if queue is None:
-            self._unopened[key] = [weakref.ref(self)]
-        else:
-            queue.append(weakref.ref(self))
+        self._key = (self._comm_f, source, tag)
+        self._unopened.setdefault(self._key, []).append(weakref.ref(self))
 
     def _open_header(self, block: bool = True) -> bool:
         """Our header is in: open it, after the headers of the earlier receives on our source and tag
@@ -447,19 +442,17 @@ class Receive:
         Returns False, without blocking, when ``block`` is False and an earlier header is not in yet.
         """
         queue = self._unopened.get(self._key, ()) if self._key is not None else ()
-        if queue and queue[0]() is self:  # the usual case: the earliest one
-            if len(queue) == 1:
-                del self._unopened[self._key]
-            else:
-                del queue[0]
-            self._decode_header()
-            return True
-        position = next((i for i, ref in enumerate(queue) if ref() is self), None)
+        if queue and queue[0]() is self:  # the usual case, the earliest one, found without a search
+            position: int | None = 0
+        else:
+            position = next((i for i, ref in enumerate(queue) if ref() is self), None)
+        earlier: list[Receive] = []
         if position is not None:
-            earlier = [receive for ref in queue[:position]
-                       if (receive := ref()) is not None and receive._skeleton is None and not receive._done]
-            if not block and not all(receive._header_request.test() for receive in earlier):
-                return False
+            if position:
+                earlier = [receive for ref in queue[:position]
+                           if (receive := ref()) is not None and receive._skeleton is None and not receive._done]
+                if not block and not all(receive._header_request.test() for receive in earlier):
+                    return False
             del queue[:position + 1]
             if not queue:
                 del self._unopened[self._key]
@@ -548,16 +541,12 @@ class Receive:
         if self._device is not None:
             tensors = [tensor.to(self._device) for tensor in tensors]
         skeleton = self._skeleton
-        if type(skeleton) is _Leaf:  # a plain tensor
-            value = tensors[0]
-            if self._requires_grad and skeleton.requires_grad and (value.is_floating_point() or value.is_complex()):
-                value.requires_grad_(True)
-        else:
-            if self._requires_grad:
-                for leaf, tensor in zip(_leaves(skeleton), tensors):
-                    if leaf.requires_grad and (tensor.is_floating_point() or tensor.is_complex()):
-                        tensor.requires_grad_(True)
-            value = _rebuild(skeleton, tensors)
+        plain = type(skeleton) is _Leaf  # a plain tensor: no structure to walk
+        if self._requires_grad:
+            for leaf, tensor in zip([skeleton] if plain else _leaves(skeleton), tensors):
+                if leaf.requires_grad and (tensor.is_floating_point() or tensor.is_complex()):
+                    tensor.requires_grad_(True)
+        value = tensors[0] if plain else _rebuild(skeleton, tensors)
         self._value = value
         self._done = True
         self._header = self._tensors = self._payload_requests = None  # type: ignore[assignment]

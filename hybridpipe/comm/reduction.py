@@ -76,7 +76,6 @@ class Wire:
         """The C++ core's WireFormat."""
         return core().WireFormat(self.dtype_code, self.on_one_host)
 
-
     def __str__(self) -> str:
         dtype = {2: "float16", 3: "bfloat16"}.get(self.dtype_code, str(self.dtype_code))
         return f" wire={dtype}" + (" (on one host too)" if self.on_one_host else "")
