@@ -243,6 +243,40 @@ def worker_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def auto_worker_main(args: argparse.Namespace) -> int:
+    """``--auto``'s job: every rank calls ``hp.auto`` (profiling the model in the job, a slice per rank in turn, and
+    planning on the calibrated cluster), then times the plan it built; rank 0 writes the plan, its predicted step and
+    the measured steps."""
+    import torch
+
+    import hybridpipe as hp
+    from hybridpipe.plan.calibrate import load_cluster
+
+    torch.set_num_threads(1)
+    config = json.loads(args.config)
+    name, batch_size = config["model"], global_batch(config["model"], args)
+    hp.init()
+    try:
+        layers, loss_fn, batch, optimizer = model_parts(name, args)
+        cluster = load_cluster(config["cluster"], ranks=hp.size()) if config.get("cluster") else None
+        model, opt = hp.auto(layers, loss_fn, batch(max(1, batch_size // hp.size()), 7), batch_size, optimizer,
+                             cluster=cluster)
+        plan, grid = model.plan, hp.grid()
+        if plan.stage_replicas:  # every rank is fed the whole global batch
+            inputs, targets = batch(batch_size, 1000)
+        else:
+            inputs, targets = batch(batch_size // plan.replicas, 1000 + grid.replica)
+        times = timed_steps(model, opt, inputs, targets, args.warmup + args.steps)
+        slowest = hp.allreduce(torch.tensor(times[args.warmup:], dtype=torch.float64), op=hp.Max)
+        if grid.rank == 0:
+            Path(args.result).write_text(json.dumps({"step_seconds": slowest.tolist(), "plan": plan.describe(),
+                                                     "predicted_s": plan.step_seconds}))
+        model.close()
+    finally:
+        hp.shutdown()
+    return 0
+
+
 # ------------------------------------------------------------------------------------------ driver
 
 def profile_model(name: str, args: argparse.Namespace):
@@ -429,6 +463,75 @@ def report(configs: list[Config], args: argparse.Namespace, calibrations: dict, 
     return "\n".join(lines)
 
 
+def auto_measure(name: str, ranks: int, cluster: Path | None, args: argparse.Namespace, folder: Path) -> dict:
+    """One ``--auto`` launch: its plan, the plan's predicted step and the measured median step."""
+    from hybridpipe.launch import mpirun_command
+
+    result = folder / f"auto-{name}-{ranks}.json"
+    worker = [sys.executable, str(Path(__file__).resolve()), "--worker", "--auto", "--result", str(result), "--config",
+              json.dumps({"model": name, "cluster": str(cluster) if cluster else ""}), *model_flags(args),
+              "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    progress(f"hp.auto: {name} on {ranks} ranks")
+    run(mpirun_command(ranks, worker, env=launch_env(ranks)), args.timeout)
+    outcome = json.loads(result.read_text())
+    outcome["measured_s"] = statistics.median(outcome["step_seconds"])
+    progress(f"  {outcome['plan']}: predicted {outcome['predicted_s'] * 1e3:.1f} ms, measured "
+             f"{outcome['measured_s'] * 1e3:.1f}")
+    return outcome
+
+
+def auto_report(runs: dict[tuple[str, int], list[dict]], args: argparse.Namespace, calibrations: dict, started: str,
+                seconds: float) -> str:
+    """``--auto``'s table: per model and rank count, each launch's plan, predicted and measured step, and whether
+    the prediction holds (within 25 % of the measured median step)."""
+    header = ["model", "ranks", "plan(s) chosen", "predicted ms", "measured ms", "each launch: predicted / measured ms",
+              "error %", "launches within 25 %"]
+    rows, verdicts = [], []
+    for (name, ranks), outcomes in runs.items():
+        predicted_ms = statistics.median(o["predicted_s"] for o in outcomes) * 1e3
+        measured_ms = statistics.median(o["measured_s"] for o in outcomes) * 1e3
+        errors = [(o["predicted_s"] - o["measured_s"]) / o["measured_s"] * 100 for o in outcomes]
+        error = (predicted_ms - measured_ms) / measured_ms * 100
+        plans = sorted({o["plan"] for o in outcomes})
+        rows.append([name, str(ranks), "; ".join(plans), f"{predicted_ms:.1f}", f"{measured_ms:.1f}",
+                     " | ".join(f"{o['predicted_s'] * 1e3:.1f} / {o['measured_s'] * 1e3:.1f}" for o in outcomes),
+                     f"{error:+.1f}", f"{sum(abs(e) <= 25 for e in errors)} of {len(errors)}"])
+        verdicts.append(f"{name} on {ranks} ranks: hp.auto predicted {predicted_ms:.1f} ms, measured "
+                        f"{measured_ms:.1f} ms (medians over launches, {error:+.1f} %: "
+                        f"{'within' if abs(error) <= 25 else 'NOT within'} 25 %)")
+    lines = [f"Command: `{command_line()}`", f"Setup: {started}; {args.rounds} launch(es) per model and rank count, "
+             f"each hp.auto then {args.steps} timed steps after {args.warmup} warm-up, one thread per rank; "
+             f"{seconds:.0f} s in all"]
+    for ranks, measured in sorted(calibrations.items()):
+        if measured:
+            lines.append(f"calibrated on {ranks} ranks: " + ", ".join(
+                f"{key} {measured[key]:.3g}" for key in ("compute_contention", "memory_contention",
+                                                         "action_overhead_us", "allreduce_gbps") if key in measured))
+    return "\n".join(lines + ["", render(header, rows, args.markdown, left=3), ""] + verdicts)
+
+
+def auto_main(args: argparse.Namespace) -> int:
+    """``--auto``: hp.auto itself, in the job (its profile a slice per rank in turn, on the calibrated cluster),
+    then the plan it chose timed in the same launch; ``--rounds`` launches per model and rank count."""
+    started_clock = time.perf_counter()
+    started = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    runs: dict[tuple[str, int], list[dict]] = {(name, ranks): [] for name in args.models for ranks in args.ranks}
+    with tempfile.TemporaryDirectory(prefix="hybridpipe-planner-") as folder:
+        calibrations, paths = {}, {}
+        for ranks in args.ranks:
+            _, calibrations[ranks] = cluster_for(ranks, args, Path(folder))
+            paths[ranks] = None if args.no_calibrate else Path(folder) / f"cluster-{ranks}.json"
+        for round_index in range(args.rounds):
+            keys = list(runs)
+            for name, ranks in (reversed(keys) if round_index % 2 else keys):
+                runs[(name, ranks)].append(auto_measure(name, ranks, paths[ranks], args, Path(folder)))
+    print(auto_report(runs, args, calibrations, started, time.perf_counter() - started_clock))
+    if args.json:
+        Path(args.json).write_text(json.dumps({f"{name} {ranks}": outcomes for (name, ranks), outcomes in runs.items()},
+                                              indent=1))
+    return 0
+
+
 def ceiling_verdict(model_error: float, machine_error: float, machine_misses: int, repeats: int,
                     predictor: str = "the round before's median") -> str:
     """What the issue's error targets can show on this machine: the model's round-by-round median error beside
@@ -482,6 +585,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--json", help="also write every configuration's numbers here")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per launch (default 600)")
+    parser.add_argument("--auto", action="store_true",
+                        help="run hp.auto itself in each launch (profiling in the job, planning on the calibrated "
+                             "cluster) and time the plan it chose: its prediction against the measured step")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
@@ -506,7 +612,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
-        return worker_main(args)
+        return auto_worker_main(args) if args.auto else worker_main(args)
+    if args.auto:
+        return auto_main(args)
     started_clock = time.perf_counter()
     started = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     profiles = {}

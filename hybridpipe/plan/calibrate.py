@@ -303,6 +303,39 @@ def _after_reduction(comm: Any, repeats: int) -> float:
     return max(0.0, statistics.median(everyone))
 
 
+#: Parameters of :func:`_zero_extra`'s probe: eight 1 MiB layers, more than one gradient bucket.
+ZERO_PROBE_LAYERS = 8
+
+
+def _zero_extra(comm: Any, repeats: int) -> dict[int, float]:
+    """Seconds per MiB of a rank's parameters that a ZeRO-1 and a ZeRO-2 step take beyond a plain data-parallel one:
+    from the end of the backward to the end of ``step()`` (the reductions, the update, ZeRO's copies and the
+    allgather of the updated shards), the slowest rank's median, on a probe of eight 512 × 512 layers whose compute
+    is negligible (two samples), the levels taking turns so that they see the same spells of the machine.
+    Collective over ``comm``; the job's data-parallel grid (one stage)."""
+    torch.manual_seed(0)
+    probes = {}
+    for level in (0, 1, 2):
+        model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(ZERO_PROBE_LAYERS)])
+        probes[level] = (model, DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
+                                                     named_parameters=model.named_parameters(), zero=level))
+    inputs = torch.randn(2, 512)
+    times: dict[int, list[float]] = {level: [] for level in probes}
+    for run in range(repeats + 2):
+        for level, (model, optimizer) in probes.items():
+            call(None, "calibrate", lambda: sleeping_barrier(comm))
+            optimizer.zero_grad()
+            model(inputs).square().mean().backward()
+            started = time.perf_counter()
+            optimizer.step()
+            if run >= 2:
+                times[level].append(time.perf_counter() - started)
+    mine = [statistics.median(times[level]) for level in probes]
+    slowest = [max(values) for values in zip(*call(None, "calibrate", lambda: comm.allgather(mine)))]
+    mib = sum(p.numel() * 4 for p in probes[0][0].parameters()) / 2**20
+    return {level: max(0.0, (slowest[level] - slowest[0]) / mib) for level in (1, 2)}
+
+
 def _action_overhead(repeats: int) -> float:
     """Seconds per pipeline action beyond the layers' compute (see the module docstring)."""
     steps = _tiny_steps(2, repeats)
@@ -393,6 +426,10 @@ def calibrate(repeats: int = 9) -> dict[str, Any]:
         if rank == 0:
             result["submit_overhead_us"] = statistics.median(submits) * 1e6
             result["after_reduction_us_per_mib"] = after * 1e6
+        if size > 1 and state.grid.pipeline_stages == 1:
+            extra = _zero_extra(comm, repeats)
+            if rank == 0:
+                result["zero1_us_per_mib"], result["zero2_us_per_mib"] = extra[1] * 1e6, extra[2] * 1e6
         if state.grid.pipeline_stages == 1:
             mine = _action_overhead(repeats)  # the pipeline's own work, not on the communication thread
             overheads = call(None, "calibrate", lambda: world.gather(mine, root=0))
@@ -429,4 +466,6 @@ def load_cluster(path: str, memory_per_rank: float = 0.0, ranks: int | None = No
                    memory_contention=float(data.get("memory_contention", 0.0)),
                    cache_bytes=float(data.get("cache_bytes", 0.0)),
                    submit_overhead_us=float(data.get("submit_overhead_us", 0.0)),
-                   after_reduction_us_per_mib=float(data.get("after_reduction_us_per_mib", 0.0)))
+                   after_reduction_us_per_mib=float(data.get("after_reduction_us_per_mib", 0.0)),
+                   zero_step_us_per_mib=(float(data.get("zero1_us_per_mib", 0.0)),
+                                         float(data.get("zero2_us_per_mib", 0.0))))

@@ -88,6 +88,10 @@ class Cluster:
             than the cache, contends for memory (``calibrate`` measures it with a kernel that does; 0: as
             ``compute_contention``).
         cache_bytes: The host's last-level cache, bytes (0: unknown; then ``memory_contention`` is not used).
+        zero_step_us_per_mib: How much longer a ZeRO-1 and a ZeRO-2 step take than a plain data-parallel one, per
+            MiB of a rank's parameters, microseconds (``calibrate`` measures them on the job's ranks: the sharded
+            reductions, ZeRO's copies and the allgather as they run here). (0, 0): not measured; the reduce-scatter,
+            the sharded update and the allgather are then modelled from the links.
     """
 
     ranks: int
@@ -106,6 +110,7 @@ class Cluster:
     after_reduction_us_per_mib: float = 0.0
     memory_contention: float = 0.0
     cache_bytes: float = 0.0
+    zero_step_us_per_mib: tuple[float, float] = (0.0, 0.0)
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
@@ -118,6 +123,8 @@ class Cluster:
                                                            "allreduce_overhead_us", "transfer_overhead_us",
                                                            "submit_overhead_us", "after_reduction_us_per_mib")
                     if getattr(self, name) < 0}
+        if any(value < 0 for value in self.zero_step_us_per_mib):
+            negative["zero_step_us_per_mib"] = self.zero_step_us_per_mib
         if negative:
             raise HybridPipeError(f"cluster values must be >= 0 (got {negative})")
         if self.compute_contention < 1.0:
@@ -587,6 +594,8 @@ def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_bat
     """
     if candidate.stage_replicas:
         return _predict_stage_replicas(profile, cluster, candidate, global_batch, optimizer_state_factor, precision)
+    if candidate.zero and cluster.zero_step_us_per_mib[candidate.zero - 1] > 0:
+        return _measured_zero(profile, cluster, candidate, global_batch, optimizer_state_factor, precision)
     p, d, m = candidate.stages, candidate.replicas, candidate.micro_batches
     check_zero(candidate.zero, d, candidate.schedule)
     scale = activation_factor(profile, precision)
@@ -649,6 +658,27 @@ def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_bat
                       samples_per_second=global_batch / step if step > 0 else math.inf, pipeline_seconds=pipeline,
                       allreduce_seconds=slowest_reduction, exposed_allreduce_seconds=exposed,
                       notes=_slowdown_notes(cluster))
+
+
+def _measured_zero(profile: Profile, cluster: Cluster, candidate: Candidate, global_batch: int,
+                   optimizer_state_factor: float, precision: str | None) -> Prediction:
+    """:func:`predict` for a ZeRO candidate on a cluster whose ZeRO step was measured (``zero_step_us_per_mib``): the
+    same candidate without ZeRO, its step longer by the measured time per MiB of the largest rank's parameters; the
+    memory is ZeRO's."""
+    check_zero(candidate.zero, candidate.replicas, candidate.schedule)
+    plain = predict(profile, cluster, dataclasses.replace(candidate, zero=0), global_batch, optimizer_state_factor,
+                    precision)
+    extra = cluster.zero_step_us_per_mib[candidate.zero - 1] * 1e-6 * rank_parameter_bytes(profile, candidate) / 2**20
+    step = plain.step_seconds + extra
+    return Prediction(step_seconds=step,
+                      memory_bytes_per_rank=memory_per_rank(profile, candidate, global_batch, optimizer_state_factor,
+                                                            precision),
+                      samples_per_second=global_batch / step if step > 0 else math.inf,
+                      pipeline_seconds=plain.pipeline_seconds, allreduce_seconds=plain.allreduce_seconds,
+                      exposed_allreduce_seconds=plain.exposed_allreduce_seconds + extra,
+                      notes=plain.notes + [f"ZeRO-{candidate.zero}: the step as measured here, "
+                                           f"{cluster.zero_step_us_per_mib[candidate.zero - 1]:.0f} us per MiB beyond "
+                                           "a plain data-parallel one"])
 
 
 def _synchronous_step(profile: Profile, cluster: Cluster, candidate: Candidate, timeline: sched.Timeline,

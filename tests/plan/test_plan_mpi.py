@@ -103,6 +103,9 @@ def test_calibrate_measures_the_links_and_the_planner_reads_them(tmp_path_factor
         assert cluster.intra_host_gbps == pytest.approx(result["intra_gbps"])
         assert cluster.latency_us == pytest.approx(result["intra_latency_us"])
         assert result["compute_contention"] >= 1.0 and cluster.compute_contention == result["compute_contention"]
+        # ZeRO's step, measured on the job's ranks (a 2-rank grid and up)
+        assert result["zero1_us_per_mib"] >= 0 and result["zero2_us_per_mib"] >= 0
+        assert cluster.zero_step_us_per_mib == (result["zero1_us_per_mib"], result["zero2_us_per_mib"])
 
 
 def test_the_contention_windows_barrier_holds_every_rank_until_the_last_arrives_and_sleeps_meanwhile():

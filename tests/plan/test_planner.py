@@ -332,6 +332,29 @@ def test_zero_time_is_a_reduce_scatter_an_allgather_and_a_step_on_the_shard():
     assert sharded.step_seconds == pytest.approx(4 * 3e-3 + allreduce_seconds(4e6, group, cluster) + update / 4)
 
 
+
+def test_a_measured_zero_step_is_the_plain_step_plus_the_measured_time_per_mib_and_the_search_weighs_it():
+    """Where calibrate measured ZeRO's step (here: 1 ms and 1.5 ms per MiB of a rank's parameters beyond a plain one),
+    a sharded candidate is predicted as the plain one plus that, with ZeRO's memory; the search then does not shard,
+    though the links alone would make the sharded step faster."""
+    profile = uniform_profile(layers=4, parameters=2**20)  # 1 MiB per layer: 4 MiB per rank
+    profile.update_ms_per_mb = 20.0  # the links alone make a sharded step faster (a quarter of the update)
+    links = Cluster(ranks=4, latency_us=0.0, intra_host_gbps=8.0)
+    measured = dataclasses.replace(links, zero_step_us_per_mib=(1000.0, 1500.0))
+    plain = predict(profile, measured, Candidate(1, 4, (4,), 1, "1f1b"), 4)
+    for level, per_mib in ((1, 1e-3), (2, 1.5e-3)):
+        candidate = Candidate(1, 4, (4,), 1, "1f1b", zero=level)
+        sharded = predict(profile, measured, candidate, 4)
+        assert sharded.step_seconds == pytest.approx(plain.step_seconds + 4 * per_mib)
+        assert sharded.memory_bytes_per_rank == hplan.memory_per_rank(profile, candidate, 4)
+        assert any(f"ZeRO-{level}: the step as measured here" in note for note in sharded.notes)
+        assert predict(profile, links, candidate, 4).step_seconds < plain.step_seconds  # modelled from the links
+    options = dict(checkpoints=("never",), max_micro_batches=1)
+    assert hplan.plan(profile, links, 4, **options).zero > 0
+    assert hplan.plan(profile, measured, 4, **options).zero == 0
+    with pytest.raises(HybridPipeError, match="cluster values must be >= 0"):
+        Cluster(ranks=2, zero_step_us_per_mib=(-1.0, 0.0))
+
 def test_search_shards_exactly_when_unsharded_does_not_fit_and_prefers_zero_0_at_equal_time():
     one_layer = Profile([LayerCost("Linear", 1.0, 2.0, 4.0, 1000.0, 10**5)], sample_batch=1, input_bytes=4.0)
     cluster = Cluster(ranks=4, latency_us=20.0, intra_host_gbps=10.0)
