@@ -3,6 +3,7 @@
 Usage:
     python bench/planner_validation.py [--models mlp,lm] [--ranks 2,4] [--steps 8] [--warmup 3] [--rounds 2]
                                        [--no-calibrate] [--markdown] [--json FILE] [--quick] [--chosen-only]
+    python bench/planner_validation.py --auto [--models mlp,lm,cnn] [--ranks 2,4] [--rounds 3] [--markdown]
 
 Run plainly, this script is the driver:
 
@@ -39,6 +40,12 @@ Run plainly, this script is the driver:
 Every configuration uses the balance the planner would give it (the optimal partition of the
 profiled layer times) and ``checkpoint="never"``. The issue's targets: every prediction within
 20 %, the median within 10 %, the planner's choice within 10 % of the fastest.
+
+With ``--auto`` it checks ``hp.auto`` itself instead: it calibrates each rank count once, then each launch
+(``--rounds`` per model and rank count) calls ``hp.auto`` on every rank, which profiles the model in the job (a
+slice per rank, in turn) and plans on the calibrated cluster, and times the plan it built right after (``--warmup``,
+then ``--steps`` steps); the table sets each launch's prediction beside its measured median step, and says whether
+the medians over the launches agree within 25 %.
 
 Run it on a quiet machine: other work on the cores changes the measured times, not the predicted.
 """
