@@ -210,7 +210,7 @@ def sleeping_barrier(comm: Any) -> None:
 
 
 def compute_contention(comm: Any, windows: int = CONTENTION_WINDOWS, exchange_seconds: float = 0.0,
-                       kernel: Callable[[], None] = _kernel) -> float:
+                       kernel: Callable[[], None] = _kernel, samples: list | None = None) -> float:
     """How much slower a synchronous job's ranks compute than the one process a profile is made in, beyond the
     sharing of cores by more ranks than a host has (which :attr:`Cluster.compute_slowdown` counts apart): the
     median over ``windows`` windows of the slowest rank's synchronous step — a fixed kernel, then an allreduce of
@@ -225,7 +225,9 @@ def compute_contention(comm: Any, windows: int = CONTENTION_WINDOWS, exchange_se
     exchange while a profile's medians see a free core; and, with more ranks than cores, the ranks waiting at
     the exchange while the others still compute, across the scheduler's time slices (measured: 2 ranks
     1.2–1.3×, 4 ranks on 2 cores 2.3–2.6× alone where the cores are shared 2× — docs/planner.md). 1.0 with one
-    rank. Collective over ``comm``; every rank must call ``hp.allreduce_`` from this thread."""
+    rank. ``samples`` (a list): this call's windows are added to it (on world rank 0) and the value is over all
+    the windows in it, so that calls made apart in time measure one value over a longer span than the VM's spells.
+    Collective over ``comm``; every rank must call ``hp.allreduce_`` from this thread."""
     rank = comm.Get_rank()
     if comm.Get_size() < 2:
         return 1.0
@@ -251,7 +253,27 @@ def compute_contention(comm: Any, windows: int = CONTENTION_WINDOWS, exchange_se
     if rank != 0:
         return 1.0
     slowest = [max(times[w] for times in gathered) - exchange_seconds for w in range(windows)]
-    return max(1.0, statistics.median(slowest) / statistics.median(alone) / sharing)
+    samples = [] if samples is None else samples
+    samples.append((alone, slowest))
+    return max(1.0, statistics.median(t for _, block in samples for t in block)
+               / statistics.median(t for block, _ in samples for t in block) / sharing)
+
+
+def _contention_halves(comm: Any, exchange_seconds: float,
+                       streaming: Callable[[], None] | None) -> Callable[[], tuple[float, float]]:
+    """A function that measures half of :func:`compute_contention`'s windows (and of the streaming kernel's, when
+    there is one) and returns ``(compute, memory)`` over every window measured so far: called twice, some
+    seconds apart, the values span more than one of this VM's spells (1–3 s) of a slower core."""
+    compute: list = []
+    memory: list = []
+
+    def measure() -> tuple[float, float]:
+        value = compute_contention(comm, CONTENTION_WINDOWS // 2, exchange_seconds, samples=compute)
+        streamed = compute_contention(comm, CONTENTION_WINDOWS // 4, exchange_seconds, kernel=streaming,
+                                      samples=memory) if streaming else 0.0
+        return value, streamed
+
+    return measure
 
 
 def _submit_overhead(repeats: int) -> float:
@@ -410,16 +432,11 @@ def calibrate(repeats: int = 9) -> dict[str, Any]:
                 if run >= 2:
                     runs.append(time.perf_counter() - started)
             reduce_times.append(statistics.median(runs))
-        contention = compute_contention(comm, exchange_seconds=reduce_times[0])
         cache = last_level_cache_bytes()
         # each rank streams weights and gradients of cache / ranks bytes each: twice the cache over the host
         streaming = memory_kernel(max(2**20, cache // max(1, runtime.local_size()))) if cache else None
-        memory = compute_contention(comm, windows=CONTENTION_WINDOWS // 2, exchange_seconds=reduce_times[0],
-                                    kernel=streaming) if streaming else 0.0
-        if rank == 0:
-            result["compute_contention"] = contention
-            result["memory_contention"] = max(memory, contention) if memory else 0.0
-            result["cache_bytes"] = cache
+        contentions = _contention_halves(comm, reduce_times[0], streaming)
+        contentions()  # the first half of the windows here, the second after the measurements below
         mine = _submit_overhead(repeats)  # on this thread: the hooks hand their tensors to the engine's
         submits = call(None, "calibrate", lambda: world.allgather(mine))
         after = _after_reduction(comm, repeats) if size > 1 else 0.0
@@ -430,6 +447,11 @@ def calibrate(repeats: int = 9) -> dict[str, Any]:
             extra = _zero_extra(comm, repeats)
             if rank == 0:
                 result["zero1_us_per_mib"], result["zero2_us_per_mib"] = extra[1] * 1e6, extra[2] * 1e6
+        contention, memory = contentions()
+        if rank == 0:
+            result["compute_contention"] = contention
+            result["memory_contention"] = max(memory, contention) if memory else 0.0
+            result["cache_bytes"] = cache
         if state.grid.pipeline_stages == 1:
             mine = _action_overhead(repeats)  # the pipeline's own work, not on the communication thread
             overheads = call(None, "calibrate", lambda: world.gather(mine, root=0))
