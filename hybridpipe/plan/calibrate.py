@@ -325,20 +325,59 @@ def _after_reduction(comm: Any, repeats: int) -> float:
     return max(0.0, statistics.median(everyone))
 
 
-#: Parameters of :func:`_zero_extra`'s probe: eight 1 MiB layers, more than one gradient bucket.
+#: Layers of :func:`_probe_model` (1 MiB each).
 ZERO_PROBE_LAYERS = 8
+
+
+def _probe_model() -> nn.Module:
+    """:func:`_zero_extra`'s and :func:`_data_parallel_extra`'s probe: eight 512 × 512 layers (8 MiB, more than
+    one gradient bucket)."""
+    return nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Tanh()) for _ in range(ZERO_PROBE_LAYERS)])
+
+
+#: Samples per rank of :func:`_data_parallel_extra`'s probe (its backward takes about as long as its reductions).
+DATA_PARALLEL_PROBE_BATCH = 32
+
+
+def _data_parallel_extra(comm: Any, repeats: int) -> float:
+    """Seconds per MiB of a rank's parameters that a data-parallel step (``hp.DistributedOptimizer``: the hooks, the
+    reductions on the ranks' own cores, the agreement, the update right after) takes beyond the same step with the
+    torch optimizer alone, every rank computing at once: the probe's forward and backward on 32 samples and an SGD
+    step, the two kinds in turns after a sleeping barrier, the slowest rank's median. Collective over ``comm``; the
+    job's data-parallel grid (one stage)."""
+    torch.manual_seed(0)
+    plain, reduced = _probe_model(), _probe_model()
+    optimizers = {"plain": (plain, torch.optim.SGD(plain.parameters(), lr=1e-4)),
+                  "reduced": (reduced, DistributedOptimizer(torch.optim.SGD(reduced.parameters(), lr=1e-4),
+                                                            named_parameters=reduced.named_parameters()))}
+    inputs = torch.randn(DATA_PARALLEL_PROBE_BATCH, 512)
+    times: dict[str, list[float]] = {kind: [] for kind in optimizers}
+    for run in range(repeats + 2):
+        for kind, (model, optimizer) in optimizers.items():
+            call(None, "calibrate", lambda: sleeping_barrier(comm))
+            started = time.perf_counter()
+            optimizer.zero_grad()
+            model(inputs).square().mean().backward()
+            optimizer.step()
+            if run >= 2:
+                times[kind].append(time.perf_counter() - started)
+    every = call(None, "calibrate", lambda: comm.allgather(times))
+    slowest = {kind: statistics.median(max(rank[kind][i] for rank in every) for i in range(repeats))
+               for kind in times}
+    mib = sum(p.numel() * 4 for p in plain.parameters()) / 2**20
+    return max(0.0, (slowest["reduced"] - slowest["plain"]) / mib)
 
 
 def _zero_extra(comm: Any, repeats: int) -> dict[int, float]:
     """Seconds per MiB of a rank's parameters that a ZeRO-1 and a ZeRO-2 step take beyond a plain data-parallel one:
     from the end of the backward to the end of ``step()`` (the reductions, the update, ZeRO's copies and the
-    allgather of the updated shards), the slowest rank's median, on a probe of eight 512 × 512 layers whose compute
-    is negligible (two samples), the levels taking turns so that they see the same spells of the machine.
+    allgather of the updated shards), the slowest rank's median, on :func:`_probe_model` with negligible compute
+    (two samples), the levels taking turns so that they see the same spells of the machine.
     Collective over ``comm``; the job's data-parallel grid (one stage)."""
     torch.manual_seed(0)
     probes = {}
     for level in (0, 1, 2):
-        model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(ZERO_PROBE_LAYERS)])
+        model = _probe_model()
         probes[level] = (model, DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
                                                      named_parameters=model.named_parameters(), zero=level))
     inputs = torch.randn(2, 512)
@@ -444,9 +483,10 @@ def calibrate(repeats: int = 9) -> dict[str, Any]:
             result["submit_overhead_us"] = statistics.median(submits) * 1e6
             result["after_reduction_us_per_mib"] = after * 1e6
         if size > 1 and state.grid.pipeline_stages == 1:
-            extra = _zero_extra(comm, repeats)
+            extra, step = _zero_extra(comm, repeats), _data_parallel_extra(comm, repeats)
             if rank == 0:
                 result["zero1_us_per_mib"], result["zero2_us_per_mib"] = extra[1] * 1e6, extra[2] * 1e6
+                result["data_parallel_us_per_mib"] = step * 1e6
         contention, memory = contentions()
         if rank == 0:
             result["compute_contention"] = contention
@@ -490,4 +530,5 @@ def load_cluster(path: str, memory_per_rank: float = 0.0, ranks: int | None = No
                    submit_overhead_us=float(data.get("submit_overhead_us", 0.0)),
                    after_reduction_us_per_mib=float(data.get("after_reduction_us_per_mib", 0.0)),
                    zero_step_us_per_mib=(float(data.get("zero1_us_per_mib", 0.0)),
-                                         float(data.get("zero2_us_per_mib", 0.0))))
+                                         float(data.get("zero2_us_per_mib", 0.0))),
+                   data_parallel_us_per_mib=float(data.get("data_parallel_us_per_mib", 0.0)))

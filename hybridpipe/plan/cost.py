@@ -92,6 +92,11 @@ class Cluster:
             MiB of a rank's parameters, microseconds (``calibrate`` measures them on the job's ranks: the sharded
             reductions, ZeRO's copies and the allgather as they run here). (0, 0): not measured; the reduce-scatter,
             the sharded update and the allgather are then modelled from the links.
+        data_parallel_us_per_mib: How much longer a data-parallel step (the optimizer's hooks, the reductions, the
+            agreement, the update after them) takes than the same step without reductions, every rank computing at
+            once, per MiB of a rank's parameters, microseconds (``calibrate`` measures it on the job's ranks). Where
+            the reductions share the ranks' cores (:meth:`reductions_share_cores`), a rank with replicas ends its step
+            no earlier than its last action, its update and this time for its parameters. 0: not measured.
     """
 
     ranks: int
@@ -111,6 +116,7 @@ class Cluster:
     memory_contention: float = 0.0
     cache_bytes: float = 0.0
     zero_step_us_per_mib: tuple[float, float] = (0.0, 0.0)
+    data_parallel_us_per_mib: float = 0.0
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
@@ -121,7 +127,8 @@ class Cluster:
         negative = {name: getattr(self, name) for name in ("latency_us", "memory_per_rank", "ranks_per_host",
                                                            "cores_per_host", "action_overhead_us", "fusion_bytes",
                                                            "allreduce_overhead_us", "transfer_overhead_us",
-                                                           "submit_overhead_us", "after_reduction_us_per_mib")
+                                                           "submit_overhead_us", "after_reduction_us_per_mib",
+                                                           "data_parallel_us_per_mib")
                     if getattr(self, name) < 0}
         if any(value < 0 for value in self.zero_step_us_per_mib):
             negative["zero_step_us_per_mib"] = self.zero_step_us_per_mib
@@ -700,6 +707,10 @@ def _synchronous_step(profile: Profile, cluster: Cluster, candidate: Candidate, 
     after = [_after_reduction_seconds(parameter_bytes[r], cluster) if d > 1 and not zero else 0.0 for r in range(p)]
     finished = [max(items[-1].end if items else 0.0, end) + submit + flags + u + late
                 for items, (end, _), u, submit, late in zip(timeline.stages, ends, update, submits, after)]
+    if d > 1 and not zero and cluster.reductions_share_cores(profile.device):  # as measured beside plain steps
+        finished = [max(done, (items[-1].end if items else 0.0) + u
+                        + cluster.data_parallel_us_per_mib * 1e-6 * nbytes / 2**20)
+                    for done, items, u, nbytes in zip(finished, timeline.stages, update, parameter_bytes)]
     step = max([pipeline] + finished)
     slowest = max(busy + (_gather_seconds(w, g, cluster, concurrent) if zero else 0.0)
                   for (_, busy), w, g in zip(ends, layer_bytes, groups))

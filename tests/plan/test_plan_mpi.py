@@ -106,6 +106,8 @@ def test_calibrate_measures_the_links_and_the_planner_reads_them(tmp_path_factor
         # ZeRO's step, measured on the job's ranks (a 2-rank grid and up)
         assert result["zero1_us_per_mib"] >= 0 and result["zero2_us_per_mib"] >= 0
         assert cluster.zero_step_us_per_mib == (result["zero1_us_per_mib"], result["zero2_us_per_mib"])
+        assert result["data_parallel_us_per_mib"] >= 0
+        assert cluster.data_parallel_us_per_mib == result["data_parallel_us_per_mib"]
 
 
 def test_the_contention_windows_barrier_holds_every_rank_until_the_last_arrives_and_sleeps_meanwhile():

@@ -355,6 +355,31 @@ def test_a_measured_zero_step_is_the_plain_step_plus_the_measured_time_per_mib_a
     with pytest.raises(HybridPipeError, match="cluster values must be >= 0"):
         Cluster(ranks=2, zero_step_us_per_mib=(-1.0, 0.0))
 
+
+def test_a_measured_data_parallel_step_bounds_the_step_where_the_reductions_share_the_cores():
+    """calibrate's data_parallel_us_per_mib (a data-parallel step beyond the same step without reductions): where the
+    ranks' reductions run on the cores they compute on, a rank with replicas ends its step no earlier than its last
+    action, its update and that time for its parameters; with a core per rank, or no replicas, it changes nothing."""
+    profile = uniform_profile(layers=4, parameters=2**20)  # 4 MiB per rank
+    profile.update_ms_per_mb = 1.0
+    shared = Cluster(ranks=4, ranks_per_host=4, cores_per_host=2, latency_us=0.0, intra_host_gbps=8.0)
+    measured = dataclasses.replace(shared, data_parallel_us_per_mib=25_000.0)  # 25 ms per MiB: 100 ms for 4 MiB
+    candidate = Candidate(1, 4, (4,), 1, "1f1b")
+    plain = predict(profile, shared, candidate, 4)
+    slow = predict(profile, measured, candidate, 4)
+    update = 1.0 * 4 / 1e3 * shared.compute_slowdown  # 4 ranks on 2 cores: the update at half speed too
+    assert slow.step_seconds == pytest.approx(plain.pipeline_seconds + update + 4 * 25e-3)
+    assert slow.step_seconds > plain.step_seconds
+    small = dataclasses.replace(shared, data_parallel_us_per_mib=1.0)  # below what the links model: theirs
+    assert predict(profile, small, candidate, 4).step_seconds == pytest.approx(plain.step_seconds)
+    own_cores = dataclasses.replace(measured, cores_per_host=8)
+    assert predict(profile, own_cores, candidate, 4).step_seconds == \
+        pytest.approx(predict(profile, dataclasses.replace(shared, cores_per_host=8), candidate, 4).step_seconds)
+    straight = Candidate(4, 1, (1, 1, 1, 1), 4, "1f1b")
+    assert predict(profile, measured, straight, 4).step_seconds == predict(profile, shared, straight, 4).step_seconds
+    with pytest.raises(HybridPipeError, match="cluster values must be >= 0"):
+        Cluster(ranks=2, data_parallel_us_per_mib=-1.0)
+
 def test_search_shards_exactly_when_unsharded_does_not_fit_and_prefers_zero_0_at_equal_time():
     one_layer = Profile([LayerCost("Linear", 1.0, 2.0, 4.0, 1000.0, 10**5)], sample_batch=1, input_bytes=4.0)
     cluster = Cluster(ranks=4, latency_us=20.0, intra_host_gbps=10.0)
