@@ -110,7 +110,7 @@ bench: $(STAMP)
 # The documentation site (Sphinx + MyST, docs/conf.py) into build/docs/index.html. Warnings are
 # errors; tests/test_docs.py runs the same command, so `make test` fails on a broken page.
 docs: $(VENV)/.requirements
-	$(PY) -m sphinx -W --keep-going -b html docs build/docs
+	$(PY) -m sphinx -j 2 -W --keep-going -b html docs build/docs
 
 clean:
 	rm -rf build *.egg-info hybridpipe/_C*.so

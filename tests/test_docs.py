@@ -20,7 +20,7 @@ import hybridpipe
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 # `make docs` runs `$(PY) -m sphinx` + these arguments + build/docs.
-BUILD_ARGS = ["-W", "--keep-going", "-b", "html", "docs"]
+BUILD_ARGS = ["-j", "2", "-W", "--keep-going", "-b", "html", "docs"]
 
 
 def test_makefile_builds_docs_with_the_same_command():
