@@ -393,6 +393,12 @@ def predicted(config: Config, profile: Any, cluster: Any, batch: int) -> float:
     return predict(profile, cluster, candidate, batch).step_seconds
 
 
+def calibration_lines(calibrations: dict, keys: tuple[str, ...]) -> list[str]:
+    """One line per calibrated rank count: the values of ``keys`` it measured."""
+    return [f"calibrated on {ranks} ranks: " + ", ".join(f"{key} {measured[key]:.3g}" for key in keys if key in measured)
+            for ranks, measured in sorted(calibrations.items()) if measured]
+
+
 def report(configs: list[Config], args: argparse.Namespace, calibrations: dict, started: str, seconds: float,
            drift: dict[str, float]) -> str:
     header = ["configuration", "ranks", "planner", "predicted ms", "from the first profile ms", "predicted after ms",
@@ -418,12 +424,9 @@ def report(configs: list[Config], args: argparse.Namespace, calibrations: dict, 
     lines = [f"Command: `{command_line()}`", f"Setup: {started}; {args.rounds} round(s), each configuration "
              f"{args.steps} timed steps after {args.warmup} warm-up per round, one thread per rank; "
              f"{seconds:.0f} s in all"]
-    for ranks, measured in sorted(calibrations.items()):
-        if measured:
-            lines.append(f"calibrated on {ranks} ranks: " + ", ".join(
-                f"{key} {measured[key]:.3g}" for key in ("intra_latency_us", "intra_gbps", "allreduce_gbps",
-                                                         "action_overhead_us", "transfer_overhead_us",
-                                                         "compute_contention", "memory_contention", "cores_per_host") if key in measured))
+    lines += calibration_lines(calibrations, ("intra_latency_us", "intra_gbps", "allreduce_gbps", "action_overhead_us",
+                                              "transfer_overhead_us", "compute_contention", "memory_contention",
+                                              "cores_per_host"))
     lines += ["", render(header, rows, args.markdown, left=1), ""]
     within = sum(error <= 20 for error in errors)
     lines.append(f"median |error| {statistics.median(errors):.1f} % (target <= 10 %), largest {max(errors):.1f} %, "
@@ -509,11 +512,8 @@ def auto_report(runs: dict[tuple[str, int], list[dict]], args: argparse.Namespac
     lines = [f"Command: `{command_line()}`", f"Setup: {started}; {args.rounds} launch(es) per model and rank count, "
              f"each hp.auto then {args.steps} timed steps after {args.warmup} warm-up, one thread per rank; "
              f"{seconds:.0f} s in all"]
-    for ranks, measured in sorted(calibrations.items()):
-        if measured:
-            lines.append(f"calibrated on {ranks} ranks: " + ", ".join(
-                f"{key} {measured[key]:.3g}" for key in ("compute_contention", "memory_contention",
-                                                         "action_overhead_us", "allreduce_gbps") if key in measured))
+    lines += calibration_lines(calibrations, ("compute_contention", "memory_contention", "data_parallel_us_per_mib",
+                                              "zero1_us_per_mib", "action_overhead_us", "allreduce_gbps"))
     return "\n".join(lines + ["", render(header, rows, args.markdown, left=3), ""] + verdicts)
 
 
