@@ -326,13 +326,13 @@ def _after_reduction(comm: Any, repeats: int) -> float:
 
 
 #: Layers of :func:`_probe_model` (1 MiB each).
-ZERO_PROBE_LAYERS = 8
+PROBE_LAYERS = 8
 
 
 def _probe_model() -> nn.Module:
     """:func:`_zero_extra`'s and :func:`_data_parallel_extra`'s probe: eight 512 × 512 layers (8 MiB, more than
     one gradient bucket)."""
-    return nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Tanh()) for _ in range(ZERO_PROBE_LAYERS)])
+    return nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Tanh()) for _ in range(PROBE_LAYERS)])
 
 
 #: Samples per rank of :func:`_data_parallel_extra`'s probe (its backward takes about as long as its reductions).

@@ -705,12 +705,12 @@ def _synchronous_step(profile: Profile, cluster: Cluster, candidate: Candidate, 
     submits = [_submit_seconds(profile, [i for c in range(r, chunks, p) for i in layers[c]], cluster)
                if d > 1 else 0.0 for r in range(p)]
     after = [_after_reduction_seconds(parameter_bytes[r], cluster) if d > 1 and not zero else 0.0 for r in range(p)]
-    finished = [max(items[-1].end if items else 0.0, end) + submit + flags + u + late
-                for items, (end, _), u, submit, late in zip(timeline.stages, ends, update, submits, after)]
+    last = [items[-1].end if items else 0.0 for items in timeline.stages]
+    finished = [max(own, end) + submit + flags + u + late
+                for own, (end, _), u, submit, late in zip(last, ends, update, submits, after)]
     if d > 1 and not zero and cluster.reductions_share_cores(profile.device):  # as measured beside plain steps
-        finished = [max(done, (items[-1].end if items else 0.0) + u
-                        + cluster.data_parallel_us_per_mib * 1e-6 * nbytes / 2**20)
-                    for done, items, u, nbytes in zip(finished, timeline.stages, update, parameter_bytes)]
+        finished = [max(done, own + u + cluster.data_parallel_us_per_mib * 1e-6 * nbytes / 2**20)
+                    for done, own, u, nbytes in zip(finished, last, update, parameter_bytes)]
     step = max([pipeline] + finished)
     slowest = max(busy + (_gather_seconds(w, g, cluster, concurrent) if zero else 0.0)
                   for (_, busy), w, g in zip(ends, layer_bytes, groups))

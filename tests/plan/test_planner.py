@@ -332,7 +332,6 @@ def test_zero_time_is_a_reduce_scatter_an_allgather_and_a_step_on_the_shard():
     assert sharded.step_seconds == pytest.approx(4 * 3e-3 + allreduce_seconds(4e6, group, cluster) + update / 4)
 
 
-
 def test_a_measured_zero_step_is_the_plain_step_plus_the_measured_time_per_mib_and_the_search_weighs_it():
     """Where calibrate measured ZeRO's step (here: 1 ms and 1.5 ms per MiB of a rank's parameters beyond a plain one),
     a sharded candidate is predicted as the plain one plus that, with ZeRO's memory; the search then does not shard,
@@ -379,6 +378,7 @@ def test_a_measured_data_parallel_step_bounds_the_step_where_the_reductions_shar
     assert predict(profile, measured, straight, 4).step_seconds == predict(profile, shared, straight, 4).step_seconds
     with pytest.raises(HybridPipeError, match="cluster values must be >= 0"):
         Cluster(ranks=2, data_parallel_us_per_mib=-1.0)
+
 
 def test_search_shards_exactly_when_unsharded_does_not_fit_and_prefers_zero_0_at_equal_time():
     one_layer = Profile([LayerCost("Linear", 1.0, 2.0, 4.0, 1000.0, 10**5)], sample_batch=1, input_bytes=4.0)
