@@ -408,12 +408,12 @@ void Engine::run() {
   // (between cycles, and between the tests of its polite waits), where a thread that needs a transfer may
   // take it and make the calls itself. It is re-taken blocking whatever else this thread holds: a thread
   // that holds it makes a few nonblocking calls and waits for nothing else meanwhile.
-  std::unique_lock<std::mutex> mpi;
-  if (transfers) mpi = std::unique_lock<std::mutex>(transfers->mpi_lock());
+  std::unique_lock<std::timed_mutex> mpi;
+  if (transfers) mpi = std::unique_lock<std::timed_mutex>(transfers->mpi_lock());
   mpi_held_ = transfers ? &mpi : nullptr;
   progress_hook = {[](void* engine) { static_cast<Engine*>(engine)->service(); }, this,
                    [](void* engine, bool asleep) {
-                     std::unique_lock<std::mutex>* mpi = static_cast<Engine*>(engine)->mpi_held_;
+                     std::unique_lock<std::timed_mutex>* mpi = static_cast<Engine*>(engine)->mpi_held_;
                      if (mpi == nullptr) return;
                      if (asleep && mpi->owns_lock()) mpi->unlock();
                      if (!asleep && !mpi->owns_lock()) mpi->lock();
@@ -485,7 +485,7 @@ void Engine::run() {
 }
 
 bool Engine::await_cycle(std::chrono::steady_clock::time_point next_cycle, bool last_cycle_idle,
-                         TransferQueue* transfers, std::unique_lock<std::mutex>& mpi, std::vector<int>& order) {
+                         TransferQueue* transfers, std::unique_lock<std::timed_mutex>& mpi, std::vector<int>& order) {
   // Between cycles this thread holds the communication lock only to test the transfers in flight, every
   // kIdleTransferPollUs while some are (their background progress: a dropped send, a rendezvous the
   // sender must move on, a header a polling stage has not looked at). A thread that waits for a transfer

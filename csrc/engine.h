@@ -302,7 +302,7 @@ class Engine {
   // something comes), polling point-to-point transfers meanwhile; then `order`: the groups to visit. False
   // when the thread should end (stopped, nothing left to visit).
   bool await_cycle(std::chrono::steady_clock::time_point next_cycle, bool last_cycle_idle, TransferQueue* transfers,
-                   std::unique_lock<std::mutex>& mpi, std::vector<int>& order);
+                   std::unique_lock<std::timed_mutex>& mpi, std::vector<int>& order);
   // The thread failed with `what`: every pending handle fails (kind Failed); returns why it stopped.
   std::string fail_engine(const std::string& what);
   void cycle_single(Group& group);  // a group of one rank: no MPI
@@ -401,7 +401,7 @@ class Engine {
   bool failed_ = false;  // leave_failed() was called (guarded by mutex_)
   std::string fatal_;
   std::shared_ptr<TransferQueue> transfers_;  // point-to-point transfers this thread drives (or null)
-  std::unique_lock<std::mutex>* mpi_held_ = nullptr;  // the thread's hold on transfers_'s communication lock
+  std::unique_lock<std::timed_mutex>* mpi_held_ = nullptr;  // the thread's hold on transfers_'s communication lock
   // Absent ranks: a private duplicate of group 0 for probes and answers, and every rank's host name.
   MPI_Comm health_ = MPI_COMM_NULL;
   std::vector<std::string> hosts_;

@@ -155,7 +155,9 @@ bool Transfer::test_parts(std::string* error_out, int* code_out) {
 // ------------------------------------------------------------------ TransferQueue
 
 bool TransferQueue::submit(const std::shared_ptr<Transfer>& transfer) {
-  std::unique_lock<std::mutex> mpi(mpi_, std::try_to_lock);  // taken first: the lock order is mpi_, mutex_
+  // taken first (the lock order is mpi_, mutex_); a short sleeping wait lets a preempted holder finish (p2p.h)
+  std::unique_lock<std::timed_mutex> mpi(mpi_, std::defer_lock);
+  if (!mpi.try_lock()) (void)mpi.try_lock_for(std::chrono::microseconds(kSubmitLockWaitUs));
   bool was_idle = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -180,7 +182,7 @@ bool TransferQueue::submit(const std::shared_ptr<Transfer>& transfer) {
 }
 
 bool TransferQueue::drive() {
-  std::unique_lock<std::mutex> mpi(mpi_, std::try_to_lock);
+  std::unique_lock<std::timed_mutex> mpi(mpi_, std::try_to_lock);
   if (!mpi.owns_lock()) return false;
   progress(true);
   return true;
