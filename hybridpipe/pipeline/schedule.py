@@ -46,6 +46,7 @@ __all__ = [
     "replica_schedule",
     "replica_streams",
     "Timeline",
+    "simulate_shared",
     "SCHEDULE_NAMES",
     "SCHEDULES",
     "REPLICA_SCHEDULES",
@@ -706,12 +707,7 @@ def simulate(schedule: Schedule, forward_time: Duration = 1.0, backward_time: Du
     """
     durations = _durations_by_kind(forward_time, backward_time, weight_time, update_time)
     transfer = _timed(transfer_time)
-    ranks = len(schedule)
-    if placement is None:
-        last_stage = _virtual_stages(schedule) - 1
-        placement = lambda stage, micro_batch: stage_to_rank(stage, ranks)  # noqa: E731
-    else:
-        last_stage = max((a.stage for actions in schedule for a in actions), default=0)
+    placement, last_stage = _placement(schedule, placement)
     finished: dict[tuple[int, ActionKind | str, int], float] = {}
     gathered: dict[Any, dict[int, float]] = {}  # together's key -> the lists ready for it, and when
     placed: list[list[TimedAction]] = [[] for _ in schedule]
@@ -749,6 +745,93 @@ def simulate(schedule: Schedule, forward_time: Duration = 1.0, backward_time: Du
         for rank, actions in enumerate(schedule)
     ]
     return Timeline(placed, max(free_at, default=0.0), blocked)
+
+
+def _placement(schedule: Schedule, placement: Callable[[int, int], int] | None
+               ) -> tuple[Callable[[int, int], int], int]:
+    """:func:`simulate`'s ``placement`` (the default: the pipeline rank of the stage) and the last stage."""
+    if placement is not None:
+        return placement, max((a.stage for actions in schedule for a in actions), default=0)
+    ranks = len(schedule)
+    return (lambda stage, micro_batch: stage_to_rank(stage, ranks)), _virtual_stages(schedule) - 1
+
+
+def simulate_shared(schedule: Schedule, speed: Callable[[Sequence[int]], Sequence[float]],
+                    forward_time: Duration = 1.0, backward_time: Duration = 2.0, weight_time: Duration | None = None,
+                    update_time: Duration = 0.0, transfer_time: Duration = 0.0,
+                    placement: Callable[[int, int], int] | None = None,
+                    together: Callable[[int, Action], tuple[Any, int] | None] | None = None) -> Timeline:
+    """:func:`simulate` where lists share processors: an action's time is the work it does at speed 1, and a list
+    runs at ``speed(running)[k]`` while the lists ``running`` (ascending) compute, ``k`` its place among them
+    (ranks sharing a host's cores: two ranks computing on one core each go at half speed, one computing alone
+    while its neighbour waits goes at full speed). Transfers take their time whatever computes. Time-ordered:
+    at each moment every list that can start does, then the clock moves to the next end of an action or
+    arrival of a value. Arguments and result as :func:`simulate`'s."""
+    durations = _durations_by_kind(forward_time, backward_time, weight_time, update_time)
+    transfer = _timed(transfer_time)
+    placement, last_stage = _placement(schedule, placement)
+    finished: dict[tuple[int, ActionKind | str, int], float] = {}
+    gathered: dict[Any, dict[int, float]] = {}
+    placed: list[list[TimedAction]] = [[] for _ in schedule]
+    position = [0] * len(schedule)
+    running: dict[int, list] = {}  # list -> [action, start, work left]
+    now = 0.0
+    while True:
+        arrival = _start_ready(schedule, position, running, finished, gathered, now, last_stage, placement,
+                               transfer, durations, together)
+        if not running and arrival == math.inf:
+            break
+        lists = sorted(running)
+        rates = dict(zip(lists, speed(lists)))
+        then = min([arrival] + [now + running[i][2] / rates[i] for i in lists])
+        step, now = then - now, then
+        for i in lists:
+            item = running[i]
+            item[2] -= rates[i] * step
+            if item[2] <= 1e-12 * max(1.0, now):
+                action = item[0]
+                finished.setdefault((action.stage, action.kind, action.micro_batch), now)
+                if action.kind in _GRADIENT_KINDS:
+                    finished.setdefault((action.stage, _GRADIENT, action.micro_batch), now)
+                placed[i].append(TimedAction(action, item[1], now))
+                position[i] += 1
+                del running[i]
+    blocked = [actions[position[i]] if position[i] < len(actions) else None for i, actions in enumerate(schedule)]
+    return Timeline(placed, max((items[-1].end for items in placed if items), default=0.0), blocked)
+
+
+def _start_ready(schedule: Schedule, position: list[int], running: dict[int, list],
+                 finished: dict[tuple[int, ActionKind | str, int], float], gathered: dict[Any, dict[int, float]],
+                 now: float, last_stage: int, placement: Callable[[int, int], int], transfer: Callable[[Action], float],
+                 durations: dict[ActionKind, Callable[[Action], float]],
+                 together: Callable[[int, Action], tuple[Any, int] | None] | None) -> float:
+    """:func:`simulate_shared`'s starts at ``now``: every idle list whose next action's inputs are there (and, for
+    a collective, whose partners are all ready) starts it. Returns when the next awaited value arrives."""
+    arrival = math.inf
+    started = True
+    while started:
+        started = False
+        for rank, actions in enumerate(schedule):
+            if rank in running or position[rank] >= len(actions):
+                continue
+            action = actions[position[rank]]
+            needs = _dependency(action, last_stage)
+            if any(key not in finished for key in needs):
+                continue
+            ready = max([finished[key] + (transfer(action) if placement(key[0], key[2]) != rank else 0.0)
+                         for key in needs], default=now)
+            if ready > now:
+                arrival = min(arrival, ready)
+                continue
+            group = together(rank, action) if together is not None else None
+            if group is not None:
+                waiting = gathered.setdefault(group[0], {})
+                waiting.setdefault(rank, now)
+                if len(waiting) < group[1]:
+                    continue
+            running[rank] = [action, now, durations[action.kind](action)]
+            started = True
+    return arrival
 
 
 def peak_in_flight(actions: list[Action]) -> int:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,13 +155,27 @@ class Cluster:
         """:attr:`compute_slowdown` for ranks holding ``rank_parameter_bytes`` of weights each: where the host's
         ranks stream their weights and gradients (2 × the bytes each) through more than ``cache_bytes`` together,
         ``memory_contention`` takes the place of ``compute_contention``."""
-        contention = self.compute_contention
-        ranks_here = min(self.per_host, self.ranks)
-        if self.memory_contention and self.cache_bytes and 2 * rank_parameter_bytes * ranks_here > self.cache_bytes:
-            contention = max(contention, self.memory_contention)
+        contention = self.contention_for(rank_parameter_bytes)
         if not self.cores_per_host:
             return contention
-        return max(1.0, ranks_here / self.cores_per_host) * contention
+        return max(1.0, min(self.per_host, self.ranks) / self.cores_per_host) * contention
+
+    def contention_for(self, rank_parameter_bytes: float) -> float:
+        """The contention part of :meth:`slowdown_for` (without the sharing of cores): ``compute_contention``, or
+        ``memory_contention`` where the host's ranks stream more than its cache."""
+        ranks_here = min(self.per_host, self.ranks)
+        if self.memory_contention and self.cache_bytes and 2 * rank_parameter_bytes * ranks_here > self.cache_bytes:
+            return max(self.compute_contention, self.memory_contention)
+        return self.compute_contention
+
+    def shares_cores(self, device: str) -> bool:
+        """Whether a pipeline's ranks are simulated sharing their host's cores as they compute: a CPU model on a
+        host whose cores are known. Then a rank computes at full speed while it is its host's only rank computing,
+        ``compute_contention`` slower beside others, and ``k`` times slower still while ``k`` ranks compute per
+        core; a rank that waits (a pipeline's bubble: the polite wait sleeps) leaves its core to the others
+        (:func:`hybridpipe.pipeline.schedule.simulate_shared`). Without it every rank computes
+        :meth:`slowdown_for` slower throughout."""
+        return device.startswith("cpu") and self.cores_per_host > 0
 
     def reductions_share_cores(self, device: str) -> bool:
         """Whether the gradients' reductions take their time from the ranks' compute: a CPU model on a host
@@ -334,9 +349,11 @@ def rank_parameter_bytes(profile: Profile, candidate: Candidate) -> float:
 
 def chunk_seconds(profile: Profile, cluster: Cluster, candidate: Candidate, micro: float) -> tuple[list[float], list[float]]:
     """Each chunk's forward and backward time (compute only) for one micro-batch of ``micro`` samples,
-    with the loss on the last chunk, re-materialization and ranks sharing cores counted."""
+    with the loss on the last chunk, re-materialization and ranks sharing cores counted (at their own speed where
+    the simulation shares the cores, :meth:`Cluster.shares_cores`)."""
     layers = _chunk_layers(candidate.balance)
-    slow = cluster.slowdown_for(rank_parameter_bytes(profile, candidate))
+    # sharing cores, the simulation slows each action by what computes beside it (Cluster.shares_cores)
+    slow = 1.0 if cluster.shares_cores(profile.device) else cluster.slowdown_for(rank_parameter_bytes(profile, candidate))
     forward = [sum(profile.layers[i].forward_seconds(micro) for i in chunk) * slow for chunk in layers]
     backward = [sum(profile.layers[i].backward_seconds(micro) for i in chunk) * slow for chunk in layers]
     backward[-1] += profile.loss_ms * micro * slow / 1e3
@@ -354,7 +371,8 @@ def _weight_call_seconds(profile: Profile, layers: list[list[int]], cluster: Clu
             return cost.split_call_ms
         return cost.backward_call_ms if cost.parameter_bytes else 0.0
 
-    return [sum(extra(profile.layers[i]) for i in chunk) / 1e3 * cluster.compute_slowdown for chunk in layers]
+    slow = 1.0 if cluster.shares_cores(profile.device) else cluster.compute_slowdown
+    return [sum(extra(profile.layers[i]) for i in chunk) / 1e3 * slow for chunk in layers]
 
 
 def step_lower_bound(profile: Profile, cluster: Cluster, candidate: Candidate, global_batch: int) -> float:
@@ -377,11 +395,14 @@ def step_lower_bound(profile: Profile, cluster: Cluster, candidate: Candidate, g
                                                                          cluster))]
     chain = candidate.virtual_stages == 1 and candidate.schedule not in sched.ASYNCHRONOUS
     bound = 0.0
+    own = [m * sum(forward[c] + backward[c] for c in range(r, len(forward), p)) for r in range(p)]
     for r in range(p):
-        work = m * sum(forward[c] + backward[c] for c in range(r, len(forward), p))
+        work = own[r]
         if chain:
             work += sum(forward[:r]) + (0.0 if split else sum(backward[:r]))
         bound = max(bound, work)
+    if cluster.shares_cores(profile.device):  # a host's ranks compute at most as fast as its cores
+        bound = max(bound, min(cluster.per_host, cluster.ranks) * min(own) / cluster.cores_per_host)
     return bound
 
 
@@ -517,6 +538,26 @@ def _durations(profile: Profile, cluster: Cluster, layers: list[range], forward:
                 transfer_time=transfer)
 
 
+def _simulate(profile: Profile, cluster: Cluster, lists: sched.Schedule, hosts: list[int], weights: list[int],
+              rank_bytes: float, **times: Any) -> sched.Timeline:
+    """The schedule's timeline: where the ranks share their host's cores (:meth:`Cluster.shares_cores`), each
+    list computes at the speed that what computes beside it on its host leaves it; ``hosts`` gives each list's
+    host and ``weights`` how many ranks it stands for there (a pipeline simulated once for its replicas, which
+    compute in step with it)."""
+    if not cluster.shares_cores(profile.device):
+        return sched.simulate(lists, **times)
+    cores, contention = cluster.cores_per_host, cluster.contention_for(rank_bytes)
+
+    def speed(running: Sequence[int]) -> list[float]:
+        load: dict[int, int] = {}
+        for i in running:
+            load[hosts[i]] = load.get(hosts[i], 0) + weights[i]
+        return [1.0 / (max(1.0, load[hosts[i]] / cores) * (contention if load[hosts[i]] > 1 else 1.0))
+                for i in running]
+
+    return sched.simulate_shared(lists, speed, **times)
+
+
 def _predict_stage_replicas(profile: Profile, cluster: Cluster, candidate: Candidate, global_batch: int,
                             optimizer_state_factor: float, precision: str | None) -> Prediction:
     """:func:`predict` for stages with their own replica counts: every replica's own actions (its micro-batches
@@ -555,8 +596,10 @@ def _predict_stage_replicas(profile: Profile, cluster: Cluster, candidate: Candi
 
     every = sched.replica_schedule(candidate.schedule, counts, m)
     lists = [every[place] for place in places]
-    timeline = sched.simulate(lists, **_durations(profile, cluster, layers, forward, backward, transfer),
-                              placement=placement)
+    stage_bytes = [sum(profile.layers[i].parameter_bytes for i in layers[s]) for s in range(p)]
+    timeline = _simulate(profile, cluster, lists, [cluster.host_of(rank) for rank in range(len(lists))],
+                         [1] * len(lists), max(stage_bytes),
+                         **_durations(profile, cluster, layers, forward, backward, transfer), placement=placement)
     if any(action is not None for action in timeline.blocked):
         raise HybridPipeError(f"stage_replicas {list(counts)} with {candidate.schedule!r} and {m} micro-batches "
                               "deadlocks in the simulation; this is a bug in hybridpipe's planner, please report it")
@@ -642,6 +685,10 @@ def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_bat
     concurrent = min(p, cluster.per_host) if spans_hosts else 1  # stages of a host reducing at once
     slow = cluster.slowdown_for(max(parameter_bytes))
     zero = candidate.zero
+    hosts = [cluster.host_of(rank_of(r)) for r in range(p)]
+    weights = [sum(cluster.host_of(rank) == hosts[r] for rank in groups[r]) for r in range(p)]
+    simulate = functools.partial(_simulate, profile, cluster, hosts=hosts, weights=weights,
+                                 rank_bytes=max(parameter_bytes), **duration)
     # the optimizer's step (ZeRO: on 1/D of the parameters, then their allgather)
     update = [profile.update_ms_per_mb * parameter_bytes[r] / (d if zero else 1) / 2**20 / 1e3 * slow
               + (_gather_seconds(layer_bytes[r], groups[r], cluster, concurrent) if zero else 0.0)
@@ -649,8 +696,8 @@ def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_bat
     # step(): which gradients exist, agreed (ZeRO's step reduce-scatters every bucket instead)
     flags = allreduce_seconds(64, groups[0], cluster, concurrent) if d > 1 and not zero else 0.0
     if asynchronous:  # steady state: steps 2-4 of the stream; an update per micro-batch (pipedream) or step (2bw)
-        one = sched.simulate(sched.async_schedule(candidate.schedule, p, m, steps=1, flush=False), **duration).makespan
-        pipeline = (sched.simulate(plan, **duration).makespan - one) / 3
+        one = simulate(sched.async_schedule(candidate.schedule, p, m, steps=1, flush=False)).makespan
+        pipeline = (simulate(plan).makespan - one) / 3
         reduce = [allreduce_seconds(parameter_bytes[r], groups[r], cluster, concurrent) for r in range(p)]
         updates = m if sched.spec(candidate.schedule).update_every_micro_batch else 1
         exposed = max(r + u for r, u in zip(reduce, update)) * updates
@@ -658,7 +705,7 @@ def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_bat
         slowest_reduction = max(reduce)
     else:
         step, pipeline, exposed, slowest_reduction = _synchronous_step(
-            profile, cluster, candidate, sched.simulate(plan, **duration), layers, micro, groups, parameter_bytes,
+            profile, cluster, candidate, simulate(plan), layers, micro, groups, parameter_bytes,
             layer_bytes, update, flags, concurrent)
     memory = memory_per_rank(profile, candidate, global_batch, optimizer_state_factor, precision)
     return Prediction(step_seconds=step, memory_bytes_per_rank=memory,

@@ -100,6 +100,47 @@ def test_simulate_places_actions_on_dependencies() -> None:
     assert timeline.busy_time == [6.0, 6.0]
 
 
+def _spans(timeline: sched.Timeline) -> list[list[tuple[str, float, float]]]:
+    return [[(str(t.action), round(t.start, 9), round(t.end, 9)) for t in items] for items in timeline.stages]
+
+
+@pytest.mark.parametrize("name,stages,micro_batches", [("gpipe", 2, 4), ("1f1b", 4, 8), ("zb-h1", 3, 6),
+                                                        ("interleaved-1f1b", 2, 4)])
+def test_simulate_shared_at_full_speed_is_simulate(name: str, stages: int, micro_batches: int) -> None:
+    plan = sched.get_schedule(name, stages, micro_batches, 2 if name == "interleaved-1f1b" else 1)
+    times = dict(forward_time=lambda a: 1.0 + 0.25 * a.stage, backward_time=2.0, transfer_time=0.1)
+    shared = sched.simulate_shared(plan, lambda running: [1.0] * len(running), **times)
+    assert _spans(shared) == _spans(sched.simulate(plan, **times))
+
+
+def test_simulate_shared_with_replicas_and_their_collective_update() -> None:
+    """Stages with their own replica counts (3-1, PipeDream): the lists, the placement of each micro-batch and the
+    replicas' joint update as :func:`simulate` runs them."""
+    counts, m = [3, 1], 6
+    places = [(0, 0), (0, 1), (0, 2), (1, 0)]
+    where = {place: index for index, place in enumerate(places)}
+    streams = sched.replica_streams("pipedream", counts, m)
+    lists = [streams[place].segment(m) + streams[place].drain() for place in places]
+    times = dict(placement=lambda s, b: where[(s, b % counts[s])], update_time=0.5,
+                 together=lambda rank, a: ((a.stage, a.micro_batch // counts[a.stage]), counts[a.stage])
+                 if a.kind is sched.ActionKind.UPDATE else None)
+    shared = sched.simulate_shared(lists, lambda running: [1.0] * len(running), **times)
+    assert not shared.deadlocked and _spans(shared) == _spans(sched.simulate(lists, **times))
+
+
+def test_simulate_shared_slows_only_what_computes_at_once() -> None:
+    """Two stages on one core (each goes at half speed while both compute), GPipe, 2 micro-batches: stage 0's F1
+    runs beside stage 1's F0 (both 1 of work: 1-3), B0 of stage 1 beside B1 of stage 0 (2 each: 6-10); the rest
+    alone, at full speed."""
+    half = sched.simulate_shared(sched.gpipe(2, 2), lambda running: [1.0 / len(running)] * len(running),
+                                 forward_time=1.0, backward_time=2.0)
+    assert _spans(half) == [[("0F0", 0, 1), ("0F1", 1, 3), ("0B1", 6, 10), ("0B0", 10, 12)],
+                            [("1F0", 1, 3), ("1F1", 3, 4), ("1B1", 4, 6), ("1B0", 6, 10)]]
+    assert half.makespan == 12
+    blocked = sched.simulate_shared([[Action(0, ActionKind.BACKWARD, 0)]], lambda running: [1.0] * len(running))
+    assert blocked.deadlocked and blocked.blocked == [Action(0, ActionKind.BACKWARD, 0)]
+
+
 def test_render_shows_bubbles() -> None:
     table = sched.render(sched.gpipe(2, 2))
     assert table.splitlines() == [

@@ -87,18 +87,32 @@ def test_transfers_and_the_allreduce_add_what_they_cost():
     assert step == pytest.approx(4 * 3e-3 + reduce)  # nothing to hide it behind with one stage
 
 
-def test_compute_contention_and_core_sharing_multiply_the_compute():
+def test_compute_contention_and_core_sharing_slow_what_computes_at_once():
+    """Contention slows every rank; on a CPU host whose cores are known the ranks are simulated sharing them: all
+    of data parallelism's ranks compute at once, throughout, but a pipeline's rank that computes while its
+    neighbours wait (a bubble) goes at full speed, so only the actions that overlap are slowed."""
     profile = uniform_profile(layers=4)
     candidate = Candidate(4, 1, (1, 1, 1, 1), 4, "gpipe")
     free = predict(profile, Cluster(ranks=4, **FREE), candidate, 4).step_seconds
-    contended = Cluster(ranks=4, compute_contention=1.25, **FREE)
+    contended = Cluster(ranks=4, compute_contention=1.25, **FREE)  # cores not known: every rank slower throughout
     assert contended.compute_slowdown == pytest.approx(1.25)
     assert predict(profile, contended, candidate, 4).step_seconds == pytest.approx(1.25 * free)
     shared = Cluster(ranks=4, ranks_per_host=4, cores_per_host=2, compute_contention=1.25, **FREE)
     assert shared.compute_slowdown == pytest.approx(2 * 1.25)  # two ranks per core, both cores busy
+    data_parallel = Candidate(1, 4, (4,), 1, "gpipe")
+    alone = predict(profile, Cluster(ranks=4, **FREE), data_parallel, 4).pipeline_seconds
+    assert predict(profile, shared, data_parallel, 4).pipeline_seconds == pytest.approx(2.5 * alone)
     prediction = predict(profile, shared, candidate, 4)
-    assert prediction.step_seconds == pytest.approx(2.5 * free)
+    assert 1.25 * free < prediction.step_seconds < 2.5 * free
     assert any("× 1.25 for synchronous ranks computing at once" in note for note in prediction.notes)
+    # 2 stages of 2 ms forward and 4 ms backward per micro-batch, 2 micro-batches, one core: F0 alone (0-2 ms);
+    # F1 beside stage 1's F0 at half speed (2-6); F1 alone (6-8), B1 alone (8-12); B0 beside stage 0's B1
+    # (12-20); B0 alone (20-24)
+    one_core = Cluster(ranks=2, cores_per_host=1, **FREE)
+    two_stages = predict(profile, one_core, Candidate(2, 1, (2, 2), 2, "gpipe"), 2)
+    assert two_stages.pipeline_seconds == pytest.approx(24e-3)
+    assert predict(profile, dataclasses.replace(one_core, cores_per_host=0), Candidate(2, 1, (2, 2), 2, "gpipe"),
+                   2).pipeline_seconds == pytest.approx(18e-3)  # (M + P - 1) (f + b) on a core each
     with pytest.raises(HybridPipeError, match=r"compute_contention must be >= 1 \(got 0.5\)"):
         Cluster(ranks=2, compute_contention=0.5)
 
