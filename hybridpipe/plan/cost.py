@@ -685,10 +685,9 @@ def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_bat
     concurrent = min(p, cluster.per_host) if spans_hosts else 1  # stages of a host reducing at once
     slow = cluster.slowdown_for(max(parameter_bytes))
     zero = candidate.zero
-    hosts = [cluster.host_of(rank_of(r)) for r in range(p)]
-    weights = [sum(cluster.host_of(rank) == hosts[r] for rank in groups[r]) for r in range(p)]
-    simulate = functools.partial(_simulate, profile, cluster, hosts=hosts, weights=weights,
-                                 rank_bytes=max(parameter_bytes), **duration)
+    hosts = [cluster.host_of(r) for r in range(p)]  # replica 0's ranks, each standing for its stage's replicas there
+    simulate = functools.partial(_simulate, profile, cluster, hosts=hosts, rank_bytes=max(parameter_bytes), weights=[
+        sum(cluster.host_of(rank) == hosts[r] for rank in groups[r]) for r in range(p)], **duration)
     # the optimizer's step (ZeRO: on 1/D of the parameters, then their allgather)
     update = [profile.update_ms_per_mb * parameter_bytes[r] / (d if zero else 1) / 2**20 / 1e3 * slow
               + (_gather_seconds(layer_bytes[r], groups[r], cluster, concurrent) if zero else 0.0)
