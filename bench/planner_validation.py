@@ -512,8 +512,9 @@ def auto_report(runs: dict[tuple[str, int], list[dict]], args: argparse.Namespac
     lines = [f"Command: `{command_line()}`", f"Setup: {started}; {args.rounds} launch(es) per model and rank count, "
              f"each hp.auto then {args.steps} timed steps after {args.warmup} warm-up, one thread per rank; "
              f"{seconds:.0f} s in all"]
-    lines += calibration_lines(calibrations, ("compute_contention", "memory_contention", "data_parallel_us_per_mib",
-                                              "zero1_us_per_mib", "action_overhead_us", "allreduce_gbps"))
+    lines += calibration_lines(calibrations, ("compute_contention", "memory_contention", "waiting_load",
+                                              "data_parallel_us_per_mib", "zero1_us_per_mib", "action_overhead_us",
+                                              "allreduce_gbps"))
     return "\n".join(lines + ["", render(header, rows, args.markdown, left=3), ""] + verdicts)
 
 

@@ -21,6 +21,11 @@ Design reasons:
   share a core), a synchronous step waits for the slowest rank, so a core whose speed moves on its own
   paces the job, and where ranks outnumber cores the ones waiting at the exchange cost the others their
   time slices.
+* What a waiting rank costs its host (``waiting_load``): the ranks take turns computing a fixed kernel for
+  50 ms while all the others wait for its message in the pipeline's receive (its polite wait, its
+  communication thread's cycles); a waiting rank's process CPU time over the wait's wall time, the median
+  over the turns and the ranks. Where ranks outnumber cores, the planner's simulation counts each rank not
+  computing as this much of a computing one on its host's cores.
 * The framework's own time per pipeline action (``action_overhead_us``): every rank runs a
   one-stage ``PipelineModel`` of two tiny layers at once (so ranks sharing cores share them here
   too) with 16 and with 2 micro-batches; the difference of the step times over the 28 extra
@@ -397,6 +402,33 @@ def _zero_extra(comm: Any, repeats: int) -> dict[int, float]:
     return {level: max(0.0, (slowest[level] - slowest[0]) / mib) for level in (1, 2)}
 
 
+WAITING_TURN_SECONDS = 0.05  # one turn of waiting_load: the computing rank's kernel time
+
+
+def waiting_load(comm: Any, turns: int = 8) -> float:
+    """Process CPU seconds per second of a rank that waits in the pipeline's receive while another rank computes
+    (collective over ``comm``); see the module docstring."""
+    size, rank = comm.size, comm.rank
+    shares = []
+    payload = torch.ones(4)
+    for turn in range(turns + 1):
+        worker, tag = turn % size, 4 + 2 * (turn % 2)
+        sleeping_barrier(comm)
+        if rank == worker:
+            started = time.perf_counter()
+            while time.perf_counter() - started < WAITING_TURN_SECONDS:
+                _kernel()
+            for send in [p2p.send(payload, peer, tag, comm) for peer in range(size) if peer != rank]:
+                send.wait()
+        else:
+            cpu, wall = time.process_time(), time.perf_counter()
+            p2p.Receive(worker, tag, comm).wait()
+            if turn > 0:
+                shares.append((time.process_time() - cpu) / (time.perf_counter() - wall))
+    mine = statistics.median(shares) if shares else 0.0
+    return statistics.median(call(None, "calibrate", lambda: comm.allgather(mine)))
+
+
 def _action_overhead(repeats: int) -> float:
     """Seconds per pipeline action beyond the layers' compute (see the module docstring)."""
     steps = _tiny_steps(2, repeats)
@@ -488,7 +520,9 @@ def calibrate(repeats: int = 9) -> dict[str, Any]:
                 result["zero1_us_per_mib"], result["zero2_us_per_mib"] = extra[1] * 1e6, extra[2] * 1e6
                 result["data_parallel_us_per_mib"] = step * 1e6
         contention, memory = contentions()
+        waiting = waiting_load(comm) if size > 1 else 0.0
         if rank == 0:
+            result["waiting_load"] = waiting
             result["compute_contention"] = contention
             result["memory_contention"] = max(memory, contention) if memory else 0.0
             result["cache_bytes"] = cache
@@ -531,4 +565,5 @@ def load_cluster(path: str, memory_per_rank: float = 0.0, ranks: int | None = No
                    after_reduction_us_per_mib=float(data.get("after_reduction_us_per_mib", 0.0)),
                    zero_step_us_per_mib=(float(data.get("zero1_us_per_mib", 0.0)),
                                          float(data.get("zero2_us_per_mib", 0.0))),
-                   data_parallel_us_per_mib=float(data.get("data_parallel_us_per_mib", 0.0)))
+                   data_parallel_us_per_mib=float(data.get("data_parallel_us_per_mib", 0.0)),
+                   waiting_load=float(data.get("waiting_load", 0.0)))

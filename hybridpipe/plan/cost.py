@@ -98,6 +98,9 @@ class Cluster:
             once, per MiB of a rank's parameters, microseconds (``calibrate`` measures it on the job's ranks). Where
             the reductions share the ranks' cores (:meth:`reductions_share_cores`), a rank with replicas ends its step
             no earlier than its last action, its update and this time for its parameters. 0: not measured.
+        waiting_load: Where a pipeline's ranks share their host's cores (:meth:`shares_cores`) and outnumber them,
+            how much of a core a rank that is not computing still takes (its polite waits, its communication
+            thread): the simulation counts it as this share of a computing rank (``calibrate`` measures it). 0: none.
     """
 
     ranks: int
@@ -118,6 +121,7 @@ class Cluster:
     cache_bytes: float = 0.0
     zero_step_us_per_mib: tuple[float, float] = (0.0, 0.0)
     data_parallel_us_per_mib: float = 0.0
+    waiting_load: float = 0.0
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
@@ -129,7 +133,7 @@ class Cluster:
                                                            "cores_per_host", "action_overhead_us", "fusion_bytes",
                                                            "allreduce_overhead_us", "transfer_overhead_us",
                                                            "submit_overhead_us", "after_reduction_us_per_mib",
-                                                           "data_parallel_us_per_mib")
+                                                           "data_parallel_us_per_mib", "waiting_load")
                     if getattr(self, name) < 0}
         if any(value < 0 for value in self.zero_step_us_per_mib):
             negative["zero_step_us_per_mib"] = self.zero_step_us_per_mib
@@ -172,9 +176,9 @@ class Cluster:
         """Whether a pipeline's ranks are simulated sharing their host's cores as they compute: a CPU model on a
         host whose cores are known. Then a rank computes at full speed while it is its host's only rank computing,
         ``compute_contention`` slower beside others, and ``k`` times slower still while ``k`` ranks compute per
-        core; a rank that waits (a pipeline's bubble: the polite wait sleeps) leaves its core to the others
-        (:func:`hybridpipe.pipeline.schedule.simulate_shared`). Without it every rank computes
-        :meth:`slowdown_for` slower throughout."""
+        core (``k`` counting each rank that waits, in a pipeline's bubble, as ``waiting_load`` of one: its polite
+        wait sleeps, and leaves most of its core to the others) (:func:`hybridpipe.pipeline.schedule.simulate_shared`).
+        Without it every rank computes :meth:`slowdown_for` slower throughout."""
         return device.startswith("cpu") and self.cores_per_host > 0
 
     def reductions_share_cores(self, device: str) -> bool:
@@ -549,10 +553,13 @@ def _simulate(profile: Profile, cluster: Cluster, lists: sched.Schedule, hosts: 
     cores, contention = cluster.cores_per_host, cluster.contention_for(rank_bytes)
 
     def speed(running: Sequence[int]) -> list[float]:
-        load: dict[int, int] = {}
-        for i in running:
-            load[hosts[i]] = load.get(hosts[i], 0) + weights[i]
-        return [1.0 / (max(1.0, load[hosts[i]] / cores) * (contention if load[hosts[i]] > 1 else 1.0))
+        computing: dict[int, float] = {}
+        load: dict[int, float] = {}  # on the cores: a list not computing still takes waiting_load of one
+        for i in range(len(hosts)):
+            if i in running:
+                computing[hosts[i]] = computing.get(hosts[i], 0.0) + weights[i]
+            load[hosts[i]] = load.get(hosts[i], 0.0) + weights[i] * (1.0 if i in running else cluster.waiting_load)
+        return [1.0 / (max(1.0, load[hosts[i]] / cores) * (contention if computing[hosts[i]] > 1 else 1.0))
                 for i in running]
 
     return sched.simulate_shared(lists, speed, **times)

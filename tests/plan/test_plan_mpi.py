@@ -113,6 +113,8 @@ def test_calibrate_measures_the_links_and_the_planner_reads_them(tmp_path_factor
         assert cluster.zero_step_us_per_mib == (result["zero1_us_per_mib"], result["zero2_us_per_mib"])
         assert result["data_parallel_us_per_mib"] >= 0
         assert cluster.data_parallel_us_per_mib == result["data_parallel_us_per_mib"]
+        assert 0 < result["waiting_load"] < 1  # a waiting rank's polite wait: some CPU, far from a core's worth
+        assert cluster.waiting_load == result["waiting_load"]
 
 
 def test_the_contention_windows_barrier_holds_every_rank_until_the_last_arrives_and_sleeps_meanwhile():

@@ -113,6 +113,12 @@ def test_compute_contention_and_core_sharing_slow_what_computes_at_once():
     assert two_stages.pipeline_seconds == pytest.approx(24e-3)
     assert predict(profile, dataclasses.replace(one_core, cores_per_host=0), Candidate(2, 1, (2, 2), 2, "gpipe"),
                    2).pipeline_seconds == pytest.approx(18e-3)  # (M + P - 1) (f + b) on a core each
+    # a waiting rank taking half a core (waiting_load 0.5): a rank computing alone goes at 1 / 1.5: F0 0-3, F1 and
+    # stage 1's F0 3-7, F1 7-10, B1 10-16, B0 and stage 0's B1 16-24, B0 24-30; a whole core: every rank at half
+    # speed throughout, as without the simulated sharing
+    for waiting, expected in ((0.5, 30e-3), (1.0, 36e-3)):
+        busy = dataclasses.replace(one_core, waiting_load=waiting)
+        assert predict(profile, busy, Candidate(2, 1, (2, 2), 2, "gpipe"), 2).pipeline_seconds == pytest.approx(expected)
     with pytest.raises(HybridPipeError, match=r"compute_contention must be >= 1 \(got 0.5\)"):
         Cluster(ranks=2, compute_contention=0.5)
 
