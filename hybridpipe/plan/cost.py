@@ -174,11 +174,12 @@ class Cluster:
 
     def shares_cores(self, device: str) -> bool:
         """Whether a pipeline's ranks are simulated sharing their host's cores as they compute: a CPU model on a
-        host whose cores are known. Then a rank computes at full speed while it is its host's only rank computing,
-        ``compute_contention`` slower beside others, and ``k`` times slower still while ``k`` ranks compute per
-        core (``k`` counting each rank that waits, in a pipeline's bubble, as ``waiting_load`` of one: its polite
-        wait sleeps, and leaves most of its core to the others) (:func:`hybridpipe.pipeline.schedule.simulate_shared`).
-        Without it every rank computes :meth:`slowdown_for` slower throughout."""
+        host whose cores are known. Then a rank computes ``compute_contention`` slower than the profile (as the
+        slowest rank of a synchronous step does: the measure holds a core's own slow spells, which pace a pipeline
+        as they pace data parallelism), and ``k`` times slower still while ``k`` ranks compute per core, ``k``
+        counting each rank that waits, in a pipeline's bubble, as ``waiting_load`` of one (its polite wait sleeps,
+        leaving most of its core to the others) (:func:`hybridpipe.pipeline.schedule.simulate_shared`). With no
+        more ranks than cores this is :meth:`slowdown_for` throughout, as without it."""
         return device.startswith("cpu") and self.cores_per_host > 0
 
     def reductions_share_cores(self, device: str) -> bool:
@@ -553,14 +554,10 @@ def _simulate(profile: Profile, cluster: Cluster, lists: sched.Schedule, hosts: 
     cores, contention = cluster.cores_per_host, cluster.contention_for(rank_bytes)
 
     def speed(running: Sequence[int]) -> list[float]:
-        computing: dict[int, float] = {}
         load: dict[int, float] = {}  # on the cores: a list not computing still takes waiting_load of one
         for i in range(len(hosts)):
-            if i in running:
-                computing[hosts[i]] = computing.get(hosts[i], 0.0) + weights[i]
             load[hosts[i]] = load.get(hosts[i], 0.0) + weights[i] * (1.0 if i in running else cluster.waiting_load)
-        return [1.0 / (max(1.0, load[hosts[i]] / cores) * (contention if computing[hosts[i]] > 1 else 1.0))
-                for i in running]
+        return [1.0 / (max(1.0, load[hosts[i]] / cores) * contention) for i in running]
 
     return sched.simulate_shared(lists, speed, **times)
 

@@ -90,7 +90,7 @@ def test_transfers_and_the_allreduce_add_what_they_cost():
 def test_compute_contention_and_core_sharing_slow_what_computes_at_once():
     """Contention slows every rank; on a CPU host whose cores are known the ranks are simulated sharing them: all
     of data parallelism's ranks compute at once, throughout, but a pipeline's rank that computes while its
-    neighbours wait (a bubble) goes at full speed, so only the actions that overlap are slowed."""
+    neighbours wait (a bubble) has a core to itself, so only the actions that overlap share one."""
     profile = uniform_profile(layers=4)
     candidate = Candidate(4, 1, (1, 1, 1, 1), 4, "gpipe")
     free = predict(profile, Cluster(ranks=4, **FREE), candidate, 4).step_seconds
