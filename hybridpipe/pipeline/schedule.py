@@ -33,7 +33,7 @@ import enum
 import math
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hybridpipe.errors import ScheduleError
@@ -607,11 +607,14 @@ class Timeline:
         makespan: Time at which the last action ends.
         blocked: Per rank, the action it is stuck on when the schedule deadlocks (``None``
             for ranks that finished); all ``None`` for a runnable schedule.
+        tail_ends: :func:`simulate_shared` with ``tails``: when each rank's work after its last action ended
+            (empty otherwise).
     """
 
     stages: list[list[TimedAction]]
     makespan: float
     blocked: list[Action | None]
+    tail_ends: list[float] = field(default_factory=list)
 
     @property
     def deadlocked(self) -> bool:
@@ -760,13 +763,16 @@ def simulate_shared(schedule: Schedule, speed: Callable[[Sequence[int]], Sequenc
                     forward_time: Duration = 1.0, backward_time: Duration = 2.0, weight_time: Duration | None = None,
                     update_time: Duration = 0.0, transfer_time: Duration = 0.0,
                     placement: Callable[[int, int], int] | None = None,
-                    together: Callable[[int, Action], tuple[Any, int] | None] | None = None) -> Timeline:
+                    together: Callable[[int, Action], tuple[Any, int] | None] | None = None,
+                    tails: Sequence[float] = ()) -> Timeline:
     """:func:`simulate` where lists share processors: an action's time is the work it does at speed 1, and a list
     runs at ``speed(running)[k]`` while the lists ``running`` (ascending) compute, ``k`` its place among them
     (ranks sharing a host's cores: two ranks computing on one core each go at half speed, one computing alone
     while its neighbour waits goes at full speed). Transfers take their time whatever computes. Time-ordered:
     at each moment every list that can start does, then the clock moves to the next end of an action or
-    arrival of a value. Arguments and result as :func:`simulate`'s."""
+    arrival of a value. ``tails``: work each list does after its last action (e.g. a rank's gradient reductions and
+    optimizer step), sharing the processors as its actions do; ``tail_ends`` says when each ended. Other arguments
+    and the result as :func:`simulate`'s (``makespan``: the last action's end, tails not counted)."""
     durations = _durations_by_kind(forward_time, backward_time, weight_time, update_time)
     transfer = _timed(transfer_time)
     placement, last_stage = _placement(schedule, placement)
@@ -774,7 +780,8 @@ def simulate_shared(schedule: Schedule, speed: Callable[[Sequence[int]], Sequenc
     gathered: dict[Any, dict[int, float]] = {}
     placed: list[list[TimedAction]] = [[] for _ in schedule]
     position = [0] * len(schedule)
-    running: dict[int, list] = {}  # list -> [action, start, work left]
+    running: dict[int, list] = {}  # list -> [action (None: its tail), start, work left]
+    tail_ends = [0.0] * len(schedule) if tails else []
     now = 0.0
     while True:
         arrival = _start_ready(schedule, position, running, finished, gathered, now, last_stage, placement,
@@ -790,14 +797,20 @@ def simulate_shared(schedule: Schedule, speed: Callable[[Sequence[int]], Sequenc
             item[2] -= rates[i] * step
             if item[2] <= 1e-12 * max(1.0, now):
                 action = item[0]
+                del running[i]
+                if action is None:
+                    tail_ends[i] = now
+                    continue
                 finished.setdefault((action.stage, action.kind, action.micro_batch), now)
                 if action.kind in _GRADIENT_KINDS:
                     finished.setdefault((action.stage, _GRADIENT, action.micro_batch), now)
                 placed[i].append(TimedAction(action, item[1], now))
                 position[i] += 1
-                del running[i]
+                if tails and position[i] == len(schedule[i]):
+                    running[i] = [None, now, tails[i]]
+                    tail_ends[i] = now
     blocked = [actions[position[i]] if position[i] < len(actions) else None for i, actions in enumerate(schedule)]
-    return Timeline(placed, max((items[-1].end for items in placed if items), default=0.0), blocked)
+    return Timeline(placed, max((items[-1].end for items in placed if items), default=0.0), blocked, tail_ends)
 
 
 def _start_ready(schedule: Schedule, position: list[int], running: dict[int, list],

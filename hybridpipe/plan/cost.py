@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -502,15 +502,28 @@ def _reduction_end(items: list[sched.TimedAction], chunks_here: list[int], layer
     return end, busy
 
 
-def _gather_seconds(layer_bytes: list[int], group: list[int], cluster: Cluster, concurrent: int) -> float:
+def _gather_seconds(layer_bytes: list[int], group: list[int], cluster: Cluster, concurrent: int,
+                    collective: Callable[..., float] = allgather_seconds) -> float:
     """ZeRO's allgather of a rank's updated parameters after its step, bucket after bucket (the buckets of
-    the reduce-scatter: layers in the backward's order until one reaches ``fusion_bytes``)."""
+    the reduce-scatter: layers in the backward's order until one reaches ``fusion_bytes``); with ``collective``
+    another of the buckets' collectives (the gradients' allreduce)."""
     total = bucket = 0.0
     for index, nbytes in enumerate(layer_bytes):
         bucket += nbytes
         if bucket >= cluster.fusion_bytes or index == len(layer_bytes) - 1:
-            total, bucket = total + allgather_seconds(bucket, group, cluster, concurrent), 0.0
+            total, bucket = total + collective(bucket, group, cluster, concurrent), 0.0
     return total
+
+
+def _tail_seconds(profile: Profile, cluster: Cluster, parameter_bytes: float, layer_bytes: list[int],
+                  group: list[int]) -> float:
+    """A rank's work after its last action, at the profile's speed, where the simulation shares the cores: its
+    optimizer step and, where the reductions run on the cores too (:meth:`Cluster.reductions_share_cores`), its
+    gradients' allreduce over its replicas ``group``."""
+    update = profile.update_ms_per_mb * parameter_bytes / 2**20 / 1e3
+    if len(group) < 2 or not cluster.reductions_share_cores(profile.device):
+        return update
+    return update + _gather_seconds(layer_bytes, group, cluster, 1, allreduce_seconds)
 
 
 def _submit_seconds(profile: Profile, layer_indices: list[int], cluster: Cluster) -> float:
@@ -543,12 +556,21 @@ def _durations(profile: Profile, cluster: Cluster, layers: list[range], forward:
                 transfer_time=transfer)
 
 
+def _tails(profile: Profile, cluster: Cluster, parameter_bytes: list[float], layer_bytes: list[list[int]],
+           groups: list[list[int]]) -> list[float]:
+    """Each pipeline rank's :func:`_tail_seconds` where the simulation shares the cores, else none."""
+    if not cluster.shares_cores(profile.device):
+        return []
+    return [_tail_seconds(profile, cluster, nbytes, weights, group)
+            for nbytes, weights, group in zip(parameter_bytes, layer_bytes, groups)]
+
+
 def _simulate(profile: Profile, cluster: Cluster, lists: sched.Schedule, hosts: list[int], weights: list[int],
-              rank_bytes: float, **times: Any) -> sched.Timeline:
+              rank_bytes: float, tails: Sequence[float] = (), **times: Any) -> sched.Timeline:
     """The schedule's timeline: where the ranks share their host's cores (:meth:`Cluster.shares_cores`), each
     list computes at the speed that what computes beside it on its host leaves it; ``hosts`` gives each list's
     host and ``weights`` how many ranks it stands for there (a pipeline simulated once for its replicas, which
-    compute in step with it)."""
+    compute in step with it); ``tails``, each list's work after its last action, sharing the cores too."""
     if not cluster.shares_cores(profile.device):
         return sched.simulate(lists, **times)
     cores, contention = cluster.cores_per_host, cluster.contention_for(rank_bytes)
@@ -559,7 +581,7 @@ def _simulate(profile: Profile, cluster: Cluster, lists: sched.Schedule, hosts: 
             load[hosts[i]] = load.get(hosts[i], 0.0) + weights[i] * (1.0 if i in running else cluster.waiting_load)
         return [1.0 / (max(1.0, load[hosts[i]] / cores) * contention) for i in running]
 
-    return sched.simulate_shared(lists, speed, **times)
+    return sched.simulate_shared(lists, speed, tails=tails, **times)
 
 
 def _predict_stage_replicas(profile: Profile, cluster: Cluster, candidate: Candidate, global_batch: int,
@@ -600,28 +622,32 @@ def _predict_stage_replicas(profile: Profile, cluster: Cluster, candidate: Candi
 
     every = sched.replica_schedule(candidate.schedule, counts, m)
     lists = [every[place] for place in places]
-    stage_bytes = [sum(profile.layers[i].parameter_bytes for i in layers[s]) for s in range(p)]
+    parameter_bytes = [sum(profile.layers[i].parameter_bytes for i in layers[s]) for s in range(p)]
+    groups = [[rank_of[(s, r)] for r in range(counts[s])] for s in range(p)]
+    # sharing cores, each replica's step and reductions after its last action share them (_tail_seconds)
+    tails = [_tail_seconds(profile, cluster, parameter_bytes[stage], [
+        profile.layers[i].parameter_bytes for i in reversed(layers[stage]) if profile.layers[i].parameter_bytes],
+        groups[stage]) for stage, _ in places] if cluster.shares_cores(profile.device) else []
     timeline = _simulate(profile, cluster, lists, [cluster.host_of(rank) for rank in range(len(lists))],
-                         [1] * len(lists), max(stage_bytes),
+                         [1] * len(lists), max(parameter_bytes), tails,
                          **_durations(profile, cluster, layers, forward, backward, transfer), placement=placement)
     if any(action is not None for action in timeline.blocked):
         raise HybridPipeError(f"stage_replicas {list(counts)} with {candidate.schedule!r} and {m} micro-batches "
                               "deadlocks in the simulation; this is a bug in hybridpipe's planner, please report it")
-    parameter_bytes = [sum(profile.layers[i].parameter_bytes for i in layers[s]) for s in range(p)]
-    groups = [[rank_of[(s, r)] for r in range(counts[s])] for s in range(p)]
     slow = cluster.slowdown_for(max(parameter_bytes))
     # after its last action and its gradients' reduction, each stage's replicas agree on which gradients exist and
-    # step: the optimizer's hooks and its step right after the reduction as in predict
-    after = [profile.update_ms_per_mb * parameter_bytes[s] / 2**20 / 1e3 * slow
-             + ((allreduce_seconds(64, groups[s], cluster) + _submit_seconds(profile, list(layers[s]), cluster)
-                 + _after_reduction_seconds(parameter_bytes[s], cluster)) if counts[s] > 1 else 0.0)
+    # step: the optimizer's hooks and its step right after the reduction as in predict (the step simulated, sharing)
+    update = [0.0 if tails else profile.update_ms_per_mb * parameter_bytes[s] / 2**20 / 1e3 * slow for s in range(p)]
+    after = [update[s] + ((allreduce_seconds(64, groups[s], cluster) + _submit_seconds(profile, list(layers[s]), cluster)
+                           + _after_reduction_seconds(parameter_bytes[s], cluster)) if counts[s] > 1 else 0.0)
              for s in range(p)]
     finished, busiest = [], 0.0
     for rank, (stage, _) in enumerate(places):
         items = timeline.stages[rank]
         end, busy = (_reduction_end(items, [stage], layers, profile, micro, groups[stage], cluster, 1)
                      if counts[stage] > 1 else (0.0, 0.0))
-        finished.append(max(items[-1].end if items else 0.0, end) + after[stage])
+        own = timeline.tail_ends[rank] if tails else (items[-1].end if items else 0.0)
+        finished.append(max(own, end) + after[stage])
         busiest = max(busiest, busy)
     pipeline = timeline.makespan
     step = max([pipeline] + finished)
@@ -704,11 +730,11 @@ def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_bat
         reduce = [allreduce_seconds(parameter_bytes[r], groups[r], cluster, concurrent) for r in range(p)]
         updates = m if sched.spec(candidate.schedule).update_every_micro_batch else 1
         exposed = max(r + u for r, u in zip(reduce, update)) * updates
-        step = pipeline + exposed
-        slowest_reduction = max(reduce)
+        step, slowest_reduction = pipeline + exposed, max(reduce)
     else:
         step, pipeline, exposed, slowest_reduction = _synchronous_step(
-            profile, cluster, candidate, simulate(plan), layers, micro, groups, parameter_bytes,
+            profile, cluster, candidate, simulate(plan, tails=[] if zero else _tails(
+                profile, cluster, parameter_bytes, layer_bytes, groups)), layers, micro, groups, parameter_bytes,
             layer_bytes, update, flags, concurrent)
     memory = memory_per_rank(profile, candidate, global_batch, optimizer_state_factor, precision)
     return Prediction(step_seconds=step, memory_bytes_per_rank=memory,
@@ -756,8 +782,10 @@ def _synchronous_step(profile: Profile, cluster: Cluster, candidate: Candidate, 
                if d > 1 else 0.0 for r in range(p)]
     after = [_after_reduction_seconds(parameter_bytes[r], cluster) if d > 1 and not zero else 0.0 for r in range(p)]
     last = [items[-1].end if items else 0.0 for items in timeline.stages]
+    # with tail_ends, the simulation ran each rank's step (and, sharing cores, its reductions) after its last action
+    own_end, charged = (timeline.tail_ends, [0.0] * p) if timeline.tail_ends else (last, update)
     finished = [max(own, end) + submit + flags + u + late
-                for own, (end, _), u, submit, late in zip(last, ends, update, submits, after)]
+                for own, (end, _), u, submit, late in zip(own_end, ends, charged, submits, after)]
     if d > 1 and not zero and cluster.reductions_share_cores(profile.device):  # as measured beside plain steps
         finished = [max(done, own + u + cluster.data_parallel_us_per_mib * 1e-6 * nbytes / 2**20)
                     for done, own, u, nbytes in zip(finished, last, update, parameter_bytes)]
