@@ -141,6 +141,17 @@ def test_simulate_shared_slows_only_what_computes_at_once() -> None:
     assert blocked.deadlocked and blocked.blocked == [Action(0, ActionKind.BACKWARD, 0)]
 
 
+def test_simulate_shared_runs_each_lists_tail_after_its_last_action() -> None:
+    """Work after a list's last action (a rank's reductions and optimizer step) shares the processor too: stage 0's
+    tail of 2 runs beside stage 1's forward (1) at half speed, 1-3, then alone, 3-4; stage 1's tail of 0 ends with
+    its forward. The makespan stays the last action's end."""
+    timeline = sched.simulate_shared(sched.forward_only(2, 1), lambda running: [1.0 / len(running)] * len(running),
+                                     forward_time=1.0, tails=[2.0, 0.0])
+    assert _spans(timeline) == [[("0F0", 0, 1)], [("1F0", 1, 3)]]
+    assert timeline.tail_ends == pytest.approx([4.0, 3.0]) and timeline.makespan == 3
+    assert sched.simulate_shared(sched.forward_only(2, 1), lambda running: [1.0] * len(running)).tail_ends == []
+
+
 def test_render_shows_bubbles() -> None:
     table = sched.render(sched.gpipe(2, 2))
     assert table.splitlines() == [
