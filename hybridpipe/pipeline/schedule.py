@@ -725,16 +725,10 @@ def simulate(schedule: Schedule, forward_time: Duration = 1.0, backward_time: Du
                 needs = _dependency(action, last_stage)
                 if any(key not in finished for key in needs):
                     break
-                arrivals = [finished[key] + (transfer(action) if placement(key[0], key[2]) != rank else 0.0)
-                            for key in needs]
-                start = max([free_at[rank]] + arrivals)
-                group = together(rank, action) if together is not None else None
-                if group is not None:
-                    waiting = gathered.setdefault(group[0], {})
-                    waiting.setdefault(rank, start)
-                    if len(waiting) < group[1]:
-                        break
-                    start = max(waiting.values())
+                start = _all_ready(together, gathered, rank, action, max(
+                    [free_at[rank]] + _arrivals(needs, finished, action, rank, placement, transfer)))
+                if start is None:
+                    break
                 end = start + durations[action.kind](action)
                 finished.setdefault((action.stage, action.kind, action.micro_batch), end)
                 if action.kind in _GRADIENT_KINDS:
@@ -831,20 +825,34 @@ def _start_ready(schedule: Schedule, position: list[int], running: dict[int, lis
             needs = _dependency(action, last_stage)
             if any(key not in finished for key in needs):
                 continue
-            ready = max([finished[key] + (transfer(action) if placement(key[0], key[2]) != rank else 0.0)
-                         for key in needs], default=now)
+            ready = max(_arrivals(needs, finished, action, rank, placement, transfer), default=now)
             if ready > now:
                 arrival = min(arrival, ready)
                 continue
-            group = together(rank, action) if together is not None else None
-            if group is not None:
-                waiting = gathered.setdefault(group[0], {})
-                waiting.setdefault(rank, now)
-                if len(waiting) < group[1]:
-                    continue
+            if _all_ready(together, gathered, rank, action, now) is None:
+                continue
             running[rank] = [action, now, durations[action.kind](action)]
             started = True
     return arrival
+
+
+def _arrivals(needs: list[tuple[int, ActionKind | str, int]], finished: dict[tuple[int, ActionKind | str, int], float],
+              action: Action, rank: int, placement: Callable[[int, int], int],
+              transfer: Callable[[Action], float]) -> list[float]:
+    """When each value ``action`` needs is on list ``rank``: made there, or made elsewhere and sent."""
+    return [finished[key] + (transfer(action) if placement(key[0], key[2]) != rank else 0.0) for key in needs]
+
+
+def _all_ready(together: Callable[[int, Action], tuple[Any, int] | None] | None, gathered: dict[Any, dict[int, float]],
+               rank: int, action: Action, ready_at: float) -> float | None:
+    """When ``action`` may start on list ``rank``, ready at ``ready_at``: for an action several lists run as one
+    collective (``together``), None until the last of them is ready, then when that was; else ``ready_at``."""
+    group = together(rank, action) if together is not None else None
+    if group is None:
+        return ready_at
+    waiting = gathered.setdefault(group[0], {})
+    waiting.setdefault(rank, ready_at)
+    return max(waiting.values()) if len(waiting) >= group[1] else None
 
 
 def peak_in_flight(actions: list[Action]) -> int:
