@@ -358,7 +358,8 @@ def chunk_seconds(profile: Profile, cluster: Cluster, candidate: Candidate, micr
     the simulation shares the cores, :meth:`Cluster.shares_cores`)."""
     layers = _chunk_layers(candidate.balance)
     # sharing cores, the simulation slows each action by what computes beside it (Cluster.shares_cores)
-    slow = 1.0 if cluster.shares_cores(profile.device) else cluster.slowdown_for(rank_parameter_bytes(profile, candidate))
+    slow = (1.0 if cluster.shares_cores(profile.device)
+            else cluster.slowdown_for(rank_parameter_bytes(profile, candidate)))
     forward = [sum(profile.layers[i].forward_seconds(micro) for i in chunk) * slow for chunk in layers]
     backward = [sum(profile.layers[i].backward_seconds(micro) for i in chunk) * slow for chunk in layers]
     backward[-1] += profile.loss_ms * micro * slow / 1e3
@@ -624,10 +625,10 @@ def _predict_stage_replicas(profile: Profile, cluster: Cluster, candidate: Candi
     lists = [every[place] for place in places]
     parameter_bytes = [sum(profile.layers[i].parameter_bytes for i in layers[s]) for s in range(p)]
     groups = [[rank_of[(s, r)] for r in range(counts[s])] for s in range(p)]
-    # sharing cores, each replica's step and reductions after its last action share them (_tail_seconds)
-    tails = [_tail_seconds(profile, cluster, parameter_bytes[stage], [
-        profile.layers[i].parameter_bytes for i in reversed(layers[stage]) if profile.layers[i].parameter_bytes],
-        groups[stage]) for stage, _ in places] if cluster.shares_cores(profile.device) else []
+    weighted = [[profile.layers[i].parameter_bytes for i in reversed(layers[s]) if profile.layers[i].parameter_bytes]
+                for s in range(p)]
+    tails = _tails(profile, cluster, [parameter_bytes[s] for s, _ in places], [weighted[s] for s, _ in places],
+                   [groups[s] for s, _ in places])  # sharing cores: each replica's step and reductions after it
     timeline = _simulate(profile, cluster, lists, [cluster.host_of(rank) for rank in range(len(lists))],
                          [1] * len(lists), max(parameter_bytes), tails,
                          **_durations(profile, cluster, layers, forward, backward, transfer), placement=placement)
@@ -637,8 +638,10 @@ def _predict_stage_replicas(profile: Profile, cluster: Cluster, candidate: Candi
     slow = cluster.slowdown_for(max(parameter_bytes))
     # after its last action and its gradients' reduction, each stage's replicas agree on which gradients exist and
     # step: the optimizer's hooks and its step right after the reduction as in predict (the step simulated, sharing)
-    update = [0.0 if tails else profile.update_ms_per_mb * parameter_bytes[s] / 2**20 / 1e3 * slow for s in range(p)]
-    after = [update[s] + ((allreduce_seconds(64, groups[s], cluster) + _submit_seconds(profile, list(layers[s]), cluster)
+    update = [0.0 if tails else profile.update_ms_per_mb * parameter_bytes[s] / 2**20 / 1e3 * slow
+              for s in range(p)]
+    after = [update[s] + ((allreduce_seconds(64, groups[s], cluster)
+                           + _submit_seconds(profile, list(layers[s]), cluster)
                            + _after_reduction_seconds(parameter_bytes[s], cluster)) if counts[s] > 1 else 0.0)
              for s in range(p)]
     finished, busiest = [], 0.0

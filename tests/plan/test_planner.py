@@ -118,7 +118,8 @@ def test_compute_contention_and_core_sharing_slow_what_computes_at_once():
     # speed throughout, as without the simulated sharing
     for waiting, expected in ((0.5, 30e-3), (1.0, 36e-3)):
         busy = dataclasses.replace(one_core, waiting_load=waiting)
-        assert predict(profile, busy, Candidate(2, 1, (2, 2), 2, "gpipe"), 2).pipeline_seconds == pytest.approx(expected)
+        timed = predict(profile, busy, Candidate(2, 1, (2, 2), 2, "gpipe"), 2)
+        assert timed.pipeline_seconds == pytest.approx(expected)
     with pytest.raises(HybridPipeError, match=r"compute_contention must be >= 1 \(got 0.5\)"):
         Cluster(ranks=2, compute_contention=0.5)
 
