@@ -207,16 +207,11 @@ class Worker:
                 if self.rank == 0:
                     medians = {name: statistics.median(values) for name, values in samples.items()}
                     results.append({"bytes": nbytes, "pause_ms": pause_ms, "pause": kind, "seconds": medians,
-                                    "rounds": rounds, "p90": _quantile(samples["hybridpipe"], 0.9),
+                                    "rounds": rounds, "p90": statistics.quantiles(samples["hybridpipe"], n=10)[-1],
                                     "posted": self.queued})
                     shown = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in medians.items())
                     progress(f"{nbytes} B, pause {pause_ms} ms ({kind}): {shown}")
         return {"cases": results}
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def pause_cases(args: argparse.Namespace) -> list[tuple[float, str]]:

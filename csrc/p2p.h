@@ -12,7 +12,7 @@
 // MPI while holding it. A submitting thread waits up to kSubmitLockWaitUs for it before it queues: the
 // communication thread runs niced, and where it shares the submitter's core it is preempted inside its
 // short hold whenever the compute thread wakes; queued behind it, a send would leave only when the compute
-// thread next sleeps (measured: 12 of 30 sends of a 2-rank pipeline queued, some 5 ms late). The timed wait
+// thread next sleeps (measured: 12 of 30 sends of a 2-rank hop test queued, some 5 ms late). The timed wait
 // sleeps, so the holder gets the core back and lets go. With no queue installed (the
 // transport used on its own, without hp.init), the calling thread makes the calls itself.
 //

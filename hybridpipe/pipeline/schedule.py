@@ -730,9 +730,7 @@ def simulate(schedule: Schedule, forward_time: Duration = 1.0, backward_time: Du
                 if start is None:
                     break
                 end = start + durations[action.kind](action)
-                finished.setdefault((action.stage, action.kind, action.micro_batch), end)
-                if action.kind in _GRADIENT_KINDS:
-                    finished.setdefault((action.stage, _GRADIENT, action.micro_batch), end)
+                _record(finished, action, end)
                 placed[rank].append(TimedAction(action, start, end))
                 free_at[rank] = end
                 position[rank] += 1
@@ -795,14 +793,11 @@ def simulate_shared(schedule: Schedule, speed: Callable[[Sequence[int]], Sequenc
                 if action is None:
                     tail_ends[i] = now
                     continue
-                finished.setdefault((action.stage, action.kind, action.micro_batch), now)
-                if action.kind in _GRADIENT_KINDS:
-                    finished.setdefault((action.stage, _GRADIENT, action.micro_batch), now)
+                _record(finished, action, now)
                 placed[i].append(TimedAction(action, item[1], now))
                 position[i] += 1
                 if tails and position[i] == len(schedule[i]):
                     running[i] = [None, now, tails[i]]
-                    tail_ends[i] = now
     blocked = [actions[position[i]] if position[i] < len(actions) else None for i, actions in enumerate(schedule)]
     return Timeline(placed, max((items[-1].end for items in placed if items), default=0.0), blocked, tail_ends)
 
@@ -834,6 +829,13 @@ def _start_ready(schedule: Schedule, position: list[int], running: dict[int, lis
             running[rank] = [action, now, durations[action.kind](action)]
             started = True
     return arrival
+
+
+def _record(finished: dict[tuple[int, ActionKind | str, int], float], action: Action, end: float) -> None:
+    """The simulators' note that ``action`` ended at ``end`` (and, for a B or an I, that its input gradient exists)."""
+    finished.setdefault((action.stage, action.kind, action.micro_batch), end)
+    if action.kind in _GRADIENT_KINDS:
+        finished.setdefault((action.stage, _GRADIENT, action.micro_batch), end)
 
 
 def _arrivals(needs: list[tuple[int, ActionKind | str, int]], finished: dict[tuple[int, ActionKind | str, int], float],

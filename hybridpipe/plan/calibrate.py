@@ -340,6 +340,26 @@ def _probe_model() -> nn.Module:
     return nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Tanh()) for _ in range(PROBE_LAYERS)])
 
 
+def _steps_in_turns(comm: Any, probes: dict[Any, tuple[nn.Module, Any]], inputs: torch.Tensor, repeats: int,
+                    whole: bool) -> dict[Any, list[float]]:
+    """This rank's times of ``repeats`` training steps of each probe (a model and its optimizer) on ``inputs``, after
+    two untimed rounds: the probes take turns, each after a sleeping barrier, so that they see the same spells of
+    the machine. ``whole``: the step from ``zero_grad`` to the end of ``step()``; else ``step()`` alone."""
+    times: dict[Any, list[float]] = {key: [] for key in probes}
+    for run in range(repeats + 2):
+        for key, (model, optimizer) in probes.items():
+            call(None, "calibrate", lambda: sleeping_barrier(comm))
+            started = time.perf_counter()
+            optimizer.zero_grad()
+            model(inputs).square().mean().backward()
+            if not whole:
+                started = time.perf_counter()
+            optimizer.step()
+            if run >= 2:
+                times[key].append(time.perf_counter() - started)
+    return times
+
+
 #: Samples per rank of :func:`_data_parallel_extra`'s probe (its backward takes about as long as its reductions).
 DATA_PARALLEL_PROBE_BATCH = 32
 
@@ -355,17 +375,7 @@ def _data_parallel_extra(comm: Any, repeats: int) -> float:
     optimizers = {"plain": (plain, torch.optim.SGD(plain.parameters(), lr=1e-4)),
                   "reduced": (reduced, DistributedOptimizer(torch.optim.SGD(reduced.parameters(), lr=1e-4),
                                                             named_parameters=reduced.named_parameters()))}
-    inputs = torch.randn(DATA_PARALLEL_PROBE_BATCH, 512)
-    times: dict[str, list[float]] = {kind: [] for kind in optimizers}
-    for run in range(repeats + 2):
-        for kind, (model, optimizer) in optimizers.items():
-            call(None, "calibrate", lambda: sleeping_barrier(comm))
-            started = time.perf_counter()
-            optimizer.zero_grad()
-            model(inputs).square().mean().backward()
-            optimizer.step()
-            if run >= 2:
-                times[kind].append(time.perf_counter() - started)
+    times = _steps_in_turns(comm, optimizers, torch.randn(DATA_PARALLEL_PROBE_BATCH, 512), repeats, whole=True)
     every = call(None, "calibrate", lambda: comm.allgather(times))
     slowest = {kind: statistics.median(max(rank[kind][i] for rank in every) for i in range(repeats))
                for kind in times}
@@ -385,17 +395,7 @@ def _zero_extra(comm: Any, repeats: int) -> dict[int, float]:
         model = _probe_model()
         probes[level] = (model, DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
                                                      named_parameters=model.named_parameters(), zero=level))
-    inputs = torch.randn(2, 512)
-    times: dict[int, list[float]] = {level: [] for level in probes}
-    for run in range(repeats + 2):
-        for level, (model, optimizer) in probes.items():
-            call(None, "calibrate", lambda: sleeping_barrier(comm))
-            optimizer.zero_grad()
-            model(inputs).square().mean().backward()
-            started = time.perf_counter()
-            optimizer.step()
-            if run >= 2:
-                times[level].append(time.perf_counter() - started)
+    times = _steps_in_turns(comm, probes, torch.randn(2, 512), repeats, whole=False)
     mine = [statistics.median(times[level]) for level in probes]
     slowest = [max(values) for values in zip(*call(None, "calibrate", lambda: comm.allgather(mine)))]
     mib = sum(p.numel() * 4 for p in probes[0][0].parameters()) / 2**20
@@ -413,7 +413,7 @@ def waiting_load(comm: Any, turns: int = 8) -> float:
     payload = torch.ones(4)
     for turn in range(turns + 1):
         worker, tag = turn % size, 4 + 2 * (turn % 2)
-        sleeping_barrier(comm)
+        call(None, "calibrate", lambda: sleeping_barrier(comm))
         if rank == worker:
             started = time.perf_counter()
             while time.perf_counter() - started < WAITING_TURN_SECONDS:

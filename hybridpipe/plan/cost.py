@@ -503,11 +503,11 @@ def _reduction_end(items: list[sched.TimedAction], chunks_here: list[int], layer
     return end, busy
 
 
-def _gather_seconds(layer_bytes: list[int], group: list[int], cluster: Cluster, concurrent: int,
-                    collective: Callable[..., float] = allgather_seconds) -> float:
-    """ZeRO's allgather of a rank's updated parameters after its step, bucket after bucket (the buckets of
-    the reduce-scatter: layers in the backward's order until one reaches ``fusion_bytes``); with ``collective``
-    another of the buckets' collectives (the gradients' allreduce)."""
+def _bucketed_seconds(collective: Callable[..., float], layer_bytes: list[int], group: list[int], cluster: Cluster,
+                      concurrent: int) -> float:
+    """``collective`` over a rank's gradient buckets, one after another (layers in the backward's order until one
+    reaches ``fusion_bytes``): ZeRO's allgather of the updated parameters after its step, or the gradients'
+    allreduce."""
     total = bucket = 0.0
     for index, nbytes in enumerate(layer_bytes):
         bucket += nbytes
@@ -524,7 +524,7 @@ def _tail_seconds(profile: Profile, cluster: Cluster, parameter_bytes: float, la
     update = profile.update_ms_per_mb * parameter_bytes / 2**20 / 1e3
     if len(group) < 2 or not cluster.reductions_share_cores(profile.device):
         return update
-    return update + _gather_seconds(layer_bytes, group, cluster, 1, allreduce_seconds)
+    return update + _bucketed_seconds(allreduce_seconds, layer_bytes, group, cluster, 1)
 
 
 def _submit_seconds(profile: Profile, layer_indices: list[int], cluster: Cluster) -> float:
@@ -723,7 +723,7 @@ def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_bat
         sum(cluster.host_of(rank) == hosts[r] for rank in groups[r]) for r in range(p)], **duration)
     # the optimizer's step (ZeRO: on 1/D of the parameters, then their allgather)
     update = [profile.update_ms_per_mb * parameter_bytes[r] / (d if zero else 1) / 2**20 / 1e3 * slow
-              + (_gather_seconds(layer_bytes[r], groups[r], cluster, concurrent) if zero else 0.0)
+              + (_bucketed_seconds(allgather_seconds, layer_bytes[r], groups[r], cluster, concurrent) if zero else 0.0)
               for r in range(p)]
     # step(): which gradients exist, agreed (ZeRO's step reduce-scatters every bucket instead)
     flags = allreduce_seconds(64, groups[0], cluster, concurrent) if d > 1 and not zero else 0.0
@@ -793,7 +793,7 @@ def _synchronous_step(profile: Profile, cluster: Cluster, candidate: Candidate, 
         finished = [max(done, own + u + cluster.data_parallel_us_per_mib * 1e-6 * nbytes / 2**20)
                     for done, own, u, nbytes in zip(finished, last, update, parameter_bytes)]
     step = max([pipeline] + finished)
-    slowest = max(busy + (_gather_seconds(w, g, cluster, concurrent) if zero else 0.0)
+    slowest = max(busy + (_bucketed_seconds(allgather_seconds, w, g, cluster, concurrent) if zero else 0.0)
                   for (_, busy), w, g in zip(ends, layer_bytes, groups))
     return step, pipeline, step - pipeline, slowest
 
