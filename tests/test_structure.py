@@ -27,6 +27,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("errors", ("errors",)),
     ("config", ("config",)),
     ("the running job", ("running",)),
+    # the contract between what runs a model's forwards and backwards and data parallelism (issue 47): the pipeline
+    # drives it, DistributedOptimizer implements it, the job keeps its drivers
+    ("gradient sync contract", ("gradient_sync",)),
     ("extension and trace", ("_ext", "_trace")),
     # comm, lowest first: what the context object is built from, the context, then what runs on it
     ("comm: foundations", ("comm.departures", "comm.ring")),

@@ -39,6 +39,7 @@ from ..errors import (
     PeerShutDownError,
 )
 from .. import running
+from ..gradient_sync import SyncDrivers
 from . import buffers
 from .departures import Departures
 from .process_sets import ProcessSet, Registry
@@ -115,6 +116,9 @@ class CommContext:
         self.warned_staging = False  # device.note_staged warns once per job
         self.on_engine_thread = threading.local()  # .inside: this thread runs a call of the engine's (see call)
         self.step_guard: Any = None  # the optimizer step hook of asynchronous pipelines (pipeline/asynchronous.py)
+        # what runs each parameter's forwards and backwards, and the gradient syncs registered with it (weakly;
+        # hybridpipe/gradient_sync.py): pipelines' executors, DistributedOptimizers' autograd drivers
+        self.sync_drivers = SyncDrivers()
         # p2p receives posted and not opened yet, per (communicator handle, source, tag), in posting order (p2p.py)
         self.unopened_receives: dict[tuple[int, int, int], list[Any]] = {}
         self._device_allreduce = device_allreduce
