@@ -44,12 +44,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("comm: over the collectives", ("comm.autotune", "comm.exchange", "comm.objects", "comm.p2p", "comm.agree")),
     ("comm package", ("comm",)),
     ("runtime", ("runtime", "rng_state", "capabilities", "timeline")),
-    # pipeline / data_parallel: the collectives in autograd and the loss scaler serve the pipeline; the
-    # optimizer reads the pipeline's gradient phases and tied weights
-    ("data_parallel: collectives", ("data_parallel", "data_parallel.compression", "data_parallel.amp",
-                                    "data_parallel.differentiable", "data_parallel.sync_batch_norm")),
+    # data_parallel below the pipeline: the collectives in autograd and the loss scaler serve the pipeline; the
+    # optimizer meets the pipeline only through gradient_sync (registered with the job's drivers)
+    ("data_parallel", ("data_parallel", "data_parallel.compression", "data_parallel.amp",
+                       "data_parallel.differentiable", "data_parallel.sync_batch_norm", "data_parallel.zero",
+                       "data_parallel.optimizer")),
     ("pipeline", ("pipeline", "pipeline.*")),
-    ("data_parallel: optimizer", ("data_parallel.zero", "data_parallel.optimizer")),
     ("checkpoint", ("checkpoint",)),
     ("data_parallel: elastic", ("data_parallel.elastic",)),
     ("plan", ("plan", "plan.*")),

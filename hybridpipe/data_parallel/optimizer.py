@@ -11,11 +11,13 @@ Design reasons:
   parameter name. At ``step()`` one tiny allreduce of "has a gradient" flags makes every rank
   treat the same set: a parameter with no gradient on this rank but one elsewhere is reduced as
   zeros; one with no gradient anywhere keeps ``grad = None`` everywhere.
-* A gradient hook (``register_post_accumulate_grad_hook``) queues each parameter's reduction on
-  the background engine (``comm/engine.py``) the moment its gradient is final: in a pipeline,
-  during the stage's LAST micro-batch backward of the step (earlier micro-batches only
-  accumulate), so the reduction overlaps the rest of that backward and the other stages' drain;
-  with a plain module, after the ``backward_passes_per_step``-th backward. ``step()`` waits for
+* The optimizer is a gradient sync (``hybridpipe/gradient_sync.py``): it registers with the pipeline that
+  runs its parameters (found in the job's ``sync_drivers``), or, for parameters no pipeline runs, with an
+  autograd driver of its own. Each ``gradient_final`` (a gradient hook, ``register_post_accumulate_grad_hook``,
+  of the driver's) queues the parameter's reduction on the background engine (``comm/engine.py``) the moment
+  its gradient is final: in a pipeline, during the stage's LAST micro-batch backward of the step (earlier
+  micro-batches only accumulate), so the reduction overlaps the rest of that backward and the other stages'
+  drain; with a plain module, after the ``backward_passes_per_step``-th backward. ``step()`` waits for
   them (and starts those of parameters whose hook did not fire on this rank), then steps.
 * ``backward_passes_per_step=N``: gradients of N backward passes (or ``train_step`` calls) are
   accumulated locally, then averaged over ranks and divided by N, so N passes over batches of
@@ -37,9 +39,7 @@ from ..comm import autotune, buffers, collectives, context, engine, exchange, ob
 from .. import runtime
 from . import zero as zero_module
 from .compression import Compression, wire_for
-from ..pipeline import stage
-from ..pipeline.asynchronous import owner_of
-from ..pipeline.tied import copies_counted_elsewhere
+from ..gradient_sync import GradientSync
 from ..comm.collectives import Average, ReduceOp, Sum
 from ..comm.process_sets import ProcessSet
 from ..errors import HybridPipeError, NotSupportedError
@@ -111,6 +111,18 @@ def _split_groups(names: list[str], by_id: dict[int, str], groups: Any, num_grou
         if group_names:
             result.append(group_names)
     return result
+
+
+class _OptimizerSync(GradientSync):
+    """A DistributedOptimizer's side of the contract with what runs its parameters (hybridpipe/gradient_sync.py): a
+    final gradient starts its reduction (ZeRO: its bucket's, once the bucket is final). A separate object, so that
+    the protocol's names stay off the optimizer the user holds."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+
+    def gradient_final(self, parameter: Any) -> None:
+        self.optimizer._hp_gradient_final(parameter)
 
 
 class _DistributedOptimizerMixin:
@@ -188,9 +200,11 @@ class _DistributedOptimizerMixin:
         # (an outside rank counts its optimizer too, so that the later ones keep the same names everywhere)
         self._hp_prefix = f"hybridpipe.DistributedOptimizer{running.sequence('optimizer') + 1}"
         self._hp_flags_name = f"{self._hp_prefix}.has_grad"
-        self._hp_hooks = [] if self._hp_outside else [
-            parameter.register_post_accumulate_grad_hook(self._hp_hook(name))
-            for name, parameter in self._hp_parameters if parameter.requires_grad]
+        # the contract with what runs the parameters (gradient_sync.py): gradient_final starts their reductions
+        self._hp_sync = _OptimizerSync(self)
+        self._hp_name_of = {parameter: name for name, parameter in self._hp_parameters}  # (by identity)
+        self._hp_registrations = [] if self._hp_outside else \
+            running.sync_drivers.register(self._hp_sync, [p for _, p in self._hp_parameters])
 
     @property
     def synchronized(self) -> bool:
@@ -208,16 +222,14 @@ class _DistributedOptimizerMixin:
         names, or ``param.<i>`` in the optimizer's parameter order when none were given)."""
         return {parameter: name for name, parameter in self._hp_parameters}
 
-    def _hp_hook(self, name: str) -> Any:
-        def hook(parameter: torch.nn.Parameter) -> None:
-            if stage.gradient_phase(parameter) == "partial":  # more micro-batches of this step add to it
-                return
-            count = self._hp_counts.get(name, 0) + 1
-            self._hp_counts[name] = count
-            if count == self._hp_passes and name not in self._hp_submitted:
-                self._hp_ready_now(name)
-
-        return hook
+    def _hp_gradient_final(self, parameter: torch.nn.Parameter) -> None:
+        """A gradient of ``parameter`` was just accumulated and is final for this backward pass (its driver said):
+        after ``backward_passes_per_step`` of them its reduction starts."""
+        name = self._hp_name_of[parameter]
+        count = self._hp_counts.get(name, 0) + 1
+        self._hp_counts[name] = count
+        if count == self._hp_passes and name not in self._hp_submitted:
+            self._hp_ready_now(name)
 
     def _hp_ready_now(self, name: str) -> None:
         """``name``'s gradient is final here: reduce it, or its group once the whole group is final."""
@@ -375,12 +387,18 @@ class _DistributedOptimizerMixin:
 
 def _refuse_pipeline_driven(optimizer: torch.optim.Optimizer, zero: int) -> None:
     """Parameters of a PipelineModel whose asynchronous schedule steps its own optimizer are not wrapped again."""
+    job = context.current_or_none()
+    if job is None:
+        return  # (DistributedOptimizer raises NotInitializedError)
+    drivers = job.sync_drivers.live()
     for group_ in optimizer.param_groups:
-        owner = next((model for p in group_["params"] if (model := owner_of(p)) is not None), None)
+        owner = next((driver.updates_itself for p in group_["params"]
+                      if (driver := job.sync_drivers.runner_of(p, drivers)) is not None and driver.updates_itself),
+                     None)
         if owner is not None:
             raise HybridPipeError(
                 f"hp.DistributedOptimizer(zero={zero}) wraps parameters of a PipelineModel whose schedule "
-                f"{owner.schedule_name!r} steps its own optimizer (optimizer=) inside train_step, averaging the "
+                f"{owner!r} steps its own optimizer (optimizer=) inside train_step, averaging the "
                 "gradients over the replicas itself: do not wrap them (a second optimizer would update them "
                 "again); ZeRO needs a synchronous schedule ('gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1')")
 
@@ -560,6 +578,45 @@ def _zero_missing_gradients(optimizer: torch.optim.Optimizer, model: Any) -> Non
 # ------------------------------------------------------------------ clipping
 
 
+def _zero_owner_of(parameter: torch.Tensor) -> Any:
+    """The ZeRO optimizer that steps ``parameter`` (the last made of those registered for it), or None."""
+    syncs = context.current("clip_grad_norm_").sync_drivers.syncs_of(parameter)
+    owners = [sync.optimizer for sync in syncs
+              if isinstance(sync, _OptimizerSync) and getattr(sync.optimizer, "zero", 0)]
+    return owners[-1] if owners else None
+
+
+def _copies_counted_elsewhere(model: Any) -> set[int]:
+    """The ids of this rank's copies of weights tied across stages that a lower stage also holds.
+
+    A sum over the pipeline's parameters (a gradient norm) counts a tied weight once by counting it on
+    its lowest holding stage only. Reads the model's public layout: ``tied_parameter_names`` (names
+    ``layers.<index>.<name>``), ``tied_parameter_ranks`` or ``layers_of_stage``; anything else (a plain module)
+    has no such copies.
+    """
+    ties = getattr(model, "tied_parameter_names", None)
+    if not ties or not callable(getattr(model, "layers_of_stage", None)):
+        return set()
+    own = dict(model.named_parameters(remove_duplicate=False))
+    holders = getattr(model, "tied_parameter_ranks", None)
+    if holders is not None:  # the pipeline ranks holding each tie, as PipelineModel lists them
+        return {id(own[name]) for names, ranks in zip(ties, holders) if model.stage != min(ranks)
+                for name in names if name in own}
+    stage_of_layer = {index: stage for stage in range(model.stages) for index in model.layers_of_stage(stage)}
+    elsewhere: set[int] = set()
+    for names in ties:
+        try:
+            lowest = min(stage_of_layer[int(name.split(".")[1])] for name in names)
+        except (IndexError, ValueError, KeyError):
+            raise HybridPipeError(f"tied_parameter_names {names} are not 'layers.<index>.<name>' of layers this "
+                                  "model's layers_of_stage() lists: PipelineModel and "
+                                  "clip_grad_norm_'s _copies_counted_elsewhere disagree on names; update the "
+                                  "latter") from None
+        if model.stage != lowest:
+            elsewhere.update(id(own[name]) for name in names if name in own)
+    return elsewhere
+
+
 def clip_grad_norm_(model: Any, max_norm: float, norm_type: float = 2.0) -> float:
     """Clips the gradients of ``model`` (all pipeline stages together) to a GLOBAL norm ``max_norm``.
 
@@ -582,9 +639,9 @@ def clip_grad_norm_(model: Any, max_norm: float, norm_type: float = 2.0) -> floa
             "Clip per stage inside the optimizer you pass (e.g. a torch.optim.Optimizer subclass whose step() calls "
             "torch.nn.utils.clip_grad_norm_ on its params first), or use a synchronous schedule")
     parameters = list(model.parameters()) if hasattr(model, "parameters") else list(model)
-    elsewhere = copies_counted_elsewhere(model)  # tied copies whose norm a lower stage adds
+    elsewhere = _copies_counted_elsewhere(model)  # tied copies whose norm a lower stage adds
     # ZeRO: the averaged gradient exists only as each replica's shard: its norm is summed over the data group
-    sharded = list(dict.fromkeys(o for o in map(zero_module.owner_of, parameters) if o is not None))
+    sharded = list(dict.fromkeys(o for o in map(_zero_owner_of, parameters) if o is not None))
     managed = {id(p) for o in sharded for _, p in o._hp_parameters}
     grads = [p.grad for p in parameters if p.grad is not None and id(p) not in managed]
     counted = [p.grad for p in parameters

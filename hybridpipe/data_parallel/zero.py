@@ -9,7 +9,8 @@ tensor, which replaces the group's parameters inside the wrapped optimizer, so t
 
 A step.
 
-1. As soon as every gradient of a bucket is final (the same hook and pipeline phase as zero=0), the
+1. As soon as every gradient of a bucket is final (the same ``gradient_final`` of hybridpipe/gradient_sync.py as
+   zero=0), the
    bucket's gradients are copied into a fresh flat buffer and reduce-scattered on the background
    engine (C++: shared memory on one host, the ring's reduce-scatter half across hosts): the average
    of this replica's piece lands in the shard's gradient, overlapping the rest of the backward.
@@ -150,10 +151,6 @@ class ZeroMixin:
             raise MismatchError(f"DistributedOptimizer(zero={level}): the replicas' parameters differ (layout "
                                 f"digests and bucket counts {digests}): every replica of a stage must wrap the same "
                                 "parameters, in the same order and param groups")
-        for shard in self._hp_shards:
-            _ZERO_SHARDS[id(shard)] = self
-        for _, p in self._hp_parameters:
-            _ZERO_OWNER[id(p)] = self
 
     # ------------------------------------------------------------------ gradients
 
@@ -427,16 +424,6 @@ def _host_buffer(numel: int, shard: torch.Tensor, zeros: bool = False) -> torch.
     pinned = shard.device.type == "cuda"
     make = torch.zeros if zeros else torch.empty
     return make(numel, dtype=shard.dtype, pin_memory=pinned)
-
-
-# every ZeRO optimizer by its shards' and its parameters' ids (clip_grad_norm_ and checkpoints find them)
-_ZERO_SHARDS: dict[int, Any] = {}
-_ZERO_OWNER: dict[int, Any] = {}
-
-
-def owner_of(parameter: torch.Tensor) -> Any:
-    """The ZeRO optimizer that steps ``parameter`` (None: none does)."""
-    return _ZERO_OWNER.get(id(parameter))
 
 
 def assemble(pieces_by_rank: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -21,8 +21,7 @@ Design reasons:
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,7 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from hybridpipe import running
 from hybridpipe.errors import HybridPipeError
 
-__all__ = ["WeightStash", "install_step_guard", "mark_owned", "owner_of"]
+__all__ = ["WeightStash", "install_step_guard"]
 
 
 class _Snapshot:
@@ -147,19 +146,6 @@ class WeightStash:
         return lambda x: torch.func.functional_call(self.module, version_tensors, (x,))
 
 
-def mark_owned(parameters: Iterable[nn.Parameter], model: Any) -> None:
-    """Marks ``parameters`` as held by ``model`` (a PipelineModel, weakly): see :func:`owner_of`."""
-    for parameter in parameters:
-        parameter._hybridpipe_owner = weakref.ref(model)
-
-
-def owner_of(parameter: Any) -> Any:
-    """The live PipelineModel that holds ``parameter`` (:func:`mark_owned`), or None: the step guard and
-    DistributedOptimizer find an asynchronous pipeline's parameters through it."""
-    reference = getattr(parameter, "_hybridpipe_owner", None)
-    return reference() if reference is not None else None
-
-
 def install_step_guard() -> None:
     """Makes ``step()`` of any optimizer over an asynchronous pipeline's parameters raise, unless the
     pipeline itself calls it (a ``U`` action): a second update would break the weight versions. Installed once
@@ -170,14 +156,18 @@ def install_step_guard() -> None:
 
 
 def _step_guard(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    job = running.current_or_none()
+    if job is None:
+        return
+    drivers = job.sync_drivers.live()
     for group in optimizer.param_groups:
         for parameter in group["params"]:
-            model = owner_of(parameter)
-            if model is None or not model.asynchronous:
+            driver = job.sync_drivers.runner_of(parameter, drivers)  # the pipeline that runs it (gradient_sync.py)
+            if driver is None or driver.updates_itself is None:
                 continue
-            if model.updates_with(optimizer):
+            if driver.updating is optimizer:
                 return
             raise HybridPipeError(
-                f"schedule {model.schedule_name!r} updates the weights inside the pipeline (the optimizer given "
+                f"schedule {driver.updates_itself!r} updates the weights inside the pipeline (the optimizer given "
                 "as optimizer= steps after each scheduled update): do not call step() yourself; "
                 "model.train_step(x, y) trains, model.flush() applies what is still in flight")

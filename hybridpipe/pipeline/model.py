@@ -75,7 +75,8 @@ from hybridpipe.pipeline.schedule import (
     peak_in_flight,
     validate,
 )
-from hybridpipe.pipeline.asynchronous import install_step_guard, mark_owned
+from hybridpipe.gradient_sync import GradientSync, Registration
+from hybridpipe.pipeline.asynchronous import install_step_guard
 from hybridpipe.pipeline.stage import CHECKPOINT_MODES, StageExecutor, StepResult, split_summary
 
 __all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModel"]
@@ -329,6 +330,8 @@ class PipelineModel(nn.Module):
         replica_ranks = None if grid.uniform else [grid.ranks_of_stage(s) for s in range(stages)]
         self._executor = StageExecutor(chunk_modules, self.stage, stages, self._comm, self.device, virtual_stages,
                                        replica_ranks)
+        # the job finds the pipeline that runs a parameter here (a DistributedOptimizer registers with it)
+        runtime.job("PipelineModel").sync_drivers.add(self._executor.gradient_syncs)
         self._executor.use_skips(self.skip_routes)
         if schedule_spec(name).split_backward:
             self._executor.split_backward()
@@ -407,9 +410,8 @@ class PipelineModel(nn.Module):
             replica_streams(name, self.grid.stage_replicas, self.micro_batches)[(self.stage, self.grid.replica)]
         self._executor.use_weight_stash(name, self.vertical_sync, self.micro_batches)
         self._executor.on_update = self._apply_update
-        self._updating = False
+        self._executor.gradient_syncs.updates_itself = name  # no DistributedOptimizer registers with it
         install_step_guard()
-        mark_owned(parameters, self)
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -688,6 +690,7 @@ class PipelineModel(nn.Module):
                 raise
             if self._tied is not None:  # every send is done: no stage waits for a neighbour any more
                 self._tied.sum_gradients(earlier)
+            self._executor.gradient_syncs.step_ends()
             self.last_step = result
             return result.loss
         first = self._next_micro_batch
@@ -698,6 +701,7 @@ class PipelineModel(nn.Module):
         actions = self._stream.segment(first + self.micro_batches)
         result = self._executor.run(actions, self.micro_batches, dict(zip(ids, chunks)), dict(zip(ids, target_chunks)),
                                     self.loss_fn, dict(zip(ids, weights)), self.checkpoint, train=True)
+        self._executor.gradient_syncs.step_ends()
         self.last_step = result
         return sum(result.losses.values()) / len(result.losses) if result.losses else None
 
@@ -748,7 +752,14 @@ class PipelineModel(nn.Module):
     def updates_with(self, optimizer: Any) -> bool:
         """Whether ``optimizer.step()`` runs now as this pipeline's own scheduled update (a ``U`` action of an
         asynchronous schedule; any other step of its optimizer is refused, see pipeline/asynchronous.py)."""
-        return optimizer is self.optimizer and self._updating
+        return optimizer is self.optimizer and self._executor.gradient_syncs.updating is optimizer
+
+    def register_gradient_sync(self, sync: GradientSync, parameters: Any = None) -> Registration:
+        """Makes ``sync`` (a :class:`hybridpipe.gradient_sync.GradientSync`) hear of this rank's forwards, backwards
+        and final gradients of ``parameters`` (default: all of this rank's) until the returned registration's
+        ``remove()``; see hybridpipe/gradient_sync.py for who calls what, when. hp.DistributedOptimizer registers
+        itself with the pipeline that runs its parameters; call this for a sync of your own."""
+        return self._executor.gradient_syncs.register(sync, self.parameters() if parameters is None else parameters)
 
     def _apply_update(self, stage: int, micro_batch: int) -> None:
         """A ``U`` action: average the gradients over the stage's replicas, step, start a new version."""
@@ -758,11 +769,12 @@ class PipelineModel(nn.Module):
                 parameter.grad = torch.zeros_like(parameter)
         if self.grid.data_replicas > 1:
             grouped_allreduce_([p.grad for p in parameters], op=Average, group="data")
-        self._updating = True
+        syncs = self._executor.gradient_syncs
+        syncs.updating = self.optimizer  # the step guard lets this step through (pipeline/asynchronous.py)
         try:
             self.optimizer.step()
         finally:
-            self._updating = False
+            syncs.updating = None
         self.optimizer.zero_grad(set_to_none=True)
         self._executor.chunks[stage].stash.updated(self._stream.next_forward_id)
 

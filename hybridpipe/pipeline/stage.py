@@ -19,13 +19,14 @@ Design reasons:
   for gradients, where ``k = c // P`` is the receiving chunk's index on its rank and
   ``T = 4096 // v`` (each message takes two tags). MPI matches messages of one (source, tag) in
   order, so tags may wrap.
-* "Gradients are final now": when a backward (``B`` or ``W``) is the last one of its chunk in
-  the run, the chunk's ``phase`` is ``"final"`` while it runs, else ``"partial"``.
-  :func:`gradient_phase` reads it from a parameter, so ``hp.DistributedOptimizer``'s gradient
-  hooks start a parameter's allreduce during the last micro-batch's backward and not before. It
-  is state of this executor's chunks, not of the process, so several pipelines can coexist. A
-  parameter whose gradient is completed after the run (a weight tied across stages, summed by
-  ``PipelineModel.train_step``; :meth:`StageExecutor.defer_gradients`) is always ``"partial"``.
+* Gradient syncs (``hybridpipe/gradient_sync.py``): each chunk is a :class:`~hybridpipe.gradient_sync.Unit`
+  of ``self.gradient_syncs``, the driver that data parallelism registers with. Every forward of a chunk runs
+  inside its ``forward`` pair of calls and every ``B``, ``I`` or ``W`` inside its ``backward`` pair, ``last``
+  when it is the chunk's last ``B`` or ``W`` of the run: a gradient accumulated then is final, so
+  ``hp.DistributedOptimizer`` starts a parameter's allreduce during the last micro-batch's backward and not
+  before. It is state of this executor's chunks, not of the process or the parameters, so several pipelines can
+  coexist. A parameter whose gradient is completed after the run (a weight tied across stages, summed by
+  ``PipelineModel.train_step``; :meth:`StageExecutor.defer_gradients`) is never final in a backward.
 * Re-materialization: a micro-batch that is not stored runs its forward under ``no_grad`` and
   keeps only its input and the RNG state; its backward re-runs the forward with the RNG state
   restored (same dropout masks) and then back-propagates. Outputs of such a forward are marked
@@ -50,8 +51,7 @@ import collections
 import contextlib
 import time
 import warnings
-import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +61,7 @@ from torch import nn
 from hybridpipe import _trace as timeline
 from hybridpipe.comm import p2p
 from hybridpipe.errors import HybridPipeError
+from hybridpipe.gradient_sync import SyncDriver, Unit
 from hybridpipe.pipeline import finite
 from hybridpipe.pipeline.asynchronous import WeightStash
 from hybridpipe.pipeline.batch_check import compare
@@ -69,7 +70,7 @@ from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
 from hybridpipe.pipeline.schedule import Action, ActionKind, stage_to_rank
 from hybridpipe.pipeline.skip import SkipContext, SkipRoute, skip_context
 
-__all__ = ["CHECKPOINT_MODES", "PipelineBroken", "StageExecutor", "StepResult", "gradient_phase", "splittable",
+__all__ = ["CHECKPOINT_MODES", "PipelineBroken", "StageExecutor", "StepResult", "splittable",
            "input_gradient_targets", "weight_gradients", "deferred_parameters", "split_summary"]
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
@@ -77,24 +78,11 @@ _TAG_PERIOD = 4096
 _RESULT_TAG = 4 * _TAG_PERIOD  # loss / predict output from the last stage to every stage
 _SKIP_TAG_BASE = _RESULT_TAG + 4  # skip connections: 4 tags (value, its gradient; header and payload each) per slot
 _SKIP_SLOTS = 3900  # (name, micro-batch) slots below p2p.ERROR_TAG: micro-batch ids modulo 3900 // names
-_CHUNK_ATTRIBUTE = "_hybridpipe_chunk"
 _BATCH_MARK = "__hybridpipe_batch_fingerprint__"  # an activation message carrying the sender's batch fingerprint
 
 
 class PipelineBroken(HybridPipeError):
     """The pipeline failed in an earlier step; its message queues are in an unknown state."""
-
-
-def gradient_phase(parameter: torch.Tensor) -> str | None:
-    """While a pipeline backward accumulates into ``parameter``: ``"partial"`` (more backwards of
-    this step follow, or its gradient is completed after the run: a tied weight) or ``"final"``
-    (its gradient is complete when this one ends); None when ``parameter`` is not in a pipeline
-    chunk or no backward runs."""
-    for ref in getattr(parameter, _CHUNK_ATTRIBUTE, ()):  # several: a weight two chunks of this rank share
-        chunk = ref()
-        if chunk is not None and chunk.phase is not None:
-            return "partial" if id(parameter) in chunk.deferred else chunk.phase
-    return None
 
 
 class _RngState:
@@ -144,8 +132,7 @@ class _Chunk:
         self.module, self.stage = module, stage
         self.index = stage // ranks          # position among this rank's chunks
         self.first, self.last = stage == 0, stage == chunks - 1
-        self.phase: str | None = None        # see gradient_phase
-        self.deferred: set[int] = set()      # ids of parameters whose gradient is completed after the run
+        self.unit = Unit(stage, module.parameters())  # what the gradient syncs are told about (gradient_sync.py)
         self.stash: WeightStash | None = None  # asynchronous schedules
         self.splittable: list[nn.Module] = []  # split backward: layers whose W is deferred
         self.recording: list[tuple[nn.Module, list[torch.Tensor], list[int]]] | None = None
@@ -157,19 +144,6 @@ class _Chunk:
         self.takes_batch = bool(getattr(module, "hybridpipe_takes_batch", False))
         # its first layer works in place (nn.ReLU(inplace=True)): it gets a copy of its input (pipeline/inplace.py)
         self.copies_input = first_layer_works_in_place(module)
-        reference = weakref.ref(self)
-        for parameter in module.parameters():
-            earlier = tuple(ref for ref in getattr(parameter, _CHUNK_ATTRIBUTE, ()) if ref() is not None)
-            setattr(parameter, _CHUNK_ATTRIBUTE, earlier + (reference,))
-
-    @contextlib.contextmanager
-    def in_phase(self, phase: str) -> Iterator[None]:
-        """While a backward accumulates into this chunk's parameters (see :func:`gradient_phase`)."""
-        self.phase = phase
-        try:
-            yield
-        finally:
-            self.phase = None
 
 
 @dataclass
@@ -238,6 +212,8 @@ class StageExecutor:
         self.virtual_stages = virtual_stages
         self.total_chunks = ranks * virtual_stages
         self.chunks = {stage: _Chunk(module, stage, self.total_chunks, ranks) for stage, module in modules.items()}
+        #: the driver of the gradient syncs registered for this rank's parameters: one unit per chunk
+        self.gradient_syncs = SyncDriver(chunk.unit for chunk in self.chunks.values())
         # a parameter two of this rank's chunks share (a weight tied within the rank, interleaved) is complete
         # only after both chunks' last backwards: its reduction waits for the run's end, as tied weights' do
         held = collections.Counter(id(p) for chunk in self.chunks.values() for p in chunk.module.parameters())
@@ -319,9 +295,9 @@ class StageExecutor:
 
     def defer_gradients(self, parameters: Sequence[torch.Tensor]) -> None:
         """These parameters' gradients are completed after each run (tied weights, summed across stages
-        by the caller): their backward phase is always ``"partial"``, see :func:`gradient_phase`."""
+        by the caller): never final in a backward (:meth:`hybridpipe.gradient_sync.Unit.defer`)."""
         for chunk in self.chunks.values():
-            chunk.deferred.update(id(parameter) for parameter in parameters)
+            chunk.unit.defer(parameters)
 
     def split_backward(self) -> None:
         """Zero-bubble schedules: defer the weight gradients of the splittable layers to ``W``."""
@@ -630,7 +606,7 @@ class StageExecutor:
             finite.check_inputs(x, chunk.stage, m)
         arguments = (x, stored.batch) if chunk.takes_batch else (x,)
         watch = finite.watching(chunk.module) if self.check_finite else contextlib.nullcontext([])
-        with skip_context(context), watch as found:
+        with skip_context(context), watch as found, self.gradient_syncs.forward(chunk.unit):
             if self.autocast is None:
                 y = forward(*arguments)
             else:
@@ -686,37 +662,18 @@ class StageExecutor:
         m = action.micro_batch
         key = (chunk.stage, m)
         stored = self._stored[key]
-        start = time.monotonic()
-        saved = self._recompute(step, chunk, m, stored) if stored.recompute else stored.saved
-        loss = stored.loss
-        if chunk.last:
-            roots, root_grads = [saved], [None]
-        else:
-            grads = self._wait(step.backward_in.pop(key), f"gradient {m}")
-            if self.carry_losses:
-                loss, grads = grads
-            start = time.monotonic()  # the wait is on the p2p track, R<m> before it
-            roots, root_grads = [], []
-            for tensor, grad in zip(iter_tensors(saved), grads):
-                if grad is not None and tensor.requires_grad:
-                    roots.append(tensor)
-                    root_grads.append(grad)
-        for route in self._skips_from(chunk.stage):  # the popping chunk's gradient of what was stashed here
-            [grad] = self._wait(step.skip_grad_in.pop((route.name, m)), f"skip gradient {route.name} {m}")
-            tensor = stored.skips_out[route.name]
-            if grad is not None and tensor.requires_grad:
-                roots.append(tensor)
-                root_grads.append(grad)
-        popped = [stored.skips_in[route.name] for route in self._skips_into(chunk.stage)]
-        inputs = [t for t in iter_tensors(stored.x) if t.requires_grad] + \
-            [t for t in iter_tensors(popped) if t.requires_grad]
-        if roots:
-            if action.kind is ActionKind.BACKWARD:
-                with chunk.in_phase("final" if step.final.get(chunk.stage) == index else "partial"):
+        # the syncs hear of the whole backward, a re-materialized forward included (an I is never the last)
+        with self.gradient_syncs.backward(chunk.unit, last=step.final.get(chunk.stage) == index):
+            loss, roots, root_grads, start = self._backward_roots(step, chunk, stored, m)
+            popped = [stored.skips_in[route.name] for route in self._skips_into(chunk.stage)]
+            inputs = [t for t in iter_tensors(stored.x) if t.requires_grad] + \
+                [t for t in iter_tensors(popped) if t.requires_grad]
+            if roots:
+                if action.kind is ActionKind.BACKWARD:
                     torch.autograd.backward(roots, root_grads)
-            else:
-                self._input_gradients(chunk, stored, roots, root_grads, inputs)
-            step.result.last_backward_finished = time.monotonic()
+                else:
+                    self._input_gradients(chunk, stored, roots, root_grads, inputs)
+                step.result.last_backward_finished = time.monotonic()
         timeline.record(f"{action.kind.value}{m}", "backward", "compute", start, time.monotonic(),
                         {"stage": chunk.stage, "micro_batch": m})
         if self.carry_losses:  # the loss of m travels back with its gradients
@@ -735,6 +692,32 @@ class StageExecutor:
         else:
             stored.x = stored.saved = None  # what W needs is in stored.calls (and their graph)
 
+    def _backward_roots(self, step: _Step, chunk: _Chunk, stored: _Stored, m: int) -> tuple[Any, list, list, float]:
+        """A backward's (loss, roots, their gradients, when its compute began): the re-computed or stored output
+        with the gradient from the next chunk (the weighted loss on the last), and the skips' gradients."""
+        start = time.monotonic()
+        saved = self._recompute(step, chunk, m, stored) if stored.recompute else stored.saved
+        loss = stored.loss
+        if chunk.last:
+            roots, root_grads = [saved], [None]
+        else:
+            grads = self._wait(step.backward_in.pop((chunk.stage, m)), f"gradient {m}")
+            if self.carry_losses:
+                loss, grads = grads
+            start = time.monotonic()  # the wait is on the p2p track, R<m> before it
+            roots, root_grads = [], []
+            for tensor, grad in zip(iter_tensors(saved), grads):
+                if grad is not None and tensor.requires_grad:
+                    roots.append(tensor)
+                    root_grads.append(grad)
+        for route in self._skips_from(chunk.stage):  # the popping chunk's gradient of what was stashed here
+            [grad] = self._wait(step.skip_grad_in.pop((route.name, m)), f"skip gradient {route.name} {m}")
+            tensor = stored.skips_out[route.name]
+            if grad is not None and tensor.requires_grad:
+                roots.append(tensor)
+                root_grads.append(grad)
+        return loss, roots, root_grads, start
+
     def _input_gradients(self, chunk: _Chunk, stored: _Stored, roots: list, root_grads: list,
                          inputs: list[torch.Tensor]) -> None:
         """``I``: gradients into the chunk's input, the recorded outputs of splittable layers and the
@@ -752,9 +735,8 @@ class StageExecutor:
         if fused:
             chunk.fused_layers.update(_owners(chunk, fused))
         if targets:
-            # partial: the hooks leave fused layers' gradients to DistributedOptimizer.synchronize()
-            with chunk.in_phase("partial"):
-                torch.autograd.backward(roots, root_grads, inputs=targets, retain_graph=bool(usable))
+            # never the last backward: the syncs leave fused layers' gradients to DistributedOptimizer.synchronize()
+            torch.autograd.backward(roots, root_grads, inputs=targets, retain_graph=bool(usable))
 
     def _weight(self, step: _Step, chunk: _Chunk, action: Action, index: int) -> None:
         """``W``: the deferred weight gradients of one micro-batch, layer call by layer call."""
@@ -762,7 +744,7 @@ class StageExecutor:
         key = (chunk.stage, m)
         stored = self._stored[key]
         start = time.monotonic()
-        with chunk.in_phase("final" if step.final.get(chunk.stage) == index else "partial"):
+        with self.gradient_syncs.backward(chunk.unit, last=step.final.get(chunk.stage) == index):
             weight_gradients(stored.calls, stored.deferred)
         timeline.record(f"W{m}", "backward", "compute", start, time.monotonic(),
                         {"stage": chunk.stage, "micro_batch": m})

@@ -15,8 +15,8 @@ Design reasons:
   it) makes it the whole model's. It is a collective like any other, run on the communication
   thread (``context.call``) in the same order on every holder, so it never meets the engine's other
   traffic out of order.
-* The data-parallel average comes afterwards: the executor reports a tied parameter's backward as
-  ``"partial"`` (:func:`~hybridpipe.pipeline.stage.gradient_phase`), so ``hp.DistributedOptimizer``
+* The data-parallel average comes afterwards: the executor defers a tied parameter's gradient
+  (:meth:`~hybridpipe.gradient_sync.Unit.defer`: never final in a backward), so ``hp.DistributedOptimizer``
   does not start its allreduce during the backward, before the sum, but in ``step()``. Both
   reductions are linear; summing first means that after ``train_step`` the gradient is what one
   process would hold, for any optimizer (clipping, ZeRO, a hand-written update).
@@ -45,8 +45,7 @@ from hybridpipe.errors import HybridPipeError
 from hybridpipe.pipeline.layers import LayerSpec, share_parameter, shapes_only, tied_attributes
 from hybridpipe.pipeline.partition import SharedParameter, find_shared_parameters, shared_parameters_error
 
-__all__ = ["Tie", "find_ties", "check_schedule", "share_within_rank", "TiedWeights",
-           "copies_counted_elsewhere"]
+__all__ = ["Tie", "find_ties", "check_schedule", "share_within_rank", "TiedWeights"]
 
 
 @dataclass(frozen=True)
@@ -299,33 +298,3 @@ def check_schedule(ties: Sequence[Tie], balance: Sequence[int], asynchronous: bo
     across = [tie for tie in ties if tie.across_ranks]
     if asynchronous and across:
         raise shared_parameters_error([tie.shared() for tie in across], balance, schedule)
-
-
-def copies_counted_elsewhere(model: Any) -> set[int]:
-    """The ids of this rank's copies of weights tied across stages that a lower stage also holds.
-
-    A sum over the pipeline's parameters (a gradient norm) counts a tied weight once by counting it on
-    its lowest holding stage only. Reads the model's public layout: ``tied_parameter_names`` (names
-    ``layers.<index>.<name>``) and ``layers_of_stage``; anything else (a plain module) has no such copies.
-    """
-    ties = getattr(model, "tied_parameter_names", None)
-    if not ties or not callable(getattr(model, "layers_of_stage", None)):
-        return set()
-    own = dict(model.named_parameters(remove_duplicate=False))
-    holders = getattr(model, "tied_parameter_ranks", None)
-    if holders is not None:  # the pipeline ranks holding each tie, as PipelineModel lists them
-        return {id(own[name]) for names, ranks in zip(ties, holders) if model.stage != min(ranks)
-                for name in names if name in own}
-    stage_of_layer = {index: stage for stage in range(model.stages) for index in model.layers_of_stage(stage)}
-    own = dict(model.named_parameters(remove_duplicate=False))
-    elsewhere: set[int] = set()
-    for names in ties:
-        try:
-            lowest = min(stage_of_layer[int(name.split(".")[1])] for name in names)
-        except (IndexError, ValueError, KeyError):
-            raise HybridPipeError(f"tied_parameter_names {names} are not 'layers.<index>.<name>' of layers this "
-                                  "model's layers_of_stage() lists: PipelineModel and "
-                                  "tied.copies_counted_elsewhere disagree on names; update the latter") from None
-        if model.stage != lowest:
-            elsewhere.update(id(own[name]) for name in names if name in own)
-    return elsewhere
