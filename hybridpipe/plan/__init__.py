@@ -10,10 +10,11 @@ Example:
 """
 
 from hybridpipe.plan.cost import (Candidate, Cluster, Prediction, allgather_seconds, allreduce_seconds, memory_per_rank,
-                                  predict, reducescatter_seconds)
+                                  predict, reducescatter_seconds, step_lower_bound)
 from hybridpipe.plan.module_profile import profile_module
 from hybridpipe.plan.profile import LayerCost, Profile, profile
-from hybridpipe.plan.search import Plan, plan
+from hybridpipe.plan.search import Plan, plan, plans
 
 __all__ = ["Candidate", "Cluster", "LayerCost", "Plan", "Prediction", "Profile", "allgather_seconds",
-           "allreduce_seconds", "memory_per_rank", "plan", "predict", "profile", "profile_module", "reducescatter_seconds"]
+           "allreduce_seconds", "memory_per_rank", "plan", "plans", "predict", "profile", "profile_module",
+           "reducescatter_seconds", "step_lower_bound"]

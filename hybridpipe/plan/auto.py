@@ -25,6 +25,7 @@ Design reasons:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import warnings
@@ -45,7 +46,8 @@ from hybridpipe.pipeline.model import LayerSpec, PipelineModel
 from hybridpipe.plan.cost import ZERO_LEVELS, Cluster
 from hybridpipe.plan.module_profile import CUTS_KEY, is_module, module_layers, profile_module, split_of
 from hybridpipe.plan.profile import Profile, profile
-from hybridpipe.plan.search import CHECKPOINT_CHOICES, SYNCHRONOUS_CHOICES, Plan, plan as search
+from hybridpipe.plan.search import CHECKPOINT_CHOICES, SYNCHRONOUS_CHOICES, Plan, plan as search, plans
+from hybridpipe.plan.verify import accuracy_warning, measure_plans, report
 
 __all__ = ["auto", "cluster_of_this_job", "host_cores"]
 
@@ -155,7 +157,8 @@ def _micro_batch(inputs: Any, size: int) -> Any:
 def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any], global_batch: int,
          optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None, plan: Plan | None = None,
          asynchronous: bool = False, memory_per_rank: float = 0.0, optimizer_state_factor: float = 2.0,
-         cluster: Cluster | None = None, zero: int | None = None, **model_options: Any) -> tuple[Any, Any]:
+         cluster: Cluster | None = None, zero: int | None = None, verify: bool = True, verify_plans: int = 3,
+         verify_seconds: float = 60.0, verify_steps: int = 5, **model_options: Any) -> tuple[Any, Any]:
     """Plans for this job, then builds ``hp.PipelineModel`` and its optimizer; every rank calls it.
 
     Args:
@@ -179,11 +182,19 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
         cluster: The cluster to plan for (default: :func:`cluster_of_this_job`).
         zero: The ZeRO level to use (0, 1 or 2); None (default) lets the planner choose among them (0 unless
             sharding is faster or needed to fit ``memory_per_rank``).
+        verify: Measure before keeping (default): the ``verify_plans`` best plans (the choice, then the best on
+            other grids) each run ``verify_steps`` steps (after two untimed) on the sample tiled to a replica's
+            batch, from the same weights; the fastest *measured* is kept and rank 0 prints predicted against
+            measured. No plan starts once ``verify_seconds`` are spent (the first always runs). Modules are
+            deep-copied per trial (``verify=False`` where a copy does not fit); not done for a ``plan=`` given.
         model_options: Passed on to ``hp.PipelineModel`` (e.g. ``seed_layers``, ``device``, ``precision``:
             planned for too).
 
     Feed each replica its own ``global_batch / model.plan.replicas`` samples per step (``hp.grid().replica``
     says which), as with a hand-built hybrid model.
+
+    ``model.plan.predicted_seconds`` is the cost model's step, ``model.plan.measured_seconds`` the verification's
+    median step, and a warning says when they differ by more than 25 %, naming the prediction's biggest term.
 
     Returns:
         ``(model, opt)``: the ``PipelineModel`` (its ``.plan`` is the :class:`Plan`) and a
@@ -193,20 +204,17 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
         asynchronous plan, ``opt`` is the pipeline's own optimizer, whose ``step()`` does nothing (the
         pipeline steps it; it warns once).
     """
-    state = runtime.job("auto")
-    grid = state.grid
-    if zero is not None and (isinstance(zero, bool) or zero not in ZERO_LEVELS):
-        raise HybridPipeError(f"hp.auto: zero must be 0, 1, 2 or None to let the planner choose (got {zero!r})")
-    zero_levels = ZERO_LEVELS if zero is None else (zero,)
+    grid = runtime.job("auto").grid
     module = is_module(layers)
-    if module and asynchronous:
-        raise HybridPipeError(f"hp.auto: asynchronous=True: the asynchronous schedules (pipedream, 2bw) are not yet "
-                              f"supported for a module split by hp.PipelineModel (got a {type(layers).__name__}); "
-                              "leave asynchronous out, or hand in a layer list")
+    zero_levels = _checked(layers, module, asynchronous, zero, verify, verify_plans, verify_steps, verify_seconds)
     if plan is None:
-        plan = _planned(layers, loss_fn, sample, global_batch, optimizer, module, asynchronous, zero_levels,
-                        cluster or cluster_of_this_job(memory_per_rank), optimizer_state_factor,
-                        model_options.get("precision"))
+        found = _planned(layers, loss_fn, sample, global_batch, optimizer, module, asynchronous, zero_levels,
+                         cluster or cluster_of_this_job(memory_per_rank), optimizer_state_factor,
+                         model_options.get("precision"), verify_plans if verify else 1)
+        plan = found[0]
+        if verify:
+            plan = _verified(found, layers, loss_fn, sample, global_batch, optimizer, module, model_options,
+                             verify_steps, verify_seconds)
     elif module and plan.split is None:  # a plan made by hand: its balance counts the module's planner layers
         plan = dataclasses.replace(plan, split=split_of(module_layers(layers, sample[0]).names, plan.balance))
     if plan.ranks != grid.size:
@@ -227,11 +235,28 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
     return model, opt
 
 
+def _checked(layers: Any, module: bool, asynchronous: bool, zero: int | None, verify: bool, verify_plans: int,
+             verify_steps: int, verify_seconds: float) -> tuple[int, ...]:
+    """:func:`auto`'s arguments checked (a clear error naming the value); returns the ZeRO levels to search."""
+    if zero is not None and (isinstance(zero, bool) or zero not in ZERO_LEVELS):
+        raise HybridPipeError(f"hp.auto: zero must be 0, 1, 2 or None to let the planner choose (got {zero!r})")
+    if module and asynchronous:
+        raise HybridPipeError(f"hp.auto: asynchronous=True: the asynchronous schedules (pipedream, 2bw) are not yet "
+                              f"supported for a module split by hp.PipelineModel (got a {type(layers).__name__}); "
+                              "leave asynchronous out, or hand in a layer list")
+    if verify and (verify_plans < 1 or verify_steps < 1 or verify_seconds < 0):
+        raise HybridPipeError(f"hp.auto: verify_plans and verify_steps must be >= 1 and verify_seconds >= 0 (got "
+                              f"verify_plans={verify_plans}, verify_steps={verify_steps}, verify_seconds="
+                              f"{verify_seconds}); or pass verify=False")
+    return ZERO_LEVELS if zero is None else (zero,)
+
+
 def _planned(layers: Any, loss_fn: Any, sample: tuple[Any, Any], global_batch: int, optimizer: Any, module: bool,
              asynchronous: bool, zero_levels: tuple[int, ...], cluster: Cluster, optimizer_state_factor: float,
-             precision: str | None) -> Plan:
-    """:func:`auto`'s plan: the model profiled (a module on world rank 0; a layer list a slice per rank, in turn),
-    then searched on every rank alike (collective)."""
+             precision: str | None, count: int) -> list[Plan]:
+    """:func:`auto`'s plans: the model profiled (a module on world rank 0; a layer list a slice per rank, in turn),
+    then searched on every rank alike (collective); the search's choice first, then (``count`` > 1) the next best
+    plans to measure (:func:`hybridpipe.plan.search.plans`)."""
     grid = runtime.job("auto").grid
     try:
         if module:
@@ -244,11 +269,38 @@ def _planned(layers: Any, loss_fn: Any, sample: tuple[Any, Any], global_batch: i
                               f"({type(error).__name__}: {error})") from error
     schedules = SYNCHRONOUS_CHOICES + (sched.ASYNCHRONOUS if asynchronous else ())
     measured_profile = Profile.from_json(measured)
-    plan = search(measured_profile, cluster, global_batch, schedules=schedules, checkpoints=CHECKPOINT_CHOICES,
-                  optimizer_state_factor=optimizer_state_factor, zero_levels=zero_levels, precision=precision)
+    options = dict(schedules=schedules, checkpoints=CHECKPOINT_CHOICES, optimizer_state_factor=optimizer_state_factor,
+                   zero_levels=zero_levels, precision=precision)
+    found = [search(measured_profile, cluster, global_batch, **options)]
+    if count > 1:
+        found += plans(measured_profile, cluster, global_batch, count, **options)[1:]
     if module:
-        plan = dataclasses.replace(plan, split=split_of(measured_profile.extra[CUTS_KEY], plan.balance))
-    return plan
+        found = [dataclasses.replace(plan, split=split_of(measured_profile.extra[CUTS_KEY], plan.balance))
+                 for plan in found]
+    return found
+
+
+def _verified(found: list[Plan], layers: Any, loss_fn: Any, sample: tuple[Any, Any], global_batch: int,
+              optimizer: Any, module: bool, model_options: dict[str, Any], steps: int, budget: float) -> Plan:
+    """The fastest measured of ``found`` (:func:`hybridpipe.plan.verify.measure_plans`), its measurement printed on
+    world rank 0 and warned about when it is far from the prediction. Without an optimizer factory the trials step
+    a plain SGD (the step you will wrap is not known here)."""
+    def build(trial: Plan) -> tuple[Any, Any]:
+        arguments = {**trial.model_arguments(), **model_options}
+        if module:
+            arguments["sample"] = _micro_batch(sample[0], max(1, global_batch // trial.replicas // trial.micro_batches))
+        copies = copy.deepcopy(layers) if module else [copy.deepcopy(layer) if isinstance(layer, nn.Module) else layer
+                                                       for layer in layers]
+        factory = optimizer or (lambda params: torch.optim.SGD(params, lr=0.0))
+        return _built(copies, loss_fn, factory, trial, arguments)
+
+    kept, seconds = measure_plans(found, build, sample, steps, budget)
+    if runtime.job("auto").grid.rank == 0:
+        print(report(kept, seconds, budget), flush=True)
+        text = accuracy_warning(kept)
+        if text is not None:
+            warnings.warn(text, stacklevel=3)
+    return kept
 
 
 def _built(layers: Any, loss_fn: Any, optimizer: Any, plan: Plan, arguments: dict[str, Any]) -> tuple[Any, Any]:

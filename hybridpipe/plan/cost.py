@@ -318,6 +318,7 @@ class Prediction:
     allreduce_seconds: float         # the slowest rank's gradient allreduce (ZeRO: reduce-scatter + allgather)
     exposed_allreduce_seconds: float  # what the step takes beyond the makespan: unhidden reduction, optimizer
     notes: list[str] = field(default_factory=list)
+    lower_bound_seconds: float = 0.0  # step_lower_bound: the step is never predicted below it
 
     @property
     def memory_bytes(self) -> float:
@@ -381,12 +382,26 @@ def _weight_call_seconds(profile: Profile, layers: list[list[int]], cluster: Clu
     return [sum(extra(profile.layers[i]) for i in chunk) / 1e3 * slow for chunk in layers]
 
 
-def step_lower_bound(profile: Profile, cluster: Cluster, candidate: Candidate, global_batch: int) -> float:
-    """A step time no run of ``candidate`` can beat (cheap: no simulation), to order and prune the search.
+def step_lower_bound(profile: Profile, cluster: Cluster, candidate: Candidate, global_batch: int,
+                     precision: str | None = None) -> float:
+    """A step time no run of ``candidate`` can beat (cheap: no simulation): the search orders and prunes by it, and
+    :func:`predict` never returns less (``Prediction.lower_bound_seconds``, a plan's ``lower_bound_seconds``).
 
-    Per rank: its compute and overheads (``M`` forwards and backwards of its chunks), after the first
-    micro-batch's forwards through the chunks before it; with one chunk per rank and whole backwards
-    (GPipe, 1F1B), also the backwards through those chunks after its last one."""
+    The largest of three bounds, each from the measured parts alone:
+
+    * compute: per rank, its ``M`` forwards and backwards (with their overheads), after the first micro-batch's
+      forwards through the chunks before it, then its optimizer step; with one chunk per rank and whole
+      backwards (GPipe, 1F1B), the last micro-batch's backwards through the chunks before it and the first
+      rank's step after them (with ``M = 1``: every stage of a replica one after the other); where ranks share a
+      host's cores, the host's ranks' compute over its cores;
+    * links: the bytes each link between two stages carries per step, one way, at its bandwidth
+      (:meth:`Cluster.link_seconds`: activations forward, their gradients back);
+    * the gradients' reduction: one allreduce of a rank's parameters over its stage's replicas.
+
+    Stages with their own replica counts: the busiest replica's ``ceil(M / R_s)`` micro-batches of its stage,
+    then its step."""
+    if candidate.stage_replicas:
+        return _replica_lower_bound(profile, cluster, candidate, global_batch)
     p, m = candidate.stages, candidate.micro_batches
     micro = global_batch / candidate.replicas / m
     forward, backward = chunk_seconds(profile, cluster, candidate, micro)
@@ -399,17 +414,68 @@ def step_lower_bound(profile: Profile, cluster: Cluster, candidate: Candidate, g
     if split:
         backward = [b + w for b, w in zip(backward, _weight_call_seconds(profile, _chunk_layers(candidate.balance),
                                                                          cluster))]
-    chain = candidate.virtual_stages == 1 and candidate.schedule not in sched.ASYNCHRONOUS
+    asynchronous = candidate.schedule in sched.ASYNCHRONOUS
+    chain = candidate.virtual_stages == 1 and not asynchronous
+    update = [0.0] * p if asynchronous else _update_seconds(profile, cluster, candidate)
     bound = 0.0
     own = [m * sum(forward[c] + backward[c] for c in range(r, len(forward), p)) for r in range(p)]
     for r in range(p):
-        work = own[r]
+        work, tail = own[r], update[r]
         if chain:
-            work += sum(forward[:r]) + (0.0 if split else sum(backward[:r]))
-        bound = max(bound, work)
+            work += sum(forward[:r])
+            tail = max(tail, (0.0 if split else sum(backward[:r])) + (update[0] if r else 0.0))
+        bound = max(bound, work + tail)
     if cluster.shares_cores(profile.device):  # a host's ranks compute at most as fast as its cores
         bound = max(bound, min(cluster.per_host, cluster.ranks) * min(own) / cluster.cores_per_host)
-    return bound
+    return max(bound, _link_lower_bound(profile, cluster, candidate, micro, activation_factor(profile, precision)),
+               _reduction_lower_bound(profile, cluster, candidate))
+
+
+def _update_seconds(profile: Profile, cluster: Cluster, candidate: Candidate) -> list[float]:
+    """Each pipeline rank's optimizer step alone (ZeRO: on its ``1/D`` shard), at the speed its compute is costed."""
+    layers = _chunk_layers(candidate.balance)
+    slow = (1.0 if cluster.shares_cores(profile.device)
+            else cluster.slowdown_for(rank_parameter_bytes(profile, candidate)))
+    shards = candidate.replicas if candidate.zero else 1
+    return [profile.update_ms_per_mb * sum(profile.layers[i].parameter_bytes for c in range(r, len(layers),
+                                                                                             candidate.stages)
+                                           for i in layers[c]) / shards / 2**20 / 1e3 * slow
+            for r in range(candidate.stages)]
+
+
+def _link_lower_bound(profile: Profile, cluster: Cluster, candidate: Candidate, micro: float, scale: float) -> float:
+    """The busiest link's one-way time per step: each cut's ``M`` activations one way, their gradients the other,
+    on replica 0's pipeline (the others' are the same shifted)."""
+    layers = _chunk_layers(candidate.balance)
+    carried: dict[tuple[int, int], float] = {}
+    for c in range(len(layers) - 1):
+        a, b = sched.stage_to_rank(c % candidate.stages, candidate.stages), \
+            sched.stage_to_rank((c + 1) % candidate.stages, candidate.stages)
+        if a == b:
+            continue
+        one = candidate.micro_batches * cluster.link_seconds(
+            profile.layers[layers[c][-1]].output_bytes * micro * scale, a, b)
+        carried[(a, b)] = carried.get((a, b), 0.0) + one
+        carried[(b, a)] = carried.get((b, a), 0.0) + one
+    return max(carried.values(), default=0.0)
+
+
+def _reduction_lower_bound(profile: Profile, cluster: Cluster, candidate: Candidate) -> float:
+    """The slowest stage's gradients reduced over its replicas in one allreduce (ZeRO's reduce-scatter and
+    allgather carry as much), with nothing else on the links."""
+    if candidate.replicas < 2 or candidate.schedule in sched.ASYNCHRONOUS:
+        return 0.0
+    return allreduce_seconds(rank_parameter_bytes(profile, candidate),
+                             [replica * candidate.stages for replica in range(candidate.replicas)], cluster)
+
+
+def _replica_lower_bound(profile: Profile, cluster: Cluster, candidate: Candidate, global_batch: int) -> float:
+    """:func:`step_lower_bound` of stages with their own replica counts."""
+    forward, backward = chunk_seconds(profile, cluster, candidate, global_batch / candidate.micro_batches)
+    straight = dataclasses.replace(candidate, stage_replicas=(), replicas=1)
+    update = _update_seconds(profile, cluster, straight)
+    return max(math.ceil(candidate.micro_batches / count) * (f + b) + u
+               for count, f, b, u in zip(candidate.stage_replicas, forward, backward, update))
 
 
 def memory_per_rank(profile: Profile, candidate: Candidate, global_batch: int,
@@ -669,12 +735,28 @@ def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_bat
     """Step time and memory per rank of ``candidate`` for a global batch of ``global_batch`` samples.
 
     ``precision`` is the pipeline's (``hp.PipelineModel(precision=...)``; None: the profile's): in bf16 / fp16
-    the activations stored and sent take half the bytes of fp32 (:func:`activation_factor`).
+    the activations stored and sent take half the bytes of fp32 (:func:`activation_factor`). The step is never
+    below :func:`step_lower_bound` (``lower_bound_seconds``): a simulation that comes out lower is raised to it,
+    with a note naming the bound.
 
     Raises:
         HybridPipeError: the candidate does not fit the profile or the cluster, or its ZeRO level or the
             precision is not one it can use (named).
     """
+    prediction = _simulated(profile, cluster, candidate, global_batch, optimizer_state_factor, precision)
+    bound = step_lower_bound(profile, cluster, candidate, global_batch, precision)
+    prediction.lower_bound_seconds = bound
+    if 0 < bound and prediction.step_seconds < bound:
+        prediction.notes.append(f"raised from the simulated {prediction.step_seconds * 1e3:.3g} ms to the lower "
+                                f"bound {bound * 1e3:.3g} ms")
+        prediction.exposed_allreduce_seconds += bound - prediction.step_seconds
+        prediction.step_seconds, prediction.samples_per_second = bound, global_batch / bound
+    return prediction
+
+
+def _simulated(profile: Profile, cluster: Cluster, candidate: Candidate, global_batch: int,
+               optimizer_state_factor: float, precision: str | None) -> Prediction:
+    """:func:`predict` before the lower bound: the schedule simulated."""
     if candidate.stage_replicas:
         return _predict_stage_replicas(profile, cluster, candidate, global_batch, optimizer_state_factor, precision)
     if candidate.zero and cluster.zero_step_us_per_mib[candidate.zero - 1] > 0:

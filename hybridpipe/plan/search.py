@@ -44,7 +44,7 @@ from hybridpipe.plan.cost import (ZERO_LEVELS, Candidate, Cluster, Prediction,
 from hybridpipe.runtime import describe_stage_replicas, rank_of_place
 from hybridpipe.plan.profile import Profile
 
-__all__ = ["Plan", "plan", "format_bytes", "SYNCHRONOUS_CHOICES", "CHECKPOINT_CHOICES", "ZERO_MARGIN"]
+__all__ = ["Plan", "plan", "plans", "format_bytes", "SYNCHRONOUS_CHOICES", "CHECKPOINT_CHOICES", "ZERO_MARGIN"]
 
 SYNCHRONOUS_CHOICES = sched.SYNCHRONOUS
 CHECKPOINT_CHOICES = ("never", "except_last", "always")
@@ -72,7 +72,8 @@ class Plan:
         split: for a module (not a layer list): the qualified module names where chunks 1, 2, ... begin
             (``hp.PipelineModel(module, split=...)``), from ``balance`` over its planner layers; else None.
         precision: the pipeline's precision it was planned for (``hp.PipelineModel(precision=)``).
-        step_seconds: predicted time of one step (one global batch).
+        step_seconds: predicted time of one step (one global batch); also ``predicted_seconds``.
+        lower_bound_seconds, measured_seconds, verification: see below.
         samples_per_second: ``global_batch / step_seconds``.
         memory_bytes_per_rank: predicted peak of the busiest rank.
         global_batch: the batch it was planned for.
@@ -99,6 +100,20 @@ class Plan:
     #: stages with their own replica counts (``hp.init(stage_replicas=...)``), e.g. ``[3, 1]``; None: a uniform
     #: ``stages × replicas`` grid. With counts, ``replicas`` is 1 and every rank is fed the whole global batch.
     stage_replicas: list[int] | None = None
+    #: the step no run of this configuration can beat, from the measured parts (``cost.step_lower_bound``);
+    #: ``step_seconds`` is never below it. 0: not searched.
+    lower_bound_seconds: float = 0.0
+    #: the median measured step (``hp.auto``: from its verification, then the steps of the training after warm-up);
+    #: None: not measured yet.
+    measured_seconds: float | None = field(default=None, compare=False)
+    #: ``hp.auto(verify=True)``'s measurements: per plan tried, ``{"plan", "predicted_seconds", "measured_seconds",
+    #: "steps", "kept"}`` (``measured_seconds`` None where the time budget ran out before it).
+    verification: list[dict] = field(default_factory=list, compare=False)
+
+    @property
+    def predicted_seconds(self) -> float:
+        """The cost model's step time (``step_seconds``)."""
+        return self.step_seconds
 
     @property
     def config(self) -> str:
@@ -333,13 +348,6 @@ def _replica_candidates(profile: Profile, cluster: Cluster, global_batch: int, s
     return found
 
 
-def _replica_lower_bound(profile: Profile, cluster: Cluster, candidate: Candidate, global_batch: int) -> float:
-    """The busiest replica's compute: ``ceil(M / R_s)`` micro-batches of its stage."""
-    forward, backward = chunk_seconds(profile, cluster, candidate, global_batch / candidate.micro_batches)
-    return max(math.ceil(candidate.micro_batches / count) * (f + b)
-               for count, f, b in zip(candidate.stage_replicas, forward, backward))
-
-
 def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tuple[str, ...] = SYNCHRONOUS_CHOICES,
          checkpoints: tuple[str, ...] = CHECKPOINT_CHOICES, max_micro_batches: int | None = None,
          optimizer_state_factor: float = 2.0, explain: int = 5, zero_levels: tuple[int, ...] = ZERO_LEVELS,
@@ -379,22 +387,9 @@ def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tu
     Raises:
         HybridPipeError: no configuration is possible (the message says why, and what would fit).
     """
-    precision = _checked(profile, cluster, global_batch, schedules, checkpoints, zero_levels, precision, grids)
-    # identical layers (same class and sizes) weigh the same: their cuts do not follow the profile's noise
-    time_per_layer = even_out_identical([layer.forward_ms + layer.backward_ms for layer in profile.layers],
-                                        [(layer.name, layer.parameter_bytes, layer.output_bytes,
-                                          layer.activation_bytes) for layer in profile.layers])
-    sharded = tuple(sorted(z for z in set(zero_levels) if z))
-    margin = ZERO_MARGIN if sharded and 0 in zero_levels else 0.0  # prefer zero=0 unless sharding clearly wins
-    static = profile.parameter_bytes * (2 + optimizer_state_factor)
-    candidates, rejected = _bounded_candidates(profile, cluster, global_batch, schedules, max_micro_batches,
-                                               time_per_layer, optimizer_state_factor, bool(sharded), grids)
-    search = _Search(profile, cluster, global_batch, optimizer_state_factor, precision, time_per_layer,
-                     tuple(sorted(set(zero_levels))), [c for c in CHECKPOINT_CHOICES if c in checkpoints], rejected)
-    costed = search.cost(candidates, keep=explain + 1, margin=margin)
-    if not costed:
-        raise _no_fit_error(cluster, rejected, static, checkpoints, zero_levels)
-    costed = _ranked(costed, margin)
+    costed, rejected, precision = _ranked_search(profile, cluster, global_batch, schedules, checkpoints,
+                                                 max_micro_batches, optimizer_state_factor, explain + 1, zero_levels,
+                                                 precision, grids)
     step, best, prediction = costed[0]
 
     def why(pr: Prediction) -> str:
@@ -407,12 +402,76 @@ def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tu
     alternatives += [(_label(c), f"needs {format_bytes(memory)} per rank, over the "
                                  f"{format_bytes(limit)} limit")
                      for c, memory in sorted(rejected, key=lambda item: item[1])[:max(0, explain - len(alternatives))]]
+    return _plan_of(best, prediction, global_batch, precision, alternatives)
+
+
+def plans(profile: Profile, cluster: Cluster, global_batch: int, count: int = 3, *,
+          schedules: tuple[str, ...] = SYNCHRONOUS_CHOICES, checkpoints: tuple[str, ...] = CHECKPOINT_CHOICES,
+          max_micro_batches: int | None = None, optimizer_state_factor: float = 2.0,
+          zero_levels: tuple[int, ...] = ZERO_LEVELS, precision: str | None = None, grids: str = "all") -> list[Plan]:
+    """The ``count`` best configurations to measure (``hp.auto(verify=True)``), :func:`plan`'s choice first, the
+    others each on a grid none before it has (stages, replicas, own replica counts) while the runners-up offer one,
+    then the next fastest: a measurement learns most from plans that differ in how they cut the ranks. Arguments as
+    :func:`plan`'s; each plan's ``alternatives`` is empty."""
+    if count < 1:
+        raise HybridPipeError(f"plans: count must be >= 1 (got {count})")
+    costed, _, precision = _ranked_search(profile, cluster, global_batch, schedules, checkpoints, max_micro_batches,
+                                          optimizer_state_factor, max(6, 3 * count), zero_levels, precision, grids,
+                                          per_grid=count > 1)
+    chosen = [costed[0]]
+    rest = costed[1:]
+    while rest and len(chosen) < count:
+        seen = {_grid_of(c) for _, c, _ in chosen}
+        index = next((i for i, (_, c, _) in enumerate(rest) if _grid_of(c) not in seen), 0)
+        chosen.append(rest.pop(index))
+    return [_plan_of(c, pr, global_batch, precision, []) for _, c, pr in chosen]
+
+
+def _grid_of(candidate: Candidate) -> tuple:
+    return candidate.stages, candidate.replicas, candidate.stage_replicas
+
+
+def _plan_of(best: Candidate, prediction: Prediction, global_batch: int, precision: str,
+             alternatives: list[tuple[str, str]]) -> Plan:
     return Plan(stages=best.stages, replicas=best.replicas, balance=list(best.balance),
                 micro_batches=best.micro_batches, schedule=best.schedule, checkpoint=best.checkpoint,
-                step_seconds=step, samples_per_second=prediction.samples_per_second,
+                step_seconds=prediction.step_seconds, samples_per_second=prediction.samples_per_second,
                 memory_bytes_per_rank=prediction.memory_bytes, global_batch=global_batch,
                 virtual_stages=best.virtual_stages, zero=best.zero, precision=precision, alternatives=alternatives,
-                prediction=prediction, stage_replicas=list(best.stage_replicas) or None)
+                prediction=prediction, stage_replicas=list(best.stage_replicas) or None,
+                lower_bound_seconds=prediction.lower_bound_seconds)
+
+
+def _ranked_search(profile: Profile, cluster: Cluster, global_batch: int, schedules: tuple[str, ...],
+                   checkpoints: tuple[str, ...], max_micro_batches: int | None, optimizer_state_factor: float,
+                   keep: int, zero_levels: tuple[int, ...], precision: str | None, grids: str,
+                   per_grid: bool = False) -> tuple[list[tuple[float, Candidate, Prediction]],
+                                                    list[tuple[Candidate, float]], str]:
+    """The search of :func:`plan`: the costed candidates ranked (at least the ``keep`` fastest, and with
+    ``per_grid`` the fastest of every grid too), those rejected for memory, and the precision planned for."""
+    precision = _checked(profile, cluster, global_batch, schedules, checkpoints, zero_levels, precision, grids)
+    # identical layers (same class and sizes) weigh the same: their cuts do not follow the profile's noise
+    time_per_layer = even_out_identical([layer.forward_ms + layer.backward_ms for layer in profile.layers],
+                                        [(layer.name, layer.parameter_bytes, layer.output_bytes,
+                                          layer.activation_bytes) for layer in profile.layers])
+    sharded = tuple(sorted(z for z in set(zero_levels) if z))
+    margin = ZERO_MARGIN if sharded and 0 in zero_levels else 0.0  # prefer zero=0 unless sharding clearly wins
+    static = profile.parameter_bytes * (2 + optimizer_state_factor)
+    candidates, rejected = _bounded_candidates(profile, cluster, global_batch, schedules, max_micro_batches,
+                                               time_per_layer, optimizer_state_factor, bool(sharded), grids,
+                                               precision)
+    search = _Search(profile, cluster, global_batch, optimizer_state_factor, precision, time_per_layer,
+                     tuple(sorted(set(zero_levels))), [c for c in CHECKPOINT_CHOICES if c in checkpoints], rejected)
+    costed = search.cost(candidates, keep=keep, margin=margin)
+    if per_grid:  # the pruning stops at the fastest; a grid it did not reach gets its own best
+        seen = {_grid_of(c) for _, c, _ in costed}
+        for grid in dict.fromkeys(_grid_of(c) for _, c in candidates):
+            if grid not in seen:
+                costed += search.cost([item for item in candidates if _grid_of(item[1]) == grid], keep=1,
+                                      margin=0.0)
+    if not costed:
+        raise _no_fit_error(cluster, rejected, static, checkpoints, zero_levels)
+    return _ranked(costed, margin), rejected, precision
 
 
 def _checked(profile: Profile, cluster: Cluster, global_batch: int, schedules: tuple[str, ...],
@@ -448,7 +507,8 @@ def _checked(profile: Profile, cluster: Cluster, global_batch: int, schedules: t
 
 def _bounded_candidates(profile: Profile, cluster: Cluster, global_batch: int, schedules: tuple[str, ...],
                         max_micro_batches: int | None, time_per_layer: list[float], optimizer_state_factor: float,
-                        sharded: bool, grids: str) -> tuple[list[tuple[float, Candidate]], list[tuple[Candidate, float]]]:
+                        sharded: bool, grids: str,
+                        precision: str) -> tuple[list[tuple[float, Candidate]], list[tuple[Candidate, float]]]:
     """The candidates of ``grids`` with a lower bound of each one's step, fastest bound first, and those whose
     weights cannot fit ``memory_per_rank`` however they are cut (with the bytes they need at least)."""
     limit = cluster.memory_per_rank
@@ -468,14 +528,14 @@ def _bounded_candidates(profile: Profile, cluster: Cluster, global_batch: int, s
         if limit and least / candidate.stages > limit:  # even a perfect split of the weights is too big
             rejected.append((candidate, least / candidate.stages))
             continue
-        candidates.append((step_lower_bound(profile, cluster, candidate, global_batch), candidate))
+        candidates.append((step_lower_bound(profile, cluster, candidate, global_batch, precision), candidate))
     if grids in ("all", "stage-replicas"):
         for candidate in _replica_candidates(profile, cluster, global_batch, schedules, max_micro_batches,
                                              time_per_layer):
             if limit and static / candidate.stages > limit:
                 rejected.append((candidate, static / candidate.stages))
                 continue
-            candidates.append((_replica_lower_bound(profile, cluster, candidate, global_batch), candidate))
+            candidates.append((step_lower_bound(profile, cluster, candidate, global_batch, precision), candidate))
     if not candidates and not rejected:
         kind = {"all": "", "data-parallel": "data-parallel ", "uniform": "uniform ",
                 "stage-replicas": "stages-with-their-own-replica-counts "}[grids]

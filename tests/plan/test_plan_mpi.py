@@ -279,3 +279,64 @@ def test_auto_profiles_a_layer_list_a_slice_per_rank_without_building_it_whole()
     with ranks_agree(what="a slice that fails to build"):
         assert type(failed) is PartitionError and "mat1 and mat2" in str(failed), repr(failed)
         assert "hp.auto: profiling layers 3-5 (profiled on world rank 1)" in failed.__notes__, failed.__notes__
+
+
+class Sleepy(nn.Module):
+    """Sleeps 3 ms per call, whatever the micro-batch: a pipeline of many micro-batches pays it per micro-batch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import time
+
+        time.sleep(0.003)
+        return x
+
+
+@pytest.mark.parametrize("budget", [60.0, 0.0])
+def test_verify_keeps_the_fastest_measured_plan_not_a_planted_prediction(monkeypatch, capfd, budget):
+    """A planted cost-model error: the 2-stage GPipe plan with 8 micro-batches is predicted 1000x faster than the
+    model says, so the search ranks it first. It pays Sleepy's 3 ms on 8 micro-batches a step where data
+    parallelism pays it once: measured, it is not kept. With no time budget only the first plan is measured (and
+    kept): the others are reported unmeasured."""
+    from hybridpipe.plan import search
+
+    real, real_bound = search.predict, search.step_lower_bound
+
+    def planted_on(candidate) -> bool:
+        return candidate.stages == 2 and candidate.micro_batches == 8 and candidate.schedule == "gpipe"
+
+    def planted(profile, cluster, candidate, *args, **kwargs):
+        prediction = real(profile, cluster, candidate, *args, **kwargs)
+        if planted_on(candidate):
+            prediction.step_seconds /= 1000
+        return prediction
+
+    monkeypatch.setattr(search, "predict", planted)
+    monkeypatch.setattr(search, "step_lower_bound", lambda profile, cluster, candidate, *args: (
+        0.0 if planted_on(candidate) else real_bound(profile, cluster, candidate, *args)))
+    torch.manual_seed(0)
+    model_layers = [Sleepy(), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)]
+    sample = (torch.randn(1, 8), torch.randint(0, 4, (1,)))
+    model, _ = auto(model_layers, nn.CrossEntropyLoss(), sample, global_batch=8, verify_seconds=budget,
+                    optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    try:
+        rows = model.plan.verification
+        printed = capfd.readouterr().out
+        with ranks_agree(what="verified"):
+            assert "2 stages × 1 replicas, gpipe, M=8" in rows[0]["plan"]  # the planted plan, predicted best
+            assert len(rows) == 3 and len({row["plan"] for row in rows}) == 3  # verify_plans=3, distinct
+            assert any(row["plan"].startswith("1 stages") for row in rows)  # a plan on the other grid
+            assert [row["kept"] for row in rows].count(True) == 1
+            kept = next(row for row in rows if row["kept"])
+            assert model.plan.measured_seconds == kept["measured_seconds"]
+            assert model.plan.predicted_seconds == model.plan.step_seconds == kept["predicted_seconds"]
+            assert model.plan.lower_bound_seconds > 0
+            if budget:
+                assert not rows[0]["kept"] and (model.plan.stages, model.plan.replicas) == (1, 2)
+                assert rows[0]["measured_seconds"] >= 8 * 0.003 > kept["measured_seconds"]
+                assert all(row["steps"] == 5 for row in rows)
+            else:
+                assert rows[0]["kept"] and all(row["measured_seconds"] is None and row["steps"] == 0 for row in rows[1:])
+            if hp.rank() == 0:
+                assert "hp.auto measured" in printed and ("not measured" in printed) == (not budget)
+    finally:
+        model.close()

@@ -472,3 +472,84 @@ def test_equal_layers_get_the_same_balance_whatever_the_profiles_noise():
     assert weights == [3.0, 1.0, 1.0, 1.0, 7.0]
     with pytest.raises(HybridPipeError, match="2 keys for 3 weights"):
         even_out_identical([1.0, 2.0, 3.0], ["a", "b"])
+
+
+def test_the_lower_bound_is_each_of_its_parts_and_no_prediction_is_below_it():
+    """step_lower_bound is the largest of: a replica's stages one after the other with M = 1 (the chain), the
+    busiest link's bytes at its bandwidth, and the allreduce of a stage's gradients; predict never goes below it."""
+    from hybridpipe.plan.cost import step_lower_bound
+
+    profile = Profile([LayerCost("Linear", 1.0, 2.0, 10**6, 10**6, 1000) for _ in range(4)], sample_batch=1,
+                      input_bytes=4.0)  # 1 MB sent per sample at a cut
+    free = Cluster(ranks=4, **FREE)
+    # M = 1 on 2 stages: 2 layers each, 1 + 2 ms per layer and sample, 8 samples per replica: 2 × 2 × 3 × 8 ms
+    chain = Candidate(2, 2, (2, 2), 1, "gpipe")
+    assert step_lower_bound(profile, free, chain, 16) == pytest.approx(2 * 2 * 3e-3 * 8)
+    # the link: 8 samples of 1 MB one way each, at 0.1 Gbit/s (no latency): 640 ms, whatever M
+    slow = Cluster(ranks=4, latency_us=0.0, intra_host_gbps=0.1, inter_host_gbps=0.1)
+    link = 8 * 10**6 * 8 / 0.1e9
+    assert step_lower_bound(profile, slow, chain, 16) == pytest.approx(link)
+    assert step_lower_bound(profile, slow, Candidate(2, 2, (2, 2), 8, "gpipe"), 16) == pytest.approx(link)
+    # the allreduce: 4 layers of 1 MB of parameters over 4 replicas at 0.1 Gbit/s, over the 48 ms of compute
+    heavy = uniform_profile(layers=4, parameters=10**6)
+    data_parallel = Candidate(1, 4, (4,), 1, "gpipe")
+    reduce = allreduce_seconds(4 * 10**6, [0, 1, 2, 3], slow)
+    assert reduce > 4 * 3e-3 * 4
+    assert step_lower_bound(heavy, slow, data_parallel, 16) == pytest.approx(reduce)
+    for cluster in (free, slow, Cluster(ranks=4, ranks_per_host=4, cores_per_host=2, **FREE)):
+        for candidate in (chain, data_parallel, Candidate(4, 1, (1,) * 4, 4, "1f1b"),
+                          Candidate(2, 2, (1,) * 4, 4, "interleaved-1f1b", virtual_stages=2),
+                          Candidate(2, 2, (2, 2), 4, "zb-h1"),
+                          Candidate(2, 1, (3, 1), 4, "gpipe", stage_replicas=(3, 1))):
+            prediction = predict(profile, cluster, candidate, 16)
+            bound = step_lower_bound(profile, cluster, candidate, 16)
+            assert prediction.lower_bound_seconds == pytest.approx(bound) and bound > 0, candidate
+            assert prediction.step_seconds >= bound * (1 - 1e-12), (candidate, prediction.notes)
+
+
+def test_a_simulation_below_the_bound_is_raised_to_it_with_a_note(monkeypatch):
+    """The chain of a 2 × 2 M = 1 plan (each stage after the other, as on the MLP where the planner predicted below
+    what one process needs) holds even where the simulation comes out faster: predict raises it and says so."""
+    from hybridpipe.plan import cost
+
+    profile = uniform_profile(layers=4)
+    cluster = Cluster(ranks=4, **FREE)
+    candidate = Candidate(2, 2, (2, 2), 1, "gpipe")
+    real = cost._simulated
+
+    def faster(*args, **kwargs):
+        prediction = real(*args, **kwargs)
+        prediction.step_seconds /= 3
+        return prediction
+
+    monkeypatch.setattr(cost, "_simulated", faster)
+    prediction = cost.predict(profile, cluster, candidate, 8)
+    assert prediction.step_seconds == pytest.approx(2 * 2 * 3e-3 * 4) == prediction.lower_bound_seconds
+    assert prediction.samples_per_second == pytest.approx(8 / prediction.step_seconds)
+    assert any(note.startswith("raised from the simulated") and "to the lower bound 48 ms" in note
+               for note in prediction.notes), prediction.notes
+
+
+def test_every_plan_the_search_produces_is_at_or_above_its_lower_bound():
+    """Random profiles and clusters: the chosen plan, the plans to verify, and every alternative's numbers."""
+    rng = random.Random(7)
+    for _ in range(12):
+        layers = rng.randint(2, 8)
+        profile = Profile([LayerCost("Linear", rng.uniform(0.1, 3), rng.uniform(0.1, 6), rng.uniform(1, 1e4),
+                                     rng.uniform(1, 1e5), rng.randint(1, 10**6)) for _ in range(layers)],
+                          sample_batch=1, input_bytes=4.0)
+        ranks = rng.choice([2, 4])
+        cluster = Cluster(ranks=ranks, ranks_per_host=rng.choice([1, 2]), latency_us=rng.uniform(0, 50),
+                          intra_host_gbps=rng.uniform(1, 100), inter_host_gbps=rng.uniform(0.1, 10),
+                          cores_per_host=rng.choice([0, 1, 2]))
+        found = hplan.plans(profile, cluster, global_batch=16, count=3)
+        assert found[0].config == hplan.plan(profile, cluster, global_batch=16).config
+        assert len({(p.stages, p.replicas, p.config, p.schedule, p.micro_batches, tuple(p.balance), p.checkpoint,
+                     p.zero) for p in found}) == len(found)
+        if len(found) > 1:
+            assert len({(p.stages, p.replicas, p.config) for p in found}) >= 2  # another grid measured too
+        for plan in found:
+            assert plan.lower_bound_seconds > 0 and plan.step_seconds >= plan.lower_bound_seconds * (1 - 1e-12)
+            assert plan.predicted_seconds == plan.step_seconds and plan.measured_seconds is None
+    with pytest.raises(HybridPipeError, match=r"plans: count must be >= 1 \(got 0\)"):
+        hplan.plans(uniform_profile(), Cluster(ranks=2, **FREE), 4, count=0)
