@@ -204,7 +204,6 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
         asynchronous plan, ``opt`` is the pipeline's own optimizer, whose ``step()`` does nothing (the
         pipeline steps it; it warns once).
     """
-    grid = runtime.job("auto").grid
     module = is_module(layers)
     zero_levels = _checked(layers, module, asynchronous, zero, verify, verify_plans, verify_steps, verify_seconds)
     if plan is None:
@@ -217,6 +216,7 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
                              verify_steps, verify_seconds)
     elif module and plan.split is None:  # a plan made by hand: its balance counts the module's planner layers
         plan = dataclasses.replace(plan, split=split_of(module_layers(layers, sample[0]).names, plan.balance))
+    grid = runtime.job("auto").grid  # the verification's trials ran on their own grids
     if plan.ranks != grid.size:
         raise HybridPipeError(f"hp.auto: the plan is for {plan.ranks} ranks, this job has {grid.size}")
     wanted = tuple(plan.stage_replicas) if plan.stage_replicas else (plan.replicas,) * plan.stages
