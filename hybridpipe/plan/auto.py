@@ -47,7 +47,7 @@ from hybridpipe.plan.cost import ZERO_LEVELS, Cluster
 from hybridpipe.plan.module_profile import CUTS_KEY, is_module, module_layers, profile_module, split_of
 from hybridpipe.plan.profile import Profile, profile
 from hybridpipe.plan.search import CHECKPOINT_CHOICES, SYNCHRONOUS_CHOICES, Plan, plan as search, plans
-from hybridpipe.plan.verify import accuracy_warning, measure_plans, report
+from hybridpipe.plan.verify import StepClock, accuracy_warning, measure_plans, report
 
 __all__ = ["auto", "cluster_of_this_job", "host_cores"]
 
@@ -230,8 +230,7 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
         raise HybridPipeError(f"hp.auto: the plan's {plan.schedule} schedule applies the optimizer inside the "
                               "pipeline: pass optimizer=<factory of a torch optimizer>")
     model, opt = _built(layers, loss_fn, optimizer, plan, arguments)
-    model.plan = plan
-    _print_module_plan(model, plan, module)
+    _planned_model(model, plan, module)
     return model, opt
 
 
@@ -321,9 +320,15 @@ def _built(layers: Any, loss_fn: Any, optimizer: Any, plan: Plan, arguments: dic
     return model, opt
 
 
-def _print_module_plan(model: Any, plan: Plan, module: bool) -> None:
-    """A module's plan and ``split_report()``, printed on world rank 0 (what was cut where, and what crosses)."""
-    if module and runtime.job("auto").grid.rank == 0:
+def _planned_model(model: Any, plan: Plan, module: bool) -> None:
+    """``model.plan`` set, its step clocked as training runs (synchronous plans: :class:`StepClock`), and a module's
+    plan and ``split_report()`` printed on world rank 0 (what was cut where, and what crosses)."""
+    model.plan = plan
+    rank = runtime.job("auto").grid.rank
+    if plan.schedule not in sched.ASYNCHRONOUS:
+        warned = plan.verification and accuracy_warning(plan) is not None
+        model.register_gradient_sync(StepClock(plan, warn=rank == 0, warned=bool(warned)), parameters=[])
+    if module and rank == 0:
         print(f"hp.auto plan for {plan.ranks} ranks, global batch {plan.global_batch}: "
               f"{plan.describe()}; predicted {plan.step_seconds * 1e3:.1f} ms per step\n{model.split_report()}",
               flush=True)

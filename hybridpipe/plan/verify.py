@@ -14,10 +14,15 @@ Design reasons:
   step), so every rank keeps the same plan; the time budget is checked on those agreed numbers too.
 * The trials feed each replica the profiling sample repeated to its share of the global batch: a step's time
   depends on the shapes, not the values.
+* Training goes on measuring (:class:`StepClock`): a gradient sync that registers for no parameter (so no gradient
+  hook) hears when each step's first forward begins; the time from one step's start to the next's (the step as
+  the training loop runs it, optimizer and ``zero_grad`` included, and whatever the loop does between steps) after
+  :data:`VERIFY_WARMUP` steps gives this rank's ``plan.measured_seconds``, without a collective.
 """
 
 from __future__ import annotations
 
+import collections
 import gc
 import statistics
 import time
@@ -30,13 +35,16 @@ import torch
 from hybridpipe import runtime
 from hybridpipe.comm.agree import agree_on_failure
 from hybridpipe.comm.engine import call
+from hybridpipe.gradient_sync import GradientSync, Unit
 from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
 from hybridpipe.plan.search import Plan
 
-__all__ = ["measure_plans", "report", "accuracy_warning", "tiled", "VERIFY_WARMUP", "WARN_ERROR"]
+__all__ = ["StepClock", "measure_plans", "report", "accuracy_warning", "tiled", "VERIFY_WARMUP", "WARN_ERROR"]
 
 VERIFY_WARMUP = 2  # untimed steps of each trial (first-touch allocations, the engine's caches)
 WARN_ERROR = 0.25  # a measured step this far from the prediction (of the measured) is warned about
+CLOCK_STEPS = 200  # the training steps whose median is plan.measured_seconds (the latest)
+CLOCK_WARN_AFTER = 5  # measured steps before the training's median is compared with the prediction
 
 
 def tiled(value: Any, size: int) -> Any:
@@ -164,3 +172,35 @@ def accuracy_warning(plan: Plan) -> str | None:
             f"the prediction's biggest term is {name}, {seconds * 1e3:.1f} ms. Calibrate the job's cluster (hybridpipe-run ... python -m "
             "hybridpipe.plan calibrate --output cluster.json; hp.auto(..., cluster=load_cluster('cluster.json'))) "
             "and profile on a sample of one micro-batch's size")
+
+
+class StepClock(GradientSync):
+    """Keeps ``plan.measured_seconds`` the median of this rank's latest :data:`CLOCK_STEPS` training steps (start to
+    start, after :data:`VERIFY_WARMUP`), and warns once (where ``warn``) when it is more than :data:`WARN_ERROR` from
+    the prediction after :data:`CLOCK_WARN_AFTER` of them, unless the verification already did. Register it with a
+    synchronous pipeline for no parameters: ``model.register_gradient_sync(StepClock(plan), parameters=[])``."""
+
+    def __init__(self, plan: Plan, warn: bool, warned: bool = False) -> None:
+        self.plan, self.warn, self.warned = plan, warn, warned
+        self.steps = 0
+        self._armed, self._last = True, None
+        self._intervals: collections.deque[float] = collections.deque(maxlen=CLOCK_STEPS)
+
+    def forward_begins(self, unit: Unit) -> None:
+        if not self._armed:
+            return
+        self._armed, now = False, time.perf_counter()
+        self.steps += 1
+        if self._last is not None and self.steps > VERIFY_WARMUP + 1:
+            self._intervals.append(now - self._last)
+            self.plan.measured_seconds = statistics.median(self._intervals)
+            if len(self._intervals) == CLOCK_WARN_AFTER and self.warn and not self.warned:
+                text = accuracy_warning(self.plan)
+                if text is not None:
+                    self.warned = True
+                    warnings.warn(f"{text} (in training: this rank's median of {CLOCK_WARN_AFTER} steps)",
+                                  stacklevel=2)
+        self._last = now
+
+    def step_ends(self) -> None:
+        self._armed = True

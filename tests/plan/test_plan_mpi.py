@@ -316,7 +316,7 @@ def test_verify_keeps_the_fastest_measured_plan_not_a_planted_prediction(monkeyp
     torch.manual_seed(0)
     model_layers = [Sleepy(), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)]
     sample = (torch.randn(1, 8), torch.randint(0, 4, (1,)))
-    model, _ = auto(model_layers, nn.CrossEntropyLoss(), sample, global_batch=8, verify_seconds=budget,
+    model, opt = auto(model_layers, nn.CrossEntropyLoss(), sample, global_batch=8, verify_seconds=budget,
                     optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
     try:
         rows = model.plan.verification
@@ -338,5 +338,16 @@ def test_verify_keeps_the_fastest_measured_plan_not_a_planted_prediction(monkeyp
                 assert rows[0]["kept"] and all(row["measured_seconds"] is None and row["steps"] == 0 for row in rows[1:])
             if hp.rank() == 0:
                 assert "hp.auto measured" in printed and ("not measured" in printed) == (not budget)
+        # training goes on measuring: this rank's median step, start to start, after 2 warm-up steps
+        inputs = sample[0].repeat(8 // model.plan.replicas, 1)
+        targets = sample[1].repeat(8 // model.plan.replicas)
+        verified = model.plan.measured_seconds
+        for _ in range(6):
+            opt.zero_grad()
+            model.train_step(inputs, targets)
+            opt.step()
+        with ranks_agree(what="measured in training"):
+            assert model.plan.measured_seconds != verified  # 3 training steps measured
+            assert model.plan.measured_seconds >= 0.003  # Sleepy's sleep at least once a step
     finally:
         model.close()

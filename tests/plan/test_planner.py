@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import warnings
 import subprocess
 import sys
 from pathlib import Path
@@ -553,3 +554,38 @@ def test_every_plan_the_search_produces_is_at_or_above_its_lower_bound():
             assert plan.predicted_seconds == plan.step_seconds and plan.measured_seconds is None
     with pytest.raises(HybridPipeError, match=r"plans: count must be >= 1 \(got 0\)"):
         hplan.plans(uniform_profile(), Cluster(ranks=2, **FREE), 4, count=0)
+
+
+def test_the_step_clock_keeps_the_median_training_step_and_warns_once_when_far_from_the_prediction(monkeypatch):
+    """StepClock: each step's first forward (after step_ends) starts a step; from the 4th start on (2 warm-up
+    steps) each start-to-start time enters plan.measured_seconds' median; after 5 of them, a median more than 25 %
+    from the prediction warns once, naming the biggest term (not where the verification warned already)."""
+    from hybridpipe.plan import verify
+    from hybridpipe.plan.verify import StepClock
+
+    best = hplan.plan(uniform_profile(layers=4), Cluster(ranks=1, **FREE), global_batch=4)
+    clock = [0.0]
+    monkeypatch.setattr(verify.time, "perf_counter", lambda: clock[0])
+
+    def run(stepper: StepClock, seconds: list[float]) -> None:
+        for step in seconds:
+            for _ in range(3):  # a step's forwards: only the first starts it
+                stepper.forward_begins(None)
+            stepper.step_ends()
+            clock[0] += step
+
+    predicted = best.step_seconds
+    near = StepClock(best, warn=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # within 25 %: no warning
+        run(near, [9 * predicted, 9 * predicted] + [predicted * f for f in (1.1, 0.9, 1.2, 1.0, 1.05, 1.0)])
+    assert near.steps == 8 and best.measured_seconds == pytest.approx(predicted * 1.05)  # the 5 after warm-up
+    far = StepClock(best, warn=True)
+    with pytest.warns(UserWarning, match=r"is 50% below its measured median.* biggest term is .*\(in training: this "
+                                         r"rank's median of 5 steps") as caught:
+        run(far, [predicted] * 2 + [2 * predicted] * 12)
+    assert len(caught) == 1 and best.measured_seconds == pytest.approx(2 * predicted)
+    for quiet in (StepClock(best, warn=False), StepClock(best, warn=True, warned=True)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            run(quiet, [2 * predicted] * 10)
