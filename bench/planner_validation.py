@@ -71,6 +71,7 @@ sys.path.insert(1, str(ROOT))  # hybridpipe from this checkout when it is not in
 sys.path.insert(2, str(ROOT / "examples"))
 
 from _common import command_line, int_list, launch_env, progress, render, timed_steps  # noqa: E402
+from _unseen_models import MODULES as UNSEEN_MODULES, UNSEEN, build as build_unseen  # noqa: E402
 
 VIRTUAL_STAGES = 2  # interleaved-1f1b, as the planner tries it
 
@@ -135,7 +136,12 @@ CONFIGS["lmmod"] = CONFIGS["lm"] + [(2, 2, 4, "gpipe"), (2, 2, 2, "1f1b")]
 # stages with their own replica counts (a fifth entry: the convolutions on 3 ranks, the head on 1)
 CONFIGS["cnn"] = [(2, 1, 1, "1f1b"), (2, 2, 4, "1f1b"), (4, 1, 1, "1f1b"), (4, 2, 4, "1f1b"), (4, 4, 8, "1f1b"),
                   (4, 2, 8, "1f1b", (3, 1)), (4, 2, 6, "gpipe", (3, 1))]
-MODULES = {"lmmod"}
+# models kept out of every fitting and tuning on purpose (bench/_unseen_models.py): the grids of the MLP, with the
+# M = 1 hybrids where a replica's stages run one after the other
+for _name in UNSEEN:
+    CONFIGS[_name] = [(2, 1, 1, "1f1b"), (2, 2, 1, "gpipe"), (2, 2, 4, "1f1b"), (2, 2, 8, "gpipe"),
+                      (4, 1, 1, "1f1b"), (4, 2, 1, "gpipe"), (4, 2, 4, "1f1b"), (4, 4, 8, "1f1b")]
+MODULES = {"lmmod"} | UNSEEN_MODULES
 QUICK = {"mlp": [(2, 1, 1, "1f1b"), (2, 2, 4, "1f1b")]}
 DRIFT_LIMIT = 0.05  # a run whose predictions from a model's first and last profile differ by more says more
 #                     about the machine than about the model
@@ -147,6 +153,8 @@ def model_parts(name: str, args: argparse.Namespace) -> tuple[list[Any], Any, An
     """``(layers, loss_fn, batch(n, seed) -> (inputs, targets), optimizer factory)``, the same on every rank."""
     import torch
 
+    if name in UNSEEN:
+        return build_unseen(name)[:4]
     if name == "cnn":
         from stage_replicas import vgg_like
 
@@ -203,6 +211,8 @@ def LanguageModel(layers: list[Any]) -> Any:  # noqa: N802 - a factory of an nn.
 
 
 def global_batch(name: str, args: argparse.Namespace) -> int:
+    if name in UNSEEN:
+        return build_unseen(name)[4]
     return {"mlp": args.mlp_batch, "cnn": args.cnn_batch}.get(name, args.lm_batch)
 
 
@@ -277,7 +287,10 @@ def auto_worker_main(args: argparse.Namespace) -> int:
         slowest = hp.allreduce(torch.tensor(times[args.warmup:], dtype=torch.float64), op=hp.Max)
         if grid.rank == 0:
             Path(args.result).write_text(json.dumps({"step_seconds": slowest.tolist(), "plan": plan.describe(),
-                                                     "predicted_s": plan.step_seconds}))
+                                                     "predicted_s": plan.step_seconds,
+                                                     "lower_bound_s": plan.lower_bound_seconds,
+                                                     "verification": plan.verification,
+                                                     "clocked_s": plan.measured_seconds}))
         model.close()
     finally:
         hp.shutdown()
@@ -562,8 +575,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="mlp,lm", help="mlp, lm, lmmod (the LM as one nn.Module, split by "
-                        "hp.PipelineModel) and/or cnn (bench/stage_replicas.py's VGG-like CNN, with stages of their "
-                        "own replica counts); default mlp,lm")
+                        "hp.PipelineModel), cnn (bench/stage_replicas.py's VGG-like CNN, with stages of their "
+                        "own replica counts), and the models held out of all tuning: gelu, wide, deep, gpt2 "
+                        "(bench/_unseen_models.py); default mlp,lm")
     parser.add_argument("--ranks", default="2,4", help="rank counts (default 2,4)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per configuration and round (default 8)")
     parser.add_argument("--rounds", type=int, default=2,
@@ -603,7 +617,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in args.models if m not in CONFIGS]
     if unknown or not args.models:
-        parser.error(f"--models: unknown {unknown} (use mlp, lm, lmmod and/or cnn)")
+        parser.error(f"--models: unknown {unknown} (use mlp, lm, lmmod, cnn and/or the held-out "
+                     f"{', '.join(UNSEEN)})")
     try:
         args.ranks = int_list(args.ranks, "--ranks")
     except argparse.ArgumentTypeError as error:

@@ -16,7 +16,7 @@ same model (built under one seed), AdamW, the same batches. Each rank reports, a
 
 The table shows the worst rank of each launch and, per precision, the ratios to zero 0: the issue's
 targets are ZeRO-1 optimizer state ≤ 0.55× zero 0 at D = 2 and step time within 10 %. Nothing is
-asserted: the machine is shared (run it under ../shared/tools/guard.py).
+asserted: the machine is shared (run it under bench/guard.py).
 """
 
 from __future__ import annotations

@@ -284,3 +284,14 @@ def test_a_module_imports_first(name):
     result = subprocess.run([sys.executable, "-c", f"import hybridpipe.{name}"], capture_output=True, text=True,
                             cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_repository_needs_nothing_beside_it():
+    """No tracked file reads or points at the shared workspace beside a checkout: PipeDream's profiles live in
+    bench/data/pipedream/, the benchmark guard is bench/guard.py."""
+    files = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=ROOT, check=True).stdout.split()
+    needle = "../" + "shared"  # (spelled apart so that this file does not find itself)
+    found = [name for name in files if (ROOT / name).is_file() and
+             needle in (ROOT / name).read_text(errors="replace")]
+    assert not found, f"files that need {needle}: {found}"
+    assert (ROOT / "bench" / "data" / "pipedream" / "vgg16.json").is_file()

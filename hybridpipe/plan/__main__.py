@@ -17,7 +17,7 @@ Usage:
         --sizes 2,4,8 --micro-batches 32                                   # GPipe's Table 3
     python -m hybridpipe.plan --simulate --profile profile.json --global-batch 256 --gpus-per-host 8 ...
     hybridpipe-run -np 8 python -m hybridpipe.plan calibrate --output cluster.json
-    python -m hybridpipe.plan --pipedream-profile ../shared/pipedream/vgg16.json --servers 4 --gpus-per-server 4 \\
+    python -m hybridpipe.plan --pipedream-profile bench/data/pipedream/vgg16.json --servers 4 --gpus-per-server 4 \\
         --intra-bandwidth 10e9 --inter-bandwidth 1.25e9 [--global-batch 1024] [--json]   # PipeDream's "15-1"
 
 ``MODULE:FACTORY`` names a function (``MODULE`` importable, or a path to a .py file) that returns
@@ -475,7 +475,7 @@ def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
 def _pipedream_arguments(parser: argparse.ArgumentParser) -> None:
     """--pipedream-profile and its cluster (PipeDream's optimizer, replica counts per stage)."""
     pipedream = parser.add_argument_group(
-        "PipeDream's profiles", "--pipedream-profile FILE.json (shared/pipedream/): PipeDream's optimizer with a replica "
+        "PipeDream's profiles", "--pipedream-profile FILE.json (bench/data/pipedream/): PipeDream's optimizer with a replica "
         "count per stage (\"15-1\") on servers of GPUs; with --servers, --gpus-per-server, --intra-bandwidth, "
         "--inter-bandwidth (bytes per second) and optionally --global-batch (default: the profiled batch per GPU)")
     pipedream.add_argument("--pipedream-profile", metavar="FILE.json", help="a PipeDream profile (JSON)")

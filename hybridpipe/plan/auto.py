@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,25 +42,14 @@ from hybridpipe.errors import HybridPipeError
 from hybridpipe.pipeline import schedule as sched
 from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
 from hybridpipe.pipeline.model import LayerSpec, PipelineModel
+from hybridpipe.plan.calibrate import calibrate as measure, cluster_of, host_cores
 from hybridpipe.plan.cost import ZERO_LEVELS, Cluster
 from hybridpipe.plan.module_profile import CUTS_KEY, is_module, module_layers, profile_module, split_of
 from hybridpipe.plan.profile import Profile, profile
 from hybridpipe.plan.search import CHECKPOINT_CHOICES, SYNCHRONOUS_CHOICES, Plan, plan as search, plans
-from hybridpipe.plan.verify import StepClock, accuracy_warning, measure_plans, report
+from hybridpipe.plan.verify import StepClock, accuracy_warning, measure_plans, on_grid_of, report
 
 __all__ = ["auto", "cluster_of_this_job", "host_cores"]
-
-
-def host_cores() -> int:
-    """Cores the ranks of this host may use together (collective over the job): the union of their
-    affinity masks. One rank's own mask undercounts: mpirun binds each rank to a core of its own."""
-    state = runtime.job("host_cores")
-    if hasattr(os, "sched_getaffinity"):
-        mine = sorted(os.sched_getaffinity(0))
-    else:
-        mine = list(range(os.cpu_count() or 1))
-    masks = call(None, "host_cores", lambda: state.local_comm.allgather(mine))
-    return len(set().union(*(set(mask) for mask in masks)))
 
 
 def cluster_of_this_job(memory_per_rank: float = 0.0, **links: float) -> Cluster:
@@ -158,7 +146,8 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
          optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None, plan: Plan | None = None,
          asynchronous: bool = False, memory_per_rank: float = 0.0, optimizer_state_factor: float = 2.0,
          cluster: Cluster | None = None, zero: int | None = None, verify: bool = True, verify_plans: int = 3,
-         verify_seconds: float = 60.0, verify_steps: int = 5, **model_options: Any) -> tuple[Any, Any]:
+         verify_seconds: float = 60.0, verify_steps: int = 5, calibrate: bool = False,
+         **model_options: Any) -> tuple[Any, Any]:
     """Plans for this job, then builds ``hp.PipelineModel`` and its optimizer; every rank calls it.
 
     Args:
@@ -179,7 +168,9 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
             only).
         memory_per_rank: Bytes a rank may use (0: no limit).
         optimizer_state_factor: Optimizer state bytes per parameter byte (SGD 0, momentum 1, Adam 2).
-        cluster: The cluster to plan for (default: :func:`cluster_of_this_job`).
+        cluster: The cluster to plan for (default: :func:`cluster_of_this_job`, its links at the defaults).
+        calibrate: Without ``cluster``: measure this job's links and framework costs first (``python -m
+            hybridpipe.plan calibrate``'s measurements, in the job: some 30 s on 2-4 ranks) and plan on them.
         zero: The ZeRO level to use (0, 1 or 2); None (default) lets the planner choose among them (0 unless
             sharding is faster or needed to fit ``memory_per_rank``).
         verify: Measure before keeping (default): the ``verify_plans`` best plans (the choice, then the best on
@@ -208,7 +199,7 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
     zero_levels = _checked(layers, module, asynchronous, zero, verify, verify_plans, verify_steps, verify_seconds)
     if plan is None:
         found = _planned(layers, loss_fn, sample, global_batch, optimizer, module, asynchronous, zero_levels,
-                         cluster or cluster_of_this_job(memory_per_rank), optimizer_state_factor,
+                         cluster or _job_cluster(memory_per_rank, calibrate), optimizer_state_factor,
                          model_options.get("precision"), verify_plans if verify else 1)
         plan = found[0]
         if verify:
@@ -216,16 +207,11 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
                              verify_steps, verify_seconds)
     elif module and plan.split is None:  # a plan made by hand: its balance counts the module's planner layers
         plan = dataclasses.replace(plan, split=split_of(module_layers(layers, sample[0]).names, plan.balance))
-    grid = runtime.job("auto").grid  # the verification's trials ran on their own grids
-    if plan.ranks != grid.size:
-        raise HybridPipeError(f"hp.auto: the plan is for {plan.ranks} ranks, this job has {grid.size}")
-    wanted = tuple(plan.stage_replicas) if plan.stage_replicas else (plan.replicas,) * plan.stages
-    if grid.stage_replicas != wanted:
-        runtime.regrid("auto", **plan.init_arguments())
-    arguments = {**plan.model_arguments(), **model_options}  # the caller's precision, device, ... win
-    if module:
-        micro = max(1, global_batch // plan.replicas // plan.micro_batches)
-        arguments["sample"] = _micro_batch(sample[0], micro)
+    size = runtime.job("auto").grid.size
+    if plan.ranks != size:
+        raise HybridPipeError(f"hp.auto: the plan is for {plan.ranks} ranks, this job has {size}")
+    on_grid_of(plan)  # (the verification's trials ran on their own grids)
+    arguments = _model_arguments(plan, model_options, module, sample, global_batch)
     if optimizer is None and plan.schedule in sched.ASYNCHRONOUS:
         raise HybridPipeError(f"hp.auto: the plan's {plan.schedule} schedule applies the optimizer inside the "
                               "pipeline: pass optimizer=<factory of a torch optimizer>")
@@ -285,9 +271,7 @@ def _verified(found: list[Plan], layers: Any, loss_fn: Any, sample: tuple[Any, A
     world rank 0 and warned about when it is far from the prediction. Without an optimizer factory the trials step
     a plain SGD (the step you will wrap is not known here)."""
     def build(trial: Plan) -> tuple[Any, Any]:
-        arguments = {**trial.model_arguments(), **model_options}
-        if module:
-            arguments["sample"] = _micro_batch(sample[0], max(1, global_batch // trial.replicas // trial.micro_batches))
+        arguments = _model_arguments(trial, model_options, module, sample, global_batch)
         copies = copy.deepcopy(layers) if module else [copy.deepcopy(layer) if isinstance(layer, nn.Module) else layer
                                                        for layer in layers]
         factory = optimizer or (lambda params: torch.optim.SGD(params, lr=0.0))
@@ -300,6 +284,36 @@ def _verified(found: list[Plan], layers: Any, loss_fn: Any, sample: tuple[Any, A
         if text is not None:
             warnings.warn(text, stacklevel=3)
     return kept
+
+
+def _model_arguments(plan: Plan, model_options: dict[str, Any], module: bool, sample: tuple[Any, Any],
+                     global_batch: int) -> dict[str, Any]:
+    """``hp.PipelineModel``'s arguments for ``plan``: its own, the caller's ``model_options`` over them (precision,
+    device, ...), and a module's sample of one micro-batch."""
+    arguments = {**plan.model_arguments(), **model_options}
+    if module:
+        arguments["sample"] = _micro_batch(sample[0], max(1, global_batch // plan.replicas // plan.micro_batches))
+    return arguments
+
+
+def _job_cluster(memory_per_rank: float, calibrate: bool) -> Cluster:
+    """The running job as a :class:`Cluster`: calibrated in the job (``calibrate``: collective; rank 0 says how long
+    it took), or :func:`cluster_of_this_job` with the default links."""
+    if not calibrate:
+        return cluster_of_this_job(memory_per_rank)
+    import time
+
+
+    if runtime.job("auto").grid.stage_replicas != (runtime.job("auto").grid.size,):
+        runtime.regrid("auto", pipeline_stages=1)  # calibrate measures the framework's costs on one stage
+    state = runtime.job("auto")
+    started = time.perf_counter()
+    measured = measure(repeats=5)  # complete on rank 0
+    data = call(None, "hp.auto calibrate", lambda: state.grid.world_comm.bcast(measured, root=0))
+    if state.grid.rank == 0:
+        print(f"hp.auto calibrated the job's {data['ranks']} ranks in {time.perf_counter() - started:.1f} s",
+              flush=True)
+    return cluster_of(data, memory_per_rank, state.grid.size)
 
 
 def _built(layers: Any, loss_fn: Any, optimizer: Any, plan: Plan, arguments: dict[str, Any]) -> tuple[Any, Any]:

@@ -41,6 +41,7 @@ Design reasons:
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -60,10 +61,9 @@ from hybridpipe.data_parallel.optimizer import DistributedOptimizer
 from hybridpipe.errors import HybridPipeError
 from hybridpipe.pipeline import schedule as sched
 from hybridpipe.pipeline.model import PipelineModel
-from hybridpipe.plan.auto import host_cores
 from hybridpipe.plan.cost import Cluster
 
-__all__ = ["calibrate", "fit", "load_cluster", "transfer_overhead", "SIZES"]
+__all__ = ["calibrate", "cluster_of", "fit", "host_cores", "load_cluster", "transfer_overhead", "SIZES"]
 
 SIZES = [8, 1024, 16 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024]
 
@@ -465,6 +465,18 @@ def transfer_overhead(action_overhead_us: float, latency_us: float, repeats: int
     return (low + high) / 2 * 1e6
 
 
+def host_cores() -> int:
+    """Cores the ranks of this host may use together (collective over the job): the union of their
+    affinity masks. One rank's own mask undercounts: mpirun binds each rank to a core of its own."""
+    state = runtime.job("host_cores")
+    if hasattr(os, "sched_getaffinity"):
+        mine = sorted(os.sched_getaffinity(0))
+    else:
+        mine = list(range(os.cpu_count() or 1))
+    masks = call(None, "host_cores", lambda: state.local_comm.allgather(mine))
+    return len(set().union(*(set(mask) for mask in masks)))
+
+
 def calibrate(repeats: int = 9) -> dict[str, Any]:
     """Measures the running job's links (collective: every rank calls it after ``hp.init``)."""
     state = runtime.job("calibrate")
@@ -548,6 +560,11 @@ def load_cluster(path: str, memory_per_rank: float = 0.0, ranks: int | None = No
         data = json.load(file)
     if data.get("format") != "hybridpipe-cluster-1":
         raise HybridPipeError(f"{path} is not a hybridpipe calibration (python -m hybridpipe.plan calibrate)")
+    return cluster_of(data, memory_per_rank, ranks)
+
+
+def cluster_of(data: dict[str, Any], memory_per_rank: float = 0.0, ranks: int | None = None) -> Cluster:
+    """A :class:`Cluster` from :func:`calibrate`'s result (as :func:`load_cluster` reads it from its file)."""
     intra = data.get("intra_gbps") or data.get("allreduce_gbps") or 40.0
     latency = data.get("intra_latency_us", data.get("allreduce_alpha_us", 20.0))
     # the allreduce's fixed cost beyond the ring steps the model counts (2(R−1) latencies)

@@ -6,7 +6,7 @@ best pipeline with pure data parallelism over all workers. ``python -m hybridpip
 is its command line; docs/planner.md ("PipeDream's profiles") states the cost model and its assumptions.
 
 Why its own module: the profiles (msr-fiddle/pipedream's ``graph.txt`` converted to JSON, see
-shared/pipedream/README.md) carry only per-layer forward / backward times, output bytes and parameter
+bench/data/pipedream/README.md in the repository) carry only per-layer forward / backward times, output bytes and parameter
 bytes at one batch size, and the configurations searched here (a replica count per stage, PipeDream's
 asynchronous round-robin pipeline) are not the uniform stages × replicas grid that search.py simulates.
 """
@@ -62,7 +62,7 @@ class PipeDreamProfile:
     ``cut_bytes[0]`` and ``cut_bytes[n]`` are 0.
 
     Example:
-        >>> profile = PipeDreamProfile.load("../shared/pipedream/vgg16.json")
+        >>> profile = PipeDreamProfile.load("bench/data/pipedream/vgg16.json")
         >>> len(profile.layers), profile.batch
         (40, 128)
     """
@@ -76,7 +76,7 @@ class PipeDreamProfile:
 
     @classmethod
     def load(cls, path: str | Path) -> "PipeDreamProfile":
-        """Reads one of shared/pipedream/*.json (fields: nodes, edges, chain, profiled_batch_size).
+        """Reads one of bench/data/pipedream/*.json (fields: nodes, edges, chain, profiled_batch_size).
 
         Raises:
             PipeDreamProfileError: the file is missing, not JSON, or lacks a field (named in the message).
@@ -84,7 +84,8 @@ class PipeDreamProfile:
         path = Path(path)
         if not path.is_file():
             raise PipeDreamProfileError(f"no PipeDream profile at {str(path)!r} (pass one of the JSON files of "
-                                        "shared/pipedream/, e.g. ../shared/pipedream/vgg16.json)")
+                                        "bench/data/pipedream/ in the repository, e.g. "
+                                        "bench/data/pipedream/vgg16.json)")
         try:
             data = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -111,7 +112,7 @@ class PipeDreamProfile:
         except (KeyError, TypeError, ValueError) as error:
             raise PipeDreamProfileError(f"{path}: missing or malformed field {error} (expected nodes with id, desc, "
                                         "forward_ms, backward_ms, activation_bytes, parameter_bytes; edges; chain; "
-                                        "profiled_batch_size, as in shared/pipedream/README.md)") from error
+                                        "profiled_batch_size, as in bench/data/pipedream/README.md)") from error
         if batch <= 0:
             raise PipeDreamProfileError(f"{path}: profiled_batch_size must be a positive integer (got "
                                         f"{data.get('profiled_batch_size')!r})")

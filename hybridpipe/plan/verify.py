@@ -39,7 +39,8 @@ from hybridpipe.gradient_sync import GradientSync, Unit
 from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
 from hybridpipe.plan.search import Plan
 
-__all__ = ["StepClock", "measure_plans", "report", "accuracy_warning", "tiled", "VERIFY_WARMUP", "WARN_ERROR"]
+__all__ = ["StepClock", "measure_plans", "on_grid_of", "report", "accuracy_warning", "tiled", "VERIFY_WARMUP",
+           "WARN_ERROR"]
 
 VERIFY_WARMUP = 2  # untimed steps of each trial (first-touch allocations, the engine's caches)
 WARN_ERROR = 0.25  # a measured step this far from the prediction (of the measured) is warned about
@@ -73,13 +74,18 @@ def _agreed(world: Any, values: tuple[float, float]) -> tuple[float, float]:
     return max(v[0] for v in every), max(v[1] for v in every)
 
 
+def on_grid_of(plan: Plan) -> None:
+    """The job re-made with ``plan``'s grid where it runs another (``runtime.regrid``; collective)."""
+    wanted = tuple(plan.stage_replicas) if plan.stage_replicas else (plan.replicas,) * plan.stages
+    if runtime.job("auto").grid.stage_replicas != wanted:
+        runtime.regrid("auto", **plan.init_arguments())
+
+
 def _trial(plan: Plan, build: Callable[[Plan], tuple[Any, Any]], sample: tuple[Any, Any], steps: int,
            started: float, budget: float) -> list[float]:
     """One plan's measured steps (each the slowest rank's), on its grid; stops early once the budget is spent
     (after one timed step at least)."""
-    wanted = tuple(plan.stage_replicas) if plan.stage_replicas else (plan.replicas,) * plan.stages
-    if runtime.job("auto").grid.stage_replicas != wanted:
-        runtime.regrid("auto", **plan.init_arguments())
+    on_grid_of(plan)
     world = runtime.job("auto").grid.world_comm
     size = _replica_samples(plan)
     inputs, targets = tiled(sample[0], size), tiled(sample[1], size)
@@ -169,9 +175,10 @@ def accuracy_warning(plan: Plan) -> str | None:
     error = (predicted - measured) / measured
     return (f"hp.auto: the plan's predicted step, {predicted * 1e3:.1f} ms, is {abs(error):.0%} "
             f"{'below' if error < 0 else 'above'} its measured median, {measured * 1e3:.1f} ms ({plan.describe()}); "
-            f"the prediction's biggest term is {name}, {seconds * 1e3:.1f} ms. Calibrate the job's cluster (hybridpipe-run ... python -m "
-            "hybridpipe.plan calibrate --output cluster.json; hp.auto(..., cluster=load_cluster('cluster.json'))) "
-            "and profile on a sample of one micro-batch's size")
+            f"the prediction's biggest term is {name}, {seconds * 1e3:.1f} ms. Calibrate the job's cluster "
+            "(hp.auto(..., calibrate=True), or hybridpipe-run ... python -m hybridpipe.plan calibrate --output "
+            "cluster.json and hp.auto(..., cluster=load_cluster('cluster.json'))) and profile on a sample of one "
+            "micro-batch's size")
 
 
 class StepClock(GradientSync):

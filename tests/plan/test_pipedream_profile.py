@@ -1,5 +1,5 @@
 """``python -m hybridpipe.plan --pipedream-profile``: Table 1 of the PipeDream paper from PipeDream's own
-profiles (shared/pipedream/, beside the repository), and the dynamic program on tiny hand-made profiles."""
+profiles (bench/data/pipedream/), and the dynamic program on tiny hand-made profiles."""
 
 from __future__ import annotations
 
@@ -16,12 +16,9 @@ from hybridpipe.plan.__main__ import main
 from hybridpipe.plan.pipedream import Hierarchy, PipeDreamProfile, PipeDreamProfileError, optimize
 
 REPO = Path(__file__).resolve().parents[2]
-PROFILES = REPO.parent / "shared" / "pipedream"
-needs_profiles = pytest.mark.skipif(not (PROFILES / "vgg16.json").is_file(),
-                                    reason=f"PipeDream's profiles are not at {PROFILES} (shared/pipedream/ beside the "
-                                           "repository; see its README.md)")
+PROFILES = REPO / "bench" / "data" / "pipedream"
 
-# The paper's clusters (shared/pipedream/README.md, Table 2) in bytes per second. A: PCIe inside a server
+# The paper's clusters (bench/data/pipedream/README.md, Table 2) in bytes per second. A: PCIe inside a server
 # (10 GB/s, the low end of the 10-15 GB/s quoted), 10 Gbit/s Ethernet between; B: NVLink (~30 GB/s),
 # 25 Gbit/s Ethernet.
 CLUSTER = {"A": (10e9, 1.25e9), "B": (30e9, 3.125e9)}
@@ -79,7 +76,6 @@ def _profile_json(model: str) -> dict:
     return json.loads((PROFILES / f"{model}.json").read_text())
 
 
-@needs_profiles
 @pytest.mark.parametrize("row", ROWS, ids=[_row_id(row) for row in ROWS])
 def test_table1_row_through_the_cli(row, cli_results):
     model, servers, gpus, cluster, paper = row
@@ -163,7 +159,6 @@ def test_ties_go_to_data_parallelism():
     assert plan.config == "2" and plan.seconds == pytest.approx(0.2)
 
 
-@needs_profiles
 def test_the_same_profile_always_gets_the_same_plan():
     first, second = (optimize(_vgg(), Hierarchy(2, 8, *CLUSTER["B"])).to_json() for _ in range(2))
     assert _without_timing(first) == _without_timing(second)
@@ -196,7 +191,7 @@ def test_global_batch_scales_compute_and_activations_not_parameters():
 
 
 def test_errors_name_the_value_and_the_fix(tmp_path):
-    with pytest.raises(PipeDreamProfileError, match=r"no PipeDream profile at .*missing\.json.*shared/pipedream"):
+    with pytest.raises(PipeDreamProfileError, match=r"no PipeDream profile at .*missing\.json.*bench/data/pipedream"):
         PipeDreamProfile.load(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(PipeDreamProfileError, match="not a JSON PipeDream profile"):
@@ -222,7 +217,6 @@ def test_cli_refuses_missing_flags_and_a_missing_file(tmp_path, capsys):
     assert code == 2 and "PipeDreamProfileError: no PipeDream profile" in capsys.readouterr().err
 
 
-@needs_profiles
 def test_cli_explains_the_configuration(capsys):
     assert main(["--pipedream-profile", str(PROFILES / "vgg16.json"), "--servers", "4", "--gpus-per-server", "4",
                  "--intra-bandwidth", "10e9", "--inter-bandwidth", "1.25e9"]) == 0
@@ -232,7 +226,6 @@ def test_cli_explains_the_configuration(capsys):
     assert "494.6 MB of parameters are never allreduced" in text
 
 
-@needs_profiles
 def test_vgg_on_cluster_b_the_fastest_cuts_inside_conv5_and_the_tolerance_keeps_the_conv_fc_cut():
     hierarchy = Hierarchy(2, 8, *CLUSTER["B"])
     exact = optimize(_vgg(), hierarchy, tolerance=0.0)
@@ -244,7 +237,6 @@ def test_vgg_on_cluster_b_the_fastest_cuts_inside_conv5_and_the_tolerance_keeps_
     assert chosen.bytes_per_minibatch < exact.bytes_per_minibatch
 
 
-@needs_profiles
 def test_straight_gnmt_is_bounded_by_its_slowest_layer():
     profile = PipeDreamProfile.load(PROFILES / "gnmt_large.json")
     slowest = max(layer.forward_seconds + layer.backward_seconds for layer in profile.layers)

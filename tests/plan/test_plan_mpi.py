@@ -335,7 +335,8 @@ def test_verify_keeps_the_fastest_measured_plan_not_a_planted_prediction(monkeyp
                 assert rows[0]["measured_seconds"] >= 8 * 0.003 > kept["measured_seconds"]
                 assert all(row["steps"] == 5 for row in rows)
             else:
-                assert rows[0]["kept"] and all(row["measured_seconds"] is None and row["steps"] == 0 for row in rows[1:])
+                assert rows[0]["kept"]
+                assert all(row["measured_seconds"] is None and row["steps"] == 0 for row in rows[1:])
             if hp.rank() == 0:
                 assert "hp.auto measured" in printed and ("not measured" in printed) == (not budget)
         # training goes on measuring: this rank's median step, start to start, after 2 warm-up steps
@@ -349,5 +350,37 @@ def test_verify_keeps_the_fastest_measured_plan_not_a_planted_prediction(monkeyp
         with ranks_agree(what="measured in training"):
             assert model.plan.measured_seconds != verified  # 3 training steps measured
             assert model.plan.measured_seconds >= 0.003  # Sleepy's sleep at least once a step
+    finally:
+        model.close()
+
+
+def test_auto_calibrate_plans_on_the_links_it_measured_in_the_job(monkeypatch, capfd):
+    """hp.auto(calibrate=True) without a cluster: calibrate's measurements, made in the job (every rank gets rank
+    0's), are the cluster the search plans on, and rank 0 says how long they took."""
+    from hybridpipe.plan import auto as auto_module
+    from hybridpipe.plan import calibrate as calibration
+
+    monkeypatch.setattr(calibration, "CONTENTION_WINDOWS", 16)  # the values, not their accuracy
+    seen = []
+    real = auto_module.search
+
+    def recording(profile, cluster, *args, **kwargs):
+        seen.append(cluster)
+        return real(profile, cluster, *args, **kwargs)
+
+    monkeypatch.setattr(auto_module, "search", recording)
+    sample = (torch.randn(4, 8), torch.randint(0, 4, (4,)))
+    model, _ = auto(layers(), nn.CrossEntropyLoss(), sample, global_batch=8, verify=False, calibrate=True,
+                    optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    try:
+        printed = capfd.readouterr().out
+        with ranks_agree(what="calibrated"):
+            (cluster,) = seen
+            assert cluster.ranks == hp.size() and cluster.action_overhead_us > 0 and cluster.compute_contention >= 1
+            assert cluster.data_parallel_us_per_mib > 0 and cluster.waiting_load > 0
+            every = hp.grid().world_comm.allgather((cluster.action_overhead_us, cluster.compute_contention))
+            assert len(set(every)) == 1  # rank 0's measurements on every rank: the same plan everywhere
+            if hp.rank() == 0:
+                assert f"hp.auto calibrated the job's {hp.size()} ranks in " in printed, printed
     finally:
         model.close()
