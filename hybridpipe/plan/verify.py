@@ -35,6 +35,7 @@ import torch
 from hybridpipe import runtime
 from hybridpipe.comm.agree import agree_on_failure
 from hybridpipe.comm.engine import call
+from hybridpipe.errors import HybridPipeError
 from hybridpipe.gradient_sync import GradientSync, Unit
 from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
 from hybridpipe.plan.search import Plan
@@ -127,17 +128,24 @@ def measure_plans(plans: list[Plan], build: Callable[[Plan], tuple[Any, Any]], s
     rows, fastest = [], None
     for index, plan in enumerate(plans):
         spent = _agreed(runtime.job("auto").grid.world_comm, (0.0, time.perf_counter() - started))[1]
-        if index and spent > budget_seconds:
+        if fastest is not None and spent > budget_seconds:
             rows.append({"plan": plan.describe(), "predicted_seconds": plan.step_seconds, "measured_seconds": None,
                          "steps": 0, "kept": False})
             continue
-        times = _trial(plan, build, sample, steps, started, budget_seconds)
+        try:
+            times = _trial(plan, build, sample, steps, started, budget_seconds)
+        except HybridPipeError as error:  # raised on every rank alike: a plan the runtime refuses is not kept
+            rows.append({"plan": plan.describe(), "predicted_seconds": plan.step_seconds, "measured_seconds": None,
+                         "steps": 0, "kept": False, "error": str(error)})
+            continue
         measured = statistics.median(times)
         rows.append({"plan": plan.describe(), "predicted_seconds": plan.step_seconds, "measured_seconds": measured,
                      "steps": len(times), "kept": False})
         if fastest is None or measured < rows[fastest]["measured_seconds"]:
             fastest = index
-    assert fastest is not None
+    if fastest is None:
+        raise HybridPipeError("hp.auto verify: none of the plans measured could be built: " + "; ".join(
+            f"{row['plan']}: {row.get('error', 'not measured (time budget spent)')}" for row in rows))
     rows[fastest]["kept"] = True
     kept = plans[fastest]
     kept.measured_seconds, kept.verification = rows[fastest]["measured_seconds"], rows
@@ -150,6 +158,9 @@ def report(plan: Plan, seconds: float, budget_seconds: float) -> str:
              f"{len(plan.verification)} plans in {seconds:.1f} s (verify_seconds={budget_seconds:g}):"]
     for row in plan.verification:
         predicted = row["predicted_seconds"] * 1e3
+        if "error" in row:
+            lines.append(f"        {row['plan']}: predicted {predicted:.1f} ms, not built ({row['error']})")
+            continue
         if row["measured_seconds"] is None:
             lines.append(f"        {row['plan']}: predicted {predicted:.1f} ms, not measured (time budget spent)")
             continue

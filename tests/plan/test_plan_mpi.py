@@ -384,3 +384,36 @@ def test_auto_calibrate_plans_on_the_links_it_measured_in_the_job(monkeypatch, c
                 assert f"hp.auto calibrated the job's {hp.size()} ranks in " in printed, printed
     finally:
         model.close()
+
+
+def test_verify_skips_a_plan_the_runtime_refuses_and_keeps_a_measured_one(monkeypatch, capfd):
+    """A plan whose model cannot be built (here every 2-stage plan refused, as the runtime refuses tied weights on
+    stages with their own replica counts) is reported 'not built' with its error on every rank, and a plan that
+    was measured is kept."""
+    from hybridpipe.errors import HybridPipeError
+    from hybridpipe.plan import auto as auto_module
+
+    real = auto_module._built
+
+    def refusing(layers_, loss_fn, optimizer, plan, arguments):
+        if plan.stages == 2:
+            raise HybridPipeError("refused for the test")
+        return real(layers_, loss_fn, optimizer, plan, arguments)
+
+    monkeypatch.setattr(auto_module, "_built", refusing)
+    monkeypatch.setattr(auto_module, "search", lambda *args, **kwargs: auto_module.plans(*args, count=3, **kwargs)[
+        [p.stages for p in auto_module.plans(*args, count=3, **kwargs)].index(2)])  # the refused plan first
+    sample = (torch.randn(4, 8), torch.randint(0, 4, (4,)))
+    model, _ = auto(layers(), nn.CrossEntropyLoss(), sample, global_batch=8, verify_seconds=0.0,
+                    optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    try:
+        rows = model.plan.verification
+        printed = capfd.readouterr().out
+        with ranks_agree(what="refused plan skipped"):
+            assert rows[0]["error"] == "refused for the test" and rows[0]["measured_seconds"] is None
+            assert model.plan.stages == 1 and model.plan.measured_seconds > 0
+            assert sum(row["kept"] for row in rows) == 1
+            if hp.rank() == 0:
+                assert "not built (refused for the test)" in printed, printed
+    finally:
+        model.close()
