@@ -12,19 +12,32 @@ Example:
 # imported on first use (PEP 562), from the module the table below names.
 import importlib
 
+from . import errors as _errors
 from .config import Config
 from .errors import (
     BuildError,
+    CheckpointError,
     DuplicateNameError,
+    EmulatedHostsError,
     GridError,
     HorovodInternalError,
+    HostsUpdatedInterrupt,
     HybridPipeError,
+    InternalError,
     MismatchError,
     MPIError,
     NonFiniteError,
     NotInitializedError,
     NotSupportedError,
+    PartitionError,
     PeerShutDownError,
+    PipeDreamProfileError,
+    PipelineBroken,
+    RanksJoined,
+    RemoteError,
+    ScheduleError,
+    SplitError,
+    UsageError,
     WaitTimeoutError,
 )
 from .runtime import Grid, config, grid, init, is_initialized, local_rank, local_size, rank, shutdown, size
@@ -34,7 +47,7 @@ _LAZY_MODULES = {
     ".capabilities": ("ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built",
         "gloo_enabled", "is_homogeneous", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
         "rocm_built",),
-    ".checkpoint": ("CheckpointError", "consolidate", "load_checkpoint", "resume", "save_checkpoint",),
+    ".checkpoint": ("consolidate", "load_checkpoint", "resume", "save_checkpoint",),
     ".comm.collectives": ("Adasum", "Average", "Max", "Min", "Product", "ReduceOp", "Sum", "allreduce_", "barrier",
         "broadcast_", "broadcast_async", "broadcast_async_", "grouped_allreduce_",),
     ".comm.engine": ("Handle", "allreduce_async", "allreduce_async_", "engine_stats", "grouped_allreduce_async",
@@ -110,9 +123,7 @@ __all__ = [
     "DistributedOptimizer", "Compression", "broadcast_parameters", "broadcast_optimizer_state",
     "broadcast_object", "allgather_object", "clip_grad_norm_", "SyncBatchNorm", "elastic", "LossScaler",
     # checkpoints
-    "save_checkpoint", "load_checkpoint", "resume", "consolidate", "CheckpointError",
-    # errors
-    "HybridPipeError", "HorovodInternalError", "NotSupportedError", "NotInitializedError", "GridError",
-    "DuplicateNameError",
-    "MismatchError", "MPIError", "BuildError", "PeerShutDownError", "WaitTimeoutError", "NonFiniteError",
+    "save_checkpoint", "load_checkpoint", "resume", "consolidate",
+    # errors (every class of hybridpipe.errors)
+    *_errors.__all__,
 ]

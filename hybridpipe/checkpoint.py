@@ -46,7 +46,7 @@ from .data_parallel import zero as zero_module
 from . import rng_state, runtime
 from .comm.agree import Failure
 from .comm.engine import call
-from .errors import HybridPipeError
+from .errors import CheckpointError, UsageError
 
 __all__ = ["CheckpointError", "ResumeInfo", "save_checkpoint", "load_checkpoint", "resume", "consolidate",
            "latest_checkpoint", "saved_balance", "CHECKPOINT_DIR_ENV", "RESTART_ENV"]
@@ -57,10 +57,6 @@ FORMAT = 1  # files without RNG states (written before they were saved) are form
 CHECKPOINT_DIR_ENV = "HYBRIDPIPE_CHECKPOINT_DIR"
 #: Set by ``hybridpipe-run --restarts N`` on every rank: 0 on the first attempt, then 1, 2, ...
 RESTART_ENV = "HYBRIDPIPE_RESTART"
-
-
-class CheckpointError(HybridPipeError):
-    """A checkpoint is missing, incomplete, truncated or not a hybridpipe checkpoint."""
 
 
 class _RankError:
@@ -132,8 +128,8 @@ def _optimizer_state_by_name(model: Any, optimizer: torch.optim.Optimizer | None
     for group in optimizer.param_groups:
         for parameter in group["params"]:
             if id(parameter) not in names:
-                raise HybridPipeError("the optimizer holds a parameter that is not in the model: checkpoint an "
-                                      "optimizer over model.parameters()")
+                raise UsageError("the optimizer holds a parameter that is not in the model: checkpoint an "
+                                 "optimizer over model.parameters()")
             index_to_name[position] = names[id(parameter)]
             position += 1
     by_name = {index_to_name[index]: value for index, value in state["state"].items()}

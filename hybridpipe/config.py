@@ -12,7 +12,7 @@ import os
 import re
 from typing import Mapping
 
-from .errors import HybridPipeError
+from .errors import UsageError
 
 __all__ = ["Config", "parse_bytes"]
 
@@ -24,12 +24,12 @@ def parse_bytes(text: str, name: str = "value") -> int:
     """Parses a byte count such as ``4194304``, ``4MiB``, ``256KiB`` or ``64mb``.
 
     Raises:
-        HybridPipeError: the text is not a non-negative byte count; the message names it.
+        UsageError: the text is not a non-negative byte count; the message names it.
     """
     match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", str(text))
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
-        raise HybridPipeError(f"{name}={text!r} is not a byte count (use e.g. 4194304, 4MiB or 256KiB)")
+        raise UsageError(f"{name}={text!r} is not a byte count (use e.g. 4194304, 4MiB or 256KiB)")
     return int(match.group(1)) * _UNITS[unit]
 
 
@@ -39,7 +39,7 @@ def _positive_float(text: str, name: str) -> float:
     except ValueError:
         value = -1.0
     if value <= 0:
-        raise HybridPipeError(f"{name}={text!r} is not a positive number of seconds/milliseconds (e.g. 5)")
+        raise UsageError(f"{name}={text!r} is not a positive number of seconds/milliseconds (e.g. 5)")
     return value
 
 
@@ -47,8 +47,8 @@ def _wait_spin(text: str, name: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise HybridPipeError(f"{name}={text!r} is not a number of microseconds (e.g. 200; -1 for MPI's own "
-                              "spinning wait)") from None
+        raise UsageError(f"{name}={text!r} is not a number of microseconds (e.g. 200; -1 for MPI's own "
+                         "spinning wait)") from None
 
 
 def _nice(text: str, name: str) -> int:
@@ -57,14 +57,14 @@ def _nice(text: str, name: str) -> int:
     except ValueError:
         value = -1
     if not 0 <= value <= 19:
-        raise HybridPipeError(f"{name}={text!r} is not a nice increment 0..19 (0: same priority as compute)")
+        raise UsageError(f"{name}={text!r} is not a nice increment 0..19 (0: same priority as compute)")
     return value
 
 
 def _switch(text: str, name: str) -> bool:
     value = text.strip().lower()
     if value not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
-        raise HybridPipeError(f"{name}={text!r} is not a switch (use 1 or 0)")
+        raise UsageError(f"{name}={text!r} is not a switch (use 1 or 0)")
     return value in ("1", "true", "yes", "on")
 
 
@@ -73,21 +73,21 @@ def _auto_switch(text: str, name: str) -> str:
     if value == "auto":
         return "auto"
     if value not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
-        raise HybridPipeError(f"{name}={text!r} is not auto, 1 or 0")
+        raise UsageError(f"{name}={text!r} is not auto, 1 or 0")
     return "1" if value in ("1", "true", "yes", "on") else "0"
 
 
 def _gpu_allreduce(text: str, name: str) -> str:
     value = text.strip().lower()
     if value not in ("nccl", "mpi", "auto"):
-        raise HybridPipeError(f"{name}={text!r} is not nccl, mpi or auto")
+        raise UsageError(f"{name}={text!r} is not nccl, mpi or auto")
     return value
 
 
 def _join_average(text: str, name: str) -> str:
     value = text.strip().lower()
     if value not in ("size", "contributors"):
-        raise HybridPipeError(f"{name}={text!r} is not size or contributors")
+        raise UsageError(f"{name}={text!r} is not size or contributors")
     return value
 
 
@@ -97,7 +97,7 @@ def _non_negative_float(text: str, name: str) -> float:
     except ValueError:
         value = -1.0
     if value < 0:
-        raise HybridPipeError(f"{name}={text!r} is not a number of seconds >= 0 (0 turns it off)")
+        raise UsageError(f"{name}={text!r} is not a number of seconds >= 0 (0 turns it off)")
     return value
 
 
@@ -227,7 +227,7 @@ class Config:
         """Reads the HYBRIDPIPE_* variables; unset ones keep their defaults.
 
         Raises:
-            HybridPipeError: a variable holds a malformed value (named in the message).
+            UsageError: a variable holds a malformed value (named in the message).
         """
         env = os.environ if environ is None else environ
         values: dict[str, object] = {}
@@ -272,40 +272,40 @@ class Config:
     def validated(self) -> "Config":
         """Returns self after checking ranges; raises HybridPipeError naming a bad field."""
         if self.fusion_threshold_bytes < 1:
-            raise HybridPipeError(f"fusion_threshold_bytes={self.fusion_threshold_bytes} must be >= 1 (e.g. 4MiB)")
+            raise UsageError(f"fusion_threshold_bytes={self.fusion_threshold_bytes} must be >= 1 (e.g. 4MiB)")
         if self.segment_bytes < 8:
-            raise HybridPipeError(f"segment_bytes={self.segment_bytes} must be >= 8 (e.g. 256KiB)")
+            raise UsageError(f"segment_bytes={self.segment_bytes} must be >= 8 (e.g. 256KiB)")
         if self.shared_memory_chunk_bytes < 4096:
-            raise HybridPipeError(f"shared_memory_chunk_bytes={self.shared_memory_chunk_bytes} must be >= 4096 "
-                                  "(e.g. 128KiB)")
+            raise UsageError(f"shared_memory_chunk_bytes={self.shared_memory_chunk_bytes} must be >= 4096 "
+                             "(e.g. 128KiB)")
         if self.stall_shutdown_seconds < 0:
-            raise HybridPipeError(f"stall_shutdown_seconds={self.stall_shutdown_seconds} must be >= 0 (0: off)")
+            raise UsageError(f"stall_shutdown_seconds={self.stall_shutdown_seconds} must be >= 0 (0: off)")
         if self.staging_segment_bytes < 4096:
-            raise HybridPipeError(f"staging_segment_bytes={self.staging_segment_bytes} must be >= 4096 (e.g. 4MiB)")
+            raise UsageError(f"staging_segment_bytes={self.staging_segment_bytes} must be >= 4096 (e.g. 4MiB)")
         if self.device_ring_segment_bytes < 4096:
-            raise HybridPipeError(f"device_ring_segment_bytes={self.device_ring_segment_bytes} must be >= 4096 "
-                                  "(e.g. 64MiB)")
+            raise UsageError(f"device_ring_segment_bytes={self.device_ring_segment_bytes} must be >= 4096 "
+                             "(e.g. 64MiB)")
         if self.gpu_allreduce not in ("nccl", "mpi", "auto"):
-            raise HybridPipeError(f"gpu_allreduce={self.gpu_allreduce!r} must be 'nccl', 'mpi' or 'auto'")
+            raise UsageError(f"gpu_allreduce={self.gpu_allreduce!r} must be 'nccl', 'mpi' or 'auto'")
         if self.cuda_aware_mpi not in ("auto", "1", "0"):
-            raise HybridPipeError(f"cuda_aware_mpi={self.cuda_aware_mpi!r} must be 'auto', '1' or '0'")
+            raise UsageError(f"cuda_aware_mpi={self.cuda_aware_mpi!r} must be 'auto', '1' or '0'")
         if self.join_average not in ("size", "contributors"):
-            raise HybridPipeError(f"join_average={self.join_average!r} must be 'size' (Horovod's) or 'contributors'")
+            raise UsageError(f"join_average={self.join_average!r} must be 'size' (Horovod's) or 'contributors'")
         if self.hierarchical not in ("auto", "1", "0"):
-            raise HybridPipeError(f"hierarchical={self.hierarchical!r} must be 'auto', '1' or '0'")
+            raise UsageError(f"hierarchical={self.hierarchical!r} must be 'auto', '1' or '0'")
         if self.hierarchical_chunk_bytes < 0:
-            raise HybridPipeError(f"hierarchical_chunk_bytes={self.hierarchical_chunk_bytes} must be >= 0 "
-                                  "(e.g. 4MiB; 0: one chunk)")
+            raise UsageError(f"hierarchical_chunk_bytes={self.hierarchical_chunk_bytes} must be >= 0 "
+                             "(e.g. 4MiB; 0: one chunk)")
         if self.timeout_seconds < 0:
-            raise HybridPipeError(f"timeout_seconds={self.timeout_seconds} must be >= 0 (0: never; default 300)")
+            raise UsageError(f"timeout_seconds={self.timeout_seconds} must be >= 0 (0: never; default 300)")
         if self.wait_sleep_us <= 0:
-            raise HybridPipeError(f"wait_sleep_us={self.wait_sleep_us} must be > 0 (e.g. 200)")
+            raise UsageError(f"wait_sleep_us={self.wait_sleep_us} must be > 0 (e.g. 200)")
         if not 0 <= self.engine_nice <= 19:
-            raise HybridPipeError(f"engine_nice={self.engine_nice} must be in 0..19 (e.g. 10)")
+            raise UsageError(f"engine_nice={self.engine_nice} must be in 0..19 (e.g. 10)")
         if self.receive_window < 1:
-            raise HybridPipeError(f"receive_window={self.receive_window} must be >= 1 (e.g. 4)")
+            raise UsageError(f"receive_window={self.receive_window} must be >= 1 (e.g. 4)")
         if self.autotune_warmup_samples < 0:
-            raise HybridPipeError(f"autotune_warmup_samples={self.autotune_warmup_samples} must be >= 0 (e.g. 3)")
+            raise UsageError(f"autotune_warmup_samples={self.autotune_warmup_samples} must be >= 0 (e.g. 3)")
         if self.autotune_steps_per_sample < 1:
-            raise HybridPipeError(f"autotune_steps_per_sample={self.autotune_steps_per_sample} must be >= 1 (e.g. 5)")
+            raise UsageError(f"autotune_steps_per_sample={self.autotune_steps_per_sample} must be >= 1 (e.g. 5)")
         return self

@@ -1,12 +1,33 @@
-"""The exceptions hybridpipe raises: one base class and a few specific subclasses.
+"""Every exception class hybridpipe defines: one base class, the misuse classes and the runtime classes.
 
 Every message names the offending values in parentheses and says how to fix it, e.g.
 ``GridError: world size 6 is not divisible by pipeline_stages 4 (pass -np 8 or --stages 2)``.
+
+- Misuse (a bad argument, setting, environment variable, file or call order) raises :class:`UsageError` or one
+  of its subclasses (all of them ``ValueError``), or the built-in ``TypeError`` for a value of the wrong type.
+- A runtime failure raises a runtime class: :class:`HorovodInternalError` (a collective failed; with
+  :class:`MismatchError`, :class:`MPIError`, :class:`RanksJoined`), :class:`RemoteError` (another rank failed and
+  said so), :class:`PeerShutDownError`, :class:`WaitTimeoutError`, :class:`PipelineBroken`,
+  :class:`NonFiniteError`, :class:`CheckpointError`; a missing piece of the installation :class:`BuildError`.
+- :class:`InternalError`: one of hybridpipe's own invariants failed (a bug to report).
+
+Modules that raised their own classes before (``hybridpipe.comm.p2p.RemoteError``,
+``hybridpipe.checkpoint.CheckpointError``, ...) import them from here: the old names are the same objects.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "UsageError",
+    "InternalError",
+    "RemoteError",
+    "RanksJoined",
+    "PipelineBroken",
+    "SplitError",
+    "CheckpointError",
+    "PipeDreamProfileError",
+    "EmulatedHostsError",
+    "HostsUpdatedInterrupt",
     "DuplicateNameError",
     "HybridPipeError",
     "HorovodInternalError",
@@ -36,6 +57,15 @@ class HorovodInternalError(HybridPipeError):
     """
 
 
+class UsageError(HybridPipeError, ValueError):
+    """hybridpipe was called in a way it cannot carry out: a bad argument, setting, environment variable or file, or
+    calls in the wrong order. The message names the value and the fix."""
+
+
+class InternalError(HybridPipeError):
+    """One of hybridpipe's own invariants failed: a bug in hybridpipe, to be reported with the message."""
+
+
 class NotSupportedError(HybridPipeError, NotImplementedError):
     """A Horovod feature hybridpipe does not have (yet), e.g. ``op=hp.Adasum``; the message names the
     alternative."""
@@ -45,7 +75,7 @@ class NotInitializedError(HybridPipeError):
     """A hybridpipe function that needs the runtime was called before ``hp.init()``."""
 
 
-class GridError(HybridPipeError, ValueError):
+class GridError(UsageError):
     """The requested stages × replicas grid does not fit the communicator."""
 
 
@@ -62,19 +92,21 @@ class MPIError(HorovodInternalError):
 
 
 class BuildError(HybridPipeError, ImportError):
-    """The compiled extension ``hybridpipe._C`` is missing or was built against another MPI."""
+    """A piece of the installation is missing or unusable: the compiled extension ``hybridpipe._C`` (or it was built
+    against another MPI), the MPI launcher, NCCL where ``HYBRIDPIPE_GPU_ALLREDUCE=nccl`` asks for it, or an optional
+    package a command needs (matplotlib for ``--plot``). The message says what to install."""
 
 
-class DuplicateNameError(HybridPipeError, ValueError):
+class DuplicateNameError(UsageError):
     """An asynchronous operation was given a name that is already in flight on its group (a
     ``ValueError``, as Horovod raises there)."""
 
 
-class PartitionError(HybridPipeError, ValueError):
+class PartitionError(UsageError):
     """Layers cannot be split into the requested pipeline stages."""
 
 
-class ScheduleError(HybridPipeError, ValueError):
+class ScheduleError(UsageError):
     """A pipeline schedule is malformed (missing action, wrong order, would deadlock)."""
 
 
@@ -99,3 +131,64 @@ class WaitTimeoutError(HybridPipeError, TimeoutError):
 class NonFiniteError(HybridPipeError, FloatingPointError):
     """NaN or inf appeared in a training step (with ``HYBRIDPIPE_CHECK_FINITE=1``): the message names the stage,
     micro-batch and the first layer (or the batch's inputs, or the loss) where it appeared."""
+
+
+class RanksJoined(HorovodInternalError):
+    """A collective other than an allreduce ran into ranks that have joined (hp.join): the ranks that did not
+    join all raise it at the same point (a synchronous allreduce catches it and runs on the engine instead)."""
+
+
+class RemoteError(HybridPipeError):
+    """Another rank failed and told this one: a pipeline neighbour's error forwarded to the ranks that wait for it,
+    or (``hybridpipe.comm.agree``) an exception whose own type could not be sent. The message names the failing
+    rank and its error.
+
+    Attributes:
+        source: the rank the error came from, in the communicator of the wait or the group (None: unknown).
+        type_name: the failing exception's type (module and name) where it is known, else None.
+        remote_message: that exception's own message, where it is known.
+    """
+
+    def __init__(self, message: str, *, source: int | None = None, type_name: str | None = None,
+                 remote_message: str | None = None) -> None:
+        super().__init__(message)
+        self.source, self.type_name, self.remote_message = source, type_name, remote_message
+
+    @property
+    def rank(self) -> int | None:
+        """The failing rank (the same as :attr:`source`)."""
+        return self.source
+
+    @classmethod
+    def of_type(cls, type_name: str, message: str, rank: int) -> RemoteError:
+        """Stands for ``type_name(message)`` raised on ``rank``, which could not be sent as itself."""
+        return cls(f"{type_name} on rank {rank}: {message}", source=rank, type_name=type_name, remote_message=message)
+
+
+class PipelineBroken(HybridPipeError):
+    """The pipeline failed in an earlier step; its message queues are in an unknown state."""
+
+
+class SplitError(PartitionError):
+    """A module cannot be split where asked; the message names the value, the modules and a fix."""
+
+
+class CheckpointError(HybridPipeError):
+    """A checkpoint is missing, incomplete, truncated or not a hybridpipe checkpoint."""
+
+
+class PipeDreamProfileError(UsageError):
+    """A PipeDream profile (JSON) is missing or malformed; the message names the file and the field."""
+
+
+class EmulatedHostsError(HybridPipeError):
+    """Emulated hosts cannot be built here (not root, no ip/unshare/tc) or a command failed."""
+
+
+class HostsUpdatedInterrupt(RuntimeError):  # noqa: N818 - Horovod's name
+    """Horovod raises it when hosts were added or removed; ``hp.elastic.run`` then syncs and calls the function
+    again. hybridpipe's jobs have a fixed size, so only your code raises it (``skip_sync``: as in Horovod)."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("hosts updated")
+        self.skip_sync = skip_sync

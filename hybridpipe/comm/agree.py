@@ -24,20 +24,11 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from hybridpipe.comm.engine import call
-from hybridpipe.errors import HybridPipeError
+from hybridpipe.errors import RemoteError
 
 __all__ = ["Failure", "RemoteError", "agree_on_failure"]
 
 T = TypeVar("T")
-
-
-class RemoteError(HybridPipeError):
-    """Another rank's exception whose own type could not be sent (it did not pickle): its type's name and
-    message, and the rank it was raised on."""
-
-    def __init__(self, type_name: str, message: str, rank: int) -> None:
-        super().__init__(f"{type_name} on rank {rank}: {message}")
-        self.type_name, self.remote_message, self.rank = type_name, message, rank
 
 
 @dataclass(frozen=True)
@@ -62,7 +53,7 @@ class Failure:
     def exception(self, what: str) -> BaseException:
         """The exception to raise on a rank that did not fail."""
         error: BaseException = (pickle.loads(self.pickled) if self.pickled is not None
-                                else RemoteError(self.type_name, self.message, self.rank))
+                                else RemoteError.of_type(self.type_name, self.message, self.rank))
         error.add_note(f"{what}: raised on rank {self.rank} of the group; every rank raises it")
         return error
 

@@ -37,6 +37,8 @@ from ..errors import (
     HybridPipeError,
     MismatchError,
     PeerShutDownError,
+    RanksJoined,
+    UsageError,
 )
 from .. import running
 from ..gradient_sync import SyncDrivers
@@ -394,11 +396,6 @@ def resolved(group: Any, function: str) -> Group:
     return current(function).group(group, function)
 
 
-class RanksJoined(HorovodInternalError):
-    """A collective other than an allreduce ran into ranks that have joined (hp.join): the ranks that did not
-    join all raise it at the same point (a synchronous allreduce catches it and runs on the engine instead)."""
-
-
 class Handle:
     """An operation queued on the communication thread: an asynchronous allreduce (``hp.allreduce_async_``)
     or any other ``*_async`` collective. :meth:`wait` (``hp.synchronize``) returns its result.
@@ -550,8 +547,8 @@ def submit(group: Any, function: str, name: str | None, work: Callable[[], Any],
     ``collective``. ``work`` stays referenced until the handle is waited for (or hp.shutdown)."""
     state = current(function)
     if getattr(state.on_engine_thread, "inside", False):
-        raise HybridPipeError(f"hp.{function} cannot be queued from inside a collective running on the "
-                              "communication thread")
+        raise UsageError(f"hp.{function} cannot be queued from inside a collective running on the "
+                         "communication thread")
     check_name(name, function)
     return _call_handle(state, group, function, name if name is not None else unnamed(function), collective, work,
                         track=True)

@@ -132,7 +132,7 @@ def nccl_decision(setting: str, ranks: list[tuple[bool, str, str]]) -> tuple[boo
     its own per rank (it refuses two ranks of one communicator on one GPU).
 
     Raises:
-        HybridPipeError: ``setting`` is ``"nccl"`` and NCCL cannot run, naming the reason.
+        UsageError: ``setting`` is ``"nccl"`` and NCCL cannot run, naming the reason.
     """
     from ..errors import HybridPipeError
 
@@ -151,7 +151,7 @@ def nccl_decision(setting: str, ranks: list[tuple[bool, str, str]]) -> tuple[boo
         reason = (f"ranks {sharing} share GPU {gpu} on {host}, and NCCL allows one rank per GPU in a communicator "
                   "(one rank per GPU: as many ranks per host as GPUs)")
     if reason and setting == "nccl":
-        raise HybridPipeError(f"HYBRIDPIPE_GPU_ALLREDUCE=nccl, but NCCL cannot run: {reason}; or set it to auto")
+        raise BuildError(f"HYBRIDPIPE_GPU_ALLREDUCE=nccl, but NCCL cannot run: {reason}; or set it to auto")
     return not reason, reason
 
 

@@ -52,7 +52,7 @@ from torch.utils import _pytree as pytree
 
 from ..config import Config
 from .. import running
-from ..errors import HybridPipeError, PeerShutDownError, WaitTimeoutError
+from ..errors import PeerShutDownError, RemoteError, WaitTimeoutError
 from .._ext import core
 from . import context
 from . import device as devices
@@ -85,14 +85,6 @@ _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 #: How long a wait first waits in C++ alone, before the bounded wait's bookkeeping (:func:`_wait_any`) starts: a
 #: neighbour's RemoteError or departure is noticed at most this much later, a hop's wait costs no Python.
 FAST_WAIT_SECONDS = 0.02
-
-
-class RemoteError(HybridPipeError):
-    """A peer failed and told us so; the message names the failing rank and its error.
-
-    Attributes:
-        source: the rank (in the communicator) the error message came from.
-    """
 
 
 class _Leaf:
@@ -480,9 +472,7 @@ class Receive:
             return
         value = pickle.loads(memoryview(buffer)[1:size])
         if kind == _ERROR:
-            error = RemoteError(value[1])
-            error.source = self.source  # type: ignore[attr-defined]
-            raise error
+            raise RemoteError(value[1], source=self.source)
         self._skeleton, payload = value
         if payload is not None:
             self._tensors = [_from_raw(data, leaf) for data, leaf in zip(payload, _leaves(self._skeleton))]

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .._ext import core
-from ..errors import BuildError, HybridPipeError, MismatchError, NotSupportedError
+from ..errors import BuildError, HorovodInternalError, MismatchError, NotSupportedError
 from . import buffers, context, device, staging
 from .buffers import check_array, copy_into, describe, host, is_tensor
 
@@ -320,8 +320,9 @@ def engine_device_allreduce(comm: Any) -> Callable[[int, int, int, int, int], bo
         with torch.cuda.device(gpu):
             buffer = from_address(address, count, code, gpu)
             if buffer.data_ptr() != address:  # a copy would be reduced and the bucket left as it was: never silently
-                raise HybridPipeError(f"the engine's device allreduce got a copy of its fusion buffer ({address:#x} "
-                                      f"became {buffer.data_ptr():#x}); set HYBRIDPIPE_CUDA_AWARE_MPI=0 to stage it")
+                raise HorovodInternalError(
+                    f"the engine's device allreduce got a copy of its fusion buffer ({address:#x} became "
+                    f"{buffer.data_ptr():#x}); set HYBRIDPIPE_CUDA_AWARE_MPI=0 to stage it")
             if algorithm == "mpi-library":
                 _library_device_allreduce(buffer, buffer, op, comm)
             else:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..errors import HybridPipeError
+from ..errors import UsageError
 
 __all__ = ["LossScaler"]
 
@@ -88,8 +88,8 @@ class LossScaler:
         """Averages the gradients over replicas (a DistributedOptimizer's ``synchronize()``), divides them by
         the scale, and agrees with every rank whether some gradient anywhere is inf/nan. Returns it."""
         if self._unscaled:
-            raise HybridPipeError("LossScaler.unscale_() was already called since the last update(): call it "
-                                  "once per step, before clipping")
+            raise UsageError("LossScaler.unscale_() was already called since the last update(): call it "
+                             "once per step, before clipping")
         if callable(getattr(optimizer, "synchronize", None)) and not getattr(optimizer, "synchronized", True):
             optimizer.synchronize()
         inverse = torch.tensor(1.0 / self.loss_multiplier, dtype=torch.float32)
@@ -127,7 +127,7 @@ class LossScaler:
         """After ``step``: halves the scale when the step was skipped, grows it after ``growth_interval``
         good steps in a row."""
         if self._found_inf is None:
-            raise HybridPipeError("LossScaler.update() before step(): call model.scaler.step(opt) first")
+            raise UsageError("LossScaler.update() before step(): call model.scaler.step(opt) first")
         if self._found_inf:
             self._scale *= self.backoff_factor
             self._growth_tracker = 0
@@ -151,8 +151,8 @@ class LossScaler:
         needed = ("scale", "growth_factor", "backoff_factor", "growth_interval", "growth_tracker")
         missing = [key for key in needed if key not in state]
         if missing:
-            raise HybridPipeError(f"LossScaler.load_state_dict: the state lacks {missing} (got keys "
-                                  f"{sorted(state)}): pass what LossScaler.state_dict() returned")
+            raise UsageError(f"LossScaler.load_state_dict: the state lacks {missing} (got keys "
+                             f"{sorted(state)}): pass what LossScaler.state_dict() returned")
         self._scale = float(state["scale"])
         self.growth_factor = float(state["growth_factor"])
         self.backoff_factor = float(state["backoff_factor"])

@@ -31,20 +31,11 @@ from typing import Any, Callable
 import torch
 
 from .. import checkpoint, runtime
-from ..errors import HorovodInternalError, HybridPipeError, NotInitializedError
+from ..errors import HorovodInternalError, HostsUpdatedInterrupt, NotInitializedError, UsageError
 from ..comm.objects import broadcast_object
 from .optimizer import broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["run", "State", "ObjectState", "TorchState", "HostsUpdatedInterrupt"]
-
-
-class HostsUpdatedInterrupt(RuntimeError):  # noqa: N818 — Horovod's name
-    """Horovod raises it when hosts were added or removed; ``run`` then syncs and calls the function again.
-    hybridpipe's jobs have a fixed size, so only your code raises it (``skip_sync``: as in Horovod)."""
-
-    def __init__(self, skip_sync: bool = False) -> None:
-        super().__init__("hosts updated")
-        self.skip_sync = skip_sync
 
 
 class State:
@@ -129,7 +120,7 @@ class TorchState(ObjectState):
     def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  **kwargs: Any) -> None:
         if getattr(model, "asynchronous", False):
-            raise HybridPipeError(
+            raise UsageError(
                 f"hp.elastic.TorchState: the PipelineModel's schedule {model.schedule_name!r} is asynchronous: it "
                 "keeps micro-batches in flight from one train_step to the next, which a roll back to the last "
                 "commit cannot undo on every stage. Use a synchronous schedule ('gpipe', '1f1b', "

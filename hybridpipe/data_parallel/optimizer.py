@@ -42,7 +42,7 @@ from .compression import Compression, wire_for
 from ..gradient_sync import GradientSync
 from ..comm.collectives import Average, ReduceOp, Sum
 from ..comm.process_sets import ProcessSet
-from ..errors import HybridPipeError, NotSupportedError
+from ..errors import NotSupportedError, UsageError
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "clip_grad_norm_"]
 
@@ -363,8 +363,8 @@ class _DistributedOptimizerMixin:
                           "again; step inside `with optimizer.skip_synchronize():` to say so", UserWarning,
                           stacklevel=2)
         elif self._hp_skip and not self._hp_synchronized:
-            raise HybridPipeError("step() inside skip_synchronize() but synchronize() was not called this "
-                                  "step: call opt.synchronize() first")
+            raise UsageError("step() inside skip_synchronize() but synchronize() was not called this "
+                             "step: call opt.synchronize() first")
         self._hp_synchronized = False
         with timeline.span("step", "optimizer", "optimizer"):
             result = self._hp_inner_step()
@@ -377,8 +377,8 @@ class _DistributedOptimizerMixin:
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
         if self._hp_handles:
-            raise HybridPipeError(f"zero_grad() while {len(self._hp_handles)} gradient allreduces are in flight "
-                                  f"(e.g. {next(iter(self._hp_handles))!r}): call step() or synchronize() first")
+            raise UsageError(f"zero_grad() while {len(self._hp_handles)} gradient allreduces are in flight "
+                             f"(e.g. {next(iter(self._hp_handles))!r}): call step() or synchronize() first")
         self._hp_counts = {}
         self._hp_ready = {}
         self._hp_synchronized = False
@@ -396,7 +396,7 @@ def _refuse_pipeline_driven(optimizer: torch.optim.Optimizer, zero: int) -> None
                       if (driver := job.sync_drivers.runner_of(p, drivers)) is not None and driver.updates_itself),
                      None)
         if owner is not None:
-            raise HybridPipeError(
+            raise UsageError(
                 f"hp.DistributedOptimizer(zero={zero}) wraps parameters of a PipelineModel whose schedule "
                 f"{owner!r} steps its own optimizer (optimizer=) inside train_step, averaging the "
                 "gradients over the replicas itself: do not wrap them (a second optimizer would update them "
@@ -608,10 +608,10 @@ def _copies_counted_elsewhere(model: Any) -> set[int]:
         try:
             lowest = min(stage_of_layer[int(name.split(".")[1])] for name in names)
         except (IndexError, ValueError, KeyError):
-            raise HybridPipeError(f"tied_parameter_names {names} are not 'layers.<index>.<name>' of layers this "
-                                  "model's layers_of_stage() lists: PipelineModel and "
-                                  "clip_grad_norm_'s _copies_counted_elsewhere disagree on names; update the "
-                                  "latter") from None
+            raise UsageError(f"tied_parameter_names {names} are not 'layers.<index>.<name>' of layers this "
+                             "model's layers_of_stage() lists: PipelineModel and "
+                             "clip_grad_norm_'s _copies_counted_elsewhere disagree on names; update the "
+                             "latter") from None
         if model.stage != lowest:
             elsewhere.update(id(own[name]) for name in names if name in own)
     return elsewhere
@@ -633,7 +633,7 @@ def clip_grad_norm_(model: Any, max_norm: float, norm_type: float = 2.0) -> floa
         The total norm before clipping.
     """
     if getattr(model, "asynchronous", False):
-        raise HybridPipeError(
+        raise UsageError(
             f"hp.clip_grad_norm_: schedule {model.schedule_name!r} is asynchronous: its stages update at different "
             "times inside train_step, each with its own optimizer=, so there is no one global gradient to clip. "
             "Clip per stage inside the optimizer you pass (e.g. a torch.optim.Optimizer subclass whose step() calls "

@@ -40,10 +40,11 @@ from .. import _trace as timeline
 from ..comm import autotune, buffers, context
 from ..comm.collectives import Average, Sum
 from ..comm.objects import allgather_object
-from ..errors import HybridPipeError, MismatchError, NotSupportedError
+from ..errors import MismatchError, NotSupportedError, UsageError
+from ..registry import ZERO_LEVELS, check_zero_level
 from .compression import Compression
 
-LEVELS = (0, 1, 2)
+LEVELS = tuple(ZERO_LEVELS)
 
 
 @dataclass
@@ -67,19 +68,15 @@ class _Bucket:
 
 
 def check_level(zero: Any) -> int:
-    if isinstance(zero, bool) or not isinstance(zero, int) or zero not in LEVELS:
-        raise ValueError(f"DistributedOptimizer: zero must be 0, 1 or 2 (got {zero!r}): 0 keeps every replica's "
-                         "full optimizer state, 1 shards the optimizer state over the data group, 2 also the "
-                         "gradients")
-    return zero
+    return check_zero_level(zero, "DistributedOptimizer: ")
 
 
 def refuse_closure(closure: Any) -> None:
     """``step(closure)`` of a DistributedOptimizer (sharded or not) is refused: the closure's gradients would not be
     averaged over the ranks."""
     if closure is not None:
-        raise HybridPipeError("DistributedOptimizer.step(closure) is not supported: the closure's "
-                              "gradients would not be averaged over ranks; call backward, then step()")
+        raise UsageError("DistributedOptimizer.step(closure) is not supported: the closure's "
+                         "gradients would not be averaged over ranks; call backward, then step()")
 
 
 class ZeroMixin:
@@ -97,9 +94,9 @@ class ZeroMixin:
             raise NotSupportedError(f"DistributedOptimizer(zero={level}) makes its own buckets: leave groups= and "
                                     "num_groups= unset")
         if self.state:  # type: ignore[attr-defined]
-            raise HybridPipeError(f"DistributedOptimizer(zero={level}) must wrap an optimizer that has not stepped "
-                                  "yet (its state would be lost): wrap it first, then load state with "
-                                  "hp.load_checkpoint")
+            raise UsageError(f"DistributedOptimizer(zero={level}) must wrap an optimizer that has not stepped "
+                             "yet (its state would be lost): wrap it first, then load state with "
+                             "hp.load_checkpoint")
         self._hp_zero = level
         ctx = context.current("DistributedOptimizer")
         comm = context.communicator(self._hp_group, "DistributedOptimizer")
@@ -281,8 +278,8 @@ class ZeroMixin:
         if not self._hp_skip and not self._hp_synchronized:
             self.synchronize()
         elif self._hp_skip and not self._hp_synchronized:
-            raise HybridPipeError("step() inside skip_synchronize() but synchronize() was not called this "
-                                  "step: call opt.synchronize() first")
+            raise UsageError("step() inside skip_synchronize() but synchronize() was not called this "
+                             "step: call opt.synchronize() first")
         self._hp_synchronized = False
         with timeline.span("step", "optimizer", "optimizer"):
             self._hp_zero_load_pieces()
@@ -293,8 +290,8 @@ class ZeroMixin:
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
         if self._hp_zhandles:
-            raise HybridPipeError(f"zero_grad() while {len(self._hp_zhandles)} gradient reduce-scatters are in "
-                                  "flight: call step() or synchronize() first")
+            raise UsageError(f"zero_grad() while {len(self._hp_zhandles)} gradient reduce-scatters are in "
+                             "flight: call step() or synchronize() first")
         self._hp_counts, self._hp_zready, self._hp_submitted = {}, {}, set()
         self._hp_synchronized = False
         for _, p in self._hp_parameters:

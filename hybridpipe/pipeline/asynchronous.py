@@ -29,7 +29,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hybridpipe import running
-from hybridpipe.errors import HybridPipeError
+from hybridpipe.errors import InternalError, UsageError
 
 __all__ = ["WeightStash", "install_step_guard"]
 
@@ -67,8 +67,8 @@ class WeightStash:
         """The live weights were replaced (a checkpoint was loaded) with nothing in flight: they are
         the only version now, and 2BW's mini-batches count again from ``next_micro_batch``."""
         if self._users:
-            raise HybridPipeError("cannot restart the weight versions while micro-batches are in flight: "
-                                  "call model.flush() first")
+            raise UsageError("cannot restart the weight versions while micro-batches are in flight: "
+                             "call model.flush() first")
         self._snapshots.clear()
         self._base_version, self._base_micro_batch = self.version, next_micro_batch
         self._floor = self.version
@@ -90,7 +90,7 @@ class WeightStash:
         else:
             version = self.version
         if version not in self._snapshots:
-            raise HybridPipeError(
+            raise InternalError(
                 f"weight version {version} for micro-batch {micro_batch} is no longer kept (this stage is at "
                 f"version {self.version}, keeps {sorted(self._snapshots)}); this is a bug in hybridpipe's "
                 "asynchronous schedule, please report it"
@@ -167,7 +167,7 @@ def _step_guard(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
                 continue
             if driver.updating is optimizer:
                 return
-            raise HybridPipeError(
+            raise UsageError(
                 f"schedule {driver.updates_itself!r} updates the weights inside the pipeline (the optimizer given "
                 "as optimizer= steps after each scheduled update): do not call step() yourself; "
                 "model.train_step(x, y) trains, model.flush() applies what is still in flight")

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from hybridpipe.errors import HybridPipeError
+from hybridpipe.errors import UsageError
 
 __all__ = ["split", "merge", "micro_batch_sizes", "loss_weights", "map_tensors", "iter_tensors", "as_leaf"]
 
@@ -56,16 +56,16 @@ def micro_batch_sizes(batch_size: int, micro_batches: int) -> list[int]:
         [3, 3, 2, 2]
 
     Raises:
-        HybridPipeError: ``micro_batches < 1`` or ``batch_size < micro_batches``.
+        UsageError: ``micro_batches < 1`` or ``batch_size < micro_batches``.
     """
     if micro_batches < 1:
-        raise HybridPipeError(f"micro_batches must be >= 1 (got {micro_batches})")
+        raise UsageError(f"micro_batches must be >= 1 (got {micro_batches})")
     if batch_size == 0:
-        raise HybridPipeError(f"the batch is empty (0 samples; micro_batches {micro_batches}): the data loader "
-                              "gave an empty batch, e.g. a dataset shard with no samples; check the dataset's length "
-                              "and its sharding over grid.data_replicas")
+        raise UsageError(f"the batch is empty (0 samples; micro_batches {micro_batches}): the data loader "
+                         "gave an empty batch, e.g. a dataset shard with no samples; check the dataset's length "
+                         "and its sharding over grid.data_replicas")
     if batch_size < micro_batches:
-        raise HybridPipeError(
+        raise UsageError(
             f"batch size {batch_size} is smaller than micro_batches {micro_batches} "
             f"(use a batch of at least {micro_batches} samples or micro_batches <= {batch_size}; a dataset shorter "
             "than one batch, or a short last batch, gives such a batch: DataLoader(..., drop_last=True))"
@@ -81,11 +81,11 @@ def loss_weights(sizes: Sequence[int]) -> list[float]:
     loss by ``w_i`` before backward gives the full-batch gradients.
 
     Raises:
-        HybridPipeError: no sizes, a negative size, or a zero total.
+        UsageError: no sizes, a negative size, or a zero total.
     """
     total = sum(sizes)
     if not sizes or total <= 0 or min(sizes) < 0:
-        raise HybridPipeError(f"micro-batch sizes must be >= 0 with a positive total (got {list(sizes)})")
+        raise UsageError(f"micro-batch sizes must be >= 0 with a positive total (got {list(sizes)})")
     return [size / total for size in sizes]
 
 
@@ -100,7 +100,7 @@ def split(batch: Any, micro_batches: int) -> list[Any]:
         ``micro_batches`` values shaped like ``batch``; tensors are views of ``batch``'s.
 
     Raises:
-        HybridPipeError: no tensor with a batch dimension, tensors disagree on dim 0 (the
+        UsageError: no tensor with a batch dimension, tensors disagree on dim 0 (the
             message names each one's path and size), or the batch is smaller than
             ``micro_batches``.
 
@@ -112,14 +112,14 @@ def split(batch: Any, micro_batches: int) -> list[Any]:
     flat, spec = pytree.tree_flatten_with_path(batch)
     found = [(_path(keys), leaf.shape[0]) for keys, leaf in flat if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
     if not found:
-        raise HybridPipeError(
+        raise UsageError(
             f"batch has no tensor with a batch dimension to split (got {type(batch).__name__}; "
             f"pass a tensor or a tuple/list/dict of tensors)"
         )
     sizes = {size for _, size in found}
     if len(sizes) > 1:
         listing = ", ".join(f"{path} {size}" for path, size in found)
-        raise HybridPipeError(
+        raise UsageError(
             f"tensors in one batch disagree on dim 0 ({listing}); every tensor must have the "
             f"same batch size (pass per-batch constants as non-tensors or 0-dim tensors)"
         )
@@ -145,12 +145,12 @@ def _merge_leaf(values: list[Any], path: str) -> Any:
     first = values[0]
     if isinstance(first, torch.Tensor) and first.dim() > 0:
         if not all(isinstance(value, torch.Tensor) and value.dim() > 0 for value in values):
-            raise HybridPipeError(f"micro-batch outputs differ in structure at {path} (tensor vs other)")
+            raise UsageError(f"micro-batch outputs differ in structure at {path} (tensor vs other)")
         return torch.cat(values, dim=0)
     if any(isinstance(value, torch.Tensor) and value.dim() > 0 for value in values):
-        raise HybridPipeError(f"micro-batch outputs differ in structure at {path} (tensor vs other)")
+        raise UsageError(f"micro-batch outputs differ in structure at {path} (tensor vs other)")
     if not all(_same(first, value) for value in values[1:]):
-        raise HybridPipeError(
+        raise UsageError(
             f"value at {path} differs between micro-batches and has no batch dimension to "
             f"concatenate (got {values[:4]}); give it a dim 0"
         )
@@ -164,11 +164,11 @@ def merge(chunks: Sequence[Any]) -> Any:
     micro-batch — :func:`split` broadcast them — and are returned once.
 
     Raises:
-        HybridPipeError: no chunks, chunks with different structure, or a value without a
+        UsageError: no chunks, chunks with different structure, or a value without a
             batch dimension that differs between chunks.
     """
     if len(chunks) == 0:
-        raise HybridPipeError("merge needs at least one micro-batch (got 0)")
+        raise UsageError("merge needs at least one micro-batch (got 0)")
     flats = [pytree.tree_flatten_with_path(chunk) for chunk in chunks]
     first_paths, first_spec = [keys for keys, _ in flats[0][0]], flats[0][1]
     for index, (flat, spec) in enumerate(flats[1:], start=1):
@@ -178,10 +178,10 @@ def merge(chunks: Sequence[Any]) -> Any:
                          min(len(paths), len(first_paths)))
             mine = _path(first_paths[where]) if where < len(first_paths) else "nothing more"
             theirs = _path(paths[where]) if where < len(paths) else "nothing more"
-            raise HybridPipeError(f"micro-batch outputs differ in keys at batch: micro-batch 0 has {mine} "
-                                  f"where micro-batch {index} has {theirs}")
+            raise UsageError(f"micro-batch outputs differ in keys at batch: micro-batch 0 has {mine} "
+                             f"where micro-batch {index} has {theirs}")
         if spec != first_spec:
-            raise HybridPipeError(f"micro-batch outputs differ in structure at batch (micro-batch 0: "
-                                  f"{first_spec}; micro-batch {index}: {spec})")
+            raise UsageError(f"micro-batch outputs differ in structure at batch (micro-batch 0: "
+                             f"{first_spec}; micro-batch {index}: {spec})")
     leaves = [_merge_leaf([flat[i][1] for flat, _ in flats], _path(keys)) for i, keys in enumerate(first_paths)]
     return pytree.tree_unflatten(leaves, first_spec)

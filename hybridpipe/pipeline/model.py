@@ -44,7 +44,7 @@ from hybridpipe.comm.agree import agree_on_failure
 from hybridpipe.comm.collectives import Average, grouped_allreduce_
 from hybridpipe.comm.device import compute_device
 from hybridpipe.comm.engine import call
-from hybridpipe.errors import HybridPipeError, MismatchError, NotInitializedError, PartitionError
+from hybridpipe.errors import MismatchError, NotInitializedError, NotSupportedError, PartitionError, UsageError
 from hybridpipe.pipeline import microbatch
 from hybridpipe.pipeline.batch_check import fingerprint
 from hybridpipe.pipeline.layers import LayerSpec, LazyLayers, TiedLayerSpec, build_layer, shapes_only
@@ -77,7 +77,8 @@ from hybridpipe.pipeline.schedule import (
 )
 from hybridpipe.gradient_sync import GradientSync, Registration
 from hybridpipe.pipeline.asynchronous import install_step_guard
-from hybridpipe.pipeline.stage import CHECKPOINT_MODES, StageExecutor, StepResult, split_summary
+from hybridpipe.pipeline.stage import StageExecutor, StepResult, split_summary
+from hybridpipe.registry import PRECISIONS, check_precision, check_recompute_mode
 
 __all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModel"]
 
@@ -142,7 +143,7 @@ class PipelineModel(nn.Module):
         PartitionError: bad balance (values named), more stages than layers, or weights tied across
             stages under an asynchronous schedule (which updates each stage on its own).
         ScheduleError: unknown schedule, or sizes the schedule cannot run (named with the fix).
-        HybridPipeError: ``optimizer`` given to a synchronous schedule or missing for an
+        UsageError: ``optimizer`` given to a synchronous schedule or missing for an
             asynchronous one.
         MismatchError: ranks constructed it with different settings (on every rank).
     """
@@ -202,9 +203,9 @@ class PipelineModel(nn.Module):
         if root is not None:
             meta = split_module.is_meta(root)
             if verify and meta:
-                raise HybridPipeError("verify=True needs the module's weights (it compares the split forward with the "
-                                      "unsplit one); a module built on the meta device is verified by nothing: pass "
-                                      "verify=None or False, or build it on the CPU")
+                raise UsageError("verify=True needs the module's weights (it compares the split forward with the "
+                                 "unsplit one); a module built on the meta device is verified by nothing: pass "
+                                 "verify=None or False, or build it on the CPU")
             chunk_modules, ties, built = self._split_module(root, sample, split, grid, name, device, weights)
         else:
             chunk_modules, ties, built = self._build_layers(layer_list, balance, sample_input, seed_layers, grid,
@@ -225,16 +226,16 @@ class PipelineModel(nn.Module):
         where = f"stage_replicas {list(grid.stage_replicas)} ({grid.config})"
         if not schedule_spec(name).stage_replicas:
             runs = ", ".join(repr(n) for n, s in SCHEDULES.items() if s.stage_replicas)
-            raise HybridPipeError(f"schedule {name!r} does not run on a grid with {where}: use one of {runs}, or a "
-                                  "uniform grid (hp.init(pipeline_stages=...))")
+            raise UsageError(f"schedule {name!r} does not run on a grid with {where}: use one of {runs}, or a "
+                             "uniform grid (hp.init(pipeline_stages=...))")
         if schedule_spec(name).asynchronous:
             if vertical_sync:
-                raise HybridPipeError(f"vertical_sync=True does not run on a grid with {where} (a stage's replicas "
-                                      "update together, round by round); leave it out, or use a uniform grid")
+                raise UsageError(f"vertical_sync=True does not run on a grid with {where} (a stage's replicas "
+                                 "update together, round by round); leave it out, or use a uniform grid")
             replica_streams(name, grid.stage_replicas, micro_batches)  # micro_batches a multiple of every count
         if virtual_stages != 1:
-            raise HybridPipeError(f"virtual_stages={virtual_stages} does not run on a grid with {where}: use "
-                                  "virtual_stages=1, or a uniform grid")
+            raise UsageError(f"virtual_stages={virtual_stages} does not run on a grid with {where}: use "
+                             "virtual_stages=1, or a uniform grid")
 
     def _build_layers(self, layer_list: list, balance: Any, sample_input: Any, seed_layers: int | None,
                       grid: runtime.Grid, name: str, micro_batches: int, memory_limit: Any,
@@ -285,8 +286,8 @@ class PipelineModel(nn.Module):
         if device is None and meta:
             device = compute_device(runtime.local_rank(), runtime.config().set_device)
         if self.asynchronous:
-            raise HybridPipeError(f"schedule {name!r} is not yet supported for a module split by hp.PipelineModel; "
-                                  "use 'gpipe', '1f1b', 'interleaved-1f1b' or 'zb-h1' (or hand in a layer list)")
+            raise NotSupportedError(f"schedule {name!r} is not yet supported for a module split by hp.PipelineModel; "
+                                    "use 'gpipe', '1f1b', 'interleaved-1f1b' or 'zb-h1' (or hand in a layer list)")
         def from_rank_zero(function: Any) -> Any:
             return agree_on_failure(grid.world_comm, function, root=0, what="PipelineModel")
 
@@ -312,9 +313,9 @@ class PipelineModel(nn.Module):
         if weights is not None:
             missing = split_module.load_weights(self.state_dict(), weights)
             if missing:
-                raise HybridPipeError(f"weights= holds no {missing[:6]} ({len(missing)} of stage {self.stage}'s "
-                                      "tensors): is it another model's? (names are the module's own, as its "
-                                      "state_dict() says)")
+                raise UsageError(f"weights= holds no {missing[:6]} ({len(missing)} of stage {self.stage}'s "
+                                 "tensors): is it another model's? (names are the module's own, as its "
+                                 "state_dict() says)")
         own_chunks = range(self.stage, self.chunks, self.stages)
         return ({chunk: split_module.SplitChunk(plan, chunk, self.device) for chunk in own_chunks},
                 prepared.ties, prepared.built)
@@ -339,16 +340,16 @@ class PipelineModel(nn.Module):
         self._tied: TiedWeights | None = None
         if any(tie.across_ranks for tie in ties):
             if not grid.uniform:
-                raise HybridPipeError(f"weights tied across stages ({', '.join(ties[0].names)}) are not supported on a "
-                                      f"grid with its own replica count per stage (stage_replicas "
-                                      f"{list(grid.stage_replicas)}): use a uniform grid (pipeline_stages=...), or "
-                                      "untie them")
+                raise UsageError(f"weights tied across stages ({', '.join(ties[0].names)}) are not supported on a "
+                                 f"grid with its own replica count per stage (stage_replicas "
+                                 f"{list(grid.stage_replicas)}): use a uniform grid (pipeline_stages=...), or "
+                                 "untie them")
             self._tied = TiedWeights(ties, built, grid)
             self._executor.defer_gradients(self._tied.parameters)
-        if precision != "fp32":
-            self._executor.autocast = torch.bfloat16 if precision == "bf16" else torch.float16
+        if PRECISIONS[precision].autocast_dtype:
+            self._executor.autocast = getattr(torch, PRECISIONS[precision].autocast_dtype)
         # fp16: the dynamic loss scaler every rank agrees on (hybridpipe/data_parallel/amp.py); None otherwise
-        self.scaler: LossScaler | None = LossScaler() if precision == "fp16" else None
+        self.scaler: LossScaler | None = LossScaler() if PRECISIONS[precision].loss_scaling else None
         if self.scaler is not None:  # (a non-uniform grid sums its replicas' gradients: nothing to divide)
             self.scaler.replicas = grid.data_replicas if grid.uniform else 1
         self.optimizer: torch.optim.Optimizer | None = None
@@ -362,47 +363,47 @@ class PipelineModel(nn.Module):
                                 vertical_sync: bool) -> None:
         described = schedule_spec(name)
         if described.chunks_per_rank and virtual_stages < 2:
-            raise HybridPipeError(f"schedule={name!r} needs virtual_stages >= 2 (chunks of layers per "
-                                  "rank, e.g. virtual_stages=2); with one chunk per rank use schedule='1f1b'")
+            raise UsageError(f"schedule={name!r} needs virtual_stages >= 2 (chunks of layers per "
+                             "rank, e.g. virtual_stages=2); with one chunk per rank use schedule='1f1b'")
         if not described.chunks_per_rank and virtual_stages != 1:
             chunked = [n for n, s in SCHEDULES.items() if s.chunks_per_rank]
-            raise HybridPipeError(f"virtual_stages={virtual_stages} needs schedule={chunked[0]!r} (schedule "
-                                  f"{name!r} runs one chunk of layers per rank)")
+            raise UsageError(f"virtual_stages={virtual_stages} needs schedule={chunked[0]!r} (schedule "
+                             f"{name!r} runs one chunk of layers per rank)")
         if described.asynchronous:
             if optimizer is None or not callable(optimizer):
-                raise HybridPipeError(
+                raise UsageError(
                     f"schedule {name!r} updates the weights inside the pipeline, so it needs the optimizer: pass "
                     "optimizer=lambda params: torch.optim.SGD(params, lr=0.1) (a callable that gets this rank's "
                     f"parameters and returns a torch optimizer; got {optimizer!r})")
             if vertical_sync and not described.vertical_sync:
-                raise HybridPipeError(f"vertical_sync is PipeDream's option (schedule='pipedream'); {name!r} already "
-                                      "uses one weight version per mini-batch on every stage")
+                raise UsageError(f"vertical_sync is PipeDream's option (schedule='pipedream'); {name!r} already "
+                                 "uses one weight version per mini-batch on every stage")
             least = described.min_micro_batches(stages)
             if micro_batches < least:
-                raise HybridPipeError(
+                raise UsageError(
                     f"schedule {name!r} keeps two weight versions, which needs micro_batches >= pipeline stages - 1 "
                     f"(got micro_batches={micro_batches} with {stages} stages): use micro_batches >= {least}")
         else:
             if optimizer is not None:
-                raise HybridPipeError(
+                raise UsageError(
                     f"schedule {name!r} is synchronous: it does not use optimizer= (the weights change only when "
                     "you call step()). Build the optimizer yourself, e.g. hp.DistributedOptimizer(torch.optim.SGD("
                     "model.parameters(), lr=0.1), named_parameters=model.named_parameters()), and call step() "
                     "after train_step; optimizer= is for schedule='pipedream' or '2bw'")
             if vertical_sync:
-                raise HybridPipeError(f"vertical_sync is an option of schedule='pipedream', not of {name!r}")
+                raise UsageError(f"vertical_sync is an option of schedule='pipedream', not of {name!r}")
 
     def _start_asynchronous(self, name: str, factory: Any) -> None:
         parameters = list(self.parameters())
         optimizer = factory(parameters)
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise HybridPipeError(f"optimizer= must return a torch.optim.Optimizer for the parameters it is given "
-                                  f"(it returned {type(optimizer).__name__})")
+            raise UsageError(f"optimizer= must return a torch.optim.Optimizer for the parameters it is given "
+                             f"(it returned {type(optimizer).__name__})")
         in_groups = {id(p) for group in optimizer.param_groups for p in group["params"]}
         missing = [n for n, p in self.named_parameters() if p.requires_grad and id(p) not in in_groups]
         if missing:
-            raise HybridPipeError(f"the optimizer built by optimizer= leaves out parameters {missing[:5]} of this "
-                                  "stage: build it over every parameter it is given")
+            raise UsageError(f"the optimizer built by optimizer= leaves out parameters {missing[:5]} of this "
+                             "stage: build it over every parameter it is given")
         self.optimizer = optimizer
         validate(async_schedule(name, self.stages, self.micro_batches, steps=2), self.stages,
                  2 * self.micro_batches)
@@ -585,9 +586,9 @@ class PipelineModel(nn.Module):
         unexpected = [k for k in state_dict if k not in every]
         missing = [k for k in own if k not in state_dict]
         if strict and (unexpected or missing):
-            raise HybridPipeError(f"load_state_dict into stage {self.stage} of {type(self.module).__name__}: "
-                                  f"missing keys {missing[:8]}, unexpected keys {unexpected[:8]} (is it another "
-                                  "model's state_dict?); pass strict=False to load what matches")
+            raise UsageError(f"load_state_dict into stage {self.stage} of {type(self.module).__name__}: "
+                             f"missing keys {missing[:8]}, unexpected keys {unexpected[:8]} (is it another "
+                             "model's state_dict?); pass strict=False to load what matches")
         split_module.load_weights(own, state_dict)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
@@ -603,7 +604,7 @@ class PipelineModel(nn.Module):
         """Original indices of the layers of chunk (virtual stage) ``chunk``; with one chunk per rank,
         chunk and stage are the same number."""
         if not 0 <= chunk < self.chunks:
-            raise HybridPipeError(f"chunk {chunk} is outside 0..{self.chunks - 1}")
+            raise UsageError(f"chunk {chunk} is outside 0..{self.chunks - 1}")
         start = sum(self.balance[:chunk])
         return range(start, start + self.balance[chunk])
 
@@ -611,7 +612,7 @@ class PipelineModel(nn.Module):
         """Original indices of the layers that ``stage`` (a pipeline rank) holds: a range, or with
         ``virtual_stages > 1`` the sorted indices of its chunks ``stage, stage + P, …``."""
         if not 0 <= stage < self.stages:
-            raise HybridPipeError(f"stage {stage} is outside 0..{self.stages - 1}")
+            raise UsageError(f"stage {stage} is outside 0..{self.stages - 1}")
         if self.virtual_stages == 1:
             return self.layers_of_chunk(stage)
         return [i for chunk in range(stage, self.chunks, self.stages) for i in self.layers_of_chunk(chunk)]
@@ -625,8 +626,8 @@ class PipelineModel(nn.Module):
         return self.stage == self.stages - 1
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise HybridPipeError("a PipelineModel has no differentiable forward across processes: train with "
-                              "model.train_step(inputs, targets), get outputs with model.predict(inputs)")
+        raise UsageError("a PipelineModel has no differentiable forward across processes: train with "
+                         "model.train_step(inputs, targets), get outputs with model.predict(inputs)")
 
     # ------------------------------------------------------------------ running
 
@@ -669,7 +670,7 @@ class PipelineModel(nn.Module):
         """
         self._check_runtime("train_step")
         if self.loss_fn is None:
-            raise HybridPipeError("train_step needs a loss: build the PipelineModel with loss_fn=...")
+            raise UsageError("train_step needs a loss: build the PipelineModel with loss_fn=...")
         self._executor.check_finite = self.check_finite
         chunks = microbatch.split(inputs, self.micro_batches)
         target_chunks = microbatch.split(targets, self.micro_batches)
@@ -837,14 +838,14 @@ def _layer_list(layers: Any, sample: Any, **layer_list_options: Any) -> tuple[nn
     root = layers if isinstance(layers, nn.Module) and not isinstance(layers, nn.Sequential) else None
     if root is not None:
         if sample is None:
-            raise HybridPipeError(
+            raise UsageError(
                 f"hp.PipelineModel got a {type(root).__name__} (an nn.Module that is not an nn.Sequential): pass "
                 "sample=<one micro-batch of its inputs, exactly as train_step will get them> (a tensor, a "
                 "tuple, or a dict of keyword arguments) so that it can be traced and split")
         for option, value in layer_list_options.items():
             if value is not None:
-                raise HybridPipeError(f"{option}= is for layer lists; a module is cut with split= ('auto' or a "
-                                      f"list of module names where stages begin), got {option}={value!r}")
+                raise UsageError(f"{option}= is for layer lists; a module is cut with split= ('auto' or a "
+                                 f"list of module names where stages begin), got {option}={value!r}")
         return root, []
     if isinstance(layers, (nn.Sequential, list, tuple)):
         layer_list = list(layers)
@@ -860,17 +861,14 @@ def _layer_list(layers: Any, sample: Any, **layer_list_options: Any) -> tuple[nn
 def _checked_options(micro_batches: Any, checkpoint: str, schedule: str, precision: str, virtual_stages: Any) -> str:
     """:class:`PipelineModel`'s scalar options checked (each bad value named with the fix); the schedule's name."""
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise HybridPipeError(f"micro_batches must be a positive int (got {micro_batches!r})")
-    if checkpoint not in CHECKPOINT_MODES:
-        raise HybridPipeError(f"unknown checkpoint mode {checkpoint!r} (use one of "
-                              f"{', '.join(map(repr, CHECKPOINT_MODES))})")
+        raise UsageError(f"micro_batches must be a positive int (got {micro_batches!r})")
+    check_recompute_mode(checkpoint)
     name = canonical_name(schedule)  # unknown name → ScheduleError on every rank
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise HybridPipeError(f"unknown precision {precision!r}: use 'fp32', 'bf16' or 'fp16'")
-    if precision == "fp16" and name in ASYNCHRONOUS:
-        raise HybridPipeError(f"precision='fp16' needs a synchronous schedule (got {schedule!r}): its loss "
-                              "scaler skips whole steps on every rank, which per-micro-batch updates cannot; "
-                              "use precision='bf16' (no scaler needed) or a synchronous schedule")
+    check_precision(precision)
+    if PRECISIONS[precision].loss_scaling and name in ASYNCHRONOUS:
+        raise UsageError(f"precision='fp16' needs a synchronous schedule (got {schedule!r}): its loss "
+                         "scaler skips whole steps on every rank, which per-micro-batch updates cannot; "
+                         "use precision='bf16' (no scaler needed) or a synchronous schedule")
     if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
-        raise HybridPipeError(f"virtual_stages must be a positive int (got {virtual_stages!r})")
+        raise UsageError(f"virtual_stages must be a positive int (got {virtual_stages!r})")
     return name

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..errors import HybridPipeError
+from ..errors import UsageError
 
 __all__ = ["skippable", "stash", "pop", "SkipRoute", "skip_routes", "SkipContext", "skip_context"]
 
@@ -97,14 +97,14 @@ def stash(name: str, tensor: Any) -> None:
     context = _current()
     route = context.routes.get(name)
     if context.chunk is not None and route is None:
-        raise HybridPipeError(f"hp.stash({name!r}): no layer of this model declares it; decorate the stashing "
-                              f"module with @hp.skippable(stash=[{name!r}]) and the popping one with "
-                              f"@hp.skippable(pop=[{name!r}])")
+        raise UsageError(f"hp.stash({name!r}): no layer of this model declares it; decorate the stashing "
+                         f"module with @hp.skippable(stash=[{name!r}]) and the popping one with "
+                         f"@hp.skippable(pop=[{name!r}])")
     if route is not None and route.pop_chunk != context.chunk:
         context.outgoing[name] = tensor  # the executor sends it to the popping chunk's rank
     else:
         if name in context.local:
-            raise HybridPipeError(f"hp.stash({name!r}) twice before it was popped")
+            raise UsageError(f"hp.stash({name!r}) twice before it was popped")
         context.local[name] = tensor
 
 
@@ -115,8 +115,8 @@ def pop(name: str) -> Any:
         return context.local.pop(name)
     if name in context.incoming:
         return context.incoming[name]
-    raise HybridPipeError(f"hp.pop({name!r}): nothing was stashed under this name (stash it in an earlier "
-                          "layer with hp.stash, and declare both with @hp.skippable)")
+    raise UsageError(f"hp.pop({name!r}): nothing was stashed under this name (stash it in an earlier "
+                     "layer with hp.stash, and declare both with @hp.skippable)")
 
 
 @dataclass(frozen=True)
@@ -142,23 +142,23 @@ def skip_routes(layers: Sequence[Any], chunk_of_layer: Sequence[int]) -> dict[st
     for index, layer in enumerate(layers):
         for name in _declared(layer, "_hp_stash"):
             if name in stashed:
-                raise HybridPipeError(f"skip {name!r} is stashed by layers {stashed[name]} and {index}: each name is "
-                                      "stashed by one layer (rename one)")
+                raise UsageError(f"skip {name!r} is stashed by layers {stashed[name]} and {index}: each name is "
+                                 "stashed by one layer (rename one)")
             stashed[name] = index
         for name in _declared(layer, "_hp_pop"):
             if name in popped:
-                raise HybridPipeError(f"skip {name!r} is popped by layers {popped[name]} and {index}: each name is "
-                                      "popped by one layer (stash it twice under two names)")
+                raise UsageError(f"skip {name!r} is popped by layers {popped[name]} and {index}: each name is "
+                                 "popped by one layer (stash it twice under two names)")
             popped[name] = index
     routes = {}
     for position, name in enumerate(sorted(set(stashed) | set(popped))):
         if name not in popped or name not in stashed:
             missing = "popped" if name not in popped else "stashed"
-            raise HybridPipeError(f"skip {name!r} is never {missing}: declare the other end with "
-                                  f"@hp.skippable({'pop' if missing == 'popped' else 'stash'}=[{name!r}])")
+            raise UsageError(f"skip {name!r} is never {missing}: declare the other end with "
+                             f"@hp.skippable({'pop' if missing == 'popped' else 'stash'}=[{name!r}])")
         if popped[name] <= stashed[name]:
-            raise HybridPipeError(f"skip {name!r} is popped by layer {popped[name]}, not after layer {stashed[name]} "
-                                  "that stashes it")
+            raise UsageError(f"skip {name!r} is popped by layer {popped[name]}, not after layer {stashed[name]} "
+                             "that stashes it")
         routes[name] = SkipRoute(name, stashed[name], popped[name], chunk_of_layer[stashed[name]],
                                  chunk_of_layer[popped[name]], position)
     return routes

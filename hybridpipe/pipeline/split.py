@@ -56,7 +56,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from hybridpipe.errors import PartitionError
+from hybridpipe.errors import SplitError
 
 __all__ = ["SplitError", "SplitPlan", "SplitChunk", "trace_module", "as_call"]
 
@@ -68,10 +68,6 @@ _METADATA = {
     "size", "dim", "ndimension", "numel", "nelement", "__len__", "stride", "is_floating_point", "is_complex",
     "element_size", "is_contiguous", "get_device", "storage_offset", "is_signed", "__get__", "data_ptr",
 }
-
-
-class SplitError(PartitionError):
-    """A module cannot be split where asked; the message names the value, the modules and a fix."""
 
 
 class _ChunkDone(BaseException):
@@ -729,7 +725,6 @@ def describe_bytes(count: int) -> str:
             return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
         count /= 1024
     return f"{count} B"
-
 
 
 # ------------------------------------------------------------------------------------------ set-up

@@ -60,7 +60,7 @@ from torch import nn
 
 from hybridpipe import _trace as timeline
 from hybridpipe.comm import p2p
-from hybridpipe.errors import HybridPipeError
+from hybridpipe.errors import PipelineBroken, ScheduleError, UsageError
 from hybridpipe.gradient_sync import SyncDriver, Unit
 from hybridpipe.pipeline import finite
 from hybridpipe.pipeline.asynchronous import WeightStash
@@ -69,20 +69,17 @@ from hybridpipe.pipeline.inplace import first_layer_works_in_place
 from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
 from hybridpipe.pipeline.schedule import Action, ActionKind, stage_to_rank
 from hybridpipe.pipeline.skip import SkipContext, SkipRoute, skip_context
+from hybridpipe.registry import RECOMPUTE_MODES
 
 __all__ = ["CHECKPOINT_MODES", "PipelineBroken", "StageExecutor", "StepResult", "splittable",
            "input_gradient_targets", "weight_gradients", "deferred_parameters", "split_summary"]
 
-CHECKPOINT_MODES = ("never", "except_last", "always")
+CHECKPOINT_MODES = tuple(RECOMPUTE_MODES)
 _TAG_PERIOD = 4096
 _RESULT_TAG = 4 * _TAG_PERIOD  # loss / predict output from the last stage to every stage
 _SKIP_TAG_BASE = _RESULT_TAG + 4  # skip connections: 4 tags (value, its gradient; header and payload each) per slot
 _SKIP_SLOTS = 3900  # (name, micro-batch) slots below p2p.ERROR_TAG: micro-batch ids modulo 3900 // names
 _BATCH_MARK = "__hybridpipe_batch_fingerprint__"  # an activation message carrying the sender's batch fingerprint
-
-
-class PipelineBroken(HybridPipeError):
-    """The pipeline failed in an earlier step; its message queues are in an unknown state."""
 
 
 class _RngState:
@@ -280,8 +277,8 @@ class StageExecutor:
         if routes:
             self._skip_period = _SKIP_SLOTS // len(routes)
             if self._skip_period < 64:
-                raise HybridPipeError(f"{len(routes)} skip connections are more than a pipeline carries "
-                                      f"(at most {_SKIP_SLOTS // 64}); stash fewer names (e.g. a tuple under one)")
+                raise UsageError(f"{len(routes)} skip connections are more than a pipeline carries "
+                                 f"(at most {_SKIP_SLOTS // 64}); stash fewer names (e.g. a tuple under one)")
 
     def _skips_into(self, chunk: int) -> list[SkipRoute]:
         return [r for r in self.skips.values() if r.pop_chunk == chunk and r.stash_chunk != chunk]
@@ -509,8 +506,8 @@ class StageExecutor:
         if synchronous and step.train and self._stored:
             leftover = ", ".join(f"{stage}:{m}" for stage, m in sorted(self._stored))
             self._stored.clear()
-            raise HybridPipeError(f"stage {self.rank}: micro-batches (chunk:micro-batch) {leftover} had a forward "
-                                  "but no backward in this schedule")
+            raise ScheduleError(f"stage {self.rank}: micro-batches (chunk:micro-batch) {leftover} had a forward "
+                                "but no backward in this schedule")
         if synchronous or not step.train:
             self._share_result(step)
             self._drain_sends()
@@ -616,8 +613,8 @@ class StageExecutor:
             finite.check_output(found, y, chunk.stage, m)
         missing = [r.name for r in self._skips_from(chunk.stage) if r.name not in context.outgoing]
         if missing:
-            raise HybridPipeError(f"chunk {chunk.stage}'s forward did not hp.stash {missing} (declared by "
-                                  "@hp.skippable on its layers): stash every declared name on every call")
+            raise UsageError(f"chunk {chunk.stage}'s forward did not hp.stash {missing} (declared by "
+                             "@hp.skippable on its layers): stash every declared name on every call")
         stored.skips_out = context.outgoing
         return y
 
@@ -758,8 +755,8 @@ class StageExecutor:
 
     def _update(self, step: _Step, chunk: _Chunk, action: Action, index: int) -> None:
         if self.on_update is None:
-            raise HybridPipeError("this schedule updates inside the pipeline (U actions) but the executor has "
-                                  "no optimizer: build the PipelineModel with optimizer=")
+            raise UsageError("this schedule updates inside the pipeline (U actions) but the executor has "
+                             "no optimizer: build the PipelineModel with optimizer=")
         start = time.monotonic()
         self.on_update(chunk.stage, action.micro_batch)
         timeline.record(f"U{action.micro_batch}", "optimizer", "compute", start, time.monotonic(),

@@ -41,7 +41,7 @@ from torch import nn
 
 from hybridpipe.comm import context, process_sets
 from hybridpipe.comm.collectives import Sum, broadcast_, grouped_allreduce_
-from hybridpipe.errors import HybridPipeError
+from hybridpipe.errors import UsageError
 from hybridpipe.pipeline.layers import LayerSpec, share_parameter, shapes_only, tied_attributes
 from hybridpipe.pipeline.partition import SharedParameter, find_shared_parameters, shared_parameters_error
 
@@ -101,7 +101,7 @@ def find_ties(layers: Sequence[nn.Module | LayerSpec], balance: Sequence[int], r
     different ranks. No communication; LayerSpecs are built on the meta device, one at a time.
 
     Raises:
-        HybridPipeError: a ``TiedLayerSpec``'s ``tied_weight_attr`` names no parameter of its module, or
+        UsageError: a ``TiedLayerSpec``'s ``tied_weight_attr`` names no parameter of its module, or
             the layers of one key tie different numbers or shapes of parameters.
     """
     chunk_of = [chunk for chunk, count in enumerate(balance) for _ in range(count)]
@@ -120,7 +120,7 @@ def find_ties(layers: Sequence[nn.Module | LayerSpec], balance: Sequence[int], r
                         shapes.append(tuple(module.get_parameter(attribute).shape))
                     except AttributeError:
                         names = [name for name, _ in module.named_parameters()]
-                        raise HybridPipeError(
+                        raise UsageError(
                             f"TiedLayerSpec({key!r}, {_type_name(module)}) at layer {index}: the built module has no "
                             f"parameter {attribute!r} (tied_weight_attr); its parameters are {names[:8]}: pass "
                             f"tied_weight_attr= one of them") from None
@@ -144,16 +144,16 @@ def find_ties(layers: Sequence[nn.Module | LayerSpec], balance: Sequence[int], r
         counts = {len(keyed[i][1]) for i in members}
         if len(counts) > 1:
             listing = ", ".join(f"layer {i}: {keyed[i][1]}" for i in members)
-            raise HybridPipeError(f"TiedLayerSpec key {key!r} ties different numbers of parameters ({listing}): give "
-                                  "every layer of one key the same number of tied_weight_attr names")
+            raise UsageError(f"TiedLayerSpec key {key!r} ties different numbers of parameters ({listing}): give "
+                             "every layer of one key the same number of tied_weight_attr names")
         for position in range(counts.pop()):
             shapes = [seen[i][1][position] for i in members]
             if len(set(shapes)) > 1:
                 listing = ", ".join(f"layer {i} ({seen[i][0]}).{keyed[i][1][position]}: {shape}"
                                     for i, shape in zip(members, shapes))
-                raise HybridPipeError(f"TiedLayerSpec key {key!r} ties parameters of different shapes ({listing}): "
-                                      "tied layers must hold the same shape (use forward_fn to use the weight "
-                                      "differently, e.g. transposed)")
+                raise UsageError(f"TiedLayerSpec key {key!r} ties parameters of different shapes ({listing}): "
+                                 "tied layers must hold the same shape (use forward_fn to use the weight "
+                                 "differently, e.g. transposed)")
             if len(members) == 1:
                 continue  # a key used once: nothing to tie
             places = tuple((i, keyed[i][1][position]) for i in members)
@@ -230,8 +230,8 @@ class TiedWeights:
                 objects = {id(p): p for p in (built[str(i)].get_parameter(n) for i, n in tie.places
                                                if str(i) in built)}
                 if len(objects) != 1:  # share_within_rank left one object per tie and rank
-                    raise HybridPipeError(f"stage {grid.stage} holds {len(objects)} different parameters for the tie "
-                                          f"{tie} (expected one): is a layer's parameter replaced after it was built?")
+                    raise UsageError(f"stage {grid.stage} holds {len(objects)} different parameters for the tie "
+                                     f"{tie} (expected one): is a layer's parameter replaced after it was built?")
                 parameters.extend(objects.values())
             group = chosen[(ranks, grid.replica)]
             root = ranks[0] if group == "pipe" else grid.rank_of(ranks[0], grid.replica)

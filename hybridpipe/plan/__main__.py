@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridpipe.config import parse_bytes
-from hybridpipe.errors import HybridPipeError
+from hybridpipe.errors import HybridPipeError, NotSupportedError, UsageError
 from hybridpipe.pipeline import schedule as sched
 from hybridpipe.plan.cost import PRECISION_BYTES, ZERO_LEVELS, Cluster
 from hybridpipe.plan.module_profile import CUTS_KEY, ModuleLayers, is_module, profile_module, split_of
@@ -55,13 +55,13 @@ from hybridpipe.plan.simulate import (DEFAULT_SIZES, Engine, data_parallel_scali
 def load_factory(spec: str):
     """The function ``MODULE:FACTORY`` names (``MODULE`` a module name or a .py path)."""
     if ":" not in spec:
-        raise HybridPipeError(f"expected MODULE:FACTORY (e.g. examples/train_lm.py:planner_model), got {spec!r}")
+        raise UsageError(f"expected MODULE:FACTORY (e.g. examples/train_lm.py:planner_model), got {spec!r}")
     module_name, function = spec.rsplit(":", 1)
     try:
         if module_name.endswith(".py") or "/" in module_name:
             path = Path(module_name)
             if not path.exists():
-                raise HybridPipeError(f"no such file {module_name!r}")
+                raise UsageError(f"no such file {module_name!r}")
             loader = importlib.util.spec_from_file_location(path.stem, path)
             module = importlib.util.module_from_spec(loader)
             sys.path.insert(0, str(path.resolve().parent))
@@ -71,11 +71,11 @@ def load_factory(spec: str):
     except HybridPipeError:
         raise
     except Exception as error:  # the user's module: its own error, named, never a raw traceback
-        raise HybridPipeError(f"importing {module_name!r} failed: {type(error).__name__}: {error} (run "
-                              f"`python -c 'import {Path(module_name).stem}'` to see where)") from error
+        raise UsageError(f"importing {module_name!r} failed: {type(error).__name__}: {error} (run "
+                         f"`python -c 'import {Path(module_name).stem}'` to see where)") from error
     factory = getattr(module, function, None)
     if not callable(factory):
-        raise HybridPipeError(f"{module_name} has no function {function!r}")
+        raise UsageError(f"{module_name} has no function {function!r}")
     return factory
 
 
@@ -84,22 +84,22 @@ def profile_factory_model(spec: str, sample_batch: int) -> tuple[Profile, Module
     :class:`ModuleLayers` when the factory returns a module (not a layer list), for its split report.
 
     Raises:
-        HybridPipeError: the factory, its ``sample`` or the model failed (the message names which and why).
+        UsageError: the factory, its ``sample`` or the model failed (the message names which and why).
     """
     factory = load_factory(spec)
     try:
         made = factory()
     except Exception as error:
-        raise HybridPipeError(f"{spec}() raised {type(error).__name__}: {error}") from error
+        raise UsageError(f"{spec}() raised {type(error).__name__}: {error}") from error
     if not isinstance(made, (tuple, list)) or len(made) != 3:
-        raise HybridPipeError(f"{spec}() must return (layers, loss_fn, sample), got "
-                              f"{type(made).__name__}{f' of {len(made)}' if isinstance(made, (tuple, list)) else ''}")
+        raise UsageError(f"{spec}() must return (layers, loss_fn, sample), got "
+                         f"{type(made).__name__}{f' of {len(made)}' if isinstance(made, (tuple, list)) else ''}")
     layers, loss_fn, sample = made
     try:
         inputs, targets = sample(sample_batch)
     except Exception as error:
-        raise HybridPipeError(f"sample({sample_batch}) of {spec} must return (inputs, targets); it raised "
-                              f"{type(error).__name__}: {error}") from error
+        raise UsageError(f"sample({sample_batch}) of {spec} must return (inputs, targets); it raised "
+                         f"{type(error).__name__}: {error}") from error
     try:
         if is_module(layers):
             return profile_module(layers, inputs, loss_fn, targets)
@@ -109,8 +109,8 @@ def profile_factory_model(spec: str, sample_batch: int) -> tuple[Profile, Module
     except (RuntimeError, TypeError, ValueError, IndexError, AttributeError, KeyError) as error:
         what = ("its forward on sample({0})[0]" if is_module(layers)
                 else "its layers, called in order on sample({0}),").format(sample_batch)
-        raise HybridPipeError(f"profiling {spec} failed: {type(error).__name__}: {error} (do {what} and "
-                              "loss_fn(output, targets) run?)") from error
+        raise UsageError(f"profiling {spec} failed: {type(error).__name__}: {error} (do {what} and "
+                         "loss_fn(output, targets) run?)") from error
 
 
 def render(best: Plan, args: argparse.Namespace, layers: ModuleLayers | None = None,
@@ -463,7 +463,7 @@ def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
                         help="optimizer state bytes per parameter byte: SGD 0, momentum 1, Adam 2 (default 2; "
                              "--model in 16 bits: 6, Adam's fp32 master weights and moments)")
     parser.add_argument("--asynchronous", action="store_true", help="also consider pipedream and 2bw")
-    parser.add_argument("--zero", choices=["auto", "0", "1", "2"], default="auto",
+    parser.add_argument("--zero", choices=["auto", *map(str, ZERO_LEVELS)], default="auto",
                         help="ZeRO level of hp.DistributedOptimizer where a stage has replicas: auto (default) "
                              "lets the planner choose (0 unless sharding is faster or needed to fit)")
     parser.add_argument("--precision", choices=list(PRECISION_BYTES), default=None,
@@ -553,9 +553,9 @@ def _plan_or_simulate(args: argparse.Namespace) -> tuple[Plan, argparse.Namespac
                                        if args.model else 2.0)
     module = CUTS_KEY in model_profile.extra
     if module and args.asynchronous:
-        raise HybridPipeError(f"--asynchronous: pipedream and 2bw are not yet supported for a module split by "
-                              f"hp.PipelineModel (this profile is of a {model_profile.extra.get('module', 'module')}"
-                              "); leave --asynchronous out, or hand in a layer list")
+        raise NotSupportedError(f"--asynchronous: pipedream and 2bw are not yet supported for a module split by "
+                                f"hp.PipelineModel (this profile is of a {model_profile.extra.get('module', 'module')}"
+                                "); leave --asynchronous out, or hand in a layer list")
     schedules = SYNCHRONOUS_CHOICES + (sched.ASYNCHRONOUS if args.asynchronous else ())
     if args.simulate:
         print(simulate_main(args, model_profile, memory, schedules))

@@ -38,12 +38,13 @@ from hybridpipe import runtime
 from hybridpipe.comm.agree import Failure, agree_on_failure
 from hybridpipe.comm.engine import call
 from hybridpipe.data_parallel.optimizer import DistributedOptimizer
-from hybridpipe.errors import HybridPipeError
+from hybridpipe.errors import NotSupportedError, UsageError
 from hybridpipe.pipeline import schedule as sched
 from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
 from hybridpipe.pipeline.model import LayerSpec, PipelineModel
 from hybridpipe.plan.calibrate import calibrate as measure, cluster_of, host_cores
 from hybridpipe.plan.cost import ZERO_LEVELS, Cluster
+from hybridpipe.registry import check_zero_level
 from hybridpipe.plan.module_profile import CUTS_KEY, is_module, module_layers, profile_module, split_of
 from hybridpipe.plan.profile import Profile, profile
 from hybridpipe.plan.search import CHECKPOINT_CHOICES, SYNCHRONOUS_CHOICES, Plan, plan as search, plans
@@ -209,12 +210,12 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
         plan = dataclasses.replace(plan, split=split_of(module_layers(layers, sample[0]).names, plan.balance))
     size = runtime.job("auto").grid.size
     if plan.ranks != size:
-        raise HybridPipeError(f"hp.auto: the plan is for {plan.ranks} ranks, this job has {size}")
+        raise UsageError(f"hp.auto: the plan is for {plan.ranks} ranks, this job has {size}")
     on_grid_of(plan)  # (the verification's trials ran on their own grids)
     arguments = _model_arguments(plan, model_options, module, sample, global_batch)
     if optimizer is None and plan.schedule in sched.ASYNCHRONOUS:
-        raise HybridPipeError(f"hp.auto: the plan's {plan.schedule} schedule applies the optimizer inside the "
-                              "pipeline: pass optimizer=<factory of a torch optimizer>")
+        raise UsageError(f"hp.auto: the plan's {plan.schedule} schedule applies the optimizer inside the "
+                         "pipeline: pass optimizer=<factory of a torch optimizer>")
     model, opt = _built(layers, loss_fn, optimizer, plan, arguments)
     _planned_model(model, plan, module)
     return model, opt
@@ -223,16 +224,16 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
 def _checked(layers: Any, module: bool, asynchronous: bool, zero: int | None, verify: bool, verify_plans: int,
              verify_steps: int, verify_seconds: float) -> tuple[int, ...]:
     """:func:`auto`'s arguments checked (a clear error naming the value); returns the ZeRO levels to search."""
-    if zero is not None and (isinstance(zero, bool) or zero not in ZERO_LEVELS):
-        raise HybridPipeError(f"hp.auto: zero must be 0, 1, 2 or None to let the planner choose (got {zero!r})")
+    if zero is not None:
+        check_zero_level(zero, "hp.auto: ")  # (None: the planner chooses)
     if module and asynchronous:
-        raise HybridPipeError(f"hp.auto: asynchronous=True: the asynchronous schedules (pipedream, 2bw) are not yet "
-                              f"supported for a module split by hp.PipelineModel (got a {type(layers).__name__}); "
-                              "leave asynchronous out, or hand in a layer list")
+        raise NotSupportedError(f"hp.auto: asynchronous=True: the asynchronous schedules (pipedream, 2bw) are not yet "
+                                f"supported for a module split by hp.PipelineModel (got a {type(layers).__name__}); "
+                                "leave asynchronous out, or hand in a layer list")
     if verify and (verify_plans < 1 or verify_steps < 1 or verify_seconds < 0):
-        raise HybridPipeError(f"hp.auto: verify_plans and verify_steps must be >= 1 and verify_seconds >= 0 (got "
-                              f"verify_plans={verify_plans}, verify_steps={verify_steps}, verify_seconds="
-                              f"{verify_seconds}); or pass verify=False")
+        raise UsageError(f"hp.auto: verify_plans and verify_steps must be >= 1 and verify_seconds >= 0 (got "
+                         f"verify_plans={verify_plans}, verify_steps={verify_steps}, verify_seconds="
+                         f"{verify_seconds}); or pass verify=False")
     return ZERO_LEVELS if zero is None else (zero,)
 
 
@@ -250,8 +251,8 @@ def _planned(layers: Any, loss_fn: Any, sample: tuple[Any, Any], global_batch: i
         else:
             measured = profile_in_turns(list(layers), sample, loss_fn, optimizer, grid.world_comm)
     except Exception as error:  # the same on every rank; its own type stays the cause
-        raise HybridPipeError(f"hp.auto: profiling the {'module' if module else 'layers'} failed "
-                              f"({type(error).__name__}: {error})") from error
+        raise UsageError(f"hp.auto: profiling the {'module' if module else 'layers'} failed "
+                         f"({type(error).__name__}: {error})") from error
     schedules = SYNCHRONOUS_CHOICES + (sched.ASYNCHRONOUS if asynchronous else ())
     measured_profile = Profile.from_json(measured)
     options = dict(schedules=schedules, checkpoints=CHECKPOINT_CHOICES, optimizer_state_factor=optimizer_state_factor,

@@ -58,10 +58,11 @@ from hybridpipe.comm.collectives import allreduce_, grouped_allreduce_
 from hybridpipe.comm.engine import call
 from hybridpipe.comm.reduction import Average, Sum
 from hybridpipe.data_parallel.optimizer import DistributedOptimizer
-from hybridpipe.errors import HybridPipeError
+from hybridpipe.errors import UsageError
 from hybridpipe.pipeline import schedule as sched
 from hybridpipe.pipeline.model import PipelineModel
 from hybridpipe.plan.cost import Cluster
+from hybridpipe.registry import ZERO_LEVELS
 
 __all__ = ["calibrate", "cluster_of", "fit", "host_cores", "load_cluster", "transfer_overhead", "SIZES"]
 
@@ -391,7 +392,7 @@ def _zero_extra(comm: Any, repeats: int) -> dict[int, float]:
     Collective over ``comm``; the job's data-parallel grid (one stage)."""
     torch.manual_seed(0)
     probes = {}
-    for level in (0, 1, 2):
+    for level in ZERO_LEVELS:
         model = _probe_model()
         probes[level] = (model, DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
                                                      named_parameters=model.named_parameters(), zero=level))
@@ -441,7 +442,7 @@ def transfer_overhead(action_overhead_us: float, latency_us: float, repeats: int
     state = runtime.job("calibrate")
     stages = state.grid.pipeline_stages
     if stages < 2:
-        raise HybridPipeError("transfer_overhead needs a grid of two or more pipeline stages (hp.init(pipeline_stages=2))")
+        raise UsageError("transfer_overhead needs a grid of two or more pipeline stages (hp.init(pipeline_stages=2))")
     steps = _tiny_steps(stages, repeats)
     measured = call(None, "calibrate", lambda: state.grid.world_comm.allgather(steps[16] - steps[2]))
     target = statistics.median(measured)
@@ -559,7 +560,7 @@ def load_cluster(path: str, memory_per_rank: float = 0.0, ranks: int | None = No
     with open(path) as file:
         data = json.load(file)
     if data.get("format") != "hybridpipe-cluster-1":
-        raise HybridPipeError(f"{path} is not a hybridpipe calibration (python -m hybridpipe.plan calibrate)")
+        raise UsageError(f"{path} is not a hybridpipe calibration (python -m hybridpipe.plan calibrate)")
     return cluster_of(data, memory_per_rank, ranks)
 
 

@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridpipe.config import Config
-from hybridpipe.errors import HybridPipeError
+from hybridpipe import registry
+from hybridpipe.errors import InternalError, UsageError
 from hybridpipe.pipeline import schedule as sched
 from hybridpipe.plan.profile import LayerCost, Profile
 from hybridpipe.runtime import layout, rank_of_place
@@ -53,8 +54,8 @@ __all__ = ["Cluster", "Candidate", "Prediction", "predict", "allreduce_seconds",
            "held_micro_batches", "activation_factor", "profile_precision", "check_zero", "ZERO_LEVELS",
            "PRECISION_BYTES"]
 
-ZERO_LEVELS = (0, 1, 2)
-PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes of an activation element
+ZERO_LEVELS = tuple(registry.ZERO_LEVELS)
+PRECISION_BYTES = {name: entry.activation_bytes for name, entry in registry.PRECISIONS.items()}
 
 
 @dataclass(frozen=True)
@@ -125,10 +126,10 @@ class Cluster:
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
-            raise HybridPipeError(f"a cluster needs ranks >= 1 (got {self.ranks})")
+            raise UsageError(f"a cluster needs ranks >= 1 (got {self.ranks})")
         for name in ("intra_host_gbps", "inter_host_gbps"):
             if getattr(self, name) <= 0:
-                raise HybridPipeError(f"{name} must be > 0 (got {getattr(self, name)})")
+                raise UsageError(f"{name} must be > 0 (got {getattr(self, name)})")
         negative = {name: getattr(self, name) for name in ("latency_us", "memory_per_rank", "ranks_per_host",
                                                            "cores_per_host", "action_overhead_us", "fusion_bytes",
                                                            "allreduce_overhead_us", "transfer_overhead_us",
@@ -138,9 +139,9 @@ class Cluster:
         if any(value < 0 for value in self.zero_step_us_per_mib):
             negative["zero_step_us_per_mib"] = self.zero_step_us_per_mib
         if negative:
-            raise HybridPipeError(f"cluster values must be >= 0 (got {negative})")
+            raise UsageError(f"cluster values must be >= 0 (got {negative})")
         if self.compute_contention < 1.0:
-            raise HybridPipeError(f"compute_contention must be >= 1 (got {self.compute_contention})")
+            raise UsageError(f"compute_contention must be >= 1 (got {self.compute_contention})")
 
     @property
     def per_host(self) -> int:
@@ -240,13 +241,12 @@ def activation_factor(profile: Profile, precision: str | None) -> float:
     0.5 for a bf16 / fp16 pipeline planned from an fp32 profile; 1 for ``None`` (as profiled).
 
     Raises:
-        HybridPipeError: an unknown precision (the valid ones named).
+        UsageError: an unknown precision (the valid ones named).
     """
     made = profile_precision(profile)
     precision = made if precision is None else precision
     for value, what in ((precision, "precision"), (made, "the profile's precision")):
-        if value not in PRECISION_BYTES:
-            raise HybridPipeError(f"unknown {what} {value!r}: use one of {', '.join(map(repr, PRECISION_BYTES))}")
+        registry.check_precision(value, what)
     return PRECISION_BYTES[precision] / PRECISION_BYTES[made]
 
 
@@ -254,15 +254,14 @@ ZERO_BUCKET_BYTES = Config().fusion_threshold_bytes  # the sharded optimizer's b
 
 
 def check_zero(zero: int, replicas: int, schedule: str) -> None:
-    """Raises :class:`HybridPipeError` unless ``zero`` is a ZeRO level this candidate can use."""
-    if isinstance(zero, bool) or zero not in ZERO_LEVELS:
-        raise HybridPipeError(f"zero must be 0, 1 or 2 (got {zero!r})")
+    """Raises :class:`UsageError` unless ``zero`` is a ZeRO level this candidate can use."""
+    registry.check_zero_level(zero)
     if zero and schedule in sched.ASYNCHRONOUS:
-        raise HybridPipeError(f"zero={zero} shards hp.DistributedOptimizer's state; the {schedule} schedule steps "
-                              "its own optimizer inside the pipeline: use zero=0 or a synchronous schedule")
+        raise UsageError(f"zero={zero} shards hp.DistributedOptimizer's state; the {schedule} schedule steps "
+                         "its own optimizer inside the pipeline: use zero=0 or a synchronous schedule")
     if zero and replicas < 2:
-        raise HybridPipeError(f"zero={zero} shards over the data replicas, but there is {replicas}: use zero=0 "
-                              "or more replicas")
+        raise UsageError(f"zero={zero} shards over the data replicas, but there is {replicas}: use zero=0 "
+                         "or more replicas")
 
 
 def _ring_seconds(nbytes: float, ranks: list[int], cluster: Cluster, concurrent_groups: int) -> float:
@@ -658,15 +657,15 @@ def _predict_stage_replicas(profile: Profile, cluster: Cluster, candidate: Candi
     micro-batch; each stage's gradients allreduced over its replicas as they become final."""
     counts, p, m = candidate.stage_replicas, candidate.stages, candidate.micro_batches
     if len(counts) != p or sum(counts) != cluster.ranks or candidate.replicas != 1:
-        raise HybridPipeError(f"stage_replicas {list(counts)} must give one count per stage ({p}) adding up to the "
-                              f"cluster's {cluster.ranks} ranks, with replicas=1")
+        raise UsageError(f"stage_replicas {list(counts)} must give one count per stage ({p}) adding up to the "
+                         f"cluster's {cluster.ranks} ranks, with replicas=1")
     if candidate.schedule not in sched.REPLICA_SCHEDULES or candidate.virtual_stages != 1 or candidate.zero:
-        raise HybridPipeError(f"stages with their own replica counts run {', '.join(sched.REPLICA_SCHEDULES)} with "
-                              f"one chunk per rank and zero=0 (got {candidate.schedule!r}, virtual_stages="
-                              f"{candidate.virtual_stages}, zero={candidate.zero})")
+        raise UsageError(f"stages with their own replica counts run {', '.join(sched.REPLICA_SCHEDULES)} with "
+                         f"one chunk per rank and zero=0 (got {candidate.schedule!r}, virtual_stages="
+                         f"{candidate.virtual_stages}, zero={candidate.zero})")
     if len(candidate.balance) != p or sum(candidate.balance) != len(profile.layers):
-        raise HybridPipeError(f"balance {list(candidate.balance)} does not cut {len(profile.layers)} layers into "
-                              f"{p} stages")
+        raise UsageError(f"balance {list(candidate.balance)} does not cut {len(profile.layers)} layers into "
+                         f"{p} stages")
     places = layout(tuple(counts))
     rank_of = rank_of_place(tuple(counts))
 
@@ -699,8 +698,8 @@ def _predict_stage_replicas(profile: Profile, cluster: Cluster, candidate: Candi
                          [1] * len(lists), max(parameter_bytes), tails,
                          **_durations(profile, cluster, layers, forward, backward, transfer), placement=placement)
     if any(action is not None for action in timeline.blocked):
-        raise HybridPipeError(f"stage_replicas {list(counts)} with {candidate.schedule!r} and {m} micro-batches "
-                              "deadlocks in the simulation; this is a bug in hybridpipe's planner, please report it")
+        raise InternalError(f"stage_replicas {list(counts)} with {candidate.schedule!r} and {m} micro-batches "
+                            "deadlocks in the simulation; this is a bug in hybridpipe's planner, please report it")
     slow = cluster.slowdown_for(max(parameter_bytes))
     # after its last action and its gradients' reduction, each stage's replicas agree on which gradients exist and
     # step: the optimizer's hooks and its step right after the reduction as in predict (the step simulated, sharing)
@@ -740,7 +739,7 @@ def predict(profile: Profile, cluster: Cluster, candidate: Candidate, global_bat
     with a note naming the bound.
 
     Raises:
-        HybridPipeError: the candidate does not fit the profile or the cluster, or its ZeRO level or the
+        UsageError: the candidate does not fit the profile or the cluster, or its ZeRO level or the
             precision is not one it can use (named).
     """
     prediction = _simulated(profile, cluster, candidate, global_batch, optimizer_state_factor, precision)
@@ -767,12 +766,12 @@ def _simulated(profile: Profile, cluster: Cluster, candidate: Candidate, global_
     v = candidate.virtual_stages
     chunks = p * v
     if p * d != cluster.ranks:
-        raise HybridPipeError(f"{p} stages × {d} replicas is {p * d} ranks, but the cluster has {cluster.ranks}")
+        raise UsageError(f"{p} stages × {d} replicas is {p * d} ranks, but the cluster has {cluster.ranks}")
     if len(candidate.balance) != chunks or sum(candidate.balance) != len(profile.layers):
-        raise HybridPipeError(f"balance {list(candidate.balance)} does not cut {len(profile.layers)} layers into "
-                              f"{chunks} chunks")
+        raise UsageError(f"balance {list(candidate.balance)} does not cut {len(profile.layers)} layers into "
+                         f"{chunks} chunks")
     if global_batch % d:
-        raise HybridPipeError(f"global batch {global_batch} does not split evenly over {d} replicas")
+        raise UsageError(f"global batch {global_batch} does not split evenly over {d} replicas")
     per_replica = global_batch // d
     micro = per_replica / m
     layers = _chunk_layers(candidate.balance)

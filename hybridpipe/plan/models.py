@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from hybridpipe.errors import HybridPipeError
+from hybridpipe.errors import UsageError
 from hybridpipe.plan.profile import LayerCost, Profile
 
 __all__ = ["Accelerator", "ACCELERATORS", "ModelPreset", "MODELS", "model_profile", "OPTIMIZER_STATE_FACTOR",
@@ -314,7 +314,7 @@ def conv_layers(name: str) -> list[ConvLayer]:
         return vgg16_layers()
     if name in RESNET_STAGES:
         return resnet_layers(RESNET_STAGES[name])
-    raise HybridPipeError(f"no layer table for {name!r} (have inception3, vgg16, {', '.join(RESNET_STAGES)})")
+    raise UsageError(f"no layer table for {name!r} (have inception3, vgg16, {', '.join(RESNET_STAGES)})")
 
 
 # Images per second one GPU trains, as published: TensorFlow's performance page ("Benchmarks", Details for
@@ -352,8 +352,8 @@ def _as_published(name: str, accelerator: str, layers: list[LayerCost], batch_up
     seconds = published_seconds_per_image(name, accelerator)
     if seconds is None:
         published = ", ".join(f"{model} on {gpu}" for gpu, model in PUBLISHED_IMAGES_PER_SECOND)
-        raise HybridPipeError(f"no published single-GPU throughput for {name} on {accelerator} (there is for "
-                              f"{published}, and resnet101 interpolated on p100)")
+        raise UsageError(f"no published single-GPU throughput for {name} on {accelerator} (there is for "
+                         f"{published}, and resnet101 interpolated on p100)")
     total_ms = sum(layer.forward_ms + layer.backward_ms for layer in layers)
     scale = (seconds * 1e3 - batch_update_ms / PUBLISHED_BATCH) / total_ms
     return [dataclasses.replace(layer, forward_ms=layer.forward_ms * scale, backward_ms=layer.backward_ms * scale,
@@ -374,22 +374,22 @@ def model_profile(name: str, accelerator: str = "h100", efficiency: float = 0.5,
             with no fixed cost per call; ``efficiency`` is then unused.
 
     Raises:
-        HybridPipeError: an unknown name, an efficiency outside (0, 1], or an accelerator without the
+        UsageError: an unknown name, an efficiency outside (0, 1], or an accelerator without the
             model's precision (each names the valid values).
     """
     if name not in MODELS:
-        raise HybridPipeError(f"unknown model {name!r} (use one of {', '.join(MODELS)})")
+        raise UsageError(f"unknown model {name!r} (use one of {', '.join(MODELS)})")
     if accelerator not in ACCELERATORS:
-        raise HybridPipeError(f"unknown accelerator {accelerator!r} (use one of {', '.join(ACCELERATORS)})")
+        raise UsageError(f"unknown accelerator {accelerator!r} (use one of {', '.join(ACCELERATORS)})")
     if not 0 < efficiency <= 1:
-        raise HybridPipeError(f"efficiency must be in (0, 1], a fraction of the peak (got {efficiency}; "
-                              "e.g. 0.5 for half of the peak)")
+        raise UsageError(f"efficiency must be in (0, 1], a fraction of the peak (got {efficiency}; "
+                         "e.g. 0.5 for half of the peak)")
     if call_overhead_us < 0:
-        raise HybridPipeError(f"call overhead must be >= 0 microseconds (got {call_overhead_us})")
+        raise UsageError(f"call overhead must be >= 0 microseconds (got {call_overhead_us})")
     preset, device = MODELS[name], ACCELERATORS[accelerator]
     if preset.precision not in device.peak_tflops:
-        raise HybridPipeError(f"{accelerator} has no {preset.precision} peak listed (it has "
-                              f"{', '.join(device.peak_tflops)})")
+        raise UsageError(f"{accelerator} has no {preset.precision} peak listed (it has "
+                         f"{', '.join(device.peak_tflops)})")
     tflops = device.peak_tflops[preset.precision] * efficiency
     call_ms = call_overhead_us / 1e3
     if preset.kind == "transformer":

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridpipe.errors import HybridPipeError
+from hybridpipe.errors import UsageError
 from hybridpipe.pipeline import split as split_module
 from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
 from hybridpipe.plan.profile import LayerCost, Profile, update_costs
@@ -104,11 +104,11 @@ def split_of(names: Sequence[str], balance: Sequence[int]) -> list[str]:
     """``split=`` for ``hp.PipelineModel``: the names where chunks 1, 2, ... of ``balance`` begin.
 
     Raises:
-        HybridPipeError: the balance does not cover the layers the names describe (named, with the fix).
+        UsageError: the balance does not cover the layers the names describe (named, with the fix).
     """
     if sum(balance) != len(names) or any(count < 1 for count in balance):
-        raise HybridPipeError(f"balance {list(balance)} does not cut the module's {len(names)} planner layers "
-                              f"(it must be positive counts summing to {len(names)}): is the plan for another model?")
+        raise UsageError(f"balance {list(balance)} does not cut the module's {len(names)} planner layers "
+                         f"(it must be positive counts summing to {len(names)}): is the plan for another model?")
     starts, position = [], 0
     for count in balance[:-1]:
         position += count
@@ -121,13 +121,13 @@ def module_layers(module: nn.Module, inputs: Any) -> ModuleLayers:
     begin, with what would cross each such cut.
 
     Raises:
-        HybridPipeError: the module is on the meta device (nothing to time), or cannot be traced (split.py's
+        UsageError: the module is on the meta device (nothing to time), or cannot be traced (split.py's
             SplitError, naming why).
     """
     if split_module.is_meta(module):
-        raise HybridPipeError(f"the {type(module).__name__} is on the meta device: there is nothing to time. Build "
-                              "it on the CPU (or load its weights) to plan it, or hand the meta module to "
-                              "hp.PipelineModel(module, sample=..., split='auto'), which cuts it by parameter counts")
+        raise UsageError(f"the {type(module).__name__} is on the meta device: there is nothing to time. Build "
+                         "it on the CPU (or load its weights) to plan it, or hand the meta module to "
+                         "hp.PipelineModel(module, sample=..., split='auto'), which cuts it by parameter counts")
     units, trace = split_module.trace_module(module, inputs)
     calls = trace.calls
     count = len(calls)
@@ -201,9 +201,9 @@ class _CallTimer:
             output = module(*args, **kwargs)
         finished = time.perf_counter()
         if self.index != count:
-            raise HybridPipeError(f"the {type(module).__name__} made {self.index} unit calls on the sample while "
-                                  f"profiling, {count} while tracing: its forward must call the same modules on the "
-                                  "same inputs")
+            raise UsageError(f"the {type(module).__name__} made {self.index} unit calls on the sample while "
+                             f"profiling, {count} while tracing: its forward must call the same modules on the "
+                             "same inputs")
         loss = loss_fn(output, targets)
         backward_started = time.perf_counter()
         loss.backward()
@@ -289,12 +289,12 @@ def profile_module(module: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any],
         and the :class:`ModuleLayers` (for :meth:`ModuleLayers.report`).
 
     Raises:
-        HybridPipeError: the module cannot be traced or profiled on ``inputs`` (the message says why).
+        UsageError: the module cannot be traced or profiled on ``inputs`` (the message says why).
     """
     batch = next((t.shape[0] for t in iter_tensors(inputs) if t.dim() > 0), 0)
     if batch < 1:
-        raise HybridPipeError(f"the sample's inputs ({type(inputs).__name__}) need a tensor with a batch dimension "
-                              "(dim 0) of at least 1")
+        raise UsageError(f"the sample's inputs ({type(inputs).__name__}) need a tensor with a batch dimension "
+                         "(dim 0) of at least 1")
     inputs = map_tensors(inputs, lambda t: t.clone(memory_format=torch.contiguous_format))
     layers = module_layers(module, inputs)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from hybridpipe.errors import GridError, HybridPipeError
+from hybridpipe.errors import GridError, PipeDreamProfileError
 
 # Two values within this relative distance are equal (floating-point noise of the same sums in another order).
 TIE_TOLERANCE = 1e-9
@@ -33,10 +33,6 @@ DEFAULT_TOLERANCE = 0.10
 # How a replicated stage's allreduce overlaps its compute (see _Costs.table and docs/planner.md).
 OVERLAPS = ("none", "layer", "stage")
 DEFAULT_OVERLAP = "none"
-
-
-class PipeDreamProfileError(HybridPipeError, ValueError):
-    """A PipeDream profile (JSON) is missing or malformed; the message names the file and the field."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hybridpipe.errors import HybridPipeError
+from hybridpipe.errors import UsageError
 from hybridpipe.pipeline.microbatch import as_leaf, iter_tensors, map_tensors
 from hybridpipe.pipeline.partition import profile_layers
 
@@ -128,14 +128,14 @@ class Profile:
         """Reads :meth:`to_json`'s output (or a hand-written file of the same shape).
 
         Raises:
-            HybridPipeError: not a profile, or fields missing (named).
+            UsageError: not a profile, or fields missing (named).
         """
         try:
             data = json.loads(text)
         except json.JSONDecodeError as error:
-            raise HybridPipeError(f"not a JSON profile: {error}") from None
+            raise UsageError(f"not a JSON profile: {error}") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise HybridPipeError(f"not a hybridpipe profile (expected \"format\": \"{FORMAT}\")")
+            raise UsageError(f"not a hybridpipe profile (expected \"format\": \"{FORMAT}\")")
         try:
             layers = [LayerCost(**layer) for layer in data["layers"]]
             return cls(layers=layers, sample_batch=int(data["sample_batch"]),
@@ -145,7 +145,7 @@ class Profile:
                        update_temporary_factor=float(data.get("update_temporary_factor", 0.0)),
                        update_temporary_per_tensor=float(data.get("update_temporary_per_tensor", 0.0)))
         except (KeyError, TypeError) as error:
-            raise HybridPipeError(f"profile is missing or has a bad field: {error}") from None
+            raise UsageError(f"profile is missing or has a bad field: {error}") from None
 
     def save(self, path: str | os.PathLike) -> None:
         with open(path, "w") as file:
@@ -314,7 +314,7 @@ def profile(layers: nn.Sequential | Sequence[nn.Module], sample_input: Any, loss
     layer_list = list(layers)
     batch = next(iter_tensors(sample_input)).shape[0] if any(True for _ in iter_tensors(sample_input)) else 0
     if batch < 1:
-        raise HybridPipeError("sample_input needs a tensor with a batch dimension (dim 0) of at least 1")
+        raise UsageError("sample_input needs a tensor with a batch dimension (dim 0) of at least 1")
     # own copies: a slice of a larger tensor (x[:32]) would be counted with its whole storage
     sample_input = map_tensors(sample_input, lambda t: t.clone(memory_format=torch.contiguous_format))
     timings = profile_layers(layer_list, sample_input, repeats=repeats, warmup=warmup)

@@ -35,19 +35,20 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridpipe.errors import HybridPipeError, PartitionError, ScheduleError
+from hybridpipe.errors import HybridPipeError, PartitionError, ScheduleError, UsageError
 from hybridpipe.pipeline import schedule as sched
 from hybridpipe.pipeline.partition import even_out_identical, partition_by_weights
 from hybridpipe.plan.cost import (ZERO_LEVELS, Candidate, Cluster, Prediction,
                                   activation_factor, chunk_seconds, held_micro_batches, memory_per_rank, predict,
                                   profile_precision, step_lower_bound)
+from hybridpipe.registry import RECOMPUTE_MODES
 from hybridpipe.runtime import describe_stage_replicas, rank_of_place
 from hybridpipe.plan.profile import Profile
 
 __all__ = ["Plan", "plan", "plans", "format_bytes", "SYNCHRONOUS_CHOICES", "CHECKPOINT_CHOICES", "ZERO_MARGIN"]
 
 SYNCHRONOUS_CHOICES = sched.SYNCHRONOUS
-CHECKPOINT_CHOICES = ("never", "except_last", "always")
+CHECKPOINT_CHOICES = tuple(RECOMPUTE_MODES)
 INTERLEAVED_CHUNKS = 2
 ZERO_MARGIN = 0.02  # a sharded plan must be this much faster than the best unsharded one to win
 # stages with their own replica counts: every composition of the ranks into P counts while there are at most this many
@@ -385,7 +386,7 @@ def plan(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: tu
             less usual one).
 
     Raises:
-        HybridPipeError: no configuration is possible (the message says why, and what would fit).
+        UsageError: no configuration is possible (the message says why, and what would fit).
     """
     costed, rejected, precision = _ranked_search(profile, cluster, global_batch, schedules, checkpoints,
                                                  max_micro_batches, optimizer_state_factor, explain + 1, zero_levels,
@@ -414,7 +415,7 @@ def plans(profile: Profile, cluster: Cluster, global_batch: int, count: int = 3,
     then the next fastest: a measurement learns most from plans that differ in how they cut the ranks. Arguments as
     :func:`plan`'s; each plan's ``alternatives`` is empty."""
     if count < 1:
-        raise HybridPipeError(f"plans: count must be >= 1 (got {count})")
+        raise UsageError(f"plans: count must be >= 1 (got {count})")
     costed, _, precision = _ranked_search(profile, cluster, global_batch, schedules, checkpoints, max_micro_batches,
                                           optimizer_state_factor, max(6, 3 * count), zero_levels, precision, grids,
                                           per_grid=count > 1)
@@ -478,30 +479,30 @@ def _checked(profile: Profile, cluster: Cluster, global_batch: int, schedules: t
              checkpoints: tuple[str, ...], zero_levels: tuple[int, ...], precision: str | None, grids: str) -> str:
     """:func:`plan`'s arguments checked (each bad one named, with the fix); returns the precision planned for."""
     if global_batch < 1:
-        raise HybridPipeError(f"global batch must be >= 1 (got {global_batch})")
+        raise UsageError(f"global batch must be >= 1 (got {global_batch})")
     unknown = [s for s in schedules if s not in sched.SCHEDULE_NAMES or s == "forward"]
     if unknown:
-        raise HybridPipeError(f"unknown schedules {unknown} (use some of {', '.join(SYNCHRONOUS_CHOICES)}, "
-                              "pipedream, 2bw)")
+        raise UsageError(f"unknown schedules {unknown} (use some of {', '.join(SYNCHRONOUS_CHOICES)}, "
+                         "pipedream, 2bw)")
     bad_levels = [z for z in zero_levels if isinstance(z, bool) or z not in ZERO_LEVELS]
     if bad_levels or not zero_levels:
-        raise HybridPipeError(f"zero levels {list(zero_levels)}: use some of {list(ZERO_LEVELS)} (e.g. (0,) never "
-                              "to shard, (1,) to always shard where there are replicas)")
+        raise UsageError(f"zero levels {list(zero_levels)}: use some of {list(ZERO_LEVELS)} (e.g. (0,) never "
+                         "to shard, (1,) to always shard where there are replicas)")
     activation_factor(profile, precision)  # names an unknown precision
     bad_modes = [c for c in checkpoints if c not in CHECKPOINT_CHOICES]
     if bad_modes or not checkpoints:
-        raise HybridPipeError(f"checkpoint modes {list(checkpoints)}: use some of {', '.join(CHECKPOINT_CHOICES)}")
+        raise UsageError(f"checkpoint modes {list(checkpoints)}: use some of {', '.join(CHECKPOINT_CHOICES)}")
     layers = len(profile.layers)
     factorizations = [(p, cluster.ranks // p) for p in _divisors(cluster.ranks) if p <= layers]
     if not any(global_batch % d == 0 for _, d in factorizations):
         replicas = sorted({d for _, d in factorizations})
         fitting = [d for d in replicas if global_batch % d == 0]
-        raise HybridPipeError(f"global batch {global_batch} does not split evenly over any possible replica count "
-                              f"{replicas} of {cluster.ranks} ranks (a model of {layers} layers has at most "
-                              f"{layers} stages): use a multiple of {min(replicas)}" + (
+        raise UsageError(f"global batch {global_batch} does not split evenly over any possible replica count "
+                         f"{replicas} of {cluster.ranks} ranks (a model of {layers} layers has at most "
+                         f"{layers} stages): use a multiple of {min(replicas)}" + (
                                   f" or {fitting}" if fitting else ""))
     if grids not in GRIDS:
-        raise HybridPipeError(f"grids={grids!r}: use one of {', '.join(map(repr, GRIDS))}")
+        raise UsageError(f"grids={grids!r}: use one of {', '.join(map(repr, GRIDS))}")
     return profile_precision(profile) if precision is None else precision
 
 
@@ -539,9 +540,9 @@ def _bounded_candidates(profile: Profile, cluster: Cluster, global_batch: int, s
     if not candidates and not rejected:
         kind = {"all": "", "data-parallel": "data-parallel ", "uniform": "uniform ",
                 "stage-replicas": "stages-with-their-own-replica-counts "}[grids]
-        raise HybridPipeError(f"no {kind}configuration of {cluster.ranks} ranks for {len(profile.layers)} layers, a "
-                              f"global batch of {global_batch} and the schedules {list(schedules)}" +
-                              (" (own replica counts need 2 stages and 3 ranks at least, gpipe or 1f1b)"
+        raise UsageError(f"no {kind}configuration of {cluster.ranks} ranks for {len(profile.layers)} layers, a "
+                         f"global batch of {global_batch} and the schedules {list(schedules)}" +
+                         (" (own replica counts need 2 stages and 3 ranks at least, gpipe or 1f1b)"
                                if grids == "stage-replicas" else ""))
     candidates.sort(key=lambda item: (item[0], item[1].stages, item[1].micro_batches))
     return candidates, rejected
@@ -634,8 +635,8 @@ def _no_fit_error(cluster: Cluster, rejected: list[tuple[Candidate, float]], sta
     fixes = ([f"raise the limit to at least {format_bytes(smallest[1])}"] if smallest is not None else []) + [
         "use more ranks"] + (["allow checkpoint='always'"] if "always" not in checkpoints else []) + (
         ["allow zero=2 (shard over the replicas)"] if 2 not in zero_levels else [])
-    return HybridPipeError(f"no configuration of {cluster.ranks} ranks fits memory_per_rank "
-                           f"{format_bytes(cluster.memory_per_rank)}{needs}: {', '.join(fixes)}")
+    return UsageError(f"no configuration of {cluster.ranks} ranks fits memory_per_rank "
+                      f"{format_bytes(cluster.memory_per_rank)}{needs}: {', '.join(fixes)}")
 
 
 def _ranked(costed: list[tuple[float, Candidate, Prediction]],

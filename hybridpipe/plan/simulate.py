@@ -21,7 +21,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from hybridpipe.errors import HybridPipeError
+from hybridpipe.errors import BuildError, HybridPipeError, UsageError
 from hybridpipe.plan.cost import Cluster
 from hybridpipe.plan.profile import Profile
 from hybridpipe.plan.search import Plan, plan
@@ -50,14 +50,14 @@ def parse_sizes(text: str) -> list[int]:
     """``"8:1024"`` (the powers of two from 8 to 1024) or ``"8,16,48"`` (those sizes), ascending.
 
     Raises:
-        HybridPipeError: anything else, naming the text and the two forms.
+        UsageError: anything else, naming the text and the two forms.
     """
     usage = f"--sizes takes FIRST:LAST (powers of two between, e.g. 8:1024) or a list (e.g. 8,16,48); got {text!r}"
     try:
         if ":" in text:
             first, last = (int(part) for part in text.split(":"))
             if first < 1 or last < first:
-                raise HybridPipeError(f"{usage} (need 1 <= FIRST <= LAST)")
+                raise UsageError(f"{usage} (need 1 <= FIRST <= LAST)")
             sizes, size = [], first
             while size <= last:
                 sizes.append(size)
@@ -65,9 +65,9 @@ def parse_sizes(text: str) -> list[int]:
         else:
             sizes = sorted({int(part) for part in text.split(",") if part.strip()})
     except ValueError:
-        raise HybridPipeError(usage) from None
+        raise UsageError(usage) from None
     if not sizes or sizes[0] < 1:
-        raise HybridPipeError(f"{usage} (sizes must be >= 1)")
+        raise UsageError(f"{usage} (sizes must be >= 1)")
     return sizes
 
 
@@ -209,7 +209,8 @@ def plot_scaling(series: dict[str, list[ScalingRow]], path: str, title: str, sam
     """Throughput (log-log, with each series' linear line) and efficiency against GPUs, as a PNG.
 
     Raises:
-        HybridPipeError: matplotlib is not installed (pip install matplotlib), or nothing to plot.
+        BuildError: matplotlib is not installed (pip install matplotlib).
+        UsageError: nothing to plot.
     """
     try:
         import matplotlib
@@ -217,7 +218,7 @@ def plot_scaling(series: dict[str, list[ScalingRow]], path: str, title: str, sam
         matplotlib.use("Agg")
         import matplotlib.pyplot as pyplot
     except ImportError:
-        raise HybridPipeError("--plot needs matplotlib (pip install matplotlib)") from None
+        raise BuildError("--plot needs matplotlib (pip install matplotlib)") from None
     figure, (throughput, efficiency) = pyplot.subplots(1, 2, figsize=(11, 4.2))
     plotted, highest = False, 1.0
     for label, rows in series.items():
@@ -232,7 +233,7 @@ def plot_scaling(series: dict[str, list[ScalingRow]], path: str, title: str, sam
         efficiency.plot(ranks, [row.efficiency for row in planned], marker="o", label=label, color=line.get_color())
         highest = max([highest] + [row.efficiency for row in planned])
     if not plotted:
-        raise HybridPipeError("nothing to plot: no size has a plan")
+        raise UsageError("nothing to plot: no size has a plan")
     for axis in (throughput, efficiency):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("GPUs")
@@ -415,7 +416,7 @@ def data_parallel_scaling(profile: Profile, cluster: Cluster, sizes: list[int], 
     """Weak scaling of plain data parallelism (one stage, every GPU a replica of ``batch_per_gpu`` samples)
     against one GPU training alone (no reduction at all): speedup ``= n · t(1) / t(n)``, efficiency = speedup / n."""
     if batch_per_gpu < 1:
-        raise HybridPipeError(f"--batch-per-gpu must be >= 1 (got {batch_per_gpu})")
+        raise UsageError(f"--batch-per-gpu must be >= 1 (got {batch_per_gpu})")
     alone = data_parallel_step(profile, cluster, 1, batch_per_gpu, engine, memory_tbps)[0]
     rows = []
     for gpus in sizes:

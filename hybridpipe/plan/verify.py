@@ -35,7 +35,7 @@ import torch
 from hybridpipe import runtime
 from hybridpipe.comm.agree import agree_on_failure
 from hybridpipe.comm.engine import call
-from hybridpipe.errors import HybridPipeError
+from hybridpipe.errors import HybridPipeError, UsageError
 from hybridpipe.gradient_sync import GradientSync, Unit
 from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
 from hybridpipe.plan.search import Plan
@@ -144,7 +144,7 @@ def measure_plans(plans: list[Plan], build: Callable[[Plan], tuple[Any, Any]], s
         if fastest is None or measured < rows[fastest]["measured_seconds"]:
             fastest = index
     if fastest is None:
-        raise HybridPipeError("hp.auto verify: none of the plans measured could be built: " + "; ".join(
+        raise UsageError("hp.auto verify: none of the plans measured could be built: " + "; ".join(
             f"{row['plan']}: {row.get('error', 'not measured (time budget spent)')}" for row in rows))
     rows[fastest]["kept"] = True
     kept = plans[fastest]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from hybridpipe.pipeline.schedule import ASYNCHRONOUS, SCHEDULES
+from hybridpipe.registry import PRECISIONS, ZERO_LEVELS
 
 #: Each option and its values; the first value is the plain one (what a case uses where it does not care).
 OPTIONS: dict[str, tuple] = {
@@ -26,8 +27,8 @@ OPTIONS: dict[str, tuple] = {
     "tied": ("no", "yes"),
     "skip": ("no", "yes"),
     "clip": ("no", "yes"),
-    "zero": (0, 1, 2),
-    "precision": ("fp32", "bf16", "fp16"),
+    "zero": tuple(ZERO_LEVELS),
+    "precision": tuple(PRECISIONS),
     "recompute": ("never", "always"),
     "checkpoint": ("none", "resume"),
     "elastic": ("no", "yes"),

@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hybridpipe.errors import HybridPipeError
+from hybridpipe.errors import EmulatedHostsError
 from hybridpipe.launch import find_mpirun, mpi_flavour, mpirun_command
 
 __all__ = ["EmulatedHosts", "EmulatedHostsError", "forwarded_environment", "main"]
@@ -57,10 +57,6 @@ case "$host" in
 esac
 exec ip netns exec "$ns" unshare --uts /bin/sh -c "hostname $ns; $*"
 """
-
-
-class EmulatedHostsError(HybridPipeError):
-    """Emulated hosts cannot be built here (not root, no ip/unshare/tc) or a command failed."""
 
 
 def _ip(*args: str) -> None:

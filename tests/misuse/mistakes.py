@@ -126,11 +126,11 @@ MISTAKES = [
                                  r"pipeline stages, e.g. 2")}),
     Mistake(
         "bad_env_value", LAUNCH, "A `HYBRIDPIPE_*` setting has a value it cannot take",
-        symptom="At `hp.init`: `HybridPipeError: HYBRIDPIPE_TIMEOUT_SECONDS='5m' is not a number of seconds >= 0 "
+        symptom="At `hp.init`: `UsageError: HYBRIDPIPE_TIMEOUT_SECONDS='5m' is not a number of seconds >= 0 "
                 "(0 turns it off)` (each setting names its variable, the value and what it accepts).",
         cause="A unit or a word where a number is expected (`5m`, `4XB`, `yes please`).",
         fix="The form the message gives: seconds as a number, sizes as `4MiB` / `256KiB` / bytes, switches as 1 or 0.",
-        errors={0: ("HybridPipeError", r"HYBRIDPIPE_TIMEOUT_SECONDS='5m' is not a number of seconds >= 0")}),
+        errors={0: ("UsageError", r"HYBRIDPIPE_TIMEOUT_SECONDS='5m' is not a number of seconds >= 0")}),
     Mistake(
         "ranks_not_multiple_of_stages", LAUNCH, "`hybridpipe-run -np` is not a multiple of `--stages`",
         symptom="`hybridpipe-run: error: -np 3 is not a multiple of --stages 2 (the grid is stages × replicas; "
@@ -146,17 +146,17 @@ MISTAKES = [
                 "the name, or remove the host and lower -np` (before: an ssh or daemon failure from mpirun).",
         cause="A typo in the hostfile or `-H`, or a node that left the cluster's DNS.",
         fix="Correct the name, or remove the line (and lower `-np`).",
-        errors={0: ("HybridPipeError", r"host 'nosuchhost.invalid' \(\S*hosts line 2\) does not resolve \(.*\): "
+        errors={0: ("UsageError", r"host 'nosuchhost.invalid' \(\S*hosts line 2\) does not resolve \(.*\): "
                                        r"correct the name, or remove the host and lower -np")},
         seen=("https://github.com/horovod/horovod/issues/951",)),
     Mistake(
         "hostfile_without_slots", LAUNCH, "A hostfile line gives no slot count",
-        symptom="`HybridPipeError: hosts line 1 ('node1') gives no slot count: write 'node1 slots=N' (or 'name:N' "
+        symptom="`UsageError: hosts line 1 ('node1') gives no slot count: write 'node1 slots=N' (or 'name:N' "
                 "for MPICH), or pass -np`.",
         cause="Without slots Open MPI uses each node's core count, which `hybridpipe-run` cannot see, so it cannot "
               "count the ranks or check that pipelines stay on one node.",
         fix="`node1 slots=4` (Open MPI) or `node1:4` (MPICH) on every line, or pass `-np`.",
-        errors={0: ("HybridPipeError", r"hosts line 1 \('node1'\) gives no slot count: write 'node1 slots=N'")}),
+        errors={0: ("UsageError", r"hosts line 1 \('node1'\) gives no slot count: write 'node1 slots=N'")}),
     # ------------------------------------------------------------------ the model
     Mistake(
         "model_before_init", MODEL, "The model is built before `hp.init`",
@@ -222,11 +222,11 @@ MISTAKES = [
         seconds=10, ranks=2),
     Mistake(
         "train_step_without_loss", MODEL, "`train_step` on a model built without a loss",
-        symptom="`HybridPipeError: train_step needs a loss: build the PipelineModel with loss_fn=...` on every rank.",
+        symptom="`UsageError: train_step needs a loss: build the PipelineModel with loss_fn=...` on every rank.",
         cause="`hp.PipelineModel(layers)` without `loss_fn=`: the last stage cannot start the backward pass.",
         fix="`hp.PipelineModel(layers, loss_fn=nn.CrossEntropyLoss(), ...)` (a model used only for `predict` "
             "needs none).",
-        errors=_everyone("HybridPipeError", r"train_step needs a loss: build the PipelineModel with loss_fn="),
+        errors=_everyone("UsageError", r"train_step needs a loss: build the PipelineModel with loss_fn="),
         seconds=10, ranks=2),
     Mistake(
         "model_used_after_shutdown", MODEL, "The model is used after `hp.shutdown()`",
@@ -277,20 +277,20 @@ MISTAKES = [
               "https://github.com/NVIDIA-Merlin/NVTabular/issues/1320")),
     Mistake(
         "dataset_shorter_than_batch", DATA, "A batch smaller than `micro_batches`",
-        symptom="`HybridPipeError: batch size 3 is smaller than micro_batches 4 (use a batch of at least 4 samples "
+        symptom="`UsageError: batch size 3 is smaller than micro_batches 4 (use a batch of at least 4 samples "
                 "or micro_batches <= 3; a dataset shorter than one batch, or a short last batch, gives such a batch: "
                 "DataLoader(..., drop_last=True))`.",
         cause="The dataset is shorter than one batch, or its last batch is short, and a pipeline splits each batch "
               "into `micro_batches` parts.",
         fix="`DataLoader(..., drop_last=True)`, a batch size that divides the dataset, or fewer micro-batches.",
-        errors={0: ("HybridPipeError", r"batch size 3 is smaller than micro_batches 4 .*drop_last=True")}),
+        errors={0: ("UsageError", r"batch size 3 is smaller than micro_batches 4 .*drop_last=True")}),
     Mistake(
         "empty_batch", DATA, "An empty batch",
-        symptom="`HybridPipeError: the batch is empty (0 samples; micro_batches 4): the data loader gave an empty "
+        symptom="`UsageError: the batch is empty (0 samples; micro_batches 4): the data loader gave an empty "
                 "batch, ...` (before: `... or micro_batches <= 0`).",
         cause="A shard with no samples (more replicas than samples, a filter that removed everything).",
         fix="Check the dataset's length and its sharding over `grid.data_replicas`.",
-        errors={0: ("HybridPipeError", r"the batch is empty \(0 samples; micro_batches 4\).*check the dataset's "
+        errors={0: ("UsageError", r"the batch is empty \(0 samples; micro_batches 4\).*check the dataset's "
                                        r"length")}),
     # ------------------------------------------------------------------ calls
     Mistake(

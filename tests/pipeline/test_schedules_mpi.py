@@ -528,7 +528,7 @@ def test_bf16_pipeline_equals_one_process_under_autocast(grid, schedule):
         assert seen_outputs == {torch.bfloat16}  # the stage's matrix products ran in bfloat16
     finally:
         model.close()
-    with pytest.raises(HybridPipeError, match="unknown precision 'fp8': use 'fp32', 'bf16' or 'fp16'"):
+    with pytest.raises(HybridPipeError, match="unknown precision 'fp8': use one of 'fp32', 'bf16', 'fp16'"):
         hp.PipelineModel(transformer(stages), loss_fn=sequence_loss, precision="fp8")
     with pytest.raises(HybridPipeError, match="precision='fp16' needs a synchronous schedule"):
         hp.PipelineModel(transformer(stages), loss_fn=sequence_loss, precision="fp16", schedule="pipedream",
