@@ -1,9 +1,15 @@
 """Pieces the benchmark drivers share: progress lines, argument and table helpers, the worker
-entry, the command line for the report, and torch.distributed on gloo over loopback beside MPI."""
+entry, the command line for the report, torch.distributed on gloo over loopback beside MPI, and the run's
+record in bench/results/.
+
+A driver run with ``--markdown`` (the tables the docs show) also writes ``bench/results/<bench>-<UTC time>.json``
+when it ends: the tables it printed, its command line and the machine (:func:`machine`), one file per run.
+``HYBRIDPIPE_BENCH_RESULTS=DIR`` writes there instead, ``=0`` not at all."""
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import json
 import os
@@ -28,8 +34,63 @@ def int_list(text: str, what: str) -> list[int]:
     return values
 
 
+RESULTS = Path(__file__).resolve().parent / "results"
+_rendered: list[dict[str, Any]] = []  # the tables this run printed, for its record
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on: CPU, cores, memory, GPU, MPI, torch, Python."""
+    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+                if line.startswith("model name")), "")
+    memory = next((int(line.split()[1]) * 1024 for line in _read("/proc/meminfo").splitlines()
+                   if line.startswith("MemTotal:")), 0)
+    described: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": memory,
+                                 "python": sys.version.split()[0], "host": os.uname().nodename}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        described["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            described["gpu"] = torch.cuda.get_device_name(0)
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None:
+        described["mpi"] = mpi.Get_library_version().splitlines()[0].strip()
+    return described
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def save_run(bench: str, tables: list[dict[str, Any]], where: Path | None = None) -> Path:
+    """Writes one run's record (``bench/results/<bench>-<UTC time>.json``); returns its path."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    folder = where or RESULTS
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{bench}-{now.strftime('%Y-%m-%dT%H%M%SZ')}.json"
+    record = {"bench": bench, "date": now.isoformat(timespec="seconds"), "command": command_line(),
+              "machine": machine(), "tables": tables}
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
+
+
+def _save_rendered() -> None:
+    setting = os.environ.get("HYBRIDPIPE_BENCH_RESULTS", "")
+    if not _rendered or "--markdown" not in sys.argv or setting == "0":
+        return
+    path = save_run(Path(sys.argv[0]).stem, _rendered, Path(setting) if setting else None)
+    print(f"(this run's record: {path})", file=sys.stderr)
+
+
+atexit.register(_save_rendered)
+
+
 def render(header: list[str], rows: list[list[str]], markdown: bool, left: int = 2) -> str:
-    """A Markdown or plain-text table; the first ``left`` columns are left-aligned, the rest right."""
+    """A Markdown or plain-text table; the first ``left`` columns are left-aligned, the rest right. Every table
+    is also kept for the run's record (see the module's docstring)."""
+    _rendered.append({"header": list(header), "rows": [list(row) for row in rows]})
     if markdown:
         lines = ["| " + " | ".join(header) + " |",
                  "|" + "|".join("---" if i < left else "---:" for i in range(len(header))) + "|"]

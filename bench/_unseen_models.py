@@ -5,7 +5,7 @@ Each builder returns ``(layers or module, loss_fn, batch(n, seed) -> (inputs, ta
 global batch)``, the same on every rank (seeded).
 
 * ``gelu``: ten ``Linear(384) + GELU`` blocks and a 10-class head, cross-entropy, SGD, batch 128: the model a new
-  user tried in issue 45 (the planner predicted 1.75-2.7x too fast on it).
+  user tried first (the planner once predicted 1.75-2.7x too fast on it).
 * ``wide``: three ``Linear(2048) + ReLU`` blocks and a head, batch 64, SGD with momentum: few, heavy layers (large
   gradients to reduce, small activations).
 * ``deep``: 32 ``Linear(96) + Tanh`` blocks and a head, batch 256, SGD: many cheap layers, where the per-call costs

@@ -1,4 +1,4 @@
-"""The cost of the batch-agreement check (HYBRIDPIPE_CHECK_BATCHES, issue 27): the demo's model (examples/train_lm.py's
+"""The cost of the batch-agreement check (HYBRIDPIPE_CHECK_BATCHES): the demo's model (examples/train_lm.py's
 defaults: 4 blocks of width 96, 16 sequences of 64 tokens per replica, 4 micro-batches, 1f1b) trained with the check
 on and off, on the same model in the same processes, rounds alternating which goes first.
 

@@ -129,10 +129,10 @@ CONFIGS = {
            (8, 1, 1, "1f1b"), (8, 2, 4, "1f1b"), (8, 4, 4, "1f1b")],
 }
 # the same LM written as one nn.Module (a ModuleList of blocks), handed to hp.PipelineModel / hp.auto whole: profiled
-# by its unit calls, the chosen balance turned into split= names (issue 26: hp.auto(module)'s plan against the
+# by its unit calls, the chosen balance turned into split= names (hp.auto(module)'s plan against the
 # best configuration measured)
 CONFIGS["lmmod"] = CONFIGS["lm"] + [(2, 2, 4, "gpipe"), (2, 2, 2, "1f1b")]
-# bench/stage_replicas.py's VGG-like CNN (issue 29): data parallelism, uniform hybrids and a straight pipeline beside
+# bench/stage_replicas.py's VGG-like CNN: data parallelism, uniform hybrids and a straight pipeline beside
 # stages with their own replica counts (a fifth entry: the convolutions on 3 ranks, the head on 1)
 CONFIGS["cnn"] = [(2, 1, 1, "1f1b"), (2, 2, 4, "1f1b"), (4, 1, 1, "1f1b"), (4, 2, 4, "1f1b"), (4, 4, 8, "1f1b"),
                   (4, 2, 8, "1f1b", (3, 1)), (4, 2, 6, "gpipe", (3, 1))]

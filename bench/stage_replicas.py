@@ -1,6 +1,6 @@
 """Stages with their own replica counts (PipeDream's "3-1") against uniform grids and pure data parallelism, on a
 VGG-like CNN: convolutions heavy in compute and light in parameters, a fully connected head light in compute and
-heavy in parameters (issue 29). Every configuration trains the same model on the same global batch in the same
+heavy in parameters. Every configuration trains the same model on the same global batch in the same
 processes, rounds rotating which goes first; each round's ratio to pure data parallelism is taken in that round.
 
 Usage:

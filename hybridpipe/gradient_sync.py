@@ -1,4 +1,4 @@
-"""The contract between what runs a model's forwards and backwards and what keeps its gradients in sync (issue 47).
+"""The contract between what runs a model's forwards and backwards and what keeps its gradients in sync.
 
 Who is who:
 

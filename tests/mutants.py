@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-KILL_LIMIT_S = 60.0  # issue 34: every mutant killed within a minute of its file's start
+KILL_LIMIT_S = 60.0  # every mutant must be killed within a minute of its file's start
 CLOCK_DIRECTORY = "HYBRIDPIPE_MUTANT_CLOCK_DIR"
 
 

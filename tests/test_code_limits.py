@@ -1,4 +1,4 @@
-"""Code-size limits (issue 30): no function in csrc/ is longer than :data:`MAX_FUNCTION_LINES` lines, except the
+"""Code-size limits: no function in csrc/ is longer than :data:`MAX_FUNCTION_LINES` lines, except the
 pybind11 module definition; no Python function of the package (hybridpipe/, not tests or bench) is longer than
 :data:`MAX_PYTHON_FUNCTION_LINES` lines (from its ``def`` to its last line, docstring included).
 

@@ -1,4 +1,4 @@
-"""Every feature with every other (issue 28): the cases of hybridpipe/testing/compatibility.py, each against
+"""Every feature with every other: the cases of hybridpipe/testing/compatibility.py, each against
 one process on the same micro-batches (asynchronous schedules: their one-process replay), or refused.
 
 One launch of 4 ranks: a case on a 4-rank grid (2×2, 4×1) uses every rank; cases on 2-rank grids (2×1,

@@ -75,7 +75,9 @@ def test_hp_names_in_the_new_pages_exist():
 
 #: How the docs must not read: a lab notebook (who did the work, when, in which round of it). A table says
 #: when it was measured ("Measured on DATE"); the history is in git.
-NOTEBOOK_WORDS = re.compile(r"\bissue \d+|\bthis session|\btonight|\bfindings for|\blast session|\bhelper \d+",
+#: Dated runs live in bench/results/ (one file per run, with the machine); a page names the file, not the day.
+NOTEBOOK_WORDS = re.compile(r"\bissue \d+|\bthis session|\btonight|\bfindings for|\blast session|\bhelper \d+"
+                            r"|\bthis VM\b|\bsame day\b|(?<!bench/results/)(?<![\w-])20\d\d-[01]\d-[0-3]\d\b",
                             re.IGNORECASE)
 
 
@@ -93,3 +95,31 @@ def test_readme_and_benchmark_pages_fit_in_150_lines():
     assert len(pages) >= 4, pages
     long = {str(page.relative_to(ROOT)): n for page in pages if (n := len(page.read_text().splitlines())) > 150}
     assert not long, f"pages over 150 lines (current numbers only, one table per machine; git keeps the rest): {long}"
+
+
+def test_every_results_file_the_docs_name_exists_and_holds_its_run():
+    import json
+
+    named = {match.group(1) for page in [ROOT / "README.md", *DOCS.glob("*.md")]
+             for match in re.finditer(r"bench/results/([\w.-]+\.json)", page.read_text())}
+    assert named, "no page names a bench/results/ file"
+    for name in sorted(named):
+        path = ROOT / "bench" / "results" / name
+        assert path.is_file(), f"docs name bench/results/{name}, which does not exist"
+        run = json.loads(path.read_text())
+        assert run["bench"] and run["machine"] and run["tables"] and run["tables"][0]["rows"], name
+        assert all(len(row) == len(table["header"]) for table in run["tables"] for row in table["rows"]), name
+
+
+def test_notebook_words_catch_a_dated_run():
+    assert NOTEBOOK_WORDS.search("**Measured on 2026-11-23** on the reference machine")
+    assert not NOTEBOOK_WORDS.search("**Current figures** (`bench/results/allreduce-2026-11-23.json`)")
+
+
+def test_code_cites_no_issue_numbers():
+    """Comments and docstrings say why, not which ticket: an issue number means nothing to a reader of a clone."""
+    cited = re.compile("issue" + r" #?\d+", re.IGNORECASE)
+    found = [f"{path.relative_to(ROOT)}:{number}" for folder in ("hybridpipe", "tests", "bench", "examples")
+             for path in sorted((ROOT / folder).rglob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1) if cited.search(line)]
+    assert not found, f"issue numbers cited in code: {found}"

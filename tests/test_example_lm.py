@@ -77,7 +77,7 @@ def test_train_lm_checkpoints_and_resumes_on_another_grid(tmp_path):
     assert "step   29" in second and "step    0" not in second
 
 
-# issue 15's run is 2 × 2, and 1 × 2 where ZeRO shards over D = 2: both in make test-long (make test trains
+# the demo's full run is 2 × 2, and 1 × 2 where ZeRO shards over D = 2: both in make test-long (make test trains
 # ZeRO with bf16 and fp16 in tests/test_zero_mpi.py)
 @pytest.mark.parametrize("ranks,stages", [pytest.param(4, 2, marks=LONG), pytest.param(2, 1, marks=LONG)])
 def test_train_lm_with_zero_1_and_bf16_learns_like_fp32(tmp_path, ranks, stages):

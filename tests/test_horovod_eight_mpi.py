@@ -1,4 +1,4 @@
-"""Eight behaviours of Horovod 0.28.1's torch API (issue 32) under ``import hybridpipe as hvd``: a joined rank's
+"""Eight behaviours of Horovod 0.28.1's torch API under ``import hybridpipe as hvd``: a joined rank's
 zeros in an ``hvd.Average`` (divided by the group's size, or by the contributors with
 ``HYBRIDPIPE_JOIN_AVERAGE=contributors``), the sparse async handle called for its result, ``_parameter_names``
 of an optimizer built without ``named_parameters``, ranks outside an optimizer's process set, sparse gradients

@@ -1,4 +1,4 @@
-"""No module of the package reaches into another's private names, and a job's state lives in one object (issue 30).
+"""No module of the package reaches into another's private names, and a job's state lives in one object.
 
 A leading underscore means "this module's own": a name another module needs is public (renamed, or given a public
 accessor). The test reads every module of hybridpipe/ with ast and fails, naming file:line, on
@@ -9,9 +9,15 @@ accessor). The test reads every module of hybridpipe/ with ast and fails, naming
   and not in this one: names only torch or the standard library define (``torch._foreach_copy_``, ``t._version``,
   ``sys._getframe``) are theirs to keep stable, not the package's;
 
-and, separately, on module-level mutable state: a ``global`` statement, or a module-level variable with a
-lower-case name (constants are UPPER_CASE, types CapWords), outside the running job
-(:mod:`hybridpipe.running`, which holds the one object hp.init makes and hp.shutdown drops).
+* ``x._name = ...`` / ``del x._name`` and ``setattr / delattr(x, "_name", ...)`` on an object other than ``self``
+  or ``cls``: private state written onto another object (a ``Parameter``, a module, an optimizer) is a contract
+  nobody can see; give the owner a constructor argument or a public method instead;
+
+and, separately, on module-level mutable state: a ``global`` statement, a module-level variable with a
+lower-case name (constants are UPPER_CASE, types CapWords), or an UPPER_CASE module-level container (a dict,
+list or set) that the module changes (``X[k] = v``, ``del X[k]``, ``X.append(...)``...: a constant in name
+only), outside the running job (:mod:`hybridpipe.running`, which holds the one object hp.init makes and
+hp.shutdown drops).
 
 Each allowed exception below says why; keep both lists short.
 """
@@ -54,7 +60,19 @@ ALLOWED_STATE: dict[tuple[str, str], str] = {
                                  "inside one they are the job's",
     ("testing.emulated_hosts", "_instances"): "the test harness's count of emulated host sets (network "
                                               "namespace names must not repeat in one process)",
+    ("pipeline.split", "_DISPATCHING"): "a cache of the subclasses split= makes, one per module class: the same in "
+                                        "every job and every thread (a class must not be made twice)",
 }
+
+#: (module, private attribute) -> why it may write it on an object other than self or cls.
+ALLOWED_FOREIGN_WRITES: dict[tuple[str, str], str] = {
+    ("testing.emulated_hosts", "_undo"): "EmulatedHosts.load, a classmethod, fills in the instance it just made",
+}
+
+MUTATING_METHODS = frozenset(("append", "extend", "insert", "update", "add", "pop", "popitem", "clear",
+                              "setdefault", "remove", "discard"))
+CONTAINER_CALLS = frozenset(("dict", "list", "set", "defaultdict", "OrderedDict", "deque", "Counter",
+                             "WeakKeyDictionary", "WeakValueDictionary", "WeakSet"))
 
 
 def _private(name: str) -> bool:
@@ -145,8 +163,52 @@ def private_reaches(modules: dict[str, tuple[Path, ast.Module]], index: dict | N
     return found
 
 
+def foreign_writes(modules: dict[str, tuple[Path, ast.Module]]) -> list[str]:
+    """Private attributes written on (or deleted from) an object other than ``self`` / ``cls``."""
+    found = []
+    for module, (path, tree) in modules.items():
+        where = path.relative_to(PACKAGE.parent)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)):
+                owner, name = node.value, node.attr
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                    and node.func.id in ("setattr", "delattr") and len(node.args) > 1 \
+                    and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+                owner, name = node.args[0], node.args[1].value
+            else:
+                continue
+            if _private(name) and not (isinstance(owner, ast.Name) and owner.id in ("self", "cls")) \
+                    and not _allowed(ALLOWED_FOREIGN_WRITES, module, name):
+                found.append(f"{where}:{node.lineno}: {ast.unparse(owner)}.{name} written")
+    return found
+
+
+def _mutable_constants(tree: ast.Module) -> dict[str, int]:
+    """UPPER_CASE module-level names bound to a container the module then changes: name -> line of the change."""
+    containers = set()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, ast.AnnAssign) and node.value is not None else []
+        value = getattr(node, "value", None)
+        made = isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)) or (
+            isinstance(value, ast.Call) and getattr(value.func, "id", getattr(value.func, "attr", "")) in CONTAINER_CALLS)
+        containers |= {t.id for t in targets if made and isinstance(t, ast.Name) and t.id.lstrip("_").isupper()}
+    changed: dict[str, int] = {}
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else \
+            [node.target] if isinstance(node, ast.AugAssign) else []
+        for target in targets:
+            if isinstance(target, ast.Subscript) and getattr(target.value, "id", None) in containers:
+                changed.setdefault(target.value.id, node.lineno)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in MUTATING_METHODS and getattr(node.func.value, "id", None) in containers:
+            changed.setdefault(node.func.value.id, node.lineno)
+    return changed
+
+
 def module_state(modules: dict[str, tuple[Path, ast.Module]]) -> list[str]:
-    """Module-level mutable state: ``global`` statements, and lower-case module-level variables."""
+    """Module-level mutable state: ``global`` statements, lower-case module-level variables, and UPPER_CASE
+    containers the module changes."""
     found = []
     for module, (path, tree) in modules.items():
         where = path.relative_to(PACKAGE.parent)
@@ -154,6 +216,8 @@ def module_state(modules: dict[str, tuple[Path, ast.Module]]) -> list[str]:
             if isinstance(node, ast.Global):
                 found += [f"{where}:{node.lineno}: global {name}" for name in node.names
                           if not _allowed(ALLOWED_STATE, module, name)]
+        found += [f"{where}:{line}: {name} changed (a module-level container)"
+                  for name, line in _mutable_constants(tree).items() if not _allowed(ALLOWED_STATE, module, name)]
         for node in tree.body:
             targets = node.targets if isinstance(node, ast.Assign) else \
                 [node.target] if isinstance(node, ast.AnnAssign) and node.value is not None else []
@@ -179,6 +243,21 @@ def test_no_module_level_mutable_state_outside_the_running_job():
                       "CommContext, which hp.shutdown drops):\n" + "\n".join(found)
 
 
+def test_no_module_writes_private_attributes_on_other_objects():
+    found = foreign_writes(_modules())
+    assert not found, "private attributes written on another object (pass it to the owner's constructor or give " \
+                      "the owner a public method):\n" + "\n".join(found)
+
+
+def test_the_new_checks_find_a_planted_write_and_a_changed_constant():
+    planted = ast.parse("CACHE = {}\nLIMITS = (1, 2)\ndef f(p, self):\n    p._owner = 1\n    setattr(p, '_chunk', 2)\n"
+                        "    self._mine = 3\n    CACHE[p] = 1\n    print(LIMITS[0])\n")
+    modules = {"planted": (PACKAGE / "planted.py", planted)}
+    assert foreign_writes(modules) == ["hybridpipe/planted.py:4: p._owner written",
+                                       "hybridpipe/planted.py:5: p._chunk written"]
+    assert module_state(modules) == ["hybridpipe/planted.py:7: CACHE changed (a module-level container)"]
+
+
 def test_the_checks_find_what_they_look_for():
     """A planted reach and a planted global are found, with file and line (so the two tests above can fail)."""
     owner = ast.parse("def _helper():\n    pass\n_cache = {}\n")
@@ -196,17 +275,18 @@ def test_every_allowed_exception_is_still_used():
     modules = _modules()
     index = _index(modules)
     reaches = lambda modules: private_reaches(modules, index)  # noqa: E731
-    saved = dict(ALLOWED_IMPORTS), dict(ALLOWED_ATTRIBUTES), dict(ALLOWED_STATE)
+    saved = dict(ALLOWED_IMPORTS), dict(ALLOWED_ATTRIBUTES), dict(ALLOWED_STATE), dict(ALLOWED_FOREIGN_WRITES)
     unused = []
     try:
-        for table, check in ((ALLOWED_IMPORTS, reaches), (ALLOWED_ATTRIBUTES, reaches), (ALLOWED_STATE, module_state)):
+        for table, check in ((ALLOWED_IMPORTS, reaches), (ALLOWED_ATTRIBUTES, reaches), (ALLOWED_STATE, module_state),
+                             (ALLOWED_FOREIGN_WRITES, foreign_writes)):
             for key in list(table):
                 why = table.pop(key)
                 if not check(modules):
                     unused.append(key)
                 table[key] = why
     finally:
-        for table, kept in zip((ALLOWED_IMPORTS, ALLOWED_ATTRIBUTES, ALLOWED_STATE), saved):
+        for table, kept in zip((ALLOWED_IMPORTS, ALLOWED_ATTRIBUTES, ALLOWED_STATE, ALLOWED_FOREIGN_WRITES), saved):
             table.clear()
             table.update(kept)
     assert not unused, f"allowed exceptions nothing uses any more (remove them): {unused}"

@@ -1,4 +1,4 @@
-"""The package's structure: imports go one way, down the layers below (issue 30), and the package imports light.
+"""The package's structure: imports go one way, down the layers below, and the package imports light.
 
 Every module's imports are read with ``ast``, at module level and inside functions alike (a function-level
 import that goes up a layer is a cycle hidden from Python's import machinery, not a cure for one), plus the
@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("errors", ("errors",)),
     ("config and the option registries", ("config", "registry")),
     ("the running job", ("running",)),
-    # the contract between what runs a model's forwards and backwards and data parallelism (issue 47): the pipeline
+    # the contract between what runs a model's forwards and backwards and data parallelism: the pipeline
     # drives it, DistributedOptimizer implements it, the job keeps its drivers
     ("gradient sync contract", ("gradient_sync",)),
     ("extension and trace", ("_ext", "_trace")),

@@ -75,8 +75,8 @@ ROUTES: tuple[tuple[str, Callable[[Any], bool]], ...] = (
 
 
 #: Below this many bytes a CUDA buffer on the cuda-aware route is reduced by MPI_Allreduce on its device memory,
-#: from here on by the device ring: on an H100 shared by 2 ranks (Open MPI 4.1.4 --with-cuda, docs/gpu.md) the
-#: library took 0.5–0.6 ms up to 256 KiB and 6.9 ms at 4 MiB, the ring 2.0 ms at 4 KiB and 2.1 ms at 4 MiB.
+#: from here on by the device ring: the library wins on small buffers, the ring once its fixed cost is paid back
+#: (the crossing, measured on an H100: docs/gpu.md and bench/results/gpu-allreduce-*.json).
 CUDA_RING_MIN_BYTES = 1 << 20
 
 #: dtype codes (buffers.dtype_code) MPI reduces as device memory, with their MPI datatypes' names

@@ -66,8 +66,8 @@ def cluster_of_this_job(memory_per_rank: float = 0.0, **links: float) -> Cluster
 class _PipelineDriven:
     """The optimizer of an asynchronous plan: the pipeline steps it; ``step()`` here does nothing."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self._optimizer, self._warned = optimizer, False
+    def __init__(self, optimizer: torch.optim.Optimizer, warn: bool = True) -> None:
+        self._optimizer, self._warned = optimizer, not warn
 
     def step(self, closure: Any = None) -> None:
         if not self._warned:
@@ -330,9 +330,7 @@ def _built(layers: Any, loss_fn: Any, optimizer: Any, plan: Plan, arguments: dic
         return model, DistributedOptimizer(optimizer(parameters), named_parameters=model.named_parameters(),
                                               **plan.optimizer_arguments())
     # a stage of parameter-free layers: nothing to step (its replicas agree: same layers)
-    opt = _PipelineDriven(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0))
-    opt._warned = True
-    return model, opt
+    return model, _PipelineDriven(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0), warn=False)
 
 
 def _planned_model(model: Any, plan: Plan, module: bool) -> None:

@@ -54,18 +54,19 @@ def parse_sizes(text: str) -> list[int]:
     """
     usage = f"--sizes takes FIRST:LAST (powers of two between, e.g. 8:1024) or a list (e.g. 8,16,48); got {text!r}"
     try:
-        if ":" in text:
-            first, last = (int(part) for part in text.split(":"))
-            if first < 1 or last < first:
-                raise UsageError(f"{usage} (need 1 <= FIRST <= LAST)")
-            sizes, size = [], first
-            while size <= last:
-                sizes.append(size)
-                size *= 2
-        else:
-            sizes = sorted({int(part) for part in text.split(",") if part.strip()})
+        first, last = (int(part) for part in text.split(":")) if ":" in text else (0, 0)
+        listed = None if ":" in text else sorted({int(part) for part in text.split(",") if part.strip()})
     except ValueError:
         raise UsageError(usage) from None
+    if listed is None:
+        if first < 1 or last < first:
+            raise UsageError(f"{usage} (need 1 <= FIRST <= LAST)")
+        sizes, size = [], first
+        while size <= last:
+            sizes.append(size)
+            size *= 2
+    else:
+        sizes = listed
     if not sizes or sizes[0] < 1:
         raise UsageError(f"{usage} (sizes must be >= 1)")
     return sizes

@@ -26,7 +26,7 @@ from mistakes import MISTAKES, PAGE, Mistake, render
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[2]
-LAUNCH_TIMEOUT_S = 120  # the launch as a whole; on the code before issue 27 it hung here
+LAUNCH_TIMEOUT_S = 120  # the launch as a whole: a misuse that hangs fails here instead
 #: The last MPI case: its rank 1 raises out of the script, and python -m hybridpipe aborts the job (exit 1).
 ABORTING_CASE = "stage_raised_under_python_m"
 

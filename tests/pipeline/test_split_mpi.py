@@ -177,7 +177,7 @@ def test_branch_on_an_activation_is_refused(grid):
 
 def test_stages_that_begin_with_an_in_place_layer(grid, float64):
     """nn.ReLU(inplace=True) first on every stage (torchvision's style): the received activation is copied for it,
-    and training equals one process (issue 27: autograd refused the in-place change of the received leaf)."""
+    and training equals one process (autograd refused the in-place change of the received leaf)."""
     if grid.pipeline_stages != 4 and not LONG:
         pytest.skip("one grid in make test (every grid in make test-long)")
     torch.manual_seed(0)
@@ -242,7 +242,7 @@ def test_a_meta_module_is_built_stage_by_stage(grid, tmp_path_factory):
 def test_stages_given_different_batches_fail_on_every_rank(grid, float64):
     """A pipeline's stages fed different samples (a sampler sharded by rank, not by replica): the first activation
     message carries stage 0's batch fingerprint, the next stage refuses it, and every stage raises, naming the fix
-    (issue 27: this trained at chance without a word). Equal batches pass, and the switch (model.check_batches,
+    (this trained at chance without a word). Equal batches pass, and the switch (model.check_batches,
     HYBRIDPIPE_CHECK_BATCHES) lets a mismatch through when off."""
     if grid.pipeline_stages != 4 and not LONG:
         pytest.skip("one grid in make test (every grid in make test-long)")

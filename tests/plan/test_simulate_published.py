@@ -1,4 +1,4 @@
-"""--simulate against what was published (issue 31): Horovod's scaling efficiencies of tf_cnn_benchmarks on
+"""--simulate against what was published: Horovod's scaling efficiencies of tf_cnn_benchmarks on
 P100 hosts (4 GPUs each, 25 Gbit/s, 64 images per GPU) at 128 and 512 GPUs, and GPipe's Table 3 Transformer
 speedups on one host of 8 P100s; the presets' sizes against their published counts; the data-parallel
 engine's pieces (NCCL's ring model, cycle and fusion, the slowest GPU) against hand-computed values; the

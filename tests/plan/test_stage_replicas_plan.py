@@ -1,4 +1,4 @@
-"""The planner's stages with their own replica counts (issue 29): the partitioner with replication against brute
+"""The planner's stages with their own replica counts: the partitioner with replication against brute
 force, the cost model's bounds for such grids, and the search choosing one where it pays (VGG-16's head on few
 ranks across hosts) and never where it is off."""
 
