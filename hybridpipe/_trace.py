@@ -21,13 +21,13 @@ from . import running
 __all__ = ["enabled", "span", "record", "start", "stop"]
 
 
-def _recorder() -> _Recorder | None:
+def _recorder() -> Recorder | None:
     """The running job's recorder, or None (no job, or no timeline)."""
     job = running.current_or_none()
     return None if job is None else job.timeline
 
 
-class _Recorder:
+class Recorder:
     def __init__(self, path: str, rank: int) -> None:
         self.path, self.rank = Path(path), rank
         self.part = Path(f"{path}.rank{rank}.part")
@@ -100,7 +100,7 @@ def start(job: Any, path: str, barrier: Callable[[], None]) -> None:
     called by hp.init when HYBRIDPIPE_TIMELINE is set and by hp.start_timeline, with a barrier run on the
     engine's thread."""
     barrier()
-    job.timeline = _Recorder(path, job.grid.rank)
+    job.timeline = Recorder(path, job.grid.rank)
 
 
 def stop(job: Any, engine_events: dict[str, list], barrier: Callable[[], None]) -> None:

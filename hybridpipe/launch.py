@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 from pathlib import Path
 
-from hybridpipe.errors import BuildError, GridError, HybridPipeError, UsageError
+from hybridpipe.errors import BuildError, HybridPipeError, UsageError
 
 __all__ = ["available_cores", "find_mpirun", "mpi_flavour", "mpirun_command", "count_slots", "build_command",
            "remove_stale_session_dirs", "main"]

@@ -290,3 +290,17 @@ def test_every_allowed_exception_is_still_used():
             table.clear()
             table.update(kept)
     assert not unused, f"allowed exceptions nothing uses any more (remove them): {unused}"
+
+
+def test_the_job_object_has_no_untyped_fields_of_upper_layers():
+    """CommContext keeps what the communication layer owns, each field typed; a layer above keeps its per-job
+    state in a slot of its own class (``job.slot(Kind, make)``), never in an ``Any`` field of the job."""
+    tree = ast.parse((PACKAGE / "comm" / "context.py").read_text())
+    [init] = [node for cls in tree.body if isinstance(cls, ast.ClassDef) and cls.name == "CommContext"
+              for node in cls.body if isinstance(node, ast.FunctionDef) and node.name == "__init__"]
+    untyped = [f"self.{node.target.attr}" for node in ast.walk(init) if isinstance(node, ast.AnnAssign)
+               and isinstance(node.target, ast.Attribute) and ast.unparse(node.annotation) == "Any"]
+    assert not untyped, f"CommContext fields typed Any: {untyped} (type them, or make them a slot of their layer)"
+    assert {"step_guard", "autotuner"}.isdisjoint(node.target.attr for node in ast.walk(init)
+                                                  if isinstance(node, (ast.AnnAssign,)) and
+                                                  isinstance(node.target, ast.Attribute))

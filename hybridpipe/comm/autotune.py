@@ -134,6 +134,4 @@ def step() -> None:
     state = context.current_or_none()
     if state is None or not state.config.autotune:
         return
-    if state.autotuner is None:
-        state.autotuner = Autotuner(state)
-    state.autotuner.on_step()
+    state.slot(Autotuner, lambda: Autotuner(state)).on_step()

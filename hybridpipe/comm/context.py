@@ -26,7 +26,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 from .. import _trace
 from .._ext import core
@@ -99,6 +99,11 @@ class Group:
     set_ranks: list[int] | None = None
 
 
+if TYPE_CHECKING:
+    from .._trace import Recorder
+
+T = TypeVar("T")  # a slot's class (CommContext.slot)
+
 #: Makes the engine's device allreduce of a group over an mpi4py communicator: ``reduce(address, count, dtype
 #: code, op code, gpu) -> bool`` (hybridpipe.comm.reduction.engine_device_allreduce).
 DeviceAllreduce = Callable[[Any], Callable[[int, int, int, int, int], bool]]
@@ -112,12 +117,11 @@ class CommContext:
         self.config, self.grid = config, grid
         # the communicator hp.init was given (default COMM_WORLD) and the ranks of this host (hp.local_rank)
         self.base_comm, self.local_comm = base_comm, local_comm
-        self.timeline: Any = None  # the timeline's recorder while one records (hybridpipe/_trace.py)
+        self.timeline: Recorder | None = None  # the timeline's recorder while one records
         self.nccl_groups: dict[tuple[int, int], Any] = {}  # (communicator handle, GPU) -> NCCL communicator or None
         self.copy_streams: dict[Any, tuple[Any, Any]] = {}  # per CUDA device: staging's two side streams
         self.warned_staging = False  # device.note_staged warns once per job
         self.on_engine_thread = threading.local()  # .inside: this thread runs a call of the engine's (see call)
-        self.step_guard: Any = None  # the optimizer step hook of asynchronous pipelines (pipeline/asynchronous.py)
         # what runs each parameter's forwards and backwards, and the gradient syncs registered with it (weakly;
         # hybridpipe/gradient_sync.py): pipelines' executors, DistributedOptimizers' autograd drivers
         self.sync_drivers = SyncDrivers()
@@ -142,7 +146,8 @@ class CommContext:
         # per engine handle: what its operation needs alive until it ran (a call's job, an allreduce's
         # buffers), released by Handle.wait() or, for handles never waited for, by close()
         self.keep: dict[int, Any] = {}
-        self.autotuner: Any = None  # comm/autotune.py's, made at the first optimizer step when on
+        # the upper layers' per-job objects, by their class (see slot): their state is theirs, not fields here
+        self._slots: dict[type, Any] = {}
         options = core().EngineOptions()
         options.cycle_time_ms = config.cycle_time_ms
         options.stall_check_seconds = config.stall_check_seconds
@@ -299,6 +304,21 @@ class CommContext:
                        if entry.engine_id is not None})
         return {labels[gid]: self.engine.take_events(gid) for gid in sorted(labels)}
 
+    def slot(self, kind: type[T], make: Callable[[], T]) -> T:
+        """This job's object of class ``kind``, which a layer above keeps its per-job state in (the asynchronous
+        pipelines' step guard, the autotuner): made by ``make()`` on first use, the same object after. At
+        hp.shutdown each slot's ``close()``, where it has one, runs (the latest made first) and the slots go."""
+        made = self._slots.get(kind)
+        if made is None:
+            made = self._slots[kind] = make()
+            if not isinstance(made, kind):
+                raise TypeError(f"slot({kind.__name__}): make() returned a {type(made).__name__}")
+        return made
+
+    def slot_or_none(self, kind: type[T]) -> T | None:
+        """This job's object of class ``kind`` if one was made (:meth:`slot`), else None."""
+        return self._slots.get(kind)
+
     def sequence(self, kind: str) -> int:
         """The next number of ``kind`` (0, 1, 2, … since hp.init): the same on every rank that makes the same
         calls in the same order."""
@@ -329,9 +349,11 @@ class CommContext:
                 entry.comm.Free()
         self._users.clear()
         self.process_sets.close()
-        if self.step_guard is not None:
-            self.step_guard.remove()
-            self.step_guard = None
+        for made in reversed(list(self._slots.values())):
+            close = getattr(made, "close", None)
+            if callable(close):
+                close()
+        self._slots.clear()
         return events
 
 

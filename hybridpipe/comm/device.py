@@ -134,7 +134,7 @@ def nccl_decision(setting: str, ranks: list[tuple[bool, str, str]]) -> tuple[boo
     Raises:
         UsageError: ``setting`` is ``"nccl"`` and NCCL cannot run, naming the reason.
     """
-    from ..errors import HybridPipeError
+    from ..errors import BuildError
 
     if setting == "mpi":
         return False, "HYBRIDPIPE_GPU_ALLREDUCE=mpi"

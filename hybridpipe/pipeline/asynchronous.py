@@ -146,13 +146,22 @@ class WeightStash:
         return lambda x: torch.func.functional_call(self.module, version_tensors, (x,))
 
 
+class StepGuard:
+    """The job's optimizer step hook of the asynchronous pipelines (a slot of the running job: hp.shutdown closes
+    it, which removes the hook)."""
+
+    def __init__(self) -> None:
+        self.hook = register_optimizer_step_pre_hook(_step_guard)
+
+    def close(self) -> None:
+        self.hook.remove()
+
+
 def install_step_guard() -> None:
     """Makes ``step()`` of any optimizer over an asynchronous pipeline's parameters raise, unless the
     pipeline itself calls it (a ``U`` action): a second update would break the weight versions. Installed once
-    per job (the running job's ``step_guard``; hp.shutdown removes it)."""
-    job = running.current("PipelineModel")
-    if job.step_guard is None:
-        job.step_guard = register_optimizer_step_pre_hook(_step_guard)
+    per job (the running job's :class:`StepGuard` slot; hp.shutdown removes it)."""
+    running.current("PipelineModel").slot(StepGuard, StepGuard)
 
 
 def _step_guard(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
