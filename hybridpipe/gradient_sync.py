@@ -12,7 +12,7 @@ Who is who:
   (``PipelineModel.register_gradient_sync``); a DistributedOptimizer over parameters that no pipeline holds owns
   an :class:`AutogradDriver`, which plain autograd drives through the gradient hooks alone (no unit events: every
   accumulation is a last backward's). The running job keeps every driver, weakly (:class:`SyncDrivers`,
-  ``CommContext.sync_drivers``): that is how a DistributedOptimizer, given parameters only, finds the pipeline that
+  the job's slot, :func:`drivers_of`): that is how a DistributedOptimizer, given parameters only, finds the pipeline that
   runs them, and how ``hp.clip_grad_norm_`` finds the ZeRO optimizers of a model's parameters.
 
 The calls a pipeline's executor makes, for each action of a rank's schedule:
@@ -49,7 +49,7 @@ from typing import Any
 
 from .errors import UsageError
 
-__all__ = ["AutogradDriver", "GradientSync", "Registration", "SyncDriver", "SyncDrivers", "Unit"]
+__all__ = ["AutogradDriver", "GradientSync", "Registration", "SyncDriver", "SyncDrivers", "Unit", "drivers_of"]
 
 
 class GradientSync:
@@ -235,7 +235,7 @@ class AutogradDriver(SyncDriver):
 
 
 class SyncDrivers:
-    """The running job's drivers (``CommContext.sync_drivers``), held weakly, in the order they were added."""
+    """The running job's drivers (:func:`drivers_of`: the job's slot), held weakly, in the order they were added."""
 
     def __init__(self) -> None:
         self._drivers: list[weakref.ref[SyncDriver]] = []
@@ -274,3 +274,8 @@ class SyncDrivers:
         """Every sync registered for ``parameter`` on any live driver, in the drivers' order, then registration
         order."""
         return [sync for driver in self.live() if driver.holds(parameter) for sync in driver.syncs_of(parameter)]
+
+
+def drivers_of(job: Any) -> SyncDrivers:
+    """The job's :class:`SyncDrivers` (``job``: the running CommContext; the layer keeps them in the job's slot)."""
+    return job.slot(SyncDrivers, SyncDrivers)

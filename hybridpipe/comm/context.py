@@ -41,7 +41,6 @@ from ..errors import (
     UsageError,
 )
 from .. import running
-from ..gradient_sync import SyncDrivers
 from . import buffers
 from .departures import Departures
 from .process_sets import ProcessSet, Registry
@@ -122,9 +121,6 @@ class CommContext:
         self.copy_streams: dict[Any, tuple[Any, Any]] = {}  # per CUDA device: staging's two side streams
         self.warned_staging = False  # device.note_staged warns once per job
         self.on_engine_thread = threading.local()  # .inside: this thread runs a call of the engine's (see call)
-        # what runs each parameter's forwards and backwards, and the gradient syncs registered with it (weakly;
-        # hybridpipe/gradient_sync.py): pipelines' executors, DistributedOptimizers' autograd drivers
-        self.sync_drivers = SyncDrivers()
         # p2p receives posted and not opened yet, per (communicator handle, source, tag), in posting order (p2p.py)
         self.unopened_receives: dict[tuple[int, int, int], list[Any]] = {}
         self._device_allreduce = device_allreduce

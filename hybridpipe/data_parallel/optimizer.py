@@ -12,7 +12,7 @@ Design reasons:
   treat the same set: a parameter with no gradient on this rank but one elsewhere is reduced as
   zeros; one with no gradient anywhere keeps ``grad = None`` everywhere.
 * The optimizer is a gradient sync (``hybridpipe/gradient_sync.py``): it registers with the pipeline that
-  runs its parameters (found in the job's ``sync_drivers``), or, for parameters no pipeline runs, with an
+  runs its parameters (found by ``gradient_sync.drivers_of(job)``), or, for parameters no pipeline runs, with an
   autograd driver of its own. Each ``gradient_final`` (a gradient hook, ``register_post_accumulate_grad_hook``,
   of the driver's) queues the parameter's reduction on the background engine (``comm/engine.py``) the moment
   its gradient is final: in a pipeline, during the stage's LAST micro-batch backward of the step (earlier
@@ -39,7 +39,7 @@ from ..comm import autotune, buffers, collectives, context, engine, exchange, ob
 from .. import runtime
 from . import zero as zero_module
 from .compression import Compression, wire_for
-from ..gradient_sync import GradientSync
+from ..gradient_sync import GradientSync, drivers_of
 from ..comm.collectives import Average, ReduceOp, Sum
 from ..comm.process_sets import ProcessSet
 from ..errors import NotSupportedError, UsageError
@@ -204,7 +204,7 @@ class _DistributedOptimizerMixin:
         self._hp_sync = _OptimizerSync(self)
         self._hp_name_of = {parameter: name for name, parameter in self._hp_parameters}  # (by identity)
         self._hp_registrations = [] if self._hp_outside else \
-            running.sync_drivers.register(self._hp_sync, [p for _, p in self._hp_parameters])
+            drivers_of(running).register(self._hp_sync, [p for _, p in self._hp_parameters])
 
     @property
     def synchronized(self) -> bool:
@@ -390,10 +390,10 @@ def _refuse_pipeline_driven(optimizer: torch.optim.Optimizer, zero: int) -> None
     job = context.current_or_none()
     if job is None:
         return  # (DistributedOptimizer raises NotInitializedError)
-    drivers = job.sync_drivers.live()
+    drivers = drivers_of(job).live()
     for group_ in optimizer.param_groups:
         owner = next((driver.updates_itself for p in group_["params"]
-                      if (driver := job.sync_drivers.runner_of(p, drivers)) is not None and driver.updates_itself),
+                      if (driver := drivers_of(job).runner_of(p, drivers)) is not None and driver.updates_itself),
                      None)
         if owner is not None:
             raise UsageError(
@@ -580,7 +580,7 @@ def _zero_missing_gradients(optimizer: torch.optim.Optimizer, model: Any) -> Non
 
 def _zero_owner_of(parameter: torch.Tensor) -> Any:
     """The ZeRO optimizer that steps ``parameter`` (the last made of those registered for it), or None."""
-    syncs = context.current("clip_grad_norm_").sync_drivers.syncs_of(parameter)
+    syncs = drivers_of(context.current("clip_grad_norm_")).syncs_of(parameter)
     owners = [sync.optimizer for sync in syncs
               if isinstance(sync, _OptimizerSync) and getattr(sync.optimizer, "zero", 0)]
     return owners[-1] if owners else None

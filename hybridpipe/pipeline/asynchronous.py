@@ -30,6 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hybridpipe import running
 from hybridpipe.errors import InternalError, UsageError
+from hybridpipe.gradient_sync import drivers_of
 
 __all__ = ["WeightStash", "install_step_guard"]
 
@@ -168,10 +169,10 @@ def _step_guard(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     job = running.current_or_none()
     if job is None:
         return
-    drivers = job.sync_drivers.live()
+    drivers = drivers_of(job).live()
     for group in optimizer.param_groups:
         for parameter in group["params"]:
-            driver = job.sync_drivers.runner_of(parameter, drivers)  # the pipeline that runs it (gradient_sync.py)
+            driver = drivers_of(job).runner_of(parameter, drivers)  # the pipeline that runs it (gradient_sync.py)
             if driver is None or driver.updates_itself is None:
                 continue
             if driver.updating is optimizer:

@@ -75,7 +75,7 @@ from hybridpipe.pipeline.schedule import (
     peak_in_flight,
     validate,
 )
-from hybridpipe.gradient_sync import GradientSync, Registration
+from hybridpipe.gradient_sync import GradientSync, Registration, drivers_of
 from hybridpipe.pipeline.asynchronous import install_step_guard
 from hybridpipe.pipeline.stage import StageExecutor, StepResult, split_summary
 from hybridpipe.registry import PRECISIONS, check_precision, check_recompute_mode
@@ -332,7 +332,7 @@ class PipelineModel(nn.Module):
         self._executor = StageExecutor(chunk_modules, self.stage, stages, self._comm, self.device, virtual_stages,
                                        replica_ranks)
         # the job finds the pipeline that runs a parameter here (a DistributedOptimizer registers with it)
-        runtime.job("PipelineModel").sync_drivers.add(self._executor.gradient_syncs)
+        drivers_of(runtime.job("PipelineModel")).add(self._executor.gradient_syncs)
         self._executor.use_skips(self.skip_routes)
         if schedule_spec(name).split_backward:
             self._executor.split_backward()

@@ -15,7 +15,7 @@ from torch import nn
 import hybridpipe as hp
 from agree import ranks_agree
 from hybridpipe import runtime
-from hybridpipe.gradient_sync import GradientSync
+from hybridpipe.gradient_sync import GradientSync, drivers_of
 from hybridpipe.pipeline import schedule as sched
 from hybridpipe.pipeline.schedule import ActionKind
 
@@ -109,7 +109,7 @@ def test_the_schedule_drives_the_registered_syncs(pipeline, schedule, virtual, c
     actions = sched.get_schedule(schedule, 2, M, virtual)[pipeline.stage]
     own = range(pipeline.stage, 2 * virtual, 2)
     want = expected(actions, {c: chunk_names(model, c) for c in own}, recompute=checkpoint == "always")
-    drivers = runtime.job("test").sync_drivers
+    drivers = drivers_of(runtime.job("test"))
     with ranks_agree():
         assert recorder.events == want
         # the optimizer registered with the pipeline that runs its parameters, beside the recorder
@@ -165,7 +165,7 @@ def test_plain_autograd_drives_it_through_the_hooks():
         opt = hp.DistributedOptimizer(torch.optim.SGD(module.parameters(), lr=0.1),
                                       named_parameters=module.named_parameters(), backward_passes_per_step=2)
         recorder = Recorder({id(p): name for name, p in module.named_parameters()})
-        drivers = runtime.job("test").sync_drivers
+        drivers = drivers_of(runtime.job("test"))
         drivers.register(recorder, module.parameters())
         x, y = batch()
         for _ in range(2):
