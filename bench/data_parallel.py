@@ -235,8 +235,8 @@ class MLPWorker:
 
     def trace_engine(self) -> None:
         """Keeps the handles DistributedOptimizer gets from the engine, for the phase columns (the
-        optimizer calls ``hybridpipe.comm.engine.allreduce_async_``; this wraps that function)."""
-        from hybridpipe.comm import engine
+        optimizer calls ``hybridpipe.collectives.allreduce.allreduce_async_``; this wraps that function)."""
+        from hybridpipe.collectives import allreduce as engine
 
         submit, handles = getattr(self, "_untraced", engine.allreduce_async_), self.handles
         self._untraced = submit
@@ -248,7 +248,7 @@ class MLPWorker:
         engine.allreduce_async_ = traced
 
     def restore_engine(self) -> None:
-        from hybridpipe.comm import engine
+        from hybridpipe.collectives import allreduce as engine
 
         engine.allreduce_async_ = getattr(self, "_untraced", engine.allreduce_async_)
 

@@ -8,7 +8,7 @@ Usage (a CUDA GPU; ranks may share one):
 
 A round submits every tensor of a set with hp.allreduce_async_, then waits for all; its time is the max over
 ranks; the first two rounds are warm-up; the reported time is the median of 15 rounds per variant. The
-per-tensor variant is reached by switching off hybridpipe.comm.engine's check for the CUDA kernels in this
+per-tensor variant is reached by switching off hybridpipe.collectives.allreduce's check for the CUDA kernels in this
 process (a benchmark's reach into the module, not an API). Every round's result is checked.
 """
 import os
@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import hybridpipe as hp  # noqa: E402
-from hybridpipe.comm import engine  # noqa: E402
+from hybridpipe.collectives import allreduce as engine  # noqa: E402
 
 if not torch.cuda.is_available() or not hp.cuda_built():
     sys.exit("bench/gpu_engine.py needs a CUDA GPU and the extension built with its CUDA kernels (nvcc)")

@@ -42,7 +42,6 @@ from typing import Any
 
 import torch
 
-from .data_parallel import zero as zero_module
 from . import rng_state, runtime
 from .comm.agree import Failure
 from .comm.engine import call
@@ -149,6 +148,45 @@ def _zero_manifest(optimizer: Any, stage: int) -> dict[str, Any]:
     return {"state": {}, "param_groups": groups,
             "zero": {"level": optimizer.zero, "replicas": size,
                      "files": [f"stage-{stage}.optimizer-{r}-of-{size}.pt" for r in range(size)]}}
+
+
+def assemble_zero_shards(pieces_by_rank: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every replica's ZeRO ``sharded_state_by_name()['state']`` (one per owner) -> whole tensors per name."""
+    shapes: dict[str, tuple] = {}
+    for saved in pieces_by_rank:
+        shapes.update(saved.get("shapes", {}))
+    whole: dict[str, dict[str, Any]] = {}
+    for saved in pieces_by_rank:
+        for name, entry in saved["state"].items():
+            target = whole.setdefault(name, {})
+            for key, value in entry.items():
+                if isinstance(value, list):
+                    shape = shapes[name]
+                    numel = 1
+                    for d in shape:
+                        numel *= d
+                    tensor = target.get(key)
+                    if tensor is None:
+                        tensor = target[key] = torch.zeros(numel, dtype=value[0][1].dtype if value else torch.float32)
+                    for start, piece in value:
+                        if tensor.dtype != piece.dtype:
+                            tensor = target[key] = tensor.to(piece.dtype)
+                        tensor[start:start + piece.numel()].copy_(piece)
+                else:
+                    target[key] = value
+    for name, entry in whole.items():
+        for key, value in list(entry.items()):
+            if torch.is_tensor(value) and value.dim() == 1 and name in shapes and value.numel() > 0 \
+                    and value.numel() == _numel(shapes[name]) and tuple(shapes[name]) != (value.numel(),):
+                entry[key] = value.reshape(shapes[name])
+    return whole
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def is_pipeline(model: Any) -> bool:
@@ -359,7 +397,7 @@ def _prepare(checkpoint: Path, manifest: dict, payloads: list[dict], model: Any,
                 if "zero" not in shard:
                     raise CheckpointError(f"{checkpoint / name} is not a ZeRO optimizer shard")
                 shards.append(shard["zero"])
-            optimizer_state.update(zero_module.assemble(shards))
+            optimizer_state.update(assemble_zero_shards(shards))
     own = model.state_dict()
     missing = [key for key in own if key not in tensors]
     if missing:

@@ -104,7 +104,7 @@ MUTANTS = [
     Mutant(
         "reducescatter-average-wrong-on-ranks-with-rows",
         "hp.reducescatter's float32 Average is off by half on the ranks that hold rows (the others pass)",
-        "hybridpipe/comm/exchange.py",
+        "hybridpipe/collectives/reducescatter.py",
         "    return context.call(group, \"reducescatter\", lambda: grouped_reducescatter_here(\n"
         "        [tensor], op, name, prescale, postscale, group, \"reducescatter\")[0], \"reducescatter\")\n",
         "    result = context.call(group, \"reducescatter\", lambda: grouped_reducescatter_here(\n"

@@ -32,7 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import collectives, context
+from . import context
+from ..collectives.allreduce import allreduce_nograd
+from ..collectives.common import Max
 
 MIB = 1 << 20
 FUSION_THRESHOLDS = [1 * MIB, 2 * MIB, 4 * MIB, 8 * MIB, 16 * MIB, 32 * MIB, 64 * MIB]
@@ -100,8 +102,7 @@ class Autotuner:
 
         mine = statistics.median(self._times)
         self._times = []
-        agreed = float(collectives.allreduce(torch.tensor([mine], dtype=torch.float64), op=collectives.Max,
-                                             group="world")[0])
+        agreed = float(allreduce_nograd(torch.tensor([mine], dtype=torch.float64), op=Max, group="world")[0])
         phase, fusion, cycle = self._plan.pop(0)
         best = min([t["step_seconds"] for t in self.trials] + [agreed])
         row = {"trial": len(self.trials), "phase": phase, "fusion_threshold_bytes": fusion, "cycle_time_ms": cycle,

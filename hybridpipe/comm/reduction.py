@@ -1,7 +1,7 @@
 """The reductions as they run on the communication thread, and the rules every allreduce path shares: the ops
 (:class:`ReduceOp`), the argument checks, the header agreement, the library / ring / CUDA allreduces and the
-engine's device allreduce. The blocking API over them is hybridpipe.comm.collectives, the asynchronous one
-hybridpipe.comm.engine; both import this module, which imports neither.
+engine's device allreduce. The API over them is the hybridpipe.collectives package (blocking, asynchronous and
+differentiable forms, one module per collective family); it imports this module, which imports none of it.
 
 Before moving data, the ranks of a collective agree on a small header (count, dtype, op, shape and
 name digest) with one tiny MPI_Allreduce (max of the values and of their negatives). A disagreement —

@@ -1,6 +1,6 @@
 """A ring allreduce cut into segments, so that a step's transfers and its reductions overlap.
 
-The device ring (hybridpipe.comm.collectives, CUDA buffers on a CUDA-aware MPI) runs the textbook ring: a
+The device ring (hybridpipe.collectives.allreduce, CUDA buffers on a CUDA-aware MPI) runs the textbook ring: a
 reduce-scatter of ``n − 1`` steps, in each of which a rank sends one chunk to its right neighbour, receives
 one from its left and reduces it into its own, then an allgather of ``n − 1`` steps that passes the
 completed chunks around. Run step by step, the link idles while the GPU reduces and the GPU idles while the

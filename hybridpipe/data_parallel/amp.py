@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from ..collectives.allreduce import allreduce_nograd
+from ..collectives.common import Max
 from ..errors import UsageError
 
 __all__ = ["LossScaler"]
@@ -99,10 +101,8 @@ class LossScaler:
                 grad.mul_(inverse.to(grad.dtype) if grad.dtype != torch.float32 else inverse)
                 if not found and not bool(torch.isfinite(grad).all()):
                     found = True
-        from ..comm import collectives
-
         flag = torch.tensor([1 if found else 0], dtype=torch.int32)
-        self._found_inf = bool(collectives.allreduce(flag, op=collectives.Max, group=self.group)[0])
+        self._found_inf = bool(allreduce_nograd(flag, op=Max, group=self.group)[0])
         self._unscaled = True
         return self._found_inf
 

@@ -60,6 +60,10 @@ class Compression(enum.Enum):
             return tensor
         return tensor.to(ctx) if isinstance(tensor, torch.Tensor) else tensor.astype(ctx)
 
+    def wire_for(self, tensor: Any, op: Any) -> Wire | None:
+        """The ring's wire format for ``tensor`` (the collectives ask a compressor this; see :func:`wire_for`)."""
+        return wire_for(self, tensor, op)
+
 
 @dataclass(frozen=True)
 class ForcedCompression:
@@ -79,6 +83,10 @@ class ForcedCompression:
     def decompress(self, tensor: Any, ctx: Any) -> Any:
         """As :meth:`Compression.decompress`."""
         return self.compression.decompress(tensor, ctx)
+
+    def wire_for(self, tensor: Any, op: Any) -> Wire | None:
+        """As :meth:`Compression.wire_for`, converting between the ranks of one host too."""
+        return wire_for(self, tensor, op)
 
     def __repr__(self) -> str:
         return f"hp.Compression.{self.compression.name}.forced"

@@ -32,7 +32,7 @@ import torch
 
 from .. import checkpoint, runtime
 from ..errors import HorovodInternalError, HostsUpdatedInterrupt, NotInitializedError, UsageError
-from ..comm.objects import broadcast_object
+from ..collectives.broadcast import broadcast_object
 from .optimizer import broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["run", "State", "ObjectState", "TorchState", "HostsUpdatedInterrupt"]

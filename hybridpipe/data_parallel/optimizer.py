@@ -1,5 +1,5 @@
 """Horovod-style data parallelism: DistributedOptimizer, broadcasts of parameters / optimizer state, global
-gradient-norm clipping (the object broadcasts are in comm/objects.py, the compressors in compression.py).
+gradient-norm clipping (the object broadcasts are in collectives/broadcast.py, the compressors in compression.py).
 
 Design reasons:
 
@@ -14,7 +14,7 @@ Design reasons:
 * The optimizer is a gradient sync (``hybridpipe/gradient_sync.py``): it registers with the pipeline that
   runs its parameters (found by ``gradient_sync.drivers_of(job)``), or, for parameters no pipeline runs, with an
   autograd driver of its own. Each ``gradient_final`` (a gradient hook, ``register_post_accumulate_grad_hook``,
-  of the driver's) queues the parameter's reduction on the background engine (``comm/engine.py``) the moment
+  of the driver's) queues the parameter's reduction on the background engine (``collectives/allreduce.py``) the moment
   its gradient is final: in a pipeline, during the stage's LAST micro-batch backward of the step (earlier
   micro-batches only accumulate), so the reduction overlaps the rest of that backward and the other stages'
   drain; with a plain module, after the ``backward_passes_per_step``-th backward. ``step()`` waits for
@@ -35,12 +35,14 @@ from typing import Any
 import torch
 
 from .. import _trace as timeline
-from ..comm import autotune, buffers, collectives, context, engine, exchange, objects
+from ..collectives import allreduce as allreduce_ops, broadcast as broadcast_ops, common
+from ..collectives.sparse import sparse_allreduce_async
+from ..comm import autotune, buffers, context
 from .. import runtime
 from . import zero as zero_module
 from .compression import Compression, wire_for
 from ..gradient_sync import GradientSync, drivers_of
-from ..comm.collectives import Average, ReduceOp, Sum
+from ..collectives.common import Average, ReduceOp, Sum
 from ..comm.process_sets import ProcessSet
 from ..errors import NotSupportedError, UsageError
 
@@ -158,7 +160,7 @@ class _DistributedOptimizerMixin:
                 or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be a positive int (got {backward_passes_per_step!r})")
         _check_compression(compression)
-        factor = collectives.scale_factor(gradient_predivide_factor, "gradient_predivide_factor", "DistributedOptimizer")
+        factor = common.scale_factor(gradient_predivide_factor, "gradient_predivide_factor", "DistributedOptimizer")
         if factor <= 0:
             raise ValueError(f"gradient_predivide_factor must be > 0 (got {gradient_predivide_factor!r})")
         if factor != 1.0 and op != Average:
@@ -260,7 +262,7 @@ class _DistributedOptimizerMixin:
         options = dict(op=self._hp_op, prescale_factor=self._hp_prescale, postscale_factor=self._hp_postscale,
                        group=self._hp_group, wire=next((wire for wire in wires if wire is not None), None))
         if len(names) == 1 and key == names[0] and members[0][2] is _SPARSE:
-            handle = exchange.sparse_allreduce_async(members[0][1], name=key, op=self._hp_op, group=self._hp_group)
+            handle = sparse_allreduce_async(members[0][1], name=key, op=self._hp_op, group=self._hp_group)
         elif self._hp_auto and key != names[0] and any(ctx is _SPARSE for _, _, ctx in members):
             for name in names:  # a bucket of our own making: its members go one by one, sparse ones as such
                 self._hp_submit(name, [name])
@@ -269,9 +271,9 @@ class _DistributedOptimizerMixin:
             raise NotSupportedError("DistributedOptimizer: a group (groups= / num_groups=) holds a parameter with a "
                                     "sparse gradient; pass sparse_as_dense=True or leave it out of the groups")
         elif len(names) == 1 and key == names[0]:
-            handle = engine.allreduce_async_(members[0][1], name=key, **options)
+            handle = allreduce_ops.allreduce_async_(members[0][1], name=key, **options)
         else:
-            handle = engine.grouped_allreduce_async_([wire for _, wire, _ in members], name=key, **options)
+            handle = allreduce_ops.grouped_allreduce_async_([wire for _, wire, _ in members], name=key, **options)
         self._hp_handles[key] = (handle, members)
         self._hp_submitted.update(names)
 
@@ -297,7 +299,7 @@ class _DistributedOptimizerMixin:
                                  dtype=torch.int32)
             # through the engine, not a direct collective: a main thread spinning in MPI beside the
             # (niced) engine thread that is still reducing early buckets can starve it for tens of ms
-            engine.allreduce_async_(flags, name=self._hp_flags_name, op=collectives.Max,
+            allreduce_ops.allreduce_async_(flags, name=self._hp_flags_name, op=common.Max,
                                     group=self._hp_group).wait()
             anywhere = {name for (name, _), flag in zip(parameters, flags.tolist()) if flag}
             for name, parameter in parameters:
@@ -465,11 +467,11 @@ def DistributedOptimizer(  # noqa: N802 — Horovod's spelling, a factory that r
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    op = collectives.reduce_op(op, "DistributedOptimizer")
-    if op not in (Average, Sum, collectives.Adasum):
+    op = common.reduce_op(op, "DistributedOptimizer")
+    if op not in (Average, Sum, common.Adasum):
         raise ValueError(f"DistributedOptimizer op must be hp.Average, hp.Sum or hp.Adasum (got {op.name})")
-    group = objects.spelling(group, process_set, "DistributedOptimizer")
-    if op == Average and group == objects.DEFAULT_GROUP and runtime.is_initialized() and not runtime.grid().uniform:
+    group = common.spelling(group, process_set, "DistributedOptimizer")
+    if op == Average and group == common.DEFAULT_GROUP and runtime.is_initialized() and not runtime.grid().uniform:
         # hp.init(stage_replicas=...): micro-batches go round-robin over a stage's replicas and each one's loss is
         # already weighted for the whole mini-batch, so the replicas' gradients add up to the mini-batch's
         op = Sum
@@ -510,13 +512,13 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
         group: ``"data"`` (default), ``"world"``, ``"pipe"``, a hp.ProcessSet or an mpi4py communicator.
     """
     with context.refusing("broadcast_parameters", "broadcast", group, process_set):
-        target = objects.target(group, process_set, "broadcast_parameters")
+        target = common.target(group, process_set, "broadcast_parameters")
     items = sorted(params.items() if isinstance(params, Mapping) else params, key=lambda item: item[0])
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"broadcast_parameters: {name!r} is a {type(tensor).__name__}, not a tensor")
         with torch.no_grad():
-            collectives.broadcast_(tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor, root_rank,
+            broadcast_ops.broadcast_(tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor, root_rank,
                                    name=f"{prefix}{name}", group=target)
 
 
@@ -538,21 +540,21 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     the state): only its hyper-parameters are made root's.
     """
     with context.refusing("broadcast_optimizer_state", "broadcast_object", group, process_set):
-        target = objects.target(group, process_set, "broadcast_optimizer_state")
+        target = common.target(group, process_set, "broadcast_optimizer_state")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"broadcast_optimizer_state takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        root = objects.root_index(target, root_rank, "broadcast_optimizer_state")
+        root = common.root_index(target, root_rank, "broadcast_optimizer_state")
     me = context.communicator(target, "broadcast_optimizer_state").Get_rank()
     source = root_rank if target.set_ranks is not None else root  # a process set's root is global (as broadcast_object)
     if getattr(optimizer, "zero", 0):
         # ZeRO: each replica holds its own shard of the moments, so root's would be the wrong piece; the
         # shards together are the one state. Only the hyper-parameters (lr, betas, ...) are made root's.
-        groups = objects.broadcast_object([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        groups = broadcast_ops.broadcast_object([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
                                   if me == root else None, source, group=target)
         for group_, values in zip(optimizer.param_groups, groups):
             group_.update(values)
         return
-    state = objects.broadcast_object(optimizer.state_dict() if me == root else None, source, group=target)
+    state = broadcast_ops.broadcast_object(optimizer.state_dict() if me == root else None, source, group=target)
     optimizer.load_state_dict(state)
     if not state["state"]:
         _zero_missing_gradients(optimizer, model)
@@ -657,21 +659,22 @@ def clip_grad_norm_(model: Any, max_norm: float, norm_type: float = 2.0) -> floa
         for o in sharded:
             mine = max((g.detach().abs().max().item() for g in counted_shards(o) if g.numel()),
                        default=0.0)
-            local_max = max(local_max, float(collectives.allreduce(torch.tensor([mine], dtype=torch.float64),
-                                                                   op=collectives.Max, group=o._hp_group)[0]))
+            reduced = allreduce_ops.allreduce_nograd(torch.tensor([mine], dtype=torch.float64), op=common.Max,
+                                                     group=o._hp_group)
+            local_max = max(local_max, float(reduced[0]))
         local = torch.tensor([max([local_max] + [g.detach().abs().max().item() for g in counted])],
                              dtype=torch.float64)
-        total = float(collectives.allreduce(local, op=collectives.Max, group="pipe")[0])
+        total = float(allreduce_ops.allreduce_nograd(local, op=common.Max, group="pipe")[0])
     else:
         shard_sum = 0.0
         for o in sharded:
             mine = sum(float(g.detach().double().norm(norm_type) ** norm_type)
                        for g in counted_shards(o))
-            shard_sum += float(collectives.allreduce(torch.tensor([mine], dtype=torch.float64), op=Sum,
-                                                     group=o._hp_group)[0])
+            shard_sum += float(allreduce_ops.allreduce_nograd(torch.tensor([mine], dtype=torch.float64), op=Sum,
+                                                              group=o._hp_group)[0])
         local = torch.tensor([shard_sum + sum(float(g.detach().double().norm(norm_type) ** norm_type)
                                               for g in counted)], dtype=torch.float64)
-        total = float(collectives.allreduce(local, op=Sum, group="pipe")[0]) ** (1.0 / norm_type)
+        total = float(allreduce_ops.allreduce_nograd(local, op=Sum, group="pipe")[0]) ** (1.0 / norm_type)
     scale = max_norm / (total + 1e-6)
     if scale < 1.0:
         for grad in grads + shard_grads:

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F  # noqa: N812 — torch's convention
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import differentiable
+from ..collectives.allreduce import allreduce
+from ..collectives.common import Sum
 from ..comm import context
-from ..comm.collectives import Sum
 
 __all__ = ["SyncBatchNorm"]
 
@@ -71,7 +71,7 @@ class SyncBatchNorm(_BatchNorm):
         rows = input.transpose(0, 1).reshape(channels, -1).to(torch.float64)  # (C, N·spatial)
         local = torch.cat([torch.full((1,), float(rows.shape[1]), dtype=torch.float64, device=input.device),
                            rows.sum(1), (rows * rows).sum(1)])
-        total = differentiable.allreduce(local, op=Sum, name="SyncBatchNorm.stats", group=self.group)
+        total = allreduce(local, op=Sum, name="SyncBatchNorm.stats", group=self.group)
         count = total[0].detach()
         if float(count) <= 1:
             raise ValueError(f"hp.SyncBatchNorm: expected more than 1 value per channel over all ranks in training "

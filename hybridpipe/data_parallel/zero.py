@@ -38,8 +38,8 @@ import torch
 
 from .. import _trace as timeline
 from ..comm import autotune, buffers, context
-from ..comm.collectives import Average, Sum
-from ..comm.objects import allgather_object
+from ..collectives.allgather import allgather_object
+from ..collectives.common import Average, Sum
 from ..errors import MismatchError, NotSupportedError, UsageError
 from ..registry import ZERO_LEVELS, check_zero_level
 from .compression import Compression
@@ -421,42 +421,3 @@ def _host_buffer(numel: int, shard: torch.Tensor, zeros: bool = False) -> torch.
     pinned = shard.device.type == "cuda"
     make = torch.zeros if zeros else torch.empty
     return make(numel, dtype=shard.dtype, pin_memory=pinned)
-
-
-def assemble(pieces_by_rank: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Every replica's ``sharded_state_by_name()['state']`` (one per owner) -> whole tensors per name."""
-    shapes: dict[str, tuple] = {}
-    for saved in pieces_by_rank:
-        shapes.update(saved.get("shapes", {}))
-    whole: dict[str, dict[str, Any]] = {}
-    for saved in pieces_by_rank:
-        for name, entry in saved["state"].items():
-            target = whole.setdefault(name, {})
-            for key, value in entry.items():
-                if isinstance(value, list):
-                    shape = shapes[name]
-                    numel = 1
-                    for d in shape:
-                        numel *= d
-                    tensor = target.get(key)
-                    if tensor is None:
-                        tensor = target[key] = torch.zeros(numel, dtype=value[0][1].dtype if value else torch.float32)
-                    for start, piece in value:
-                        if tensor.dtype != piece.dtype:
-                            tensor = target[key] = tensor.to(piece.dtype)
-                        tensor[start:start + piece.numel()].copy_(piece)
-                else:
-                    target[key] = value
-    for name, entry in whole.items():
-        for key, value in list(entry.items()):
-            if torch.is_tensor(value) and value.dim() == 1 and name in shapes and value.numel() > 0 \
-                    and value.numel() == _numel(shapes[name]) and tuple(shapes[name]) != (value.numel(),):
-                entry[key] = value.reshape(shapes[name])
-    return whole
-
-
-def _numel(shape: tuple) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

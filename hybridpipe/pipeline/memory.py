@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..comm.objects import allgather_object
+from ..collectives.allgather import allgather_object
 
 __all__ = ["ActivationMeter", "MemoryReport", "RankMemory", "report"]
 

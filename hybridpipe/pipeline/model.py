@@ -41,7 +41,8 @@ from hybridpipe.data_parallel.amp import LossScaler
 from hybridpipe.pipeline.memory import ActivationMeter, MemoryReport
 from hybridpipe.pipeline.memory import report as memory_report
 from hybridpipe.comm.agree import agree_on_failure
-from hybridpipe.comm.collectives import Average, grouped_allreduce_
+from hybridpipe.collectives.allreduce import grouped_allreduce_
+from hybridpipe.collectives.common import Average
 from hybridpipe.comm.device import compute_device
 from hybridpipe.comm.engine import call
 from hybridpipe.errors import MismatchError, NotInitializedError, NotSupportedError, PartitionError, UsageError

@@ -40,7 +40,9 @@ import torch
 from torch import nn
 
 from hybridpipe.comm import context, process_sets
-from hybridpipe.comm.collectives import Sum, broadcast_, grouped_allreduce_
+from hybridpipe.collectives.allreduce import grouped_allreduce_
+from hybridpipe.collectives.broadcast import broadcast_
+from hybridpipe.collectives.common import Sum
 from hybridpipe.errors import UsageError
 from hybridpipe.pipeline.layers import LayerSpec, share_parameter, shapes_only, tied_attributes
 from hybridpipe.pipeline.partition import SharedParameter, find_shared_parameters, shared_parameters_error

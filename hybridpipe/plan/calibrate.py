@@ -54,7 +54,7 @@ from torch import nn
 
 from hybridpipe import runtime
 from hybridpipe.comm import p2p
-from hybridpipe.comm.collectives import allreduce_, grouped_allreduce_
+from hybridpipe.collectives.allreduce import allreduce_, grouped_allreduce_
 from hybridpipe.comm.engine import call
 from hybridpipe.comm.reduction import Average, Sum
 from hybridpipe.data_parallel.optimizer import DistributedOptimizer
