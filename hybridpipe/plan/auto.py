@@ -21,6 +21,10 @@ Design reasons:
   (hybridpipe/plan/module_profile.py): the search balances them as layers, and the chosen balance becomes
   the ``split=`` names of ``hp.PipelineModel(module, sample=..., split=...)``. Its asynchronous schedules
   are not supported yet, so they are never searched for a module.
+* Weights tied across layers (a ``TiedLayerSpec`` key used twice, a parameter two layers share, a
+  transformers model's tied head) are kept in step on uniform grids only, and never under an asynchronous
+  schedule: for such a model the search offers neither stages with their own replica counts nor PipeDream /
+  2BW (:func:`search_options`), rather than plans the runtime would refuse.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from hybridpipe.errors import NotSupportedError, UsageError
 from hybridpipe.pipeline import schedule as sched
 from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
 from hybridpipe.pipeline.model import LayerSpec, PipelineModel
+from hybridpipe.pipeline.tied import find_ties
 from hybridpipe.plan.calibrate import calibrate as measure, cluster_of, host_cores
 from hybridpipe.plan.cost import ZERO_LEVELS, Cluster
 from hybridpipe.registry import check_zero_level
@@ -166,7 +171,7 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
             plans only).
         plan: Use this plan instead of searching (e.g. one printed by ``python -m hybridpipe.plan``).
         asynchronous: Also consider "pipedream" and "2bw" (they do not train like one process; layer lists
-            only).
+            without tied weights only).
         memory_per_rank: Bytes a rank may use (0: no limit).
         optimizer_state_factor: Optimizer state bytes per parameter byte (SGD 0, momentum 1, Adam 2).
         cluster: The cluster to plan for (default: :func:`cluster_of_this_job`, its links at the defaults).
@@ -253,10 +258,9 @@ def _planned(layers: Any, loss_fn: Any, sample: tuple[Any, Any], global_batch: i
     except Exception as error:  # the same on every rank; its own type stays the cause
         raise UsageError(f"hp.auto: profiling the {'module' if module else 'layers'} failed "
                          f"({type(error).__name__}: {error})") from error
-    schedules = SYNCHRONOUS_CHOICES + (sched.ASYNCHRONOUS if asynchronous else ())
     measured_profile = Profile.from_json(measured)
-    options = dict(schedules=schedules, checkpoints=CHECKPOINT_CHOICES, optimizer_state_factor=optimizer_state_factor,
-                   zero_levels=zero_levels, precision=precision)
+    options = dict(**search_options(layers, module, asynchronous), checkpoints=CHECKPOINT_CHOICES,
+                   optimizer_state_factor=optimizer_state_factor, zero_levels=zero_levels, precision=precision)
     found = [search(measured_profile, cluster, global_batch, **options)]
     if count > 1:
         found += plans(measured_profile, cluster, global_batch, count, **options)[1:]
@@ -264,6 +268,26 @@ def _planned(layers: Any, loss_fn: Any, sample: tuple[Any, Any], global_batch: i
         found = [dataclasses.replace(plan, split=split_of(measured_profile.extra[CUTS_KEY], plan.balance))
                  for plan in found]
     return found
+
+
+def has_tied_weights(layers: Any, module: bool) -> bool:
+    """Whether two layers of the model share weights: a parameter two modules of ``layers`` (a module) hold, or for a
+    layer list a ``TiedLayerSpec`` key used twice or one ``nn.Parameter`` in two layers (LayerSpecs are built on
+    the meta device to see it)."""
+    if module:
+        named = list(layers.named_parameters(remove_duplicate=False))
+        return len({id(parameter) for _, parameter in named}) < len(named)
+    layers = list(layers)
+    return bool(find_ties(layers, [1] * len(layers), len(layers)))
+
+
+def search_options(layers: Any, module: bool, asynchronous: bool) -> dict[str, Any]:
+    """The schedules and grids :func:`auto` searches: the synchronous schedules (and with ``asynchronous``, a
+    layer list's PipeDream and 2BW) on every kind of grid; for a model with tied weights
+    (:func:`has_tied_weights`) only uniform grids and synchronous schedules, the ones that keep ties in step."""
+    tied = has_tied_weights(layers, module)
+    schedules = SYNCHRONOUS_CHOICES + (sched.ASYNCHRONOUS if asynchronous and not tied else ())
+    return {"schedules": schedules, "grids": "uniform" if tied else "all"}
 
 
 def _verified(found: list[Plan], layers: Any, loss_fn: Any, sample: tuple[Any, Any], global_batch: int,
