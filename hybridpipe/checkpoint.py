@@ -31,6 +31,7 @@ consolidate DIR OUT.pt`` writes one ordinary ``state_dict`` for single-process i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import errno
 import json
@@ -189,6 +190,14 @@ def _numel(shape: tuple) -> int:
     return n
 
 
+def _whole(optimizer: Any, writeback: bool = False) -> Any:
+    """A ZeRO-3 optimizer's parameters gathered whole for a ``with`` body (the model's state saved or loaded);
+    nothing for the others, whose parameters are whole."""
+    if getattr(optimizer, "zero", 0) == 3:
+        return optimizer.full_parameters(writeback=writeback)
+    return contextlib.nullcontext()
+
+
 def is_pipeline(model: Any) -> bool:
     """Whether ``model`` is split into pipeline stages (a PipelineModel): each stage holds its own layers."""
     return hasattr(model, "layers_of_stage")
@@ -254,13 +263,15 @@ def save_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
         except Exception as exc:  # every rank must learn of it
             error = _RankError(f"stage {stage} replica {grid.replica} could not write its optimizer shard: "
                                f"{_write_failed(exc)}", exc)
+    with _whole(optimizer):  # (collective over the stage's replicas)
+        weights = {k: v.detach().cpu() for k, v in model.state_dict().items()} if writer else {}
     if writer and not error:
         try:
             payload = {
                 "format": FORMAT,
                 "stage": stage,
                 "layers": list(model.layers_of_stage(stage)) if is_pipeline(model) else None,
-                "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+                "model": weights,
                 "optimizer": (_zero_manifest(optimizer, stage) if sharded
                               else _optimizer_state_by_name(model, optimizer)),
                 "step": int(step),
@@ -398,13 +409,15 @@ def _prepare(checkpoint: Path, manifest: dict, payloads: list[dict], model: Any,
                     raise CheckpointError(f"{checkpoint / name} is not a ZeRO optimizer shard")
                 shards.append(shard["zero"])
             optimizer_state.update(assemble_zero_shards(shards))
-    own = model.state_dict()
+    own = {key: tuple(value.shape) for key, value in model.state_dict().items()}
+    if getattr(optimizer, "zero", 0) == 3:  # its parameters are freed between uses: the layout has their shapes
+        own.update({key: shape for key, shape in optimizer.parameter_shapes(_names(model)).items() if key in own})
     missing = [key for key in own if key not in tensors]
     if missing:
         raise CheckpointError(f"{checkpoint} lacks {len(missing)} entries this model needs "
                               f"(e.g. {missing[:3]}); was it saved from the same model?")
-    wrong = [f"{key}: {tuple(tensors[key].shape)} saved, {tuple(own[key].shape)} here" for key in own
-             if tuple(tensors[key].shape) != tuple(own[key].shape)]
+    wrong = [f"{key}: {tuple(tensors[key].shape)} saved, {own[key]} here" for key in own
+             if tuple(tensors[key].shape) != own[key]]
     if wrong:
         raise CheckpointError(f"{checkpoint}: shapes differ ({'; '.join(wrong[:3])}): it was saved from another "
                               "model (other sizes); build the model it was saved from, or load another checkpoint")
@@ -494,7 +507,8 @@ def load_checkpoint(directory: str | os.PathLike, model: Any, optimizer: torch.o
     saved_scaler = next((payload["scaler"] for payload in payloads if "scaler" in payload), None)
     try:
         model_state, optimizer_state = prepared
-        model.load_state_dict(model_state, strict=True)
+        with _whole(optimizer, writeback=True):
+            model.load_state_dict(model_state, strict=True)
         if optimizer is not None and "zero" in optimizer_state:
             optimizer.load_full_state_by_name(*optimizer_state["zero"], names=_names(model))
         elif optimizer is not None:

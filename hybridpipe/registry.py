@@ -30,6 +30,8 @@ class ZeroLevel:
     optimizer_state_sharded: bool
     gradients_sharded: bool
     description: str
+    parameters_sharded: bool = False
+    planned: bool = True  # the planner's cost model knows its memory and its time (hp.auto may choose it)
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,9 @@ ZERO_LEVELS: dict[int, ZeroLevel] = {level.level: level for level in (
     ZeroLevel(1, True, False, "the optimizer state is sharded over the stage's replicas (each updates 1/D of the "
                               "parameters and allgathers the rest)"),
     ZeroLevel(2, True, True, "the gradients too: reduce-scattered as they are produced, each replica keeping 1/D"),
+    ZeroLevel(3, True, True, "the parameters too: each replica keeps 1/D of them, a pipeline chunk's gathered for "
+                             "its forwards and backwards and freed after (PipelineModel only; not yet planned by "
+                             "hp.auto)", parameters_sharded=True, planned=False),
 )}
 
 RECOMPUTE_MODES: dict[str, RecomputeMode] = {mode.name: mode for mode in (

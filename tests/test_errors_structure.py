@@ -118,7 +118,8 @@ def test_every_user_of_an_option_asks_its_registry():
     from hybridpipe.plan import cost, search
     from hybridpipe.testing import compatibility
 
-    assert zero.LEVELS == cost.ZERO_LEVELS == compatibility.OPTIONS["zero"] == tuple(registry.ZERO_LEVELS)
+    assert zero.LEVELS == compatibility.OPTIONS["zero"] == tuple(registry.ZERO_LEVELS)
+    assert cost.ZERO_LEVELS == tuple(level for level, entry in registry.ZERO_LEVELS.items() if entry.planned)
     assert stage.CHECKPOINT_MODES == search.CHECKPOINT_CHOICES == tuple(registry.RECOMPUTE_MODES)
     assert tuple(cost.PRECISION_BYTES) == compatibility.OPTIONS["precision"] == tuple(registry.PRECISIONS)
     listed = re.compile(r"\(\s*0\s*,\s*1\s*,\s*2\s*\)|\(\s*\"fp32\"\s*,\s*\"bf16\"|\(\s*\"never\"\s*,\s*\"except_last\"")
@@ -131,8 +132,8 @@ def test_registry_checks_name_the_values():
     import pytest
     from hybridpipe import registry
 
-    with pytest.raises(hp.UsageError, match=r"zero must be one of 0, 1, 2 \(got 3\): 0: every replica keeps"):
-        registry.check_zero_level(3)
+    with pytest.raises(hp.UsageError, match=r"zero must be one of 0, 1, 2, 3 \(got 4\): 0: every replica keeps"):
+        registry.check_zero_level(4)
     with pytest.raises(hp.UsageError, match=r"zero must be one of"):
         registry.check_zero_level(True)
     with pytest.raises(hp.UsageError, match=r"unknown checkpoint mode 'sometimes' \(use one of 'never', "):

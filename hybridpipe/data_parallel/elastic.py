@@ -130,8 +130,16 @@ class TorchState(ObjectState):
         super().__init__(**kwargs)
         self._saved_model = self._copy(model.state_dict()) if model is not None else None
         self._saved_optimizer = self._copy(optimizer.state_dict()) if optimizer is not None else None
+        self._saved_shards = self._shards()
         scaler = self._scaler()
         self._saved_scaler = scaler.state_dict() if scaler is not None else None
+
+    def _shards(self) -> list[torch.Tensor] | None:
+        """A ZeRO-3 optimizer's shards of the parameters, copied: the only copy of the weights between uses (the
+        model's state holds freed parameters then)."""
+        if getattr(self.optimizer, "zero", 0) != 3:
+            return None
+        return [shard.detach().clone() for shard in self.optimizer.shard_parameters()]
 
     @staticmethod
     def _copy(state: dict) -> dict:
@@ -143,6 +151,7 @@ class TorchState(ObjectState):
             self._saved_model = self._copy(self.model.state_dict())
         if self.optimizer is not None:
             self._saved_optimizer = self._copy(self.optimizer.state_dict())
+            self._saved_shards = self._shards()
         self._save_scaler()
         directory = os.environ.get(checkpoint.CHECKPOINT_DIR_ENV)
         if directory and self.model is not None:
@@ -155,6 +164,10 @@ class TorchState(ObjectState):
             self.model.load_state_dict(self._saved_model)
         if self.optimizer is not None and self._saved_optimizer is not None:
             self.optimizer.load_state_dict(self._saved_optimizer)
+        if self._saved_shards is not None:
+            with torch.no_grad():
+                for shard, saved in zip(self.optimizer.shard_parameters(), self._saved_shards):
+                    shard.copy_(saved)
         scaler = self._scaler()
         if scaler is not None and self._saved_scaler is not None:
             scaler.load_state_dict(self._saved_scaler)
@@ -206,6 +219,7 @@ class TorchState(ObjectState):
             self._saved_model = self._copy(self.model.state_dict())
         if self.optimizer is not None:
             self._saved_optimizer = self._copy(self.optimizer.state_dict())
+            self._saved_shards = self._shards()
         self._save_scaler()
 
 

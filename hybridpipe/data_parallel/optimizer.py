@@ -208,6 +208,13 @@ class _DistributedOptimizerMixin:
         self._hp_registrations = [] if self._hp_outside else \
             drivers_of(running).register(self._hp_sync, [p for _, p in self._hp_parameters])
 
+    @contextlib.contextmanager
+    def full_parameters(self, writeback: bool = False) -> Iterator[dict[str, torch.nn.Parameter]]:
+        """Every parameter whole for the ``with`` body, by name (``zero=3`` gathers them and frees them after;
+        the other levels hold them whole already). ``writeback=True``: what the body wrote into them is kept
+        (ZeRO: copied into the shards)."""
+        yield dict(self._hp_parameters)
+
     @property
     def synchronized(self) -> bool:
         """Whether this step's gradients are reduced already (``synchronize()`` ran since the last step); set it
@@ -387,6 +394,29 @@ class _DistributedOptimizerMixin:
         super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
 
 
+def _wrapper_of(optimizer: torch.optim.Optimizer, sharded: bool) -> Any:
+    """The user's optimizer seen through a subclass (ZeRO's mixin first when ``sharded``): one attribute dictionary
+    for both names, so whatever rebinds an attribute on either (load_state_dict rebinds param_groups and state; an
+    LR scheduler made before wrapping changes the groups) is seen by both. A copy or a new instance built from the
+    param_groups (Horovod's way) would part the two at the first load_state_dict."""
+    bases = (_DistributedOptimizerMixin, optimizer.__class__)
+    if sharded:
+        bases = (zero_module.ZeroMixin, *bases)
+    cls = type(optimizer.__class__.__name__, bases, {})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__ = optimizer.__dict__
+    return wrapped
+
+
+def _op_for_grid(op: ReduceOp, group: Any) -> ReduceOp:
+    """hp.init(stage_replicas=...): micro-batches go round-robin over a stage's replicas and each one's loss is
+    already weighted for the whole mini-batch, so the replicas' gradients add up to the mini-batch's: Average over
+    the default group is Sum there."""
+    if op == Average and group == common.DEFAULT_GROUP and runtime.is_initialized() and not runtime.grid().uniform:
+        return Sum
+    return op
+
+
 def _refuse_pipeline_driven(optimizer: torch.optim.Optimizer, zero: int) -> None:
     """Parameters of a PipelineModel whose asynchronous schedule steps its own optimizer are not wrapped again."""
     job = context.current_or_none()
@@ -428,6 +458,7 @@ def DistributedOptimizer(  # noqa: N802 — Horovod's spelling, a factory that r
     process_set: Any = None,
     group: Any = None,
     zero: int = 0,
+    zero3_keep_gathered: bool = False,
 ) -> torch.optim.Optimizer:
     """Wraps ``optimizer`` so that ``step()`` first averages gradients over the ranks of ``group``.
 
@@ -457,7 +488,12 @@ def DistributedOptimizer(  # noqa: N802 — Horovod's spelling, a factory that r
         zero: 0 (default) every replica holds the whole optimizer state; 1 (ZeRO-1) each replica of the
             group owns 1/D of the flattened parameters' optimizer state, gradients are reduce-scattered
             and the updated parameters allgathered; 2 (ZeRO-2) also frees the parameters' gradients once
-            they are sent, keeping only the shard's (hybridpipe/data_parallel/zero.py, docs/data_parallel.md).
+            they are sent, keeping only the shard's (hybridpipe/data_parallel/zero.py, docs/data_parallel.md);
+            3 (ZeRO-3) also shards the parameters: each replica keeps 1/D of them, and a pipeline chunk's are
+            gathered for each of its forwards and backwards and freed after (the parameters of a
+            ``hp.PipelineModel`` only; ``opt.full_parameters()`` gathers them all for a while).
+        zero3_keep_gathered: with ``zero=3``, a chunk's parameters once gathered stay so until ``step()``
+            (one gather per chunk and step instead of one per action; the memory of zero=2 during the step).
 
     Returns:
         An optimizer of a subclass of ``type(optimizer)``.
@@ -471,27 +507,15 @@ def DistributedOptimizer(  # noqa: N802 — Horovod's spelling, a factory that r
     if op not in (Average, Sum, common.Adasum):
         raise ValueError(f"DistributedOptimizer op must be hp.Average, hp.Sum or hp.Adasum (got {op.name})")
     group = common.spelling(group, process_set, "DistributedOptimizer")
-    if op == Average and group == common.DEFAULT_GROUP and runtime.is_initialized() and not runtime.grid().uniform:
-        # hp.init(stage_replicas=...): micro-batches go round-robin over a stage's replicas and each one's loss is
-        # already weighted for the whole mini-batch, so the replicas' gradients add up to the mini-batch's
-        op = Sum
-    level = zero_module.check_level(zero)
+    op = _op_for_grid(op, group)
+    level = zero_module.check_level(zero, zero3_keep_gathered)
     _refuse_zero_outside(group, zero, level)
     _refuse_pipeline_driven(optimizer, zero)
-    bases = (_DistributedOptimizerMixin, optimizer.__class__)
-    if level:
-        bases = (zero_module.ZeroMixin, *bases)
-    cls = type(optimizer.__class__.__name__, bases, {})
-    wrapped = cls.__new__(cls)
-    # The wrapper is the user's optimizer seen through a subclass: one attribute dictionary for both names, so
-    # whatever rebinds an attribute on either (load_state_dict rebinds param_groups and state; an LR scheduler
-    # made before wrapping changes the groups) is seen by both. A copy or a new instance built from the
-    # param_groups (Horovod's way) would part the two at the first load_state_dict.
-    wrapped.__dict__ = optimizer.__dict__
+    wrapped = _wrapper_of(optimizer, sharded=bool(level))
     wrapped._hp_setup(named_parameters, op, compression, backward_passes_per_step, gradient_predivide_factor, groups,
                       num_groups, sparse_as_dense, group, auto_buckets=not level)
     if level:
-        wrapped._hp_zero_setup(level)
+        wrapped._hp_zero_setup(level, keep_gathered=bool(zero3_keep_gathered))
     return wrapped
 
 

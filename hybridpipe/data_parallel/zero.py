@@ -1,4 +1,4 @@
-"""ZeRO stages 1 and 2 inside a data group: ``hp.DistributedOptimizer(opt, ..., zero=1|2)``.
+"""ZeRO stages 1, 2 and 3 inside a data group: ``hp.DistributedOptimizer(opt, ..., zero=1|2|3)``.
 
 Layout. The parameters of each of the optimizer's param groups are cut into buckets of at most
 ``fusion_threshold_bytes`` (in reverse order: the order their gradients become final in the backward
@@ -25,12 +25,25 @@ computes unsharded, to float rounding. An optimizer that looks at a whole parame
 per-tensor norms) would see the shard instead; do not shard those. A parameter without a gradient on
 any rank is stepped with a zero gradient (a flat shard cannot skip part of itself): weight decay and
 momentum still move it, unlike zero=0, where it is skipped.
+
+ZeRO-3. The shard is then the only copy of the parameters between uses: each parameter's ``.data`` is an empty
+tensor (its shape kept in the layout) except while a unit that holds it runs. The optimizer hears the pipeline's
+unit events (hybridpipe/gradient_sync.py): ``forward_begins`` / ``backward_begins`` of a chunk allgather the
+buckets holding its parameters into one flat buffer per bucket whose views become the parameters' data,
+``forward_ends`` / ``backward_ends`` free it (a count per bucket: a re-materialized forward inside its backward
+frees nothing; ``zero3_keep_gathered=True`` keeps them gathered until the step). Autograd saved the parameters
+themselves, so a backward sees the data gathered again for it. Gradients go as zero=2's. ``step()`` steps the
+shard and gathers nothing: the next forward does. A weight tied across stages (a deferred parameter, whose
+gradient the pipeline sums after the run) stays whole on its holders and is refreshed after each step.
+``full_parameters()`` gathers everything for a while (checkpoints, evaluation, export).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +54,7 @@ from ..comm import autotune, buffers, context
 from ..collectives.allgather import allgather_object
 from ..collectives.common import Average, Sum
 from ..errors import MismatchError, NotSupportedError, UsageError
+from ..gradient_sync import GradientSync, Unit, drivers_of
 from ..registry import ZERO_LEVELS, check_zero_level
 from .compression import Compression
 
@@ -53,6 +67,7 @@ class _Item:
     parameter: torch.nn.Parameter
     offset: int  # in its bucket's flat buffer
     numel: int
+    shape: tuple[int, ...] = ()
 
 
 @dataclass
@@ -67,8 +82,32 @@ class _Bucket:
     names: set[str] = field(default_factory=set)
 
 
-def check_level(zero: Any) -> int:
-    return check_zero_level(zero, "DistributedOptimizer: ")
+def check_level(zero: Any, keep_gathered: Any = False) -> int:
+    level = check_zero_level(zero, "DistributedOptimizer: ")
+    if keep_gathered and level != 3:
+        raise UsageError(f"DistributedOptimizer: zero3_keep_gathered=True needs zero=3 (got zero={zero}): only "
+                         "ZeRO-3 frees the parameters between uses")
+    return level
+
+
+class _Gathers(GradientSync):
+    """ZeRO-3's side of the contract with the pipeline (hybridpipe/gradient_sync.py): a unit's forwards and
+    backwards need its parameters whole; they are gathered as each begins and freed as it ends."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+
+    def forward_begins(self, unit: Unit) -> None:
+        self.optimizer._hp_unit_begins(unit)
+
+    def forward_ends(self, unit: Unit) -> None:
+        self.optimizer._hp_unit_ends(unit)
+
+    def backward_begins(self, unit: Unit, last: bool) -> None:
+        self.optimizer._hp_unit_begins(unit)
+
+    def backward_ends(self, unit: Unit, last: bool) -> None:
+        self.optimizer._hp_unit_ends(unit)
 
 
 def refuse_closure(closure: Any) -> None:
@@ -83,7 +122,7 @@ class ZeroMixin:
     """The sharded step, layered over _DistributedOptimizerMixin (see DistributedOptimizer(zero=)), whose
     ``_hp_inner_step`` is the wrapped optimizer's own step."""
 
-    def _hp_zero_setup(self, level: int) -> None:
+    def _hp_zero_setup(self, level: int, keep_gathered: bool = False) -> None:
         if self._hp_op not in (Average, Sum):
             raise NotSupportedError(f"DistributedOptimizer(zero={level}) reduces with op=hp.Average or hp.Sum (got "
                                     f"hp.{self._hp_op.name}): Adasum needs whole gradients; use zero=0")
@@ -125,7 +164,7 @@ class ZeroMixin:
             for members in buckets:
                 items, offset = [], 0
                 for p in members:
-                    items.append(_Item(names[id(p)], p, offset, p.numel()))
+                    items.append(_Item(names[id(p)], p, offset, p.numel(), tuple(p.shape)))
                     offset += p.numel()
                 padded = -(-offset // D) * D
                 bucket = _Bucket(len(self._hp_buckets), gi, items, offset, padded, padded // D, shard_numel,
@@ -148,6 +187,8 @@ class ZeroMixin:
             raise MismatchError(f"DistributedOptimizer(zero={level}): the replicas' parameters differ (layout "
                                 f"digests and bucket counts {digests}): every replica of a stage must wrap the same "
                                 "parameters, in the same order and param groups")
+        if level == 3:
+            self._hp_zero3_setup(keep_gathered)
 
     # ------------------------------------------------------------------ gradients
 
@@ -173,7 +214,7 @@ class ZeroMixin:
             if grad is not None:
                 flat[item.offset:item.offset + item.numel].copy_(
                     (grad.to_dense() if grad.is_sparse else grad).reshape(-1))
-                if self._hp_zero == 2:
+                if self._hp_zero >= 2:
                     item.parameter.grad = None
         if self._hp_prescale != 1.0:
             flat.mul_(self._hp_prescale)
@@ -282,9 +323,12 @@ class ZeroMixin:
                              "step: call opt.synchronize() first")
         self._hp_synchronized = False
         with timeline.span("step", "optimizer", "optimizer"):
-            self._hp_zero_load_pieces()
-            result = self._hp_inner_step()
-            self._hp_zero_gather()
+            if self._hp_zero == 3:
+                result = self._hp_zero3_step()
+            else:
+                self._hp_zero_load_pieces()
+                result = self._hp_inner_step()
+                self._hp_zero_gather()
         autotune.step()
         return result
 
@@ -303,11 +347,135 @@ class ZeroMixin:
         for shard in self._hp_shards:
             shard.grad.zero_()
 
+    # ------------------------------------------------------------------ ZeRO-3: parameters gathered for their units
+
+    def _hp_zero3_setup(self, keep_gathered: bool) -> None:
+        """The parameters become their shard: the current values go into it and every parameter but the deferred
+        ones (tied across stages) is freed; the unit events of the pipeline that runs them gather and free."""
+        registrations = drivers_of(context.current("DistributedOptimizer")).register(
+            _Gathers(self), [p for _, p in self._hp_parameters])
+        free = [r for r in registrations if r.parameters and not r.driver.drives_units]
+        if free:
+            for registration in registrations:
+                registration.remove()
+            raise NotSupportedError(
+                f"DistributedOptimizer(zero=3): {len(free[0].parameters)} of its parameters are run by no "
+                "hp.PipelineModel, whose chunks say when their parameters are needed: build the model as "
+                "hp.PipelineModel (one stage is fine: hp.init(pipeline_stages=1)) before wrapping its optimizer, "
+                "or use zero=2")
+        self._hp_keep = bool(keep_gathered)
+        self._hp_holds = [0] * len(self._hp_buckets)  # units (and full_parameters) using each bucket now
+        self._hp_full: dict[int, torch.Tensor] = {}  # bucket -> its gathered flat buffer
+        self._hp_unit_buckets: dict[int, list[int]] = {}
+        self._hp_kept = {id(p) for r in registrations for unit in r.driver.units
+                         for p in unit.parameters if id(p) in unit.deferred}
+        self._hp_zero_load_pieces()
+        self._hp_zero3_release(range(len(self._hp_buckets)))
+
+    def _hp_buckets_of(self, unit: Any) -> list[int]:
+        found = self._hp_unit_buckets.get(id(unit))
+        if found is None:
+            found = self._hp_unit_buckets[id(unit)] = [
+                bucket.index for bucket in self._hp_buckets if any(unit.holds(item.parameter) for item in bucket.items)]
+        return found
+
+    def _hp_use(self, indices: Any) -> None:
+        """Buckets ``indices`` are in use from now (gathered where they are not)."""
+        needed = [i for i in indices if i not in self._hp_full]
+        for i in indices:
+            self._hp_holds[i] += 1
+        if needed:
+            self._hp_zero3_gather(needed)
+
+    def _hp_unuse(self, indices: Any) -> None:
+        """Buckets ``indices`` are no longer used by one user; freed when none uses them (unless kept gathered)."""
+        for i in indices:
+            self._hp_holds[i] -= 1
+        if not self._hp_keep:
+            self._hp_zero3_release([i for i in indices if self._hp_holds[i] == 0])
+
+    def _hp_unit_begins(self, unit: Any) -> None:
+        self._hp_use(self._hp_buckets_of(unit))
+
+    def _hp_unit_ends(self, unit: Any) -> None:
+        self._hp_unuse(self._hp_buckets_of(unit))
+
+    def _hp_zero3_release(self, indices: Any) -> None:
+        for index in indices:
+            self._hp_full.pop(index, None)
+            for item in self._hp_buckets[index].items:
+                if id(item.parameter) not in self._hp_kept:
+                    item.parameter.data = torch.empty(0, dtype=item.parameter.dtype, device=item.parameter.device)
+
+    def _hp_zero3_gather(self, indices: list[int]) -> None:
+        """Allgathers buckets ``indices`` (all submitted, then each waited for): each parameter's data becomes a
+        view of its bucket's gathered buffer; a kept (tied) parameter gets the values copied in."""
+        state = context.current("DistributedOptimizer")
+        group_id = state.engine_group(self._hp_group, "DistributedOptimizer")
+        pending = []
+        for index in indices:
+            bucket = self._hp_buckets[index]
+            shard = self._hp_shards[bucket.group]
+            piece = shard.detach()[bucket.shard_offset:bucket.shard_offset + bucket.piece]
+            if staged_through_host(shard):
+                piece = _host_buffer(bucket.piece, shard).copy_(piece)
+            full = _host_buffer(bucket.padded, shard)
+            name = f"{self._hp_prefix}.zero.ag{bucket.index}"
+            kind = (self._hp_layout_digest + 7919 * (bucket.index + 1)) & 0x3FFFFFFF
+            counts = [bucket.piece] * self._hp_zsize
+            handle = context.queue(
+                state, group_id, name, "DistributedOptimizer",
+                lambda piece=piece, full=full, name=name, kind=kind, counts=counts: state.engine.submit_allgather(
+                    group_id, name, kind, piece.data_ptr(), full.data_ptr(), counts, buffers.dtype_code(full)),
+                (piece, full), lambda: None)
+            pending.append((bucket, full, handle))
+        for bucket, full, handle in pending:
+            handle.wait()
+            full = full.to(self._hp_shards[bucket.group].device)
+            self._hp_full[bucket.index] = full
+            with torch.no_grad():
+                for item in bucket.items:
+                    view = full[item.offset:item.offset + item.numel].view(item.shape)
+                    if id(item.parameter) in self._hp_kept:
+                        item.parameter.data.copy_(view)
+                    else:
+                        item.parameter.data = view
+
+    def _hp_zero3_step(self) -> Any:
+        """Steps the shard; the gathered copies are stale then: freed (those in use gathered again), and the kept
+        (tied) parameters refreshed."""
+        result = self._hp_inner_step()
+        stale = list(self._hp_full)
+        self._hp_zero3_release(stale)
+        refresh = sorted({i for i in stale if self._hp_holds[i]} | {
+            b.index for b in self._hp_buckets if any(id(item.parameter) in self._hp_kept for item in b.items)})
+        if refresh:
+            self._hp_zero3_gather(refresh)
+            self._hp_zero3_release([i for i in refresh if not self._hp_holds[i]])
+        return result
+
+    @contextlib.contextmanager
+    def full_parameters(self, writeback: bool = False) -> Iterator[dict[str, torch.nn.Parameter]]:
+        """Every parameter whole for the ``with`` body, by name (zero=3: gathered, freed after; zero=1/2: as they
+        are). ``writeback=True``: what the body wrote into them (a load) goes into the shards at the end."""
+        every = range(len(self._hp_buckets))
+        if self._hp_zero == 3:
+            self._hp_use(every)
+        try:
+            yield dict(self._hp_parameters)
+            if writeback:
+                self._hp_zero_load_pieces()
+        finally:
+            if self._hp_zero == 3:
+                self._hp_unuse(every)
+                if not any(self._hp_holds):
+                    self._hp_zero3_release(list(self._hp_full))
+
     # ------------------------------------------------------------------ what callers look at
 
     @property
     def zero(self) -> int:
-        """The ZeRO stage: 1 (optimizer state sharded) or 2 (and gradients)."""
+        """The ZeRO stage: 1 (optimizer state sharded), 2 (and gradients) or 3 (and parameters)."""
         return self._hp_zero
 
     @property
@@ -319,6 +487,11 @@ class ZeroMixin:
     def zero_replicas(self) -> int:
         """How many shards the state is cut into: the size of the optimizer's group."""
         return self._hp_zsize
+
+    def shard_parameters(self) -> list[torch.nn.Parameter]:
+        """This replica's flat shards (one per param group): what the wrapped optimizer steps; with zero=3 the only
+        copy of its pieces of the parameters between uses."""
+        return list(self._hp_shards)
 
     def shard_gradients(self) -> list[torch.Tensor]:
         """This replica's pieces of the averaged gradient (one flat tensor per param group), after
@@ -339,6 +512,13 @@ class ZeroMixin:
                 if lo < hi and id(item.parameter) not in excluding:
                     pieces.append(grad[bucket.shard_offset + lo - begin:bucket.shard_offset + hi - begin])
         return pieces
+
+    def parameter_shapes(self, names: dict[int, str] | None = None) -> dict[str, tuple[int, ...]]:
+        """Each parameter's whole shape, by name (``names``: id(parameter) -> name; default the optimizer's): what
+        the layout keeps of a ZeRO-3 parameter while it is freed."""
+        names = names or {}
+        return {names.get(id(item.parameter), item.name): item.shape for bucket in self._hp_buckets
+                for item in bucket.items}
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state this replica holds (the shard's momentum / moments)."""
@@ -370,7 +550,7 @@ class ZeroMixin:
                     else:
                         entry[key] = value.detach().clone() if torch.is_tensor(value) else value
         groups = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]  # type: ignore
-        shapes = {names.get(id(item.parameter), item.name): tuple(item.parameter.shape)
+        shapes = {names.get(id(item.parameter), item.name): item.shape
                   for bucket in self._hp_buckets for item in bucket.items}
         return {"state": by_name, "param_groups": groups, "shapes": shapes}
 
@@ -396,7 +576,7 @@ class ZeroMixin:
                     lo, hi = max(begin, item.offset), min(end, item.offset + item.numel)
                     for key, value in saved.items():
                         if torch.is_tensor(value) and value.numel() == item.numel and value.dim() >= 1 \
-                                and tuple(value.shape) == tuple(item.parameter.shape):
+                                and tuple(value.shape) == item.shape:
                             target = new.setdefault(key, torch.zeros_like(shard.detach()))
                             if lo < hi:
                                 target[bucket.shard_offset + lo - begin:bucket.shard_offset + hi - begin].copy_(

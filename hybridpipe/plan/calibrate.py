@@ -62,7 +62,7 @@ from hybridpipe.errors import UsageError
 from hybridpipe.pipeline import schedule as sched
 from hybridpipe.pipeline.model import PipelineModel
 from hybridpipe.plan.cost import Cluster
-from hybridpipe.registry import ZERO_LEVELS
+from hybridpipe.plan.cost import ZERO_LEVELS  # the levels the cost model plans
 
 __all__ = ["calibrate", "cluster_of", "fit", "host_cores", "load_cluster", "transfer_overhead", "SIZES"]
 

@@ -54,7 +54,7 @@ __all__ = ["Cluster", "Candidate", "Prediction", "predict", "allreduce_seconds",
            "held_micro_batches", "activation_factor", "profile_precision", "check_zero", "ZERO_LEVELS",
            "PRECISION_BYTES"]
 
-ZERO_LEVELS = tuple(registry.ZERO_LEVELS)
+ZERO_LEVELS = tuple(level for level, entry in registry.ZERO_LEVELS.items() if entry.planned)  # what it costs
 PRECISION_BYTES = {name: entry.activation_bytes for name, entry in registry.PRECISIONS.items()}
 
 
@@ -256,6 +256,10 @@ ZERO_BUCKET_BYTES = Config().fusion_threshold_bytes  # the sharded optimizer's b
 def check_zero(zero: int, replicas: int, schedule: str) -> None:
     """Raises :class:`UsageError` unless ``zero`` is a ZeRO level this candidate can use."""
     registry.check_zero_level(zero)
+    if zero not in ZERO_LEVELS:
+        raise UsageError(f"zero={zero}: the cost model plans the ZeRO levels {', '.join(map(str, ZERO_LEVELS))} "
+                         f"(zero={zero}'s memory and gathers are not modelled yet): plan with one of them, or pass "
+                         "your own plan")
     if zero and schedule in sched.ASYNCHRONOUS:
         raise UsageError(f"zero={zero} shards hp.DistributedOptimizer's state; the {schedule} schedule steps "
                          "its own optimizer inside the pipeline: use zero=0 or a synchronous schedule")

@@ -335,7 +335,9 @@ def test_zero_lowers_the_memory_per_rank_by_what_it_shards():
     assert accumulating == [weights + weights * 4 / 4 + weights + acts / 2]
     with pytest.raises(HybridPipeError, match=r"zero=1 shards over the data replicas, but there is 1: use zero=0"):
         predict(profile, Cluster(ranks=1), Candidate(1, 1, (4,), 1, "1f1b", zero=1), 4)
-    with pytest.raises(HybridPipeError, match=r"zero must be one of 0, 1, 2 \(got 3\)"):
+    with pytest.raises(HybridPipeError, match=r"zero must be one of 0, 1, 2, 3 \(got 4\)"):
+        hplan.memory_per_rank(profile, Candidate(1, 2, (4,), 1, "1f1b", zero=4), 4)
+    with pytest.raises(HybridPipeError, match=r"zero=3: the cost model plans the ZeRO levels 0, 1, 2"):
         hplan.memory_per_rank(profile, Candidate(1, 2, (4,), 1, "1f1b", zero=3), 4)
 
 
