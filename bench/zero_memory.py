@@ -1,7 +1,7 @@
 """ZeRO and mixed precision: memory per rank and step time of examples/train_lm.py's transformer.
 
 Usage:
-    python bench/zero_memory.py [--grid 2x2] [--zero 0,1,2] [--precision fp32,bf16] [--steps 8]
+    python bench/zero_memory.py [--grid 2x2] [--zero 0,1,2,3] [--precision fp32,bf16] [--steps 8]
                                 [--dim 256] [--layers 4] [--markdown]
     (also: python bench/data_parallel.py --zero-memory ...)
 
@@ -77,7 +77,9 @@ def worker(args: argparse.Namespace) -> int:
     slowest = hp.allreduce(torch.tensor(times, dtype=torch.float64), op=hp.Max, group="world")
     mine = {
         "rank": grid.rank,
-        "parameters": sum(p.numel() * p.element_size() for p in model.parameters()),
+        # held after the step: the parameters (zero=3: freed, their shard instead)
+        "parameters": sum(p.numel() * p.element_size() for p in model.parameters()) + (
+            sum(s.numel() * s.element_size() for s in optimizer.shard_parameters()) if args.zero_one == 3 else 0),
         "gradients": grad_bytes,
         "optimizer_state": sum(v.numel() * v.element_size() for state in optimizer.state.values()
                                for v in state.values() if torch.is_tensor(v) and v.dim() > 0),

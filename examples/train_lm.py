@@ -29,6 +29,7 @@ tests recover from.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import signal
@@ -168,8 +169,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
     parser.add_argument("--checkpoint", default="never", choices=["never", "except_last", "always"])
-    parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2],
-                        help="ZeRO stage inside each stage's data group: 1 shards AdamW's state, 2 also the gradients")
+    parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                        help="ZeRO stage inside each stage's data group: 1 shards AdamW's state, 2 also the "
+                             "gradients, 3 also the parameters")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                         help="autocast dtype of every stage (fp16: with the loss scaler all ranks agree on)")
     parser.add_argument("--auto", action="store_true",
@@ -233,12 +235,15 @@ def validation_loss(model: hp.PipelineModel, data: torch.Tensor, args: argparse.
     return float(hp.allreduce(mean, op=hp.Average, group="data")[0])
 
 
-def save_weights(model: hp.PipelineModel, path: str, grid: hp.Grid) -> None:
-    """Gathers replica 0's stages on world rank 0 and writes one state_dict keyed like nn.Sequential."""
+def save_weights(model: hp.PipelineModel, path: str, grid: hp.Grid, optimizer=None) -> None:
+    """Gathers replica 0's stages on world rank 0 and writes one state_dict keyed like nn.Sequential (ZeRO-3: the
+    stage's parameters gathered first, by every replica)."""
+    whole = getattr(optimizer, "full_parameters", contextlib.nullcontext)
+    with whole():
+        mine = {name.removeprefix("layers."): t.detach().cpu().clone() for name, t in model.state_dict().items()}
     if grid.replica != 0:
         return
-    pieces = grid.pipe_comm.gather({name.removeprefix("layers."): t.detach().cpu()
-                                    for name, t in model.state_dict().items()}, root=0)
+    pieces = grid.pipe_comm.gather(mine, root=0)
     if grid.stage == 0:
         state = {key: value for piece in pieces for key, value in piece.items()}
         torch.save(state, path)
@@ -357,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"validation loss after {args.steps} steps: {final:.3f} (before: {initial:.3f}); "
               f"{tokens_per_step * (args.steps - first_step) / elapsed:,.0f} tokens/s over {elapsed:.1f} s")
     if args.save:
-        save_weights(model, args.save, grid)
+        save_weights(model, args.save, grid, optimizer)
         if leader:
             print(f"saved the weights to {args.save}")
     model.close()

@@ -25,9 +25,9 @@ SMALL = ["--steps", "40", "--dim", "32", "--heads", "2", "--layers", "2", "--seq
          "--batch-size", "8", "--micro-batches", "2", "--max-bytes", "400000", "--no-progress"]
 
 
-def run(ranks: int, stages: int, save: Path) -> str:
+def run(ranks: int, stages: int, save: Path, *extra: str) -> str:
     command = mpirun_command(ranks, [sys.executable, str(ROOT / "examples" / "train_lm.py"), "--stages",
-                                     str(stages), *SMALL, "--save", str(save)],
+                                     str(stages), *SMALL, "--save", str(save), *extra],
                              env={"OMPI_MCA_mpi_yield_when_idle": "1", "OMP_NUM_THREADS": "1"})
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -39,10 +39,11 @@ LONG = pytest.mark.skipif(os.environ.get("HYBRIDPIPE_LONG_TESTS") != "1",
 
 
 # 2 × 2 in make test-long: make test trains the LM on that grid in test_timeline.py and test_readme.py
-@pytest.mark.parametrize("ranks,stages", [pytest.param(4, 2, marks=LONG), (2, 1)])
-def test_train_lm_learns_and_saves_loadable_weights(tmp_path, ranks, stages):
-    out = run(ranks, stages, tmp_path / "lm.pt")
-    assert f"{stages} stages × {ranks // stages} replicas" in out
+# zero=3: the parameters live in the replicas' shards; the saved weights are gathered whole
+@pytest.mark.parametrize("ranks,stages,zero", [pytest.param(4, 2, "0", marks=LONG), (2, 1, "0"), (2, 1, "3")])
+def test_train_lm_learns_and_saves_loadable_weights(tmp_path, ranks, stages, zero):
+    out = run(ranks, stages, tmp_path / "lm.pt", "--zero", zero)
+    assert f"{stages} stages × {ranks // stages} replicas" in out and f"zero {zero}" in out
     assert "balance [" in out and 'method "time"' in out
     before, after = (float(x) for x in re.search(r"validation loss after 40 steps: ([\d.]+) \(before: ([\d.]+)\)",
                                                   out).groups()[::-1])

@@ -367,6 +367,7 @@ class ZeroMixin:
         self._hp_holds = [0] * len(self._hp_buckets)  # units (and full_parameters) using each bucket now
         self._hp_full: dict[int, torch.Tensor] = {}  # bucket -> its gathered flat buffer
         self._hp_unit_buckets: dict[int, list[int]] = {}
+        self._hp_gathered_peak = 0
         self._hp_kept = {id(p) for r in registrations for unit in r.driver.units
                          for p in unit.parameters if id(p) in unit.deferred}
         self._hp_zero_load_pieces()
@@ -433,6 +434,7 @@ class ZeroMixin:
             handle.wait()
             full = full.to(self._hp_shards[bucket.group].device)
             self._hp_full[bucket.index] = full
+            self._hp_gathered_peak = max(self._hp_gathered_peak, _tensor_bytes(self._hp_full.values()))
             with torch.no_grad():
                 for item in bucket.items:
                     view = full[item.offset:item.offset + item.numel].view(item.shape)
@@ -487,6 +489,12 @@ class ZeroMixin:
     def zero_replicas(self) -> int:
         """How many shards the state is cut into: the size of the optimizer's group."""
         return self._hp_zsize
+
+    @property
+    def gathered_peak_bytes(self) -> int | None:
+        """zero=3: the most bytes of gathered parameters this replica held at once so far (a chunk's, or every
+        chunk's under ``zero3_keep_gathered`` or ``full_parameters()``); None for the other levels."""
+        return self._hp_gathered_peak if self._hp_zero == 3 else None
 
     def shard_parameters(self) -> list[torch.nn.Parameter]:
         """This replica's flat shards (one per param group): what the wrapped optimizer steps; with zero=3 the only
@@ -594,6 +602,10 @@ def staged_through_host(shard: torch.Tensor) -> bool:
     """Whether the engine's reduce-scatter / allgather of ``shard``'s buckets go through host buffers: a shard on
     a GPU (the engine reduces host memory), or any with :data:`STAGE_CPU_SHARDS`."""
     return shard.device.type != "cpu" or STAGE_CPU_SHARDS
+
+
+def _tensor_bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _host_buffer(numel: int, shard: torch.Tensor, zeros: bool = False) -> torch.Tensor:

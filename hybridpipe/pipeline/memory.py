@@ -93,6 +93,7 @@ class RankMemory:
     stored_micro_batches: int     # the schedule's peak of micro-batches held (last train_step)
     peak_rss: int
     cuda_peak: int | None
+    gathered_peak: int | None = None  # ZeRO-3: the most gathered parameter bytes held at once
 
 
 def _mib(value: int | None) -> str:
@@ -106,11 +107,11 @@ class MemoryReport:
     ranks: list[RankMemory]
 
     def __str__(self) -> str:
-        header = ["rank", "stage", "replica", "params", "grads", "optimizer", "activations peak", "stored mb",
-                  "peak RSS", "CUDA peak"]
-        rows = [[str(r.rank), str(r.stage), str(r.replica), _mib(r.parameters), _mib(r.gradients),
-                 _mib(r.optimizer_state), _mib(r.activations_peak), str(r.stored_micro_batches), _mib(r.peak_rss),
-                 _mib(r.cuda_peak)] for r in self.ranks]
+        header = ["rank", "stage", "replica", "params", "gathered peak", "grads", "optimizer", "activations peak",
+                  "stored mb", "peak RSS", "CUDA peak"]
+        rows = [[str(r.rank), str(r.stage), str(r.replica), _mib(r.parameters), _mib(r.gathered_peak),
+                 _mib(r.gradients), _mib(r.optimizer_state), _mib(r.activations_peak), str(r.stored_micro_batches),
+                 _mib(r.peak_rss), _mib(r.cuda_peak)] for r in self.ranks]
         widths = [max(len(c) for c in column) for column in zip(header, *rows)]
         line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
         return "\n".join(["memory per rank (MiB)", line(header), *(line(row) for row in rows)])
@@ -128,10 +129,14 @@ def report(model: Any, optimizer: torch.optim.Optimizer | None = None) -> Memory
     optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
     parameters = list(model.parameters())
     gradients = _tensor_bytes(p.grad for p in parameters)
-    state = 0
+    held = _tensor_bytes(parameters)  # zero=3: the freed parameters hold nothing, their shard does
+    state, gathered = 0, None
     if optimizer is not None:
         if getattr(optimizer, "zero", 0):
             gradients += _tensor_bytes(optimizer.shard_gradients())
+        if getattr(optimizer, "zero", 0) == 3:
+            held += _tensor_bytes(optimizer.shard_parameters())
+            gathered = optimizer.gathered_peak_bytes
         state = sum(v.numel() * v.element_size() for entry in optimizer.state.values() for v in entry.values()
                     if torch.is_tensor(v) and v.dim() > 0)
     device = getattr(model, "device", torch.device("cpu"))
@@ -139,7 +144,7 @@ def report(model: Any, optimizer: torch.optim.Optimizer | None = None) -> Memory
     meter = getattr(model, "_activation_meter", None)
     last = getattr(model, "last_step", None)
     grid = model.grid
-    mine = RankMemory(grid.rank, grid.stage, grid.replica, _tensor_bytes(parameters), gradients, state,
+    mine = RankMemory(grid.rank, grid.stage, grid.replica, held, gradients, state,
                       meter.peak if meter is not None else None, int(getattr(last, "peak_stored", 0) or 0),
-                      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, cuda)
+                      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, cuda, gathered)
     return MemoryReport(sorted(allgather_object(mine, group="world"), key=lambda r: r.rank))

@@ -74,3 +74,34 @@ def test_memory_report_counts_what_the_rank_holds(grid):
             assert not model.measure_activations
     finally:
         model.close()
+
+
+def test_memory_report_with_zero_3_shows_the_shards_and_the_largest_gather():
+    """zero=3 on 1 x 2 (one stage: its one chunk is what the executor gathers): each rank holds half the
+    parameters (its shard), its largest gather is the whole chunk, its optimizer state is for half the
+    parameters, and after the step no gradient but the shard's."""
+    hp.shutdown()
+    grid = hp.init(pipeline_stages=1)
+    torch.manual_seed(0)
+    model = hp.PipelineModel(nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(4)]), loss_fn=nn.MSELoss(),
+                             micro_batches=MICRO)
+    optimizer = hp.DistributedOptimizer(torch.optim.AdamW(model.parameters()), named_parameters=model.named_parameters(),
+                                        zero=3)
+    try:
+        before = model.memory_report(optimizer)
+        optimizer.zero_grad()
+        model.train_step(torch.randn(ROWS, WIDTH), torch.randn(ROWS, WIDTH))
+        optimizer.step()
+        report = model.memory_report(optimizer)
+        with ranks_agree():
+            whole = 4 * LAYER_BYTES
+            mine, first = report[grid.rank], before[grid.rank]
+            assert whole // 2 <= mine.parameters <= whole // 2 + 64 and first.parameters == mine.parameters
+            assert first.gathered_peak == 0 and mine.gathered_peak >= whole  # one bucket's padding at most more
+            assert mine.gathered_peak <= whole + 64 * 4
+            assert whole <= mine.optimizer_state <= whole + 128  # two moments of half the parameters
+            assert mine.gradients <= whole // 2 + 64  # the shard's gradient only
+            assert "gathered peak" in str(report)
+    finally:
+        model.close()
+        hp.shutdown()
