@@ -124,6 +124,13 @@ class Worker:
         self.rank, self.size = 0, 1
         self.step_fns: dict[str, Callable[[], float | None]] = {}
 
+    def start_profiles(self) -> None:
+        """After the warm-up: begin the executor profiles (``--profile-executor``; hybridpipe only)."""
+
+    def profiles(self) -> dict[str, Any]:
+        """Each schedule's executor profile per rank (``--profile-executor``; hybridpipe only)."""
+        return {}
+
     # process-group hooks (one process: trivial)
     def barrier(self) -> None:
         pass
@@ -156,6 +163,7 @@ class Worker:
                 loss = self.step_fns[name]()
                 if index == 0:
                     first_loss[name] = loss
+        self.start_profiles()
         times: dict[str, list[float]] = {name: [] for name in names}
         cpu: dict[str, list[float]] = {name: [] for name in names}
         sleeps: dict[str, dict[str, float]] = {name: {"forward_s": 0.0, "forward_calls": 0, "backward_s": 0.0,
@@ -198,6 +206,7 @@ class Worker:
                           for name in names},
             "rss_start_kib": self.gather(rss_start),
             "rss_peak_kib": self.gather(rss_peak),
+            "executor_profile": self.profiles(),
         }
         result.update(self.describe())
         return result
@@ -358,6 +367,22 @@ class HybridpipeWorker(MPIWorker):
         self.hp = hp
         self.grid = hp.init(pipeline_stages=args.stages)
         self.models: list[Any] = []
+        self.by_schedule: dict[str, Any] = {}
+
+    def start_profiles(self) -> None:
+        if self.args.profile_executor:
+            for model in self.by_schedule.values():
+                model.profile_executor()
+
+    def profiles(self) -> dict[str, Any]:
+        if not self.args.profile_executor:
+            return {}
+        return {schedule: self.gather({"rows": model.executor_profile.rows(),
+                                       "between_ms": model.executor_profile.progress * 1e3 / max(
+                                           model.executor_profile.steps, 1),
+                                       "after_ms": model.executor_profile.tail * 1e3 / max(
+                                           model.executor_profile.steps, 1)})
+                for schedule, model in self.by_schedule.items()}
 
     def build(self) -> None:
         torch, args, hp = self.torch, self.args, self.hp
@@ -372,6 +397,7 @@ class HybridpipeWorker(MPIWorker):
                                          balance=self.balance, schedule=schedule, checkpoint="never",
                                          seed_layers=SEED, optimizer=lambda p: torch.optim.SGD(p, lr=LEARNING_RATE))
                 self.models.append(model)
+                self.by_schedule[schedule] = model
                 self.step_fns[schedule] = lambda model=model: model.train_step(self.inputs, self.targets)
                 continue
             chunks = {"virtual_stages": VIRTUAL_STAGES} if schedule == "interleaved-1f1b" else {}
@@ -381,6 +407,7 @@ class HybridpipeWorker(MPIWorker):
                                      seed_layers=SEED, **chunks)
             optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
             self.models.append(model)
+            self.by_schedule[schedule] = model
 
             def step(model: Any = model, optimizer: Any = optimizer) -> float:
                 optimizer.zero_grad(set_to_none=True)
@@ -552,7 +579,8 @@ def run_launch(launch: Launch, args: argparse.Namespace, folder: Path, index: in
             "--schedules", ",".join(launch.schedules), "--micro-batches", str(launch.micro_batches),
             "--batch", str(launch.batch), "--width", str(launch.width), "--layers", str(launch.layers),
             "--steps", str(args.steps), "--blocks", str(args.blocks), "--warmup", str(args.warmup),
-            "--sleep-ms", ",".join(str(v) for v in args.sleep_ms)]
+            "--sleep-ms", ",".join(str(v) for v in args.sleep_ms)] + (
+        ["--profile-executor"] if args.profile_executor else [])
     env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     env.update({k: v for k, v in os.environ.items()
                 if k.startswith("HYBRIDPIPE_") and k != "HYBRIDPIPE_MPIRUN"})
@@ -767,6 +795,26 @@ def sleep_rows(launches: list[Launch], args: argparse.Namespace) -> tuple[list[s
     return header, rows
 
 
+def profile_rows(launches: list[Launch]) -> tuple[list[str], list[list[str]]]:
+    """The executor profiles of hybridpipe's launches: per (launch, schedule, action kind) the ranks' mean."""
+    header = ["model", "P", "schedule", "action", "per step", "ms each", "wait", "send", "compute", "python"]
+    rows = []
+    for launch in launches:
+        for result in launch.results[-1:]:
+            for schedule, ranks in result.get("executor_profile", {}).items():
+                kinds = sorted({row["kind"] for rank in ranks for row in rank["rows"]})
+                for kind in kinds:
+                    mine = [row for rank in ranks for row in rank["rows"] if row["kind"] == kind]
+                    mean = {key: statistics.mean(row[key] for row in mine) for key in mine[0] if key != "kind"}
+                    rows.append([launch.model, str(launch.stages), schedule, kind, f"{mean['actions_per_step']:.1f}",
+                                 f"{mean['ms_per_action']:.3f}", f"{mean['wait_ms']:.3f}", f"{mean['send_ms']:.3f}",
+                                 f"{mean['compute_ms']:.3f}", f"{mean['python_ms']:.3f}"])
+                for key, label in (("between_ms", "between actions"), ("after_ms", "after the last")):
+                    rows.append([launch.model, str(launch.stages), schedule, label, "",
+                                 f"{statistics.mean(rank[key] for rank in ranks):.3f}", "", "", "", ""])
+    return header, rows
+
+
 def report(launches: list[Launch], args: argparse.Namespace, started: str, total_seconds: float) -> str:
     from hybridpipe.launch import available_cores
 
@@ -823,6 +871,13 @@ def report(launches: list[Launch], args: argparse.Namespace, started: str, total
                 "from the neighbour (adds the transfer and the waiting rank's wake-up); both from the "
                 "sleeps' perf_counter timestamps on all ranks"), ""]
         out += [render(*sleep_rows(launches, args), md, left=4), ""]
+    profiled = profile_rows(launches)
+    if profiled[1]:
+        out += ["Executor profile (--profile-executor, hybridpipe's launches): per action kind, ms per action, the "
+                "mean over the pipeline's ranks (a rank that runs no action of a kind is left out of its mean); "
+                "python = the action's time that is none of waiting for a receive, posting sends and the chunk's "
+                "compute; between actions / after the last = per step", ""]
+        out += [render(*profiled, md, left=3), ""]
     out.append(f"{'Whole run' if md else 'whole run'}: {total_seconds:.0f} s "
                f"(launches: {sum(sum(launch.seconds) for launch in launches):.0f} s).")
     return "\n".join(out)
@@ -876,6 +931,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="run this many busy-looping processes beside every launch, to see how each "
                              "variant copes with a shared machine (default 0)")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables (for docs/)")
+    parser.add_argument("--profile-executor", action="store_true",
+                        help="hybridpipe's launches: print where each action's time goes (wait, send, compute, "
+                             "the executor's own Python), the mean over the ranks, per schedule")
     parser.add_argument("--timeout", type=float, default=900.0,
                         help="seconds allowed per launch (default 900)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -142,6 +142,9 @@ class Config:
         check_finite: each stage checks its inputs, every layer's output and the loss for NaN / inf and raises
             NonFiniteError naming where they first appear (hybridpipe/pipeline/finite.py; a debugging aid that
             costs a check per layer call) (HYBRIDPIPE_CHECK_FINITE, default 0).
+        profile_executor: every PipelineModel adds up where each action's time goes (waiting, sending,
+            computing, the executor's own Python; ``model.executor_profile``, hybridpipe/pipeline/executor_profile.py)
+            (HYBRIDPIPE_PROFILE_EXECUTOR, default 0).
         stall_shutdown_seconds: 0 (off), or stop the engine of a group, failing its pending
             handles on every rank, when a tensor has waited this long for some rank
             (HYBRIDPIPE_STALL_SHUTDOWN_SECONDS).
@@ -220,6 +223,7 @@ class Config:
     gpu_allreduce: str = "auto"
     check_batches: bool = True
     check_finite: bool = False
+    profile_executor: bool = False
     join_average: str = "size"
 
     @classmethod
@@ -259,6 +263,7 @@ class Config:
             ("HYBRIDPIPE_GPU_ALLREDUCE", "gpu_allreduce", _gpu_allreduce),
             ("HYBRIDPIPE_CHECK_BATCHES", "check_batches", _switch),
             ("HYBRIDPIPE_CHECK_FINITE", "check_finite", _switch),
+            ("HYBRIDPIPE_PROFILE_EXECUTOR", "profile_executor", _switch),
             ("HYBRIDPIPE_JOIN_AVERAGE", "join_average", _join_average),
         ):
             if env.get(name, "").strip():

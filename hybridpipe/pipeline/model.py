@@ -48,6 +48,7 @@ from hybridpipe.comm.engine import call
 from hybridpipe.errors import MismatchError, NotInitializedError, NotSupportedError, PartitionError, UsageError
 from hybridpipe.pipeline import microbatch
 from hybridpipe.pipeline.batch_check import fingerprint
+from hybridpipe.pipeline.executor_profile import ExecutorProfile
 from hybridpipe.pipeline.layers import LayerSpec, LazyLayers, TiedLayerSpec, build_layer, shapes_only
 from hybridpipe.pipeline.partition import (
     BALANCE_METHODS,
@@ -335,6 +336,8 @@ class PipelineModel(nn.Module):
         # the job finds the pipeline that runs a parameter here (a DistributedOptimizer registers with it)
         drivers_of(runtime.job("PipelineModel")).add(self._executor.gradient_syncs)
         self._executor.use_skips(self.skip_routes)
+        if runtime.config().profile_executor:
+            self._executor.profile = ExecutorProfile()
         if schedule_spec(name).split_backward:
             self._executor.split_backward()
         # ties across ranks: sets of the holding ranks (collective over the grid), copies broadcast from the lowest
@@ -809,6 +812,18 @@ class PipelineModel(nn.Module):
         if meter is None:
             meter = self.__dict__["_activation_meter"] = ActivationMeter(self.parameters())
         self._executor.around_run = meter.hooks
+
+    @property
+    def executor_profile(self) -> ExecutorProfile | None:
+        """Where this rank's actions spent their time since profiling began or was reset (waiting, sending,
+        computing, the executor's own Python: hybridpipe/pipeline/executor_profile.py); None when off. On with
+        ``HYBRIDPIPE_PROFILE_EXECUTOR=1`` or :meth:`profile_executor`; ``print()`` it for a table."""
+        return self._executor.profile
+
+    def profile_executor(self, on: bool = True) -> ExecutorProfile | None:
+        """Starts (a fresh :attr:`executor_profile`) or stops profiling this rank's executor; returns the profile."""
+        self._executor.profile = ExecutorProfile() if on else None
+        return self._executor.profile
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
         """Every rank's memory: parameters, gradients, optimizer state (``optimizer``, default

@@ -65,6 +65,7 @@ from hybridpipe.gradient_sync import SyncDriver, Unit
 from hybridpipe.pipeline import finite
 from hybridpipe.pipeline.asynchronous import WeightStash
 from hybridpipe.pipeline.batch_check import compare
+from hybridpipe.pipeline.executor_profile import ExecutorProfile
 from hybridpipe.pipeline.inplace import first_layer_works_in_place
 from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
 from hybridpipe.pipeline.schedule import Action, ActionKind, stage_to_rank
@@ -237,6 +238,7 @@ class StageExecutor:
         self.autocast: torch.dtype | None = None  # mixed precision: forwards (and losses) under torch.autocast
         self.loss_scale = 1.0  # fp16: each loss is multiplied by it before its backward (the scaler's scale)
         self.skips: dict[str, SkipRoute] = {}  # skip connections (hybridpipe.pipeline.skip), see use_skips
+        self.profile: ExecutorProfile | None = None  # where each action's time goes (executor_profile.py)
         self._skip_period = _SKIP_SLOTS
 
     # ------------------------------------------------------------------ set-up
@@ -339,7 +341,10 @@ class StageExecutor:
             self._print_pending.discard(dest_stage - 1)
             value = (_BATCH_MARK, self.batch_print, value)
         dest = self._peer(dest_stage, micro_batch)
+        began = time.perf_counter() if self.profile is not None else 0.0
         self._sends.append(p2p.send(value, dest, self._tag(dest_stage, micro_batch, gradient), self.comm))
+        if self.profile is not None:
+            self.profile.add("send", time.perf_counter() - began)
 
     def _receive(self, source: int, tag: int, requires_grad: bool) -> p2p.Receive:
         return p2p.Receive(source, tag, self.comm, device=self.device, requires_grad=requires_grad)
@@ -452,12 +457,14 @@ class StageExecutor:
         described = {"activation": "its activation of micro-batch", "gradient": "its activation gradient of "
                      "micro-batch"}.get(kind, f"{kind} of micro-batch") + f" {micro_batch}" if kind else \
             "the step's losses (or outputs) from the last stage"
-        if not timeline.enabled():
+        if not timeline.enabled() and self.profile is None:
             return receive.wait(abort=self._errors, what=described)
-        start = time.monotonic()
+        start, began = time.monotonic(), time.perf_counter()
         try:
             return receive.wait(abort=self._errors, what=described)
         finally:
+            if self.profile is not None:
+                self.profile.add("wait", time.perf_counter() - began)
             timeline.record(f"wait {what}", "recv", "p2p", start, time.monotonic(), {"from": receive.source})
 
     def _post_receives(self, actions: Sequence[Action], step: _Step) -> None:
@@ -498,10 +505,27 @@ class StageExecutor:
             ActionKind.BACKWARD_WEIGHT: self._weight,
             ActionKind.UPDATE: self._update,
         }
+        profile = self.profile
         for index, action in enumerate(actions):
-            self._progress(step)
-            handlers[action.kind](step, self.chunks[action.stage], action, index)
+            if profile is None:
+                self._progress(step)
+                handlers[action.kind](step, self.chunks[action.stage], action, index)
+            else:
+                began = time.perf_counter()
+                self._progress(step)
+                profile.progress += time.perf_counter() - began
+                began = profile.begin(action.kind.value)
+                handlers[action.kind](step, self.chunks[action.stage], action, index)
+                profile.end(began)
             step.result.actions.append(action)
+        began = time.perf_counter()
+        self._end_run(step)
+        if profile is not None:
+            profile.tail += time.perf_counter() - began
+            profile.steps += 1
+
+    def _end_run(self, step: _Step) -> None:
+        """After the last action: leftovers refused, the result shared and the sends drained (synchronous)."""
         synchronous = all(chunk.stash is None for chunk in self.chunks.values())
         if synchronous and step.train and self._stored:
             leftover = ", ".join(f"{stage}:{m}" for stage, m in sorted(self._stored))
@@ -603,7 +627,7 @@ class StageExecutor:
             finite.check_inputs(x, chunk.stage, m)
         arguments = (x, stored.batch) if chunk.takes_batch else (x,)
         watch = finite.watching(chunk.module) if self.check_finite else contextlib.nullcontext([])
-        with skip_context(context), watch as found, self.gradient_syncs.forward(chunk.unit):
+        with skip_context(context), watch as found, self.gradient_syncs.forward(chunk.unit), self._computing():
             if self.autocast is None:
                 y = forward(*arguments)
             else:
@@ -618,13 +642,18 @@ class StageExecutor:
         stored.skips_out = context.outgoing
         return y
 
+    def _computing(self) -> Any:
+        """Times the ``with`` body as the running action's compute (when profiling)."""
+        return _Clock(self.profile, "compute") if self.profile is not None else contextlib.nullcontext()
+
     def _loss(self, step: _Step, y: Any, m: int) -> torch.Tensor:
         target = self._move(step.targets[m])
-        if self.autocast is None:
-            loss = step.loss_fn(y, target)
-        else:
-            with torch.autocast(self.device.type, dtype=self.autocast):
+        with self._computing():
+            if self.autocast is None:
                 loss = step.loss_fn(y, target)
+            else:
+                with torch.autocast(self.device.type, dtype=self.autocast):
+                    loss = step.loss_fn(y, target)
         if self.check_finite:
             finite.check_loss(loss, self.total_chunks - 1, m)
         return loss
@@ -666,10 +695,11 @@ class StageExecutor:
             inputs = [t for t in iter_tensors(stored.x) if t.requires_grad] + \
                 [t for t in iter_tensors(popped) if t.requires_grad]
             if roots:
-                if action.kind is ActionKind.BACKWARD:
-                    torch.autograd.backward(roots, root_grads)
-                else:
-                    self._input_gradients(chunk, stored, roots, root_grads, inputs)
+                with self._computing():
+                    if action.kind is ActionKind.BACKWARD:
+                        torch.autograd.backward(roots, root_grads)
+                    else:
+                        self._input_gradients(chunk, stored, roots, root_grads, inputs)
                 step.result.last_backward_finished = time.monotonic()
         timeline.record(f"{action.kind.value}{m}", "backward", "compute", start, time.monotonic(),
                         {"stage": chunk.stage, "micro_batch": m})
@@ -741,7 +771,7 @@ class StageExecutor:
         key = (chunk.stage, m)
         stored = self._stored[key]
         start = time.monotonic()
-        with self.gradient_syncs.backward(chunk.unit, last=step.final.get(chunk.stage) == index):
+        with self.gradient_syncs.backward(chunk.unit, last=step.final.get(chunk.stage) == index), self._computing():
             weight_gradients(stored.calls, stored.deferred)
         timeline.record(f"W{m}", "backward", "compute", start, time.monotonic(),
                         {"stage": chunk.stage, "micro_batch": m})
@@ -783,6 +813,19 @@ class StageExecutor:
                 if step.weights else 0.0
         else:
             result.outputs = [merged[m] for m in sorted(merged)]
+
+
+class _Clock:
+    """Adds the time of a ``with`` body to one part of the running action's cost."""
+
+    def __init__(self, profile: ExecutorProfile, part: str) -> None:
+        self.profile, self.part = profile, part
+
+    def __enter__(self) -> None:
+        self.began = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.profile.add(self.part, time.perf_counter() - self.began)
 
 
 _SPLITTABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.LayerNorm, nn.GroupNorm)
