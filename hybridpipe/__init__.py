@@ -59,6 +59,7 @@ _LAZY_MODULES = {
     ".collectives.reducescatter": ("grouped_reducescatter", "grouped_reducescatter_async", "reducescatter",
         "reducescatter_async",),
     ".collectives.sparse": ("sparse_allreduce_async",),
+    ".pretrained": ("load_pretrained", "save_pretrained",),
     ".comm.engine": ("Handle", "engine_stats", "join", "poll", "start_timeline", "stop_timeline", "synchronize",),
     ".comm.process_sets": ("ProcessSet", "add_process_set", "data_process_set", "global_process_set",
         "pipe_process_set", "remove_process_set",),
@@ -126,7 +127,7 @@ __all__ = [
     "DistributedOptimizer", "Compression", "broadcast_parameters", "broadcast_optimizer_state",
     "broadcast_object", "allgather_object", "clip_grad_norm_", "SyncBatchNorm", "elastic", "LossScaler",
     # checkpoints
-    "save_checkpoint", "load_checkpoint", "resume", "consolidate",
+    "save_checkpoint", "load_checkpoint", "resume", "consolidate", "save_pretrained", "load_pretrained",
     # errors (every class of hybridpipe.errors)
     *_errors.__all__,
 ]

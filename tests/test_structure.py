@@ -50,7 +50,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("collectives: over allgather", ("collectives.reducescatter", "collectives.sparse")),
     ("comm: autotune", ("comm.autotune",)),
     ("runtime", ("runtime", "rng_state", "capabilities", "timeline")),
-    ("checkpoint", ("checkpoint",)),
+    ("checkpoint", ("checkpoint", "pretrained")),
     # data_parallel below the pipeline: the loss scaler serves the pipeline; the optimizer meets the pipeline only
     # through gradient_sync (registered as the job's drivers)
     ("data_parallel", ("data_parallel", "data_parallel.*")),
