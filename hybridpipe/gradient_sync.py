@@ -31,8 +31,8 @@ The calls a pipeline's executor makes, for each action of a rank's schedule:
 
 Outside any unit's backward (plain autograd) every accumulation into a parameter is final. What a sync does with
 the calls is its business: DistributedOptimizer starts a reduction at ``gradient_final`` and waits at ``step()``;
-ZeRO-3 (to come) would gather a unit's parameters at ``forward_begins`` / ``backward_begins`` and release them at
-the matching ends, reduce-scattering at ``backward_ends(unit, last=True)``.
+ZeRO-3 gathers a module's parameters around its calls by torch's module hooks, and a chunk's around the halves of a
+split backward (``unit.split_backward``), which do not go through the modules' calls.
 
 Lifetimes: a driver holds the syncs registered with it (strongly: every rank drops them at the same time, when the
 registration is removed or the parameters go), its units hold their parameters, and a parameter's gradient hook
@@ -78,12 +78,14 @@ class GradientSync:
 class Unit:
     """Parameters that run forward and backward together (a pipeline chunk); ``index``: the chunk's number."""
 
-    def __init__(self, index: int, parameters: Iterable[Any]) -> None:
+    def __init__(self, index: int, parameters: Iterable[Any], module: Any = None) -> None:
         self.index = index
+        self.module = module  # the nn.Module that runs the unit, where its driver knows it (a pipeline chunk)
         self.parameters = tuple(parameters)
         self._ids = {id(p) for p in self.parameters}  # (the unit holds them: the ids stay theirs)
         self.deferred: set[int] = set()  # ids of held parameters whose gradient is completed after the run
         self.in_backward: bool | None = None  # while a backward of the unit runs: whether it is its last
+        self.split_backward = False  # while a backward half (I or W of a split backward) of the unit runs
 
     def holds(self, parameter: Any) -> bool:
         return id(parameter) in self._ids
@@ -205,9 +207,11 @@ class SyncDriver:
                 sync.forward_ends(unit)
 
     @contextlib.contextmanager
-    def backward(self, unit: Unit, last: bool) -> Iterator[None]:
-        """Around a backward of ``unit`` (``last``: its last of the step)."""
+    def backward(self, unit: Unit, last: bool, split: bool = False) -> Iterator[None]:
+        """Around a backward of ``unit`` (``last``: its last of the step; ``split``: a half of a split backward,
+        ``I`` or ``W``, which autograd runs from recorded outputs rather than through the modules' calls)."""
         syncs = self.syncs()
+        unit.split_backward = bool(split)
         for sync in syncs:
             sync.backward_begins(unit, last)
         unit.in_backward = bool(last)
@@ -217,6 +221,7 @@ class SyncDriver:
             unit.in_backward = None
             for sync in syncs:
                 sync.backward_ends(unit, last)
+            unit.split_backward = False
 
     def step_ends(self) -> None:
         """The step's gradients are complete."""

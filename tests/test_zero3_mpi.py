@@ -1,9 +1,10 @@
 """ZeRO-3 (hp.DistributedOptimizer(..., zero=3)) under a real mpirun, float64: after 3 AdamW steps the parameters
 equal one process on the same global batches, on 1 × 2, 1 × 4 and 2 × 2 under gpipe, 1f1b, interleaved-1f1b and
-zb-h1, with re-materialization, global clipping, weights tied across stages and zero3_keep_gathered; between
-uses every parameter is freed (only the shard holds the weights) and a chunk's parameters are whole exactly while
-it runs; a checkpoint saved with zero=3 on 2 × 2 resumes on 1 × 4 with zero=0 and on 4 × 1. Training runs in
-ranks_agree blocks, so a check failing on one rank fails every rank."""
+zb-h1, with re-materialization, global clipping, weights tied across stages and zero3_keep_gathered, and without a
+pipeline (a plain nn.Module); between uses every parameter is freed (only the shard holds the weights) and a
+module's parameters are whole while it runs, never the whole stage at once; a checkpoint saved with zero=3 on
+2 × 2 resumes on 1 × 4 with zero=0 and on 4 × 1. Training runs in ranks_agree blocks, so a check failing on one
+rank fails every rank."""
 
 from __future__ import annotations
 
@@ -169,30 +170,38 @@ def test_zero3_with_recompute_clipping_and_kept_gathers(grid, variant):
         model.close()
 
 
-def test_zero3_gathers_a_chunk_exactly_while_it_runs(grid):
-    """A gradient sync registered after the optimizer sees each unit's parameters whole inside its forwards and
-    backwards (the optimizer's gather came first) and freed again once the next unit begins."""
-    from hybridpipe.gradient_sync import GradientSync
-
-    seen = []
-
-    class Watch(GradientSync):
-        def forward_begins(self, unit):
-            seen.append(("forward", all(p.numel() > 0 for p in unit.parameters)))
-
-        def backward_begins(self, unit, last):
-            seen.append(("backward", all(p.numel() > 0 for p in unit.parameters)))
-
+def test_zero3_gathers_a_module_only_while_it_runs(grid):
+    """Each layer's own parameters are whole inside its forward and freed once it returns, and never the whole
+    stage at once: the gathers go module by module (the gradients, checked above, need the backward's too).
+    Buckets of one parameter each: a bucket is what is gathered, and 512 bytes' span layers."""
+    stages = grid.pipeline_stages
+    hp.shutdown()
+    grid = hp.init(pipeline_stages=stages, config=Config(fusion_threshold_bytes=64))
     batches = global_batches(grid.data_replicas)
     model, optimizer = build()
-    model.register_gradient_sync(Watch(), parameters=[])
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    whole = sum(math.prod(shape) for shape in optimizer.parameter_shapes().values()) * 8
+    seen = []
+
+    def inside(module, args):  # (the optimizer's global hook ran first)
+        seen.append(("inside", all(p.numel() > 0 for p in module.parameters()),
+                     sum(p.numel() for p in model.parameters())))
+
+    def after(module, args, output):
+        seen.append(("after", all(p.numel() == 0 for p in module.parameters()), 0))
+
+    handles = [h for m in linears for h in (m.register_forward_pre_hook(inside), m.register_forward_hook(after))]
     try:
         with ranks_agree(what="gathered while running"):
+            assert len(linears) >= 2
             train(model, optimizer, grid, batches[:1])
-            assert seen and all(whole for _, whole in seen), seen
-            assert {kind for kind, _ in seen} == {"forward", "backward"}
+            assert {kind for kind, _, _ in seen} == {"inside", "after"} and all(ok for _, ok, _ in seen), seen
+            assert max(n for _, _, n in seen) < whole // 8, seen  # elements gathered at once < the stage's
+            assert 0 < optimizer.gathered_peak_bytes < whole, (optimizer.gathered_peak_bytes, whole)
             assert freed(model)
     finally:
+        for handle in handles:
+            handle.remove()
         model.close()
 
 
@@ -275,3 +284,72 @@ def test_zero3_loads_a_checkpoint_into_its_shards(grid, tmp_path_factory):
             assert_whole_and_equal(model, optimizer, reference(batches))
     finally:
         model.close()
+
+
+class Twice(nn.Module):
+    """A block called twice in one forward: its parameters' gradient sums both calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(13, 13)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.inner(torch.tanh(self.inner(x))))
+
+
+class Plain(nn.Module):
+    """No pipeline: an embedding tied to the head, a block called twice (re-materialized by torch's checkpoint when
+    asked), layers of their own."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.checkpointed = checkpointed
+        self.embedding = nn.Embedding(7, 6)
+        self.up, self.twice, self.down = nn.Linear(6, 13), Twice(), nn.Linear(13, 6)
+        self.head = Head(self.embedding)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.up(self.embedding(tokens)))
+        h = torch.utils.checkpoint.checkpoint(self.twice, h, use_reentrant=False) if self.checkpointed \
+            else self.twice(h)
+        return self.head(self.down(h))
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["eager", "checkpointed"])
+def test_zero3_without_a_pipeline(checkpointed):
+    """Pure data parallelism of a plain nn.Module over every rank: equal to one process after 3 AdamW steps, the
+    parameters freed between uses, evaluation under no_grad gathering too."""
+    hp.shutdown()
+    hp.init(config=CONFIG)
+    try:
+        batches = global_batches(SIZE, tied=True)
+        reference_model = Plain(checkpointed)
+        reference_optimizer = adamw(reference_model.parameters())
+        for inputs, targets in batches:
+            reference_optimizer.zero_grad()
+            loss_fn(reference_model(inputs), targets).backward()
+            reference_optimizer.step()
+        model = Plain(checkpointed)
+        optimizer = hp.DistributedOptimizer(adamw(model.parameters()), named_parameters=model.named_parameters(),
+                                            zero=3)
+        rows = slice(hp.rank() * PER_REPLICA, (hp.rank() + 1) * PER_REPLICA)
+        with ranks_agree(what=f"no pipeline, checkpointed={checkpointed}"):
+            assert freed(model)
+            for inputs, targets in batches:
+                optimizer.zero_grad()
+                loss_fn(model(inputs[rows]), targets[rows]).backward()
+                optimizer.step()
+                assert freed(model)
+            with torch.no_grad():
+                torch.testing.assert_close(model(batches[0][0]), reference_model(batches[0][0]), rtol=1e-9, atol=1e-12)
+            assert freed(model)
+            expected = {name: p.detach() for name, p in reference_model.named_parameters()}
+            with optimizer.full_parameters() as full:
+                assert set(full) == set(expected)
+                for name, parameter in full.items():
+                    torch.testing.assert_close(parameter.detach(), expected[name], rtol=1e-9, atol=1e-12,
+                                               msg=lambda m: f"{name}: {m}")
+            assert 0 < optimizer.gathered_peak_bytes
+    finally:
+        hp.shutdown()

@@ -489,11 +489,11 @@ def DistributedOptimizer(  # noqa: N802 — Horovod's spelling, a factory that r
             group owns 1/D of the flattened parameters' optimizer state, gradients are reduce-scattered
             and the updated parameters allgathered; 2 (ZeRO-2) also frees the parameters' gradients once
             they are sent, keeping only the shard's (hybridpipe/data_parallel/zero.py, docs/data_parallel.md);
-            3 (ZeRO-3) also shards the parameters: each replica keeps 1/D of them, and a pipeline chunk's are
-            gathered for each of its forwards and backwards and freed after (the parameters of a
-            ``hp.PipelineModel`` only; ``opt.full_parameters()`` gathers them all for a while).
-        zero3_keep_gathered: with ``zero=3``, a chunk's parameters once gathered stay so until ``step()``
-            (one gather per chunk and step instead of one per action; the memory of zero=2 during the step).
+            3 (ZeRO-3) also shards the parameters: each replica keeps 1/D of them, and a module's own are
+            gathered for each of its forwards and backwards and freed after, in any ``nn.Module``, inside a
+            ``hp.PipelineModel`` or not (``opt.full_parameters()`` gathers them all for a while).
+        zero3_keep_gathered: with ``zero=3``, parameters once gathered stay so until ``step()`` (one gather per
+            bucket and step instead of one per use; the memory of zero=2 during the step).
 
     Returns:
         An optimizer of a subclass of ``type(optimizer)``.

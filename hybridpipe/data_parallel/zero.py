@@ -27,27 +27,34 @@ any rank is stepped with a zero gradient (a flat shard cannot skip part of itsel
 momentum still move it, unlike zero=0, where it is skipped.
 
 ZeRO-3. The shard is then the only copy of the parameters between uses: each parameter's ``.data`` is an empty
-tensor (its shape kept in the layout) except while a unit that holds it runs. The optimizer hears the pipeline's
-unit events (hybridpipe/gradient_sync.py): ``forward_begins`` / ``backward_begins`` of a chunk allgather the
-buckets holding its parameters into one flat buffer per bucket whose views become the parameters' data,
-``forward_ends`` / ``backward_ends`` free it (a count per bucket: a re-materialized forward inside its backward
-frees nothing; ``zero3_keep_gathered=True`` keeps them gathered until the step). Autograd saved the parameters
-themselves, so a backward sees the data gathered again for it. Gradients go as zero=2's. ``step()`` steps the
-shard and gathers nothing: the next forward does. A weight tied across stages (a deferred parameter, whose
-gradient the pipeline sums after the run) stays whole on its holders and is refreshed after each step.
-``full_parameters()`` gathers everything for a while (checkpoints, evaluation, export).
+tensor (its shape kept in the layout) except while a module that owns it runs (:class:`_ModuleGathers`): torch's
+global module hooks allgather the buckets holding a module's own parameters as its forward begins (one flat
+buffer per bucket, whose views become the parameters' data) and free them as it ends; the backward of that call
+gathers them again when the gradient of its output arrives and frees them once each of them has its gradient of
+that backward. So any ``nn.Module`` works, inside a pipeline or not, and a rank holds whole only the buckets of
+the modules running (a count per bucket: a module called twice, a re-materialized forward inside its backward,
+and ``zero3_keep_gathered=True``, which keeps them until the step). A split backward's ``I`` and ``W`` (zb-h1),
+which autograd runs from recorded outputs, gather their whole chunk, through the pipeline's unit events
+(hybridpipe/gradient_sync.py). Autograd saved the parameters themselves, so a backward sees the data gathered
+again for it. Gradients go as zero=2's. ``step()`` steps the shard and gathers nothing: the next forward does. A
+weight tied across stages (a deferred parameter, whose gradient the pipeline sums after the run) stays whole on
+its holders and is refreshed after each step. ``full_parameters()`` gathers everything for a while (checkpoints,
+evaluation, export). A parameter used outside the forward of the module that owns it (a parent reading a child's
+``weight`` in its own forward) is not whole there: own it in the module that uses it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from .. import _trace as timeline
 from ..comm import autotune, buffers, context
@@ -91,23 +98,128 @@ def check_level(zero: Any, keep_gathered: Any = False) -> int:
 
 
 class _Gathers(GradientSync):
-    """ZeRO-3's side of the contract with the pipeline (hybridpipe/gradient_sync.py): a unit's forwards and
-    backwards need its parameters whole; they are gathered as each begins and freed as it ends."""
+    """ZeRO-3's side of the contract with the pipeline (hybridpipe/gradient_sync.py): the backward halves of a
+    split backward (``I``, ``W``: autograd from recorded outputs, not through the modules' calls) need their
+    chunk's parameters whole; they are gathered as each begins and freed as it ends. Forwards and whole backwards
+    are gathered module by module (:class:`_ModuleGathers`)."""
 
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = optimizer
 
-    def forward_begins(self, unit: Unit) -> None:
-        self.optimizer._hp_unit_begins(unit)
-
-    def forward_ends(self, unit: Unit) -> None:
-        self.optimizer._hp_unit_ends(unit)
-
     def backward_begins(self, unit: Unit, last: bool) -> None:
-        self.optimizer._hp_unit_begins(unit)
+        if unit.split_backward:
+            self.optimizer._hp_unit_begins(unit)
 
     def backward_ends(self, unit: Unit, last: bool) -> None:
-        self.optimizer._hp_unit_ends(unit)
+        if unit.split_backward:
+            self.optimizer._hp_unit_ends(unit)
+
+
+class _Backward:
+    """One call of a module whose backward has begun: the gradients of its parameters still to come."""
+
+    __slots__ = ("buckets", "waiting", "fired")
+
+    def __init__(self, buckets: list[int]) -> None:
+        self.buckets, self.waiting, self.fired = buckets, set(), False
+
+
+class _ModuleGathers:
+    """ZeRO-3's gathers module by module (the module docstring's "ZeRO-3"). A pipeline's units name their modules:
+    those owning this optimizer's parameters get hooks of their own. DistributedOptimizer is given parameters, not
+    modules, so for parameters no pipeline runs torch's global module hooks find the modules (a module owning
+    none of them costs a lookup). The hooks hold the optimizer weakly and go with it (the global ones as soon as
+    they run after it); torch.compile runs them eagerly, between its graphs."""
+
+    def __init__(self, optimizer: Any, modules: list[torch.nn.Module], free: bool) -> None:
+        self.optimizer = weakref.ref(optimizer)
+        self.buckets_of: dict[int, set[int]] = {}
+        for bucket in optimizer._hp_buckets:
+            for item in bucket.items:
+                self.buckets_of.setdefault(id(item.parameter), set()).add(bucket.index)
+        self.modules: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (buckets, grad ids) | None
+        self.waiting: dict[int, list[_Backward]] = {}  # id(parameter) -> backwards waiting for its gradient
+        begins, ends = torch.compiler.disable(self.forward_begins), torch.compiler.disable(self.forward_ends)
+        self.handles: list[Any] = []
+        if free:
+            self.handles += [torch.nn.modules.module.register_module_forward_pre_hook(begins),
+                             torch.nn.modules.module.register_module_forward_hook(ends)]
+        for module in {id(m): m for root in modules for m in root.modules()}.values():
+            if self.entry(module) is not None:
+                self.handles += [module.register_forward_pre_hook(begins), module.register_forward_hook(ends)]
+        self.handles += [item.parameter.register_post_accumulate_grad_hook(self.accumulated)
+                         for bucket in optimizer._hp_buckets for item in bucket.items]
+        weakref.finalize(optimizer, _remove_hooks, self.handles)
+
+    def entry(self, module: torch.nn.Module) -> tuple[list[int], frozenset[int]] | None:
+        try:
+            return self.modules[module]
+        except KeyError:
+            own = [p for p in module.parameters(recurse=False) if id(p) in self.buckets_of]
+            found = (sorted({i for p in own for i in self.buckets_of[id(p)]}),
+                     frozenset(id(p) for p in own if p.requires_grad)) if own else None
+            self.modules[module] = found
+            return found
+
+    def forward_begins(self, module: torch.nn.Module, args: Any) -> None:
+        optimizer = self.optimizer()
+        if optimizer is None:
+            _remove_hooks(self.handles)
+            return
+        entry = self.entry(module)
+        if entry is not None:
+            optimizer._hp_use(entry[0])
+
+    def forward_ends(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        entry = self.entry(module)
+        optimizer = self.optimizer()
+        if entry is None or optimizer is None:
+            return
+        optimizer._hp_unuse(entry[0])
+        if not entry[1] or not torch.is_grad_enabled():
+            return
+        tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            call = _Backward(entry[0])
+            for tensor in tensors:
+                tensor.register_hook(lambda grad, call=call, ids=entry[1]: self.backward_begins(call, ids))
+
+    def backward_begins(self, call: _Backward, ids: frozenset[int]) -> None:
+        """The gradient of one of the call's outputs arrived: its backward needs the parameters (once per call)."""
+        optimizer = self.optimizer()
+        if call.fired or optimizer is None:
+            return
+        call.fired = True
+        optimizer._hp_use(call.buckets)
+        call.waiting = set(ids)
+        for pid in ids:
+            self.waiting.setdefault(pid, []).append(call)
+
+    def accumulated(self, parameter: torch.Tensor) -> None:
+        """``parameter``'s gradient of a backward is in: calls waiting for nothing else free their buckets."""
+        calls = self.waiting.pop(id(parameter), None)
+        optimizer = self.optimizer()
+        if not calls or optimizer is None:
+            return
+        for call in calls:
+            call.waiting.discard(id(parameter))
+            if not call.waiting:
+                optimizer._hp_unuse(call.buckets)
+
+    def settle(self) -> None:
+        """The backwards are over (the step): calls still waiting (a parameter that got no gradient) let go."""
+        optimizer = self.optimizer()
+        calls = {id(call): call for waiting in self.waiting.values() for call in waiting}
+        self.waiting.clear()
+        if optimizer is not None:
+            for call in calls.values():
+                call.waiting.clear()
+                optimizer._hp_unuse(call.buckets)
+
+
+def _remove_hooks(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def refuse_closure(closure: Any) -> None:
@@ -238,6 +350,8 @@ class ZeroMixin:
     def synchronize(self) -> None:
         """Waits for every bucket's reduce-scatter (starting those whose gradients the hooks did not all
         see final on this rank); afterwards each replica's shard holds its piece of the average."""
+        if self._hp_zero == 3:
+            self._hp_modules.settle()
         for index in range(len(self._hp_buckets)):  # buckets whose gradients were not all final here:
             if index not in self._hp_zhandles:    # what this rank has (zeros for the missing ones)
                 self._hp_zero_submit(index)
@@ -354,15 +468,9 @@ class ZeroMixin:
         ones (tied across stages) is freed; the unit events of the pipeline that runs them gather and free."""
         registrations = drivers_of(context.current("DistributedOptimizer")).register(
             _Gathers(self), [p for _, p in self._hp_parameters])
-        free = [r for r in registrations if r.parameters and not r.driver.drives_units]
-        if free:
-            for registration in registrations:
-                registration.remove()
-            raise NotSupportedError(
-                f"DistributedOptimizer(zero=3): {len(free[0].parameters)} of its parameters are run by no "
-                "hp.PipelineModel, whose chunks say when their parameters are needed: build the model as "
-                "hp.PipelineModel (one stage is fine: hp.init(pipeline_stages=1)) before wrapping its optimizer, "
-                "or use zero=2")
+        modules = [unit.module for r in registrations if r.driver.drives_units for unit in r.driver.units
+                   if unit.module is not None]
+        free = any(r.parameters and not r.driver.drives_units for r in registrations)
         self._hp_keep = bool(keep_gathered)
         self._hp_holds = [0] * len(self._hp_buckets)  # units (and full_parameters) using each bucket now
         self._hp_full: dict[int, torch.Tensor] = {}  # bucket -> its gathered flat buffer
@@ -372,6 +480,7 @@ class ZeroMixin:
                          for p in unit.parameters if id(p) in unit.deferred}
         self._hp_zero_load_pieces()
         self._hp_zero3_release(range(len(self._hp_buckets)))
+        self._hp_modules = _ModuleGathers(self, modules, free)
 
     def _hp_buckets_of(self, unit: Any) -> list[int]:
         found = self._hp_unit_buckets.get(id(unit))

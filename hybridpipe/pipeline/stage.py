@@ -130,7 +130,8 @@ class _Chunk:
         self.module, self.stage = module, stage
         self.index = stage // ranks          # position among this rank's chunks
         self.first, self.last = stage == 0, stage == chunks - 1
-        self.unit = Unit(stage, module.parameters())  # what the gradient syncs are told about (gradient_sync.py)
+        # what the gradient syncs are told about (gradient_sync.py)
+        self.unit = Unit(stage, module.parameters(), module)
         self.stash: WeightStash | None = None  # asynchronous schedules
         self.splittable: list[nn.Module] = []  # split backward: layers whose W is deferred
         self.recording: list[tuple[nn.Module, list[torch.Tensor], list[int]]] | None = None
@@ -689,7 +690,8 @@ class StageExecutor:
         key = (chunk.stage, m)
         stored = self._stored[key]
         # the syncs hear of the whole backward, a re-materialized forward included (an I is never the last)
-        with self.gradient_syncs.backward(chunk.unit, last=step.final.get(chunk.stage) == index):
+        with self.gradient_syncs.backward(chunk.unit, last=step.final.get(chunk.stage) == index,
+                                          split=action.kind is not ActionKind.BACKWARD):
             loss, roots, root_grads, start = self._backward_roots(step, chunk, stored, m)
             popped = [stored.skips_in[route.name] for route in self._skips_into(chunk.stage)]
             inputs = [t for t in iter_tensors(stored.x) if t.requires_grad] + \
@@ -771,7 +773,8 @@ class StageExecutor:
         key = (chunk.stage, m)
         stored = self._stored[key]
         start = time.monotonic()
-        with self.gradient_syncs.backward(chunk.unit, last=step.final.get(chunk.stage) == index), self._computing():
+        with self.gradient_syncs.backward(chunk.unit, last=step.final.get(chunk.stage) == index, split=True), \
+                self._computing():
             weight_gradients(stored.calls, stored.deferred)
         timeline.record(f"W{m}", "backward", "compute", start, time.monotonic(),
                         {"stage": chunk.stage, "micro_batch": m})
