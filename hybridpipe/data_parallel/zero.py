@@ -36,7 +36,8 @@ the modules running (a count per bucket: a module called twice, a re-materialize
 and ``zero3_keep_gathered=True``, which keeps them until the step). A split backward's ``I`` and ``W`` (zb-h1),
 which autograd runs from recorded outputs, gather their whole chunk, through the pipeline's unit events
 (hybridpipe/gradient_sync.py). Autograd saved the parameters themselves, so a backward sees the data gathered
-again for it. Gradients go as zero=2's. ``step()`` steps the shard and gathers nothing: the next forward does. A
+again for it. Each gather starts the next bucket's behind it (prefetch: the one before in a forward, after in
+a backward). Gradients go as zero=2's. ``step()`` steps the shard and gathers nothing: the next forward does. A
 weight tied across stages (a deferred parameter, whose gradient the pipeline sums after the run) stays whole on
 its holders and is refreshed after each step. ``full_parameters()`` gathers everything for a while (checkpoints,
 evaluation, export). A parameter used outside the forward of the module that owns it (a parent reading a child's
@@ -168,7 +169,7 @@ class _ModuleGathers:
             return
         entry = self.entry(module)
         if entry is not None:
-            optimizer._hp_use(entry[0])
+            optimizer._hp_use(entry[0], prefetch=-1)  # (the buckets hold the parameters in reverse)
 
     def forward_ends(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         entry = self.entry(module)
@@ -190,7 +191,7 @@ class _ModuleGathers:
         if call.fired or optimizer is None:
             return
         call.fired = True
-        optimizer._hp_use(call.buckets)
+        optimizer._hp_use(call.buckets, prefetch=1)
         call.waiting = set(ids)
         for pid in ids:
             self.waiting.setdefault(pid, []).append(call)
@@ -352,6 +353,7 @@ class ZeroMixin:
         see final on this rank); afterwards each replica's shard holds its piece of the average."""
         if self._hp_zero == 3:
             self._hp_modules.settle()
+            self._hp_drop_prefetched()
         for index in range(len(self._hp_buckets)):  # buckets whose gradients were not all final here:
             if index not in self._hp_zhandles:    # what this rank has (zeros for the missing ones)
                 self._hp_zero_submit(index)
@@ -382,6 +384,8 @@ class ZeroMixin:
 
     def _hp_zero_load_pieces(self) -> None:
         """This replica's pieces of the current parameter values into the shards."""
+        if self._hp_zero == 3:
+            self._hp_drop_prefetched()  # (gathered from the values these replace)
         r = self._hp_zrank
         with torch.no_grad():
             for bucket in self._hp_buckets:
@@ -474,6 +478,7 @@ class ZeroMixin:
         self._hp_keep = bool(keep_gathered)
         self._hp_holds = [0] * len(self._hp_buckets)  # units (and full_parameters) using each bucket now
         self._hp_full: dict[int, torch.Tensor] = {}  # bucket -> its gathered flat buffer
+        self._hp_prefetched: dict[int, tuple[torch.Tensor, Any]] = {}  # bucket -> (buffer, handle) in flight
         self._hp_unit_buckets: dict[int, list[int]] = {}
         self._hp_gathered_peak = 0
         self._hp_kept = {id(p) for r in registrations for unit in r.driver.units
@@ -489,13 +494,26 @@ class ZeroMixin:
                 bucket.index for bucket in self._hp_buckets if any(unit.holds(item.parameter) for item in bucket.items)]
         return found
 
-    def _hp_use(self, indices: Any) -> None:
-        """Buckets ``indices`` are in use from now (gathered where they are not)."""
+    def _hp_use(self, indices: Any, prefetch: int = 0) -> None:
+        """Buckets ``indices`` are in use from now (gathered where they are not). ``prefetch``: the direction the
+        run goes through the buckets (-1 forward, 1 backward): the next bucket's gather starts behind them, to
+        overlap the compute of these (every replica runs the same modules, so they prefetch the same)."""
         needed = [i for i in indices if i not in self._hp_full]
         for i in indices:
             self._hp_holds[i] += 1
         if needed:
             self._hp_zero3_gather(needed)
+        if prefetch and indices:
+            following = (min(indices) - 1) if prefetch < 0 else (max(indices) + 1)
+            if 0 <= following < len(self._hp_buckets) and following not in self._hp_full \
+                    and following not in self._hp_prefetched:
+                self._hp_prefetched[following] = self._hp_zero3_submit(following)
+
+    def _hp_drop_prefetched(self) -> None:
+        """Gathers started for a use that did not come before the step (their values go stale with it)."""
+        prefetched, self._hp_prefetched = self._hp_prefetched, {}
+        for _, handle in prefetched.values():
+            handle.wait()
 
     def _hp_unuse(self, indices: Any) -> None:
         """Buckets ``indices`` are no longer used by one user; freed when none uses them (unless kept gathered)."""
@@ -517,33 +535,37 @@ class ZeroMixin:
                 if id(item.parameter) not in self._hp_kept:
                     item.parameter.data = torch.empty(0, dtype=item.parameter.dtype, device=item.parameter.device)
 
-    def _hp_zero3_gather(self, indices: list[int]) -> None:
-        """Allgathers buckets ``indices`` (all submitted, then each waited for): each parameter's data becomes a
-        view of its bucket's gathered buffer; a kept (tied) parameter gets the values copied in."""
+    def _hp_zero3_submit(self, index: int) -> tuple[torch.Tensor, Any]:
+        """Starts the allgather of bucket ``index``'s pieces: (the flat buffer it fills, its handle)."""
         state = context.current("DistributedOptimizer")
         group_id = state.engine_group(self._hp_group, "DistributedOptimizer")
-        pending = []
-        for index in indices:
-            bucket = self._hp_buckets[index]
-            shard = self._hp_shards[bucket.group]
-            piece = shard.detach()[bucket.shard_offset:bucket.shard_offset + bucket.piece]
-            if staged_through_host(shard):
-                piece = _host_buffer(bucket.piece, shard).copy_(piece)
-            full = _host_buffer(bucket.padded, shard)
-            name = f"{self._hp_prefix}.zero.ag{bucket.index}"
-            kind = (self._hp_layout_digest + 7919 * (bucket.index + 1)) & 0x3FFFFFFF
-            counts = [bucket.piece] * self._hp_zsize
-            handle = context.queue(
-                state, group_id, name, "DistributedOptimizer",
-                lambda piece=piece, full=full, name=name, kind=kind, counts=counts: state.engine.submit_allgather(
-                    group_id, name, kind, piece.data_ptr(), full.data_ptr(), counts, buffers.dtype_code(full)),
-                (piece, full), lambda: None)
-            pending.append((bucket, full, handle))
+        bucket = self._hp_buckets[index]
+        shard = self._hp_shards[bucket.group]
+        piece = shard.detach()[bucket.shard_offset:bucket.shard_offset + bucket.piece]
+        if staged_through_host(shard):
+            piece = _host_buffer(bucket.piece, shard).copy_(piece)
+        full = _host_buffer(bucket.padded, shard)
+        name = f"{self._hp_prefix}.zero.ag{bucket.index}"
+        kind = (self._hp_layout_digest + 7919 * (bucket.index + 1)) & 0x3FFFFFFF
+        counts = [bucket.piece] * self._hp_zsize
+        handle = context.queue(
+            state, group_id, name, "DistributedOptimizer",
+            lambda: state.engine.submit_allgather(group_id, name, kind, piece.data_ptr(), full.data_ptr(), counts,
+                                                  buffers.dtype_code(full)),
+            (piece, full), lambda: None)
+        return full, handle
+
+    def _hp_zero3_gather(self, indices: list[int]) -> None:
+        """Allgathers buckets ``indices`` (all submitted, or prefetched, then each waited for): each parameter's
+        data becomes a view of its bucket's gathered buffer; a kept (tied) parameter gets the values copied in."""
+        pending = [(self._hp_buckets[i], *(self._hp_prefetched.pop(i, None) or self._hp_zero3_submit(i)))
+                   for i in indices]
         for bucket, full, handle in pending:
             handle.wait()
             full = full.to(self._hp_shards[bucket.group].device)
             self._hp_full[bucket.index] = full
-            self._hp_gathered_peak = max(self._hp_gathered_peak, _tensor_bytes(self._hp_full.values()))
+            self._hp_gathered_peak = max(self._hp_gathered_peak, _tensor_bytes(self._hp_full.values()) + _tensor_bytes(
+                full for full, _ in self._hp_prefetched.values()))
             with torch.no_grad():
                 for item in bucket.items:
                     view = full[item.offset:item.offset + item.numel].view(item.shape)
@@ -555,6 +577,7 @@ class ZeroMixin:
     def _hp_zero3_step(self) -> Any:
         """Steps the shard; the gathered copies are stale then: freed (those in use gathered again), and the kept
         (tied) parameters refreshed."""
+        self._hp_drop_prefetched()
         result = self._hp_inner_step()
         stale = list(self._hp_full)
         self._hp_zero3_release(stale)
