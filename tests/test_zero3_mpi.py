@@ -353,3 +353,55 @@ def test_zero3_without_a_pipeline(checkpointed):
             assert 0 < optimizer.gathered_peak_bytes
     finally:
         hp.shutdown()
+
+
+def test_zero3_materializes_a_meta_module_as_shards():
+    """A transformers Llama built on the meta device: DistributedOptimizer(zero=3) makes its parameters empty real
+    tensors (the same objects), opt.materialize(model) fills the shards module by module (no rank holding more
+    than one module's parameters whole), and 3 AdamW steps equal one process that initialised the whole model the
+    same way."""
+    transformers = pytest.importorskip("transformers")
+    hp.shutdown()
+    hp.init(config=CONFIG)
+    try:
+        config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
+                                          tie_word_embeddings=False)
+        with torch.device("meta"):
+            reference, model = transformers.LlamaForCausalLM(config), transformers.LlamaForCausalLM(config)
+        reference.to_empty(device="cpu")
+        torch.manual_seed(5)
+        with torch.no_grad():
+            for module in reference.modules():  # what materialize does, on the whole model
+                if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(False)):
+                    reference._init_weights(module)
+        optimizer = hp.DistributedOptimizer(adamw(model.parameters()), named_parameters=model.named_parameters(),
+                                            zero=3)
+        whole = sum(p.numel() * p.element_size() for p in reference.parameters())
+        with ranks_agree(what="meta materialized"):
+            assert freed(model) and all(p.device.type == "cpu" for p in model.parameters())
+            with pytest.raises(hp.errors.UsageError, match=r"meta device .* call opt.materialize\(module\) first"):
+                model(torch.zeros(1, 4, dtype=torch.long))
+            torch.manual_seed(5)
+            peak = optimizer.materialize(model)
+            assert 0 < peak < whole / 4, (peak, whole)
+            assert freed(model)
+            generator = torch.Generator().manual_seed(1)
+            reference_optimizer = adamw(reference.parameters())
+            for _ in range(STEPS):
+                ids = torch.randint(0, 32, (2 * SIZE, 9), generator=generator)
+                reference_optimizer.zero_grad()
+                reference(ids, labels=ids).loss.backward()
+                reference_optimizer.step()
+                optimizer.zero_grad()
+                mine = ids[2 * hp.rank():2 * hp.rank() + 2]
+                model(mine, labels=mine).loss.backward()
+                optimizer.step()
+            with optimizer.full_parameters() as full:
+                expected = dict(reference.named_parameters())
+                assert set(full) == set(expected)
+                for name, parameter in full.items():
+                    torch.testing.assert_close(parameter.detach(), expected[name].detach(), rtol=1e-5, atol=1e-6,
+                                               msg=lambda m: f"{name}: {m}")
+    finally:
+        hp.shutdown()

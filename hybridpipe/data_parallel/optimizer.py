@@ -511,11 +511,12 @@ def DistributedOptimizer(  # noqa: N802 — Horovod's spelling, a factory that r
     level = zero_module.check_level(zero, zero3_keep_gathered)
     _refuse_zero_outside(group, zero, level)
     _refuse_pipeline_driven(optimizer, zero)
+    meta = zero_module.realize_meta(optimizer) if level == 3 else {}
     wrapped = _wrapper_of(optimizer, sharded=bool(level))
     wrapped._hp_setup(named_parameters, op, compression, backward_passes_per_step, gradient_predivide_factor, groups,
                       num_groups, sparse_as_dense, group, auto_buckets=not level)
     if level:
-        wrapped._hp_zero_setup(level, keep_gathered=bool(zero3_keep_gathered))
+        wrapped._hp_zero_setup(level, keep_gathered=bool(zero3_keep_gathered), meta=meta)
     return wrapped
 
 

@@ -47,6 +47,7 @@ evaluation, export). A parameter used outside the forward of the module that own
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import weakref
 import zlib
@@ -235,7 +236,9 @@ class ZeroMixin:
     """The sharded step, layered over _DistributedOptimizerMixin (see DistributedOptimizer(zero=)), whose
     ``_hp_inner_step`` is the wrapped optimizer's own step."""
 
-    def _hp_zero_setup(self, level: int, keep_gathered: bool = False) -> None:
+    def _hp_zero_setup(self, level: int, keep_gathered: bool = False,
+                       meta: dict[int, tuple[int, ...]] | None = None) -> None:
+        self._hp_meta = meta or {}  # zero=3: the shapes of parameters built on the meta device (realize_meta)
         if self._hp_op not in (Average, Sum):
             raise NotSupportedError(f"DistributedOptimizer(zero={level}) reduces with op=hp.Average or hp.Sum (got "
                                     f"hp.{self._hp_op.name}): Adasum needs whole gradients; use zero=0")
@@ -271,14 +274,15 @@ class ZeroMixin:
                 raise NotSupportedError(f"DistributedOptimizer(zero={level}): param group {gi} has dtype "
                                         f"{params[0].dtype}; sharding needs floating-point parameters")
             dtype = params[0].dtype if params else torch.float32
+            shape = lambda p: self._hp_meta.get(id(p), tuple(p.shape))  # noqa: E731
             buckets = buffers.size_buckets(list(reversed(params)),  # the backward's order
-                                           lambda p: p.numel() * p.element_size(), threshold)
+                                           lambda p: math.prod(shape(p)) * p.element_size(), threshold)
             shard_numel = 0
             for members in buckets:
                 items, offset = [], 0
                 for p in members:
-                    items.append(_Item(names[id(p)], p, offset, p.numel(), tuple(p.shape)))
-                    offset += p.numel()
+                    items.append(_Item(names[id(p)], p, offset, math.prod(shape(p)), shape(p)))
+                    offset += items[-1].numel
                 padded = -(-offset // D) * D
                 bucket = _Bucket(len(self._hp_buckets), gi, items, offset, padded, padded // D, shard_numel,
                                  {item.name for item in items})
@@ -483,9 +487,63 @@ class ZeroMixin:
         self._hp_gathered_peak = 0
         self._hp_kept = {id(p) for r in registrations for unit in r.driver.units
                          for p in unit.parameters if id(p) in unit.deferred}
-        self._hp_zero_load_pieces()
+        self._hp_unmaterialized = sum(1 for bucket in self._hp_buckets for item in bucket.items
+                                      if id(item.parameter) in self._hp_meta)
+        if not self._hp_unmaterialized:
+            self._hp_zero_load_pieces()
         self._hp_zero3_release(range(len(self._hp_buckets)))
         self._hp_modules = _ModuleGathers(self, modules, free)
+
+    def materialize(self, module: torch.nn.Module, init: Any = None) -> int:
+        """zero=3, the module built on the meta device: fills the shards module by module, no rank ever holding
+        more than one module's parameters whole. For each module of ``module`` (in ``module.modules()`` order)
+        owning some of this optimizer's parameters or a buffer on the meta device: its own parameters are made
+        whole, its meta buffers real, ``init(module)`` fills them (default: a Hugging Face model's
+        ``_init_weights``, else the module's ``reset_parameters()``), this replica's pieces go into the shard and
+        the parameters are freed again. Every replica draws the same random numbers (seed them alike): the
+        values are those of the same initialisation run on the whole module. Returns the most bytes held whole
+        at once."""
+        if not self._hp_unmaterialized:
+            raise UsageError("opt.materialize(module): none of this optimizer's parameters is on the meta device "
+                             "(they were built with their values; nothing to materialize)")
+        init = init if init is not None else getattr(module, "_init_weights", None) or _reset_parameters
+        device = self._hp_shards[0].device
+        items = {id(item.parameter): (bucket, item) for bucket in self._hp_buckets for item in bucket.items}
+        done, peak = set(), 0
+        for sub in module.modules():
+            own = [p for p in sub.parameters(recurse=False) if id(p) in items and id(p) not in done]
+            buffers_meta = [name for name, b in sub.named_buffers(recurse=False) if b.device.type == "meta"]
+            if not own and not buffers_meta:
+                continue
+            persistent = set(sub.state_dict(keep_vars=True)) if buffers_meta else set()
+            for name in buffers_meta:
+                sub.register_buffer(name, torch.empty_like(sub.get_buffer(name), device=device),
+                                    persistent=name in persistent)
+            for parameter in own:
+                parameter.data = torch.empty(items[id(parameter)][1].shape, dtype=parameter.dtype, device=device)
+            peak = max(peak, _tensor_bytes(own))
+            with torch.no_grad():
+                init(sub)
+                for parameter in own:
+                    self._hp_keep_piece(*items[id(parameter)])
+                    done.add(id(parameter))
+                    if id(parameter) not in self._hp_kept:
+                        parameter.data = torch.empty(0, dtype=parameter.dtype, device=device)
+        missing = [item.name for bucket, item in items.values() if id(item.parameter) not in done]
+        if missing:
+            raise UsageError(f"opt.materialize(module): {len(missing)} of the optimizer's parameters are not in "
+                             f"this module ({missing[:3]}): pass the module that holds them all")
+        self._hp_unmaterialized = 0
+        return peak
+
+    def _hp_keep_piece(self, bucket: _Bucket, item: _Item) -> None:
+        """This replica's piece of one whole parameter into the shard."""
+        begin, end = self._hp_zrank * bucket.piece, (self._hp_zrank + 1) * bucket.piece
+        lo, hi = max(begin, item.offset), min(end, item.offset + item.numel)
+        if lo < hi:
+            shard = self._hp_shards[bucket.group]
+            shard.data[bucket.shard_offset + lo - begin:bucket.shard_offset + hi - begin].copy_(
+                item.parameter.detach().reshape(-1)[lo - item.offset:hi - item.offset])
 
     def _hp_buckets_of(self, unit: Any) -> list[int]:
         found = self._hp_unit_buckets.get(id(unit))
@@ -498,6 +556,9 @@ class ZeroMixin:
         """Buckets ``indices`` are in use from now (gathered where they are not). ``prefetch``: the direction the
         run goes through the buckets (-1 forward, 1 backward): the next bucket's gather starts behind them, to
         overlap the compute of these (every replica runs the same modules, so they prefetch the same)."""
+        if self._hp_unmaterialized:
+            raise UsageError(f"DistributedOptimizer(zero=3): {self._hp_unmaterialized} parameters were built on "
+                             "the meta device and have no values yet: call opt.materialize(module) first")
         needed = [i for i in indices if i not in self._hp_full]
         for i in indices:
             self._hp_holds[i] += 1
@@ -728,6 +789,33 @@ class ZeroMixin:
 
 #: tests: stage CPU shards through separate host buffers too, as GPU shards are (the CUDA path's logic on a CPU)
 STAGE_CPU_SHARDS = False
+
+
+def realize_meta(optimizer: torch.optim.Optimizer) -> dict[int, tuple[int, ...]]:
+    """zero=3, before anything hooks the parameters: those of ``optimizer`` built on the meta device become empty
+    tensors on this rank's device (the same Parameter objects: the module and the caller keep theirs), to be
+    filled by ``materialize()``. Returns their shapes by id."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    meta = [p for p in params if p.device.type == "meta"]
+    if meta and len(meta) < len(params):
+        raise UsageError(f"DistributedOptimizer(zero=3): {len(meta)} of the {len(params)} parameters are on the "
+                         "meta device and the others are not: build the whole module on the meta device (then "
+                         "opt.materialize(module)) or none of it")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    shapes = {}
+    for parameter in meta:
+        shapes[id(parameter)] = tuple(parameter.shape)
+        torch.utils.swap_tensors(parameter, torch.nn.Parameter(torch.empty(0, dtype=parameter.dtype, device=device),
+                                                               requires_grad=parameter.requires_grad))
+    return shapes
+
+
+def _reset_parameters(module: torch.nn.Module) -> None:
+    reset = getattr(module, "reset_parameters", None)
+    if reset is None:
+        raise UsageError(f"opt.materialize(module): {type(module).__name__} has no reset_parameters() to fill its "
+                         "parameters: pass init=(a function of one module that fills its own parameters)")
+    reset()
 
 
 def staged_through_host(shard: torch.Tensor) -> bool:
