@@ -59,9 +59,8 @@ ZERO_LEVELS: dict[int, ZeroLevel] = {level.level: level for level in (
     ZeroLevel(1, True, False, "the optimizer state is sharded over the stage's replicas (each updates 1/D of the "
                               "parameters and allgathers the rest)"),
     ZeroLevel(2, True, True, "the gradients too: reduce-scattered as they are produced, each replica keeping 1/D"),
-    ZeroLevel(3, True, True, "the parameters too: each replica keeps 1/D of them, a pipeline chunk's gathered for "
-                             "its forwards and backwards and freed after (PipelineModel only; not yet planned by "
-                             "hp.auto)", parameters_sharded=True, planned=False),
+    ZeroLevel(3, True, True, "the parameters too: each replica keeps 1/D of them, a module's gathered for each of "
+                             "its forwards and backwards and freed after", parameters_sharded=True),
 )}
 
 RECOMPUTE_MODES: dict[str, RecomputeMode] = {mode.name: mode for mode in (

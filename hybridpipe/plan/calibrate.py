@@ -385,22 +385,31 @@ def _data_parallel_extra(comm: Any, repeats: int) -> float:
 
 
 def _zero_extra(comm: Any, repeats: int) -> dict[int, float]:
-    """Seconds per MiB of a rank's parameters that a ZeRO-1 and a ZeRO-2 step take beyond a plain data-parallel one:
-    from the end of the backward to the end of ``step()`` (the reductions, the update, ZeRO's copies and the
-    allgather of the updated shards), the slowest rank's median, on :func:`_probe_model` with negligible compute
-    (two samples), the levels taking turns so that they see the same spells of the machine.
+    """Seconds per MiB of a rank's parameters that a ZeRO-1, ZeRO-2 and ZeRO-3 step take beyond a plain data-parallel
+    one, on :func:`_probe_model` with negligible compute (two samples), the levels taking turns so that they see the
+    same spells of the machine, the slowest rank's median: for levels 1 and 2 from the end of the backward to the
+    end of ``step()`` (the reductions, the update, ZeRO's copies and the allgather of the updated shards); for level
+    3 the whole step, since its gathers come before each module's forward and backward.
     Collective over ``comm``; the job's data-parallel grid (one stage)."""
     torch.manual_seed(0)
-    probes = {}
-    for level in ZERO_LEVELS:
+
+    def probe(level: int) -> tuple[nn.Module, Any]:
         model = _probe_model()
-        probes[level] = (model, DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
-                                                     named_parameters=model.named_parameters(), zero=level))
-    times = _steps_in_turns(comm, probes, torch.randn(2, 512), repeats, whole=False)
-    mine = [statistics.median(times[level]) for level in probes]
-    slowest = [max(values) for values in zip(*call(None, "calibrate", lambda: comm.allgather(mine)))]
-    mib = sum(p.numel() * 4 for p in probes[0][0].parameters()) / 2**20
-    return {level: max(0.0, (slowest[level] - slowest[0]) / mib) for level in (1, 2)}
+        return model, DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
+                                           named_parameters=model.named_parameters(), zero=level)
+
+    extra = {}
+    mib = PROBE_LAYERS * (512 * 512 + 512) * 4 / 2**20
+    for levels, whole in (([lv for lv in ZERO_LEVELS if lv < 3], False), ([0, 3] if 3 in ZERO_LEVELS else [], True)):
+        if len(levels) < 2:
+            continue
+        probes = {level: probe(level) for level in levels}
+        times = _steps_in_turns(comm, probes, torch.randn(2, 512), repeats, whole=whole)
+        mine = [statistics.median(times[level]) for level in levels]
+        slowest = dict(zip(levels, (max(values) for values in zip(*call(None, "calibrate",
+                                                                          lambda: comm.allgather(mine))))))
+        extra.update({level: max(0.0, (slowest[level] - slowest[0]) / mib) for level in levels if level})
+    return extra
 
 
 WAITING_TURN_SECONDS = 0.05  # one turn of waiting_load: the computing rank's kernel time
@@ -530,7 +539,8 @@ def calibrate(repeats: int = 9) -> dict[str, Any]:
         if size > 1 and state.grid.pipeline_stages == 1:
             extra, step = _zero_extra(comm, repeats), _data_parallel_extra(comm, repeats)
             if rank == 0:
-                result["zero1_us_per_mib"], result["zero2_us_per_mib"] = extra[1] * 1e6, extra[2] * 1e6
+                for level, seconds in extra.items():
+                    result[f"zero{level}_us_per_mib"] = seconds * 1e6
                 result["data_parallel_us_per_mib"] = step * 1e6
         contention, memory = contentions()
         waiting = waiting_load(comm) if size > 1 else 0.0
@@ -581,7 +591,6 @@ def cluster_of(data: dict[str, Any], memory_per_rank: float = 0.0, ranks: int | 
                    cache_bytes=float(data.get("cache_bytes", 0.0)),
                    submit_overhead_us=float(data.get("submit_overhead_us", 0.0)),
                    after_reduction_us_per_mib=float(data.get("after_reduction_us_per_mib", 0.0)),
-                   zero_step_us_per_mib=(float(data.get("zero1_us_per_mib", 0.0)),
-                                         float(data.get("zero2_us_per_mib", 0.0))),
+                   zero_step_us_per_mib=tuple(float(data.get(f"zero{level}_us_per_mib", 0.0)) for level in (1, 2, 3)),
                    data_parallel_us_per_mib=float(data.get("data_parallel_us_per_mib", 0.0)),
                    waiting_load=float(data.get("waiting_load", 0.0)))

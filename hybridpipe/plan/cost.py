@@ -90,10 +90,11 @@ class Cluster:
             than the cache, contends for memory (``calibrate`` measures it with a kernel that does; 0: as
             ``compute_contention``).
         cache_bytes: The host's last-level cache, bytes (0: unknown; then ``memory_contention`` is not used).
-        zero_step_us_per_mib: How much longer a ZeRO-1 and a ZeRO-2 step take than a plain data-parallel one, per
-            MiB of a rank's parameters, microseconds (``calibrate`` measures them on the job's ranks: the sharded
-            reductions, ZeRO's copies and the allgather as they run here). (0, 0): not measured; the reduce-scatter,
-            the sharded update and the allgather are then modelled from the links.
+        zero_step_us_per_mib: How much longer a ZeRO-1, a ZeRO-2 and a ZeRO-3 step take than a plain data-parallel
+            one, per MiB of a rank's parameters, microseconds (``calibrate`` measures them on the job's ranks: the
+            sharded reductions, ZeRO's copies and the allgather as they run here; ZeRO-3's for one forward and
+            backward, whose gathers a step of M micro-batches makes M times). 0: not measured; the reduce-scatter,
+            the sharded update and the allgathers are then modelled from the links.
         data_parallel_us_per_mib: How much longer a data-parallel step (the optimizer's hooks, the reductions, the
             agreement, the update after them) takes than the same step without reductions, every rank computing at
             once, per MiB of a rank's parameters, microseconds (``calibrate`` measures it on the job's ranks). Where
@@ -120,7 +121,7 @@ class Cluster:
     after_reduction_us_per_mib: float = 0.0
     memory_contention: float = 0.0
     cache_bytes: float = 0.0
-    zero_step_us_per_mib: tuple[float, float] = (0.0, 0.0)
+    zero_step_us_per_mib: tuple[float, ...] = (0.0, 0.0, 0.0)
     data_parallel_us_per_mib: float = 0.0
     waiting_load: float = 0.0
 
@@ -136,6 +137,9 @@ class Cluster:
                                                            "submit_overhead_us", "after_reduction_us_per_mib",
                                                            "data_parallel_us_per_mib", "waiting_load")
                     if getattr(self, name) < 0}
+        if len(self.zero_step_us_per_mib) < 3:  # (ZeRO-1, ZeRO-2) as before ZeRO-3 was planned: 3 not measured
+            object.__setattr__(self, "zero_step_us_per_mib", tuple(self.zero_step_us_per_mib) + (0.0,) * (
+                3 - len(self.zero_step_us_per_mib)))
         if any(value < 0 for value in self.zero_step_us_per_mib):
             negative["zero_step_us_per_mib"] = self.zero_step_us_per_mib
         if negative:
@@ -516,6 +520,14 @@ def memory_per_rank(profile: Profile, candidate: Candidate, global_batch: int,
         # the peak; an asynchronous one updates while micro-batches are in flight
         weights = parameter_bytes[r]
         largest = max((profile.layers[i].parameter_bytes for c in own for i in layers[c]), default=0)
+        if candidate.zero == 3:  # the shard, its gradient and state; gathered: a module's buckets and the next's
+            shard = weights / d
+            gathered = min(weights, 3 * ZERO_BUCKET_BYTES)
+            # .grad accumulates whole over the micro-batches before the last backward; with one, bucket by bucket
+            grads = weights if candidate.micro_batches > 1 else min(weights, 2 * ZERO_BUCKET_BYTES)
+            temporaries = max(shard * profile.update_temporary_factor, shard * profile.update_temporary_per_tensor)
+            memory.append(shard * (2 + optimizer_state_factor) + max(acts + grads + gathered, temporaries))
+            continue
         if candidate.zero:  # the optimizer steps one flat shard per param group: its largest tensor
             shard = weights / d
             # ... then the allgather's buffers: two buckets' at a time (zero.py gathers with a window of two);
@@ -781,6 +793,16 @@ def _simulated(profile: Profile, cluster: Cluster, candidate: Candidate, global_
     layers = _chunk_layers(candidate.balance)
     forward, backward = chunk_seconds(profile, cluster, candidate, micro)
     output = [profile.layers[chunk[-1]].output_bytes * micro * scale for chunk in layers]
+    groups = [[replica * p + r for replica in range(d)] for r in range(p)]
+    spans_hosts = d > 1 and cluster.host_of(groups[0][-1]) != cluster.host_of(groups[0][0])
+    concurrent = min(p, cluster.per_host) if spans_hosts else 1  # stages of a host reducing at once
+    zero = candidate.zero
+    if zero == 3 and d > 1:  # each forward and backward of a chunk gathers its parameters (per micro-batch)
+        gathers = [_bucketed_seconds(allgather_seconds, [profile.layers[i].parameter_bytes for i in reversed(chunk)
+                                                         if profile.layers[i].parameter_bytes],
+                                     groups[c % p], cluster, concurrent) for c, chunk in enumerate(layers)]
+        forward = [f + g for f, g in zip(forward, gathers)]
+        backward = [b + g for b, g in zip(backward, gathers)]
 
     def rank_of(stage: int) -> int:  # replica 0's pipeline; others are the same shifted by host
         return sched.stage_to_rank(stage, p)
@@ -796,20 +818,16 @@ def _simulated(profile: Profile, cluster: Cluster, candidate: Candidate, global_
     plan = schedule_of(candidate.schedule, p, m, v)
     parameter_bytes = [sum(profile.layers[i].parameter_bytes for c in range(r, chunks, p) for i in layers[c])
                        for r in range(p)]
-    groups = [[replica * p + r for replica in range(d)] for r in range(p)]
     layer_bytes = [[profile.layers[i].parameter_bytes for c in reversed(range(r, chunks, p))
                     for i in reversed(layers[c]) if profile.layers[i].parameter_bytes] for r in range(p)]
-    spans_hosts = d > 1 and cluster.host_of(groups[0][-1]) != cluster.host_of(groups[0][0])
-    concurrent = min(p, cluster.per_host) if spans_hosts else 1  # stages of a host reducing at once
     slow = cluster.slowdown_for(max(parameter_bytes))
-    zero = candidate.zero
     hosts = [cluster.host_of(r) for r in range(p)]  # replica 0's ranks, each standing for its stage's replicas there
     simulate = functools.partial(_simulate, profile, cluster, hosts=hosts, rank_bytes=max(parameter_bytes), weights=[
         sum(cluster.host_of(rank) == hosts[r] for rank in groups[r]) for r in range(p)], **duration)
-    # the optimizer's step (ZeRO: on 1/D of the parameters, then their allgather)
+    # the optimizer's step (ZeRO: on 1/D of the parameters, then, but for ZeRO-3, their allgather)
     update = [profile.update_ms_per_mb * parameter_bytes[r] / (d if zero else 1) / 2**20 / 1e3 * slow
-              + (_bucketed_seconds(allgather_seconds, layer_bytes[r], groups[r], cluster, concurrent) if zero else 0.0)
-              for r in range(p)]
+              + (_bucketed_seconds(allgather_seconds, layer_bytes[r], groups[r], cluster, concurrent)
+                 if zero in (1, 2) else 0.0) for r in range(p)]
     # step(): which gradients exist, agreed (ZeRO's step reduce-scatters every bucket instead)
     flags = allreduce_seconds(64, groups[0], cluster, concurrent) if d > 1 and not zero else 0.0
     if asynchronous:  # steady state: steps 2-4 of the stream; an update per micro-batch (pipedream) or step (2bw)
@@ -839,7 +857,12 @@ def _measured_zero(profile: Profile, cluster: Cluster, candidate: Candidate, glo
     check_zero(candidate.zero, candidate.replicas, candidate.schedule)
     plain = predict(profile, cluster, dataclasses.replace(candidate, zero=0), global_batch, optimizer_state_factor,
                     precision)
-    extra = cluster.zero_step_us_per_mib[candidate.zero - 1] * 1e-6 * rank_parameter_bytes(profile, candidate) / 2**20
+    measured = cluster.zero_step_us_per_mib
+    per_mib = measured[candidate.zero - 1]
+    if candidate.zero == 3:  # measured for one forward and backward: their gathers come once per micro-batch
+        once = measured[1] if measured[1] > 0 else 0.0
+        per_mib = once + (measured[2] - once) * candidate.micro_batches
+    extra = per_mib * 1e-6 * rank_parameter_bytes(profile, candidate) / 2**20
     step = plain.step_seconds + extra
     return Prediction(step_seconds=step,
                       memory_bytes_per_rank=memory_per_rank(profile, candidate, global_batch, optimizer_state_factor,
@@ -848,8 +871,7 @@ def _measured_zero(profile: Profile, cluster: Cluster, candidate: Candidate, glo
                       pipeline_seconds=plain.pipeline_seconds, allreduce_seconds=plain.allreduce_seconds,
                       exposed_allreduce_seconds=plain.exposed_allreduce_seconds + extra,
                       notes=plain.notes + [f"ZeRO-{candidate.zero}: the step as measured here, "
-                                           f"{cluster.zero_step_us_per_mib[candidate.zero - 1]:.0f} us per MiB beyond "
-                                           "a plain data-parallel one"])
+                                           f"{per_mib:.0f} us per MiB beyond a plain data-parallel one"])
 
 
 def _synchronous_step(profile: Profile, cluster: Cluster, candidate: Candidate, timeline: sched.Timeline,
@@ -878,7 +900,7 @@ def _synchronous_step(profile: Profile, cluster: Cluster, candidate: Candidate, 
         finished = [max(done, own + u + cluster.data_parallel_us_per_mib * 1e-6 * nbytes / 2**20)
                     for done, own, u, nbytes in zip(finished, last, update, parameter_bytes)]
     step = max([pipeline] + finished)
-    slowest = max(busy + (_bucketed_seconds(allgather_seconds, w, g, cluster, concurrent) if zero else 0.0)
+    slowest = max(busy + (_bucketed_seconds(allgather_seconds, w, g, cluster, concurrent) if zero in (1, 2) else 0.0)
                   for (_, busy), w, g in zip(ends, layer_bytes, groups))
     return step, pipeline, step - pipeline, slowest
 

@@ -337,8 +337,6 @@ def test_zero_lowers_the_memory_per_rank_by_what_it_shards():
         predict(profile, Cluster(ranks=1), Candidate(1, 1, (4,), 1, "1f1b", zero=1), 4)
     with pytest.raises(HybridPipeError, match=r"zero must be one of 0, 1, 2, 3 \(got 4\)"):
         hplan.memory_per_rank(profile, Candidate(1, 2, (4,), 1, "1f1b", zero=4), 4)
-    with pytest.raises(HybridPipeError, match=r"zero=3: the cost model plans the ZeRO levels 0, 1, 2"):
-        hplan.memory_per_rank(profile, Candidate(1, 2, (4,), 1, "1f1b", zero=3), 4)
 
 
 def test_zero_time_is_a_reduce_scatter_an_allgather_and_a_step_on_the_shard():
@@ -356,22 +354,54 @@ def test_zero_time_is_a_reduce_scatter_an_allgather_and_a_step_on_the_shard():
     assert sharded.step_seconds == pytest.approx(4 * 3e-3 + allreduce_seconds(4e6, group, cluster) + update / 4)
 
 
+def test_zero3_memory_and_time_from_the_links():
+    """ZeRO-3 keeps the shard, its gradient and state, a few buckets gathered and (one micro-batch) a few buckets of
+    gradients: less than ZeRO-2, which keeps the parameters whole; its step pays a gather of each chunk's parameters
+    before each forward and each backward, per micro-batch, and no allgather after the update."""
+    from hybridpipe.plan.cost import ZERO_BUCKET_BYTES
+
+    profile = uniform_profile(layers=4, parameters=64 * 2**20)  # 64 MiB a layer: a bucket each
+    weights = 4 * 64 * 2**20
+
+    def memory(zero: int, replicas: int, micro_batches: int = 1) -> float:  # 4 samples per micro-batch
+        candidate = Candidate(1, replicas, (4,), micro_batches, "1f1b", zero=zero)
+        return hplan.memory_per_rank(profile, candidate, 4 * replicas * micro_batches)[0]
+
+    assert memory(3, 4) < memory(2, 4) - weights / 2
+    assert memory(3, 2) - memory(3, 4) == pytest.approx(weights * (2 + 2) * (1 / 2 - 1 / 4))  # all of it sharded
+    assert memory(3, 4, 2) - memory(3, 4) == pytest.approx(weights - 2 * ZERO_BUCKET_BYTES)  # .grad whole when M > 1
+    cluster = Cluster(ranks=4, latency_us=0.0, intra_host_gbps=8.0)
+    group = [0, 1, 2, 3]
+    gather = sum(hplan.allgather_seconds(ZERO_BUCKET_BYTES, group, cluster)
+                 for _ in range(weights // ZERO_BUCKET_BYTES))
+    steps = {(zero, m): predict(profile, cluster, Candidate(1, 4, (4,), m, "1f1b", zero=zero), 16).step_seconds
+             for zero in (2, 3) for m in (1, 2)}
+    assert steps[(3, 1)] > steps[(2, 1)]  # (the reduce-scatter overlaps the longer backward: less than a gather)
+    # each micro-batch more: a forward's and a backward's gathers more
+    assert steps[(3, 2)] - steps[(3, 1)] == pytest.approx(steps[(2, 2)] - steps[(2, 1)] + 2 * gather, rel=0.05)
+
+
 def test_a_measured_zero_step_is_the_plain_step_plus_the_measured_time_per_mib_and_the_search_weighs_it():
     """Where calibrate measured ZeRO's step (here: 1 ms and 1.5 ms per MiB of a rank's parameters beyond a plain one),
-    a sharded candidate is predicted as the plain one plus that, with ZeRO's memory; the search then does not shard,
-    though the links alone would make the sharded step faster."""
+    a sharded candidate is predicted as the plain one plus that, with ZeRO's memory (ZeRO-3, 2.5 ms, measured for one
+    forward and backward: with M micro-batches its gathers come M times); the search then does not shard, though
+    the links alone would make the sharded step faster."""
     profile = uniform_profile(layers=4, parameters=2**20)  # 1 MiB per layer: 4 MiB per rank
     profile.update_ms_per_mb = 20.0  # the links alone make a sharded step faster (a quarter of the update)
     links = Cluster(ranks=4, latency_us=0.0, intra_host_gbps=8.0)
-    measured = dataclasses.replace(links, zero_step_us_per_mib=(1000.0, 1500.0))
+    measured = dataclasses.replace(links, zero_step_us_per_mib=(1000.0, 1500.0, 2500.0))
     plain = predict(profile, measured, Candidate(1, 4, (4,), 1, "1f1b"), 4)
-    for level, per_mib in ((1, 1e-3), (2, 1.5e-3)):
+    for level, per_mib in ((1, 1e-3), (2, 1.5e-3), (3, 2.5e-3)):
         candidate = Candidate(1, 4, (4,), 1, "1f1b", zero=level)
         sharded = predict(profile, measured, candidate, 4)
         assert sharded.step_seconds == pytest.approx(plain.step_seconds + 4 * per_mib)
         assert sharded.memory_bytes_per_rank == hplan.memory_per_rank(profile, candidate, 4)
         assert any(f"ZeRO-{level}: the step as measured here" in note for note in sharded.notes)
         assert predict(profile, links, candidate, 4).step_seconds < plain.step_seconds  # modelled from the links
+    two = predict(profile, measured, Candidate(1, 4, (4,), 2, "1f1b", zero=3), 8)
+    assert two.step_seconds == pytest.approx(predict(profile, measured, Candidate(1, 4, (4,), 2, "1f1b"), 8).step_seconds
+                                             + 4 * (1.5e-3 + 2 * 1e-3))
+    assert Cluster(ranks=2, zero_step_us_per_mib=(1.0, 2.0)).zero_step_us_per_mib == (1.0, 2.0, 0.0)  # 3: not measured
     options = dict(checkpoints=("never",), max_micro_batches=1)
     assert hplan.plan(profile, links, 4, **options).zero > 0
     assert hplan.plan(profile, measured, 4, **options).zero == 0
