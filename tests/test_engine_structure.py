@@ -1,4 +1,4 @@
-"""The C++ engine's structure (issue 46): collaborating classes by role, each in its own files, with their lock rules
+"""The C++ engine's structure: collaborating classes by role, each in its own files, with their lock rules
 in their types, and ``module.cpp`` holding bindings only.
 
 * Every role class is declared in its own header under ``csrc/`` (and no other file declares it), with its own
