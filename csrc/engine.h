@@ -1,4 +1,10 @@
-// The background engine: Horovod's design on hybridpipe's allreduce algorithms.
+// The background engine: Horovod's design on hybridpipe's allreduce algorithms. Engine owns the collaborating
+// classes and wires them by reference, each in its own file with its lock rules in its types (engine_guard.h):
+// TensorQueue (engine_queue.h: submissions and handles, behind one lock), Controller (engine_controller.h: the
+// negotiation and registrations), ResponseCache (engine_cache.h), StallInspector (engine_stall.h), JoinTracker
+// (engine_join.h: joins, refusals, departures), Watchdog (engine_watchdog.h: probes, reports, aborts),
+// BucketExecutor (engine_buckets.h: fusion and the buckets' allreduces), EventLog (engine_events.h: the
+// timeline); EngineOptions and what the engine reports in engine_options.h, a group in engine_group.h.
 //
 // ONE communication thread per process drives every group (communicator) of the engine. Each cycle
 // it visits the active groups in one order that every rank shares (the order they were activated),
@@ -39,91 +45,29 @@
 #include <mpi.h>
 
 #include <atomic>
-#include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <utility>
-#include <unordered_map>
 #include <vector>
 
 #include "common.h"
+#include "engine_buckets.h"
+#include "engine_controller.h"
+#include "engine_events.h"
+#include "engine_guard.h"
+#include "engine_join.h"
+#include "engine_options.h"
+#include "engine_queue.h"
+#include "engine_stall.h"
+#include "engine_watchdog.h"
 #include "p2p.h"
 #include "ring_allreduce.h"
 #include "shm_allreduce.h"
 
 namespace hybridpipe {
-
-constexpr int kQuietAfterIdleCycles = 20;
-constexpr uint64_t kQuietPeriod = 16;  // a quiet group is negotiated on every kQuietPeriod-th cycle
-
-struct EngineOptions {
-  double cycle_time_ms = 0.5;
-  // Time between negotiations once a group has been idle on every rank for kQuietAfterIdleCycles
-  // cycles (capped at stall_check_seconds / 4); a submission or shutdown on this rank ends it early.
-  double idle_cycle_time_ms = 25.0;
-  double stall_check_seconds = 60.0;
-  double stall_shutdown_seconds = 0.0;  // 0: off; else a tensor waiting this long stops the group
-  // 0: never; else the communication thread aborts the job once one of its waits for other ranks (a
-  // negotiation, a bucket's allreduce) has lasted this long (stall_shutdown_seconds, when set and
-  // shorter, bounds them too): a dead, stopped or cut-off rank ends the job instead of hanging it.
-  double timeout_seconds = 300.0;
-  size_t fusion_threshold_bytes = 4 * 1024 * 1024;
-  AllreduceOptions allreduce;
-  // A thread blocked in wait() runs its group's bucket allreduces itself (at its own priority, testing
-  // its requests without sleeping) while the engine thread waits for it, so one thread at a time still
-  // makes the engine's MPI calls; false: never. Only for groups whose ranks share one host.
-  bool waiters_help = true;
-  bool record_events = false;  // keep phase timings for the timeline (EngineEvent)
-  // Scheduling priority of the engine thread (Linux nice, 0..19 above the process's own): a
-  // positive value lets compute threads preempt the ring on a host with no spare core, so the
-  // reduction runs in the gaps (waits, step()) instead of slowing the backward pass.
-  int thread_nice = 0;
-};
-
-// One timed phase of a group's work, for the timeline: "negotiate", "gather names", "pack",
-// "ring" (a bucket's allreduce, whichever algorithm: ring, shared memory or the MPI library), "unpack". Times in seconds of the steady clock (= Python's time.monotonic()).
-struct EngineEvent {
-  std::string phase;
-  double start = 0, end = 0;
-  size_t bytes = 0;
-  size_t tensors = 0;
-};
-
-struct EngineStats {
-  uint64_t cycles = 0;          // negotiations completed (of this group)
-  uint64_t slow_rounds = 0;     // negotiations that had to gather names
-  uint64_t tensors = 0;         // buffers reduced
-  uint64_t buckets = 0;         // allreduce calls made
-  uint64_t shared_memory = 0;   // of those, through the group's shared-memory segment
-  uint64_t helped = 0;          // of those, run by a thread blocked in wait()
-  uint64_t bytes = 0;           // bytes reduced
-  uint64_t stall_warnings = 0;
-  uint64_t cuda_buckets = 0;    // buckets holding CUDA tensors, packed on the device (a CUDA build)
-  uint64_t cuda_launches = 0;   // kernels and copies those buckets took (at most 2 each way per GPU)
-  uint64_t cuda_aware_buckets = 0;  // of those, reduced in device memory by the group's device allreduce
-};
-
-// A group's allreduce of a CUDA buffer in device memory (`data`: `count` elements of `dtype` on GPU `gpu`), in
-// place, for a CUDA-aware MPI: true when it reduced it, false when it does not take this buffer (the engine
-// stages it through pinned host memory instead). Every rank must answer alike for alike buffers.
-using DeviceAllreduce = std::function<bool(void* data, size_t count, DType dtype, ReduceOp op, int gpu)>;
-
-// Why a handle failed, so that Python picks the exception class without reading the message.
-// Refused: another rank's arguments failed its own checks (it raised them itself; see submit_refusal).
-// Joined: a call (submit_call) on a group where some ranks have joined (submit_join): only allreduces
-// of submit() complete with the joined ranks' zeros.
-// Departed: a rank of the group has shut down (hp.shutdown) while this rank waits for it in a collective.
-enum class ErrorKind : int {
-  None = 0, Mismatch = 1, Stalled = 2, Stopped = 3, Failed = 4, Refused = 5, Joined = 6, Departed = 7
-};
-
-struct Announced;  // one rank's pending name as a slow round gathers it (engine_negotiation.cpp)
 
 class Engine {
  public:
@@ -193,7 +137,7 @@ class Engine {
   uint64_t submit_join(int group);
   int last_joined(int group);
   // MPI_Get_processor_name of every rank of group 0, in its rank order (gathered when it was added).
-  std::vector<std::string> hosts() const { return hosts_; }
+  std::vector<std::string> hosts() const { return watchdog_.hosts(); }
   bool poll(uint64_t handle);
   // Blocks until done; returns "" on success or the error message (the handle is then released);
   // `kind` says why it failed.
@@ -213,210 +157,49 @@ class Engine {
   // Recorded events of `group` since the last call (empty unless options.record_events).
   std::vector<EngineEvent> take_events(int group);
 
- private:
-  struct Entry {
-    uint64_t handle;
-    std::string name;
-    Buffer buffer;
-    ReduceOp op;
-    std::chrono::steady_clock::time_point submitted;
-    bool warned = false;
-    std::function<void()> job;  // a call (submit_call) instead of an allreduce of `buffer`
-    std::string refusal;        // non-empty: a stand-in for a refused operation (submit_refusal)
-    bool detached = false;      // nobody waits for its handle: released when done
-    int device = 0;             // see submit()
-    bool join = false;          // submit_join's entry
-    int contributors = 0;       // ran while ranks had joined: how many ranks contributed (0: all)
-    std::shared_ptr<std::vector<unsigned char>> zeros;  // a joined rank's stand-in buffer
-    Buffer output;              // out of place (submit's output); data == nullptr: in place, into `buffer`
-    uintptr_t ready_event = 0;  // see submit(); cleared once the event has completed
-    WireFormat wire;            // see submit()
-    const Buffer& result() const { return output.data ? output : buffer; }
-  };
-  struct CacheEntry {
-    std::string name;
-    size_t count;
-    DType dtype;
-    ReduceOp op;
-    int device;
-    WireFormat wire;
-  };
-  // An allreduce an engine thread hands to a thread blocked in wait() (see reduce_bucket).
-  struct Job {
-    std::function<void()> work;
-    bool taken = false, done = false;
-    std::string error;
-  };
-  struct Group {
-    MPI_Comm comm;
-    std::string label;
-    int rank = 0, size = 1;
-    std::vector<Entry> pending;                     // guarded by Engine::mutex_
-    std::vector<CacheEntry> cache;                  // engine thread only
-    std::unordered_map<std::string, size_t> bits;   // name -> cache index
-    MPI_Request request = MPI_REQUEST_NULL;
-    std::vector<uint64_t> vector;
-    std::vector<Entry> snapshot;                    // pending entries the in-flight vector describes
-    int idle_cycles = 0;
-    bool active = false;         // negotiated every cycle (guarded by Engine::mutex_)
-    bool finished = false;       // the ranks agreed to stop, or stalled past stall_shutdown (guarded by mutex_)
-    std::string stopped_because;  // why a finished group refuses submissions (guarded by mutex_)
-    int last_joined = -1;        // the rank that joined last in the latest completed join
-    std::vector<int> members;    // ranks in group 0, in this group's rank order (registration key)
-    int registration = 0;        // n-th registration of these members on this rank (registration key)
-    EngineStats stats;
-    std::vector<EngineEvent> events;  // guarded by Engine::mutex_
-    Workspace workspace;
-    std::vector<unsigned char> fusion;
-    DeviceAllreduce device_allreduce;      // see set_device_allreduce (engine thread reads it)
-    SharedMemoryAllreduce* shm = nullptr;  // the group's segment when its ranks share a host (owned by comm)
-    bool waiters_help = true;  // waiters may run its buckets: options.waiters_help and all ranks on one host
-    // Helping (guarded by Engine::mutex_): only threads waiting for this group's handles run its
-    // allreduces, so a waiter is never held up by another group's ring.
-    Job* offered = nullptr;
-    int idle_waiters = 0;  // threads blocked in wait() on this group's handles, not running a Job
-    std::chrono::steady_clock::time_point last_wait_return{};  // a thread that just returned often waits again
-  };
-  struct HandleState {
-    int group = 0;
-    bool done = false;
-    std::string error;
-    ErrorKind kind = ErrorKind::None;
-    double started = 0, finished = 0;
-    int contributors = 0;
-  };
 
-  uint64_t enqueue(int group, const std::string& name, const Buffer& buffer, ReduceOp op, std::function<void()> job,
-                   const std::string& refusal = "", bool detached = false, int device = 0, bool join = false,
-                   const Buffer& output = Buffer{}, uintptr_t ready_event = 0, const WireFormat& wire = WireFormat{});
-  struct Failure {
-    Entry entry;
-    std::string error;
-    ErrorKind kind;
+ private:
+  // What the thread's cycle loop carries (its own): the transfers it drives and its hold on their lock.
+  struct Loop {
+    TransferQueue* transfers = nullptr;
+    std::unique_lock<std::timed_mutex>* mpi_held = nullptr;  // the thread's hold on the communication lock
   };
   // Time between cycles once every active group is quiet: idle_cycle_time_ms, at most a quarter of the
   // stall check (the timer is what lets a rank that never submits be reported).
   double quiet_cycle_ms() const;
   void run();
+  // One cycle's visits of `order`; false when nothing was visited. `idle`, `quiet`: every visited group was idle
+  // / every group is quiet.
+  bool visit(const std::vector<Group*>& order, uint64_t cycle, const WaitPolicy& busy_wait,
+             const WaitPolicy& idle_wait, bool& idle);
   // The thread's sleep until its next cycle is due (`next_cycle`, or earlier after an idle cycle when
   // something comes), polling point-to-point transfers meanwhile; then `order`: the groups to visit. False
   // when the thread should end (stopped, nothing left to visit).
-  bool await_cycle(std::chrono::steady_clock::time_point next_cycle, bool last_cycle_idle, TransferQueue* transfers,
-                   std::unique_lock<std::timed_mutex>& mpi, std::vector<int>& order);
+  bool await_cycle(std::chrono::steady_clock::time_point next_cycle, bool last_cycle_idle,
+                   std::unique_lock<std::timed_mutex>& mpi, std::vector<Group*>& order);
   // The thread failed with `what`: every pending handle fails (kind Failed); returns why it stopped.
   std::string fail_engine(const std::string& what);
   void cycle_single(Group& group);  // a group of one rank: no MPI
-  void negotiate(Group& group, const WaitPolicy& busy_wait, const WaitPolicy& idle_wait);
-  // Group 0's part of a cycle: when some rank has a registration pending, every rank of group 0
-  // gathers them, and the groups all of whose ranks asked become active.
-  void activate_registrations(Group& coordinator);
-  void fail_pending(Group& group, const std::string& error, ErrorKind kind);  // with mutex_ held
-  // Some rank of the group left while this one has pending work: fails it (collective over the group).
-  void fail_departed(Group& group);
-  // What the thread is blocked on (engine thread only), for the absent-rank reports: past
-  // stall_check_seconds it asks the group's other ranks (a probe on health_) whether their threads
-  // are alive, and names those that did not answer; past the timeout it aborts with that list.
-  struct Blocked {
-    const Group* group = nullptr;
-    const char* what = "";  // "negotiate", "finish an allreduce"
-    std::chrono::steady_clock::time_point since;
-    bool warned = false;
-    bool probing = false;
-    bool aborting = false;  // the round in flight ends in an abort
-    std::chrono::steady_clock::time_point probe_sent;
-    std::vector<int> asked;      // ranks of group 0
-    std::vector<double> answer;  // per asked rank: seconds its thread had been waiting, or -1 (no answer)
-  };
-  void block_on(const Group* group, const char* what = "");  // nullptr: not blocked any more
-  // The receive of answers to this rank's probes (posted when the thread starts), and its end with the
-  // answers still in flight (when it stops).
-  void start_probes();
-  void stop_probes();
   // The thread's chores inside any wait: post/test transfers, answer probes, check what it waits for.
   void service();
-  void answer_probes();
-  void check_blocked();
-  void finish_probe_round();
-  double abort_after_seconds() const;  // 0: never
-  std::string describe_ranks(const std::vector<int>& ranks, const std::vector<double>* waits) const;
-  [[noreturn]] void abort_job(const std::string& message);  // prints it, then MPI_Abort (or _exit)
-  // A fault-tolerant MPI reported a failed process (`what`: the failing call): names the failed ranks
-  // and their hosts (MPIX_Comm_get_failed where the MPI has it) and aborts the job.
-  [[noreturn]] void report_process_failure(const std::string& what);
-  void start_negotiation(Group& group);
-  void finish_negotiation(Group& group);
-  // Returns "" or, when a name waited past stall_shutdown_seconds, the message the group stops with.
-  std::string slow_round(Group& group, std::vector<Entry>& ready, std::vector<Failure>& failed);
-  // The slow round's parts. Every rank's pending names (the snapshot), by name: the same map on every rank.
-  using Announcements = std::map<std::string, std::vector<Announced>>;
-  Announcements gather_names(Group& group, std::chrono::steady_clock::time_point now);
-  // The response cache: `name` gets (or keeps) its bit, with the metadata every rank agreed on.
-  void remember(Group& group, const std::string& name, const Announced& meta);
-  // The join entries (`ranks`: those that announced the join name): refused, done once all joined, or waiting.
-  void settle_join(Group& group, const std::vector<Announced>& ranks, int joined_count, Entry* mine,
-                   std::vector<Failure>& failed);
-  // A name every rank that has not joined announced: reduced with the joined ranks' zeros (or failed: a call,
-  // or a mismatch). False when some rank that has not joined lacks it.
-  bool reduce_with_joined(Group& group, const std::string& name, const std::vector<Announced>& ranks,
-                          const std::vector<bool>& joined, int joined_count, Entry* mine,
-                          std::chrono::steady_clock::time_point now, std::vector<Entry>& ready,
-                          std::vector<Failure>& failed);
-  // A name only some ranks announced: warns once it waited past stall_check_seconds; returns the message
-  // the group stops with past stall_shutdown_seconds, else "".
-  std::string check_stall(Group& group, const std::string& name, const std::vector<Announced>& ranks, Entry* mine);
-  // The pending entries of `group` whose ready events have completed (caller holds mutex_): those a cycle
-  // may announce; the others wait in `pending` for a later cycle.
-  std::vector<Entry> ready_entries(Group& group);
-  void execute(Group& group, std::vector<Entry>& ready);
-  void complete(const std::vector<Entry>& entries, const std::string& error, double started = 0,
-                ErrorKind kind = ErrorKind::None);
-  // Runs one bucket's allreduce, `work(options)`: on a thread blocked in wait() when there is one (it
-  // has nothing else to do and runs at the process's own priority), else on the calling engine thread.
-  void reduce_bucket(Group& group, const std::function<void(const AllreduceOptions&)>& work);
-  void record(Group& group, const char* phase, double start, double end, size_t bytes, size_t tensors);
-  // A CUDA build: reduces a bucket holding CUDA tensors (device pointers; see submit). With the group's device
-  // allreduce (a CUDA-aware MPI), when it takes the bucket, in device memory: gathered by one kernel, reduced,
-  // scattered by one kernel. Else through pinned host memory, gathering them on each GPU with one kernel and
-  // one copy down, and scattering the result with one copy up and one kernel (csrc/cuda/fusion.cu). False
-  // (nothing done) when no entry is device memory.
-  bool reduce_cuda_bucket(Group& group, std::vector<Entry>& entries, size_t total_bytes, double started);
+  Group& group(int group_id);  // throws for an unknown id
+  uint64_t enqueue(int group_id, Entry entry) { return queue_.enqueue(group_id, std::move(entry)); }
 
-  EngineOptions options_;
-  std::atomic<size_t> tuned_fusion_{0};  // copies of options_'s tunables for tuning() (written by the thread)
+  const EngineOptions options_;  // as constructed; what autotuning changes is in tuning_
+  CommThread thread_;            // which thread the communication thread is
+  CommThreadOnly<Tuning> tuning_;
+  std::atomic<size_t> tuned_fusion_{0};  // copies of tuning_ for tuning() (written by the thread)
   std::atomic<double> tuned_cycle_{0};
-  std::mutex mutex_;
-  std::condition_variable changed_;
-  std::condition_variable wake_;  // (with mutex_) a submission, a registration or a stop for the thread
-  std::vector<std::unique_ptr<Group>> groups_;
-  std::vector<int> cycle_order_;  // active groups, in the order every rank visits them (thread only)
-  std::thread thread_;
-  bool started_ = false;
-  bool thread_done_ = false;      // guarded by mutex_
-  int registrations_pending_ = 0; // added after start, not yet active (guarded by mutex_)
-  bool quiet_ = false;            // every active group idle long enough (thread only)
-  std::unordered_map<uint64_t, HandleState> handles_;
-  uint64_t next_handle_ = 1;
-  bool stop_requested_ = false;
-  bool shut_down_ = false;
-  bool failed_ = false;  // leave_failed() was called (guarded by mutex_)
-  std::string fatal_;
-  std::shared_ptr<TransferQueue> transfers_;  // point-to-point transfers this thread drives (or null)
-  std::unique_lock<std::timed_mutex>* mpi_held_ = nullptr;  // the thread's hold on transfers_'s communication lock
-  // Absent ranks: a private duplicate of group 0 for probes and answers, and every rank's host name.
-  MPI_Comm health_ = MPI_COMM_NULL;
-  std::vector<std::string> hosts_;
-  Blocked blocked_;
-  int64_t probe_round_ = 0;
-  int64_t probe_message_[2] = {0, 0};                        // (round, 0): what a probe carries
-  MPI_Request answer_request_ = MPI_REQUEST_NULL;            // the receive of the next answer
-  double answer_message_[2] = {0, 0};                        // (round, seconds the answerer waited)
-  std::vector<std::unique_ptr<double[]>> sent_answers_;      // buffers of answers in flight
-  std::vector<MPI_Request> sent_answer_requests_;
-  // Device-side fusion (engine thread only): one CudaFusion per GPU, and the pinned host buffer the buckets
-  // of CUDA tensors are reduced in (a CUDA build; unused otherwise).
-  std::map<int, std::shared_ptr<void>> cuda_fusion_;
-  std::shared_ptr<void> pinned_;
-  size_t pinned_bytes_ = 0;
+  TensorQueue queue_;
+  EventLog events_;
+  Watchdog watchdog_;
+  BucketExecutor buckets_;
+  StallInspector stalls_;
+  JoinTracker joins_;
+  Controller controller_;
+  CommThreadOnly<std::vector<int>> cycle_order_;  // active groups, in the order every rank visits them
+  CommThreadOnly<Loop> loop_;
+  Guarded<std::shared_ptr<TransferQueue>> transfers_;  // point-to-point transfers this thread drives (or null)
 };
 
 }  // namespace hybridpipe

@@ -1,7 +1,7 @@
-// The engine's buckets (see engine.h): ready entries cut into fused buckets, each reduced by the engine
-// thread or a thread blocked in wait(), in host memory or (a CUDA build) packed on the GPU.
-#include "engine.h"
+// The engine's buckets (see engine_buckets.h): fusion and the buckets' allreduces, CUDA buckets included.
+#include "engine_buckets.h"
 
+#include "engine_group.h"
 #include "engine_internal.h"
 #include "fusion.h"
 
@@ -29,20 +29,21 @@ AllreduceOptions with_wire(const AllreduceOptions& options, const WireFormat& wi
 
 }  // namespace
 
-void Engine::reduce_bucket(Group& group, const std::function<void(const AllreduceOptions&)>& run) {
+void BucketExecutor::reduce(Group& group, const std::function<void(const AllreduceOptions&)>& run) {
   auto run_here = [&] {
-    block_on(&group, "finish an allreduce");
+    watchdog_.block_on(&group, "finish an allreduce");
     run(options_.allreduce);
-    block_on(nullptr);
+    watchdog_.block_on(nullptr);
   };
   if (!group.waiters_help) return run_here();
   // A thread leaving wait() usually comes back for its next handle within microseconds.
   const auto grace = std::chrono::microseconds(200);
-  Job job;
+  HelpJob job;
   {
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (group.idle_waiters == 0 && Clock::now() - group.last_wait_return > grace) {
-      lock.unlock();
+    TensorQueue::Locked state = queue_.lock();
+    GroupQueue& waiting = group.queue(state);
+    if (waiting.idle_waiters == 0 && Clock::now() - waiting.last_wait_return > grace) {
+      state.unlock();
       return run_here();
     }
     // Spin, with the same MPI calls as the engine thread's policy (another rank's engine thread may
@@ -50,101 +51,103 @@ void Engine::reduce_bucket(Group& group, const std::function<void(const Allreduc
     AllreduceOptions helped = options_.allreduce;
     helped.wait = spinning(helped.wait);
     job.work = [&run, helped] { run(helped); };
-    group.offered = &job;
+    waiting.offered = &job;
     const auto job_started = Clock::now();
-    changed_.notify_all();
+    queue_.changed().notify_all();
     while (!job.done) {
-      if (!job.taken && group.idle_waiters == 0 && Clock::now() - group.last_wait_return > grace) {  // nobody came
-        group.offered = nullptr;
-        lock.unlock();
+      if (!job.taken && waiting.idle_waiters == 0 && Clock::now() - waiting.last_wait_return > grace) {  // nobody came
+        waiting.offered = nullptr;
+        state.unlock();
         return run_here();
       }
       if (job.taken) {  // a waiter runs it: no MPI calls here, only the timeout
-        changed_.wait_for(lock, std::chrono::milliseconds(100));
+        state.wait_for(queue_.changed(), std::chrono::milliseconds(100));
         const double waited = std::chrono::duration<double>(Clock::now() - job_started).count();
-        const double limit = abort_after_seconds();
+        const double limit = watchdog_.abort_after_seconds();
         if (!job.done && limit > 0 && waited > limit) {
           char message[512];
           std::snprintf(message, sizeof message,
                         "hybridpipe ERROR: an allreduce of group '%s' (its ranks share this host) has waited %.1f s "
                         "for the other ranks (timeout_seconds=%g, stall_shutdown_seconds=%g): aborting the job",
                         group.label.c_str(), waited, options_.timeout_seconds, options_.stall_shutdown_seconds);
-          lock.unlock();
-          abort_job(message);
+          state.unlock();
+          watchdog_.abort_job(message);
         }
       } else {
-        changed_.wait_for(lock, grace);
+        state.wait_for(queue_.changed(), grace);
       }
     }
   }
   if (!job.error.empty()) throw std::runtime_error(job.error);
-  group.stats.helped++;
+  group.stats.with([](EngineStats& stats) { stats.helped++; });
 }
 
-void Engine::execute(Group& group, std::vector<Entry>& ready) {
-  const size_t threshold = std::max<size_t>(options_.fusion_threshold_bytes, 1);
-  std::vector<unsigned char>& fusion_ = group.fusion;
-  if (fusion_.size() < threshold) fusion_.resize(threshold);
-  // Reduces `entries` (one alone, in place; several packed into the fusion buffer) and completes them.
-  auto reduce = [&](std::vector<Entry>& entries, size_t total_bytes) {
-    const double started = seconds_now();
-    if (reduce_cuda_bucket(group, entries, total_bytes, started)) return;
-    const ReduceOp op = entries[0].op;
-    const WireFormat wire = entries[0].wire;
-    const bool forced = wire.narrows(entries[0].buffer.dtype) && wire.on_one_host;  // the ring, even on one host
-    const bool streamed = group.shm && !forced && total_bytes > options_.allreduce.small_message_bytes;
-    if (entries.size() == 1) {
-      const Buffer& buffer = entries[0].buffer;
-      const Buffer& output = entries[0].result();
-      reduce_bucket(group, [&](const AllreduceOptions& options) {
-        allreduce(buffer, output, op, group.comm, with_wire(options, wire), group.workspace);
-      });
-      record(group, "ring", started, seconds_now(), total_bytes, 1);
-    } else if (streamed) {
-      // packed straight into the shared segment and unpacked straight from it: no fusion buffer
-      std::vector<Buffer> buffers, outputs;
-      for (const Entry& entry : entries) {
-        buffers.push_back(entry.buffer);
-        outputs.push_back(entry.result());
-      }
-      reduce_bucket(group, [&](const AllreduceOptions& options) {
-        group.shm->allreduce(buffers, outputs, op, options.wait);
-      });
-      record(group, "ring", started, seconds_now(), total_bytes, entries.size());
-    } else {
-      unsigned char* cursor = fusion_.data();
-      for (const Entry& entry : entries) {
-        std::memcpy(cursor, entry.buffer.data, entry.buffer.bytes());
-        cursor += entry.buffer.bytes();
-      }
-      const double packed = seconds_now();
-      record(group, "pack", started, packed, total_bytes, entries.size());
-      const DType dtype = entries[0].buffer.dtype;
-      const Buffer fused{fusion_.data(), total_bytes / dtype_size(dtype), dtype};
-      reduce_bucket(group, [&](const AllreduceOptions& options) {
-        allreduce(fused, fused, op, group.comm, with_wire(options, wire), group.workspace);
-      });
-      const double reduced = seconds_now();
-      record(group, "ring", packed, reduced, total_bytes, entries.size());
-      cursor = fusion_.data();
-      for (const Entry& entry : entries) {
-        std::memcpy(entry.result().data, cursor, entry.buffer.bytes());
-        cursor += entry.buffer.bytes();
-      }
-      record(group, "unpack", reduced, seconds_now(), total_bytes, entries.size());
+void BucketExecutor::reduce_entries(Group& group, std::vector<Entry>& entries, size_t total_bytes) {
+  const double started = seconds_now();
+  if (reduce_cuda_bucket(group, entries, total_bytes, started)) return;
+  GroupRound& round = group.round.get();
+  Workspace& workspace = round.workspace;  // lent to a waiter that runs the allreduce
+  const ReduceOp op = entries[0].op;
+  const WireFormat wire = entries[0].wire;
+  const bool forced = wire.narrows(entries[0].buffer.dtype) && wire.on_one_host;  // the ring, even on one host
+  const bool streamed = group.shm && !forced && total_bytes > options_.allreduce.small_message_bytes;
+  if (entries.size() == 1) {
+    const Buffer& buffer = entries[0].buffer;
+    const Buffer& output = entries[0].result();
+    reduce(group, [&](const AllreduceOptions& options) {
+      allreduce(buffer, output, op, group.comm, with_wire(options, wire), workspace);
+    });
+    events_.record(group.id, "ring", started, seconds_now(), total_bytes, 1);
+  } else if (streamed) {
+    // packed straight into the shared segment and unpacked straight from it: no fusion buffer
+    std::vector<Buffer> buffers, outputs;
+    for (const Entry& entry : entries) {
+      buffers.push_back(entry.buffer);
+      outputs.push_back(entry.result());
     }
-    group.stats.buckets++;
-    if (streamed) group.stats.shared_memory++;
-    group.stats.bytes += total_bytes;
-    group.stats.tensors += entries.size();
-    complete(entries, "", started);
-  };
+    reduce(group, [&](const AllreduceOptions& options) { group.shm->allreduce(buffers, outputs, op, options.wait); });
+    events_.record(group.id, "ring", started, seconds_now(), total_bytes, entries.size());
+  } else {
+    unsigned char* cursor = round.fusion.data();
+    for (const Entry& entry : entries) {
+      std::memcpy(cursor, entry.buffer.data, entry.buffer.bytes());
+      cursor += entry.buffer.bytes();
+    }
+    const double packed = seconds_now();
+    events_.record(group.id, "pack", started, packed, total_bytes, entries.size());
+    const DType dtype = entries[0].buffer.dtype;
+    const Buffer fused{round.fusion.data(), total_bytes / dtype_size(dtype), dtype};
+    reduce(group, [&](const AllreduceOptions& options) {
+      allreduce(fused, fused, op, group.comm, with_wire(options, wire), workspace);
+    });
+    const double reduced = seconds_now();
+    events_.record(group.id, "ring", packed, reduced, total_bytes, entries.size());
+    cursor = round.fusion.data();
+    for (const Entry& entry : entries) {
+      std::memcpy(entry.result().data, cursor, entry.buffer.bytes());
+      cursor += entry.buffer.bytes();
+    }
+    events_.record(group.id, "unpack", reduced, seconds_now(), total_bytes, entries.size());
+  }
+  group.stats.with([&](EngineStats& stats) {
+    stats.buckets++;
+    if (streamed) stats.shared_memory++;
+    stats.bytes += total_bytes;
+    stats.tensors += entries.size();
+  });
+  queue_.complete(entries, "", started);
+}
+
+void BucketExecutor::execute(Group& group, std::vector<Entry>& ready) {
+  const size_t threshold = std::max<size_t>(tuning_->fusion_threshold_bytes, 1);
+  std::vector<unsigned char>& fusion = group.round->fusion;
+  if (fusion.size() < threshold) fusion.resize(threshold);
   BucketCutter cutter(threshold, options_.allreduce, group.shm != nullptr);
   auto reduce_all = [&](const std::vector<Bucket>& buckets) {
     for (const Bucket& cut : buckets) {
       std::vector<Entry> entries;
       for (size_t i : cut.items) entries.push_back(ready[i]);
-      reduce(entries, cut.bytes);
+      reduce_entries(group, entries, cut.bytes);
     }
   };
   for (size_t i = 0; i < ready.size(); ++i) {
@@ -153,8 +156,8 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
       reduce_all(cutter.flush());
       const double started = seconds_now();
       entry.job();
-      record(group, "call", started, seconds_now(), 0, 1);
-      complete({entry}, "", started);
+      events_.record(group.id, "call", started, seconds_now(), 0, 1);
+      queue_.complete({entry}, "", started);
       continue;
     }
     reduce_all(cutter.add(i, entry.buffer.bytes(), entry.buffer.dtype, entry.op, entry.wire));
@@ -162,7 +165,7 @@ void Engine::execute(Group& group, std::vector<Entry>& ready) {
   reduce_all(cutter.flush());
 }
 
-bool Engine::reduce_cuda_bucket(Group& group, std::vector<Entry>& entries, size_t total_bytes, double started) {
+bool BucketExecutor::reduce_cuda_bucket(Group& group, std::vector<Entry>& entries, size_t total_bytes, double started) {
 #if defined(HYBRIDPIPE_WITH_CUDA)
   // Which GPU each entry's memory is on: -1 for host memory (a build without kernels never gets here with
   // device memory; a rank that joined stands in with host zeros under the others' device code)
@@ -186,7 +189,7 @@ bool Engine::reduce_cuda_bucket(Group& group, std::vector<Entry>& entries, size_
     offset += bytes;
   }
   auto fusion_on = [&](int gpu) -> CudaFusion& {
-    std::shared_ptr<void>& slot = cuda_fusion_[gpu];
+    std::shared_ptr<void>& slot = cuda_->fusion[gpu];
     if (!slot) slot = std::shared_ptr<void>(std::make_shared<CudaFusion>(gpu));
     return *static_cast<CudaFusion*>(slot.get());
   };
@@ -194,44 +197,48 @@ bool Engine::reduce_cuda_bucket(Group& group, std::vector<Entry>& entries, size_
   const DType dtype = entries[0].buffer.dtype;
   const ReduceOp op = entries[0].op;
   auto finish = [&](bool device_memory) {
-    group.stats.buckets++;
-    group.stats.bytes += total_bytes;
-    group.stats.tensors += entries.size();
-    group.stats.cuda_buckets++;
-    group.stats.cuda_aware_buckets += device_memory ? 1 : 0;
-    group.stats.cuda_launches += launches;
-    complete(entries, "", started);
+    group.stats.with([&](EngineStats& stats) {
+      stats.buckets++;
+      stats.bytes += total_bytes;
+      stats.tensors += entries.size();
+      stats.cuda_buckets++;
+      stats.cuda_aware_buckets += device_memory ? 1 : 0;
+      stats.cuda_launches += launches;
+    });
+    queue_.complete(entries, "", started);
   };
   // In device memory, where the group has a device allreduce (a CUDA-aware MPI) and every rank decides alike:
   // every entry a CUDA tensor on one GPU, and no rank has joined (a joined rank stands in with host zeros)
   const bool one_gpu = down.size() == 1 && std::none_of(gpus.begin(), gpus.end(), [](int g) { return g < 0; });
   const bool all_contribute = std::all_of(entries.begin(), entries.end(),
                                           [](const Entry& entry) { return entry.contributors == 0; });
-  if (group.device_allreduce && one_gpu && all_contribute) {
+  const DeviceAllreduce device_allreduce = group.device_allreduce.with([](DeviceAllreduce& set) { return set; });
+  if (device_allreduce && one_gpu && all_contribute) {
     const int gpu = down.begin()->first;
     CudaFusion& fusion = fusion_on(gpu);
     const uint64_t before = fusion.launches();
     void* fused = fusion.gather_device(down[gpu], total_bytes);
     const double packed = seconds_now();
-    if (group.device_allreduce(fused, total_bytes / dtype_size(dtype), dtype, op, gpu)) {
+    if (device_allreduce(fused, total_bytes / dtype_size(dtype), dtype, op, gpu)) {
       const double reduced = seconds_now();
       fusion.scatter_device(up[gpu], total_bytes);
       launches += fusion.launches() - before;
-      record(group, "pack", started, packed, total_bytes, entries.size());
-      record(group, "ring", packed, reduced, total_bytes, entries.size());
-      record(group, "unpack", reduced, seconds_now(), total_bytes, entries.size());
+      events_.record(group.id, "pack", started, packed, total_bytes, entries.size());
+      events_.record(group.id, "ring", packed, reduced, total_bytes, entries.size());
+      events_.record(group.id, "unpack", reduced, seconds_now(), total_bytes, entries.size());
       finish(true);
       return true;
     }
     launches += fusion.launches() - before;  // not taken: staged below
   }
-  if (pinned_bytes_ < total_bytes) {  // the staged way's pinned host buffer, grown to the largest bucket
-    pinned_.reset();
-    pinned_bytes_ = 0;
-    pinned_ = std::shared_ptr<void>(cuda_host_alloc(total_bytes), cuda_host_free);
-    pinned_bytes_ = total_bytes;
+  CudaStaging& staging = cuda_.get();
+  if (staging.pinned_bytes < total_bytes) {  // the staged way's pinned host buffer, grown to the largest bucket
+    staging.pinned.reset();
+    staging.pinned_bytes = 0;
+    staging.pinned = std::shared_ptr<void>(cuda_host_alloc(total_bytes), cuda_host_free);
+    staging.pinned_bytes = total_bytes;
   }
-  unsigned char* host = static_cast<unsigned char*>(pinned_.get());
+  unsigned char* host = static_cast<unsigned char*>(staging.pinned.get());
   // One GPU (the usual case): one gather of all its pieces. Several: each piece straight down, since a
   // gather copies the whole span down and would overwrite the other GPUs' pieces.
   auto each_gpu = [&](std::map<int, std::vector<DevicePiece>>& pieces, bool gather) {
@@ -253,18 +260,19 @@ bool Engine::reduce_cuda_bucket(Group& group, std::vector<Entry>& entries, size_
     if (gpus[i] < 0) std::memcpy(host + offsets[i], entries[i].buffer.data, entries[i].buffer.bytes());
   }
   const double packed = seconds_now();
-  record(group, "pack", started, packed, total_bytes, entries.size());
+  events_.record(group.id, "pack", started, packed, total_bytes, entries.size());
   const Buffer fused{host, total_bytes / dtype_size(dtype), dtype};
-  reduce_bucket(group, [&](const AllreduceOptions& options) {
-    allreduce(fused, fused, op, group.comm, with_wire(options, entries[0].wire), group.workspace);
+  Workspace& workspace = group.round->workspace;  // lent to a waiter that runs the allreduce
+  reduce(group, [&](const AllreduceOptions& options) {
+    allreduce(fused, fused, op, group.comm, with_wire(options, entries[0].wire), workspace);
   });
   const double reduced = seconds_now();
-  record(group, "ring", packed, reduced, total_bytes, entries.size());
+  events_.record(group.id, "ring", packed, reduced, total_bytes, entries.size());
   for (size_t i = 0; i < entries.size(); ++i) {
     if (gpus[i] < 0) std::memcpy(entries[i].result().data, host + offsets[i], entries[i].buffer.bytes());
   }
   each_gpu(up, false);
-  record(group, "unpack", reduced, seconds_now(), total_bytes, entries.size());
+  events_.record(group.id, "unpack", reduced, seconds_now(), total_bytes, entries.size());
   finish(false);
   return true;
 #else

@@ -1,5 +1,5 @@
-// What the engine's source files (engine.cpp, engine_negotiation.cpp, engine_inspection.cpp,
-// engine_buckets.cpp) share and nothing else needs: the negotiation's flag bits, the probe tags, the clock.
+// What the engine's source files (engine*.cpp: the engine and its collaborating classes) share and nothing else
+// needs: the negotiation's flag bits, the probe tags, the join's name, the clock.
 #pragma once
 
 #include <chrono>
