@@ -62,14 +62,17 @@ MUTANTS = [
         "executor-reorders-backwards",
         "the executor runs the last two adjacent backwards of a rank in swapped order (its record unchanged)",
         "hybridpipe/pipeline/stage.py",
-        "        for index, action in enumerate(actions):\n            self._progress(step)\n"
-        "            handlers[action.kind](step, self.chunks[action.stage], action, index)\n",
+        "        for index, action in enumerate(actions):\n            if profile is None:\n"
+        "                self._progress(step)\n"
+        "                handlers[action.kind](step, self.chunks[action.stage], action, index)\n",
         "        executed = list(actions)\n"
         "        backwards = [i for i, a in enumerate(executed) if a.kind is ActionKind.BACKWARD]\n"
         "        if len(backwards) >= 2 and backwards[-1] == backwards[-2] + 1:\n"
         "            executed[backwards[-2]], executed[backwards[-1]] = executed[backwards[-1]], executed[backwards[-2]]\n"
-        "        for index, action in enumerate(actions):\n            self._progress(step)\n"
-        "            handlers[executed[index].kind](step, self.chunks[executed[index].stage], executed[index], index)\n",
+        "        for index, action in enumerate(actions):\n            if profile is None:\n"
+        "                self._progress(step)\n"
+        "                handlers[executed[index].kind](step, self.chunks[executed[index].stage], executed[index], "
+        "index)\n",
         (("tests/pipeline/test_schedules_mpi.py", 2), ("tests/pipeline/test_pipeline_mpi.py", 2)),
     ),
     Mutant(
