@@ -36,7 +36,11 @@ the modules running (a count per bucket: a module called twice, a re-materialize
 and ``zero3_keep_gathered=True``, which keeps them until the step). A split backward's ``I`` and ``W`` (zb-h1),
 which autograd runs from recorded outputs, gather their whole chunk, through the pipeline's unit events
 (hybridpipe/gradient_sync.py). Autograd saved the parameters themselves, so a backward sees the data gathered
-again for it. Each gather starts the next bucket's behind it (prefetch: the one before in a forward, after in
+again for it. A bucket's flat buffer lives as long as the bucket; a release resizes its storage to nothing, so what
+autograd saved of a parameter (a view: a linear layer on 3-D inputs keeps ``weight.t()``) holds no memory between
+the forward and the backward either, and the backward's gather fills the same storage again. (A view of a
+gathered parameter kept past its module's call is freed with it; ``full_parameters()`` gathers into buffers of
+its own, which the caller may keep.) Each gather starts the next bucket's behind it (prefetch: the one before in a forward, after in
 a backward). Gradients go as zero=2's. ``step()`` steps the shard and gathers nothing: the next forward does. A
 weight tied across stages (a deferred parameter, whose gradient the pipeline sums after the run) stays whole on
 its holders and is refreshed after each step. ``full_parameters()`` gathers everything for a while (checkpoints,
@@ -482,6 +486,9 @@ class ZeroMixin:
         self._hp_keep = bool(keep_gathered)
         self._hp_holds = [0] * len(self._hp_buckets)  # units (and full_parameters) using each bucket now
         self._hp_full: dict[int, torch.Tensor] = {}  # bucket -> its gathered flat buffer
+        # bucket -> its flat buffer, kept for the bucket's life: freed by resizing its storage to nothing, so that
+        # what autograd saved of it (a view: ``weight.t()``) holds no memory either, and gathered into again
+        self._hp_flats: dict[int, torch.Tensor] = {}
         self._hp_prefetched: dict[int, tuple[torch.Tensor, Any]] = {}  # bucket -> (buffer, handle) in flight
         self._hp_unit_buckets: dict[int, list[int]] = {}
         self._hp_gathered_peak = 0
@@ -552,10 +559,12 @@ class ZeroMixin:
                 bucket.index for bucket in self._hp_buckets if any(unit.holds(item.parameter) for item in bucket.items)]
         return found
 
-    def _hp_use(self, indices: Any, prefetch: int = 0) -> None:
+    def _hp_use(self, indices: Any, prefetch: int = 0, fresh: bool = False) -> None:
         """Buckets ``indices`` are in use from now (gathered where they are not). ``prefetch``: the direction the
         run goes through the buckets (-1 forward, 1 backward): the next bucket's gather starts behind them, to
-        overlap the compute of these (every replica runs the same modules, so they prefetch the same)."""
+        overlap the compute of these (every replica runs the same modules, so they prefetch the same). ``fresh``:
+        gathered into new buffers, not the buckets' own (whose memory is freed under any view of it at the release:
+        full_parameters() hands the parameters to the caller, who may keep views)."""
         if self._hp_unmaterialized:
             raise UsageError(f"DistributedOptimizer(zero=3): {self._hp_unmaterialized} parameters were built on "
                              "the meta device and have no values yet: call opt.materialize(module) first")
@@ -563,7 +572,7 @@ class ZeroMixin:
         for i in indices:
             self._hp_holds[i] += 1
         if needed:
-            self._hp_zero3_gather(needed)
+            self._hp_zero3_gather(needed, fresh)
         if prefetch and indices:
             following = (min(indices) - 1) if prefetch < 0 else (max(indices) + 1)
             if 0 <= following < len(self._hp_buckets) and following not in self._hp_full \
@@ -573,8 +582,10 @@ class ZeroMixin:
     def _hp_drop_prefetched(self) -> None:
         """Gathers started for a use that did not come before the step (their values go stale with it)."""
         prefetched, self._hp_prefetched = self._hp_prefetched, {}
-        for _, handle in prefetched.values():
+        for index, (full, handle) in prefetched.items():
             handle.wait()
+            if full is self._hp_flats.get(index):
+                full.untyped_storage().resize_(0)
 
     def _hp_unuse(self, indices: Any) -> None:
         """Buckets ``indices`` are no longer used by one user; freed when none uses them (unless kept gathered)."""
@@ -591,21 +602,24 @@ class ZeroMixin:
 
     def _hp_zero3_release(self, indices: Any) -> None:
         for index in indices:
-            self._hp_full.pop(index, None)
+            if self._hp_full.pop(index, None) is self._hp_flats.get(index, False):
+                self._hp_flats[index].untyped_storage().resize_(0)  # (views autograd saved let go of it too)
             for item in self._hp_buckets[index].items:
                 if id(item.parameter) not in self._hp_kept:
                     item.parameter.data = torch.empty(0, dtype=item.parameter.dtype, device=item.parameter.device)
 
-    def _hp_zero3_submit(self, index: int) -> tuple[torch.Tensor, Any]:
-        """Starts the allgather of bucket ``index``'s pieces: (the flat buffer it fills, its handle)."""
+    def _hp_zero3_submit(self, index: int, fresh: bool = False) -> tuple[torch.Tensor, Any]:
+        """Starts the allgather of bucket ``index``'s pieces: (the flat buffer it fills, its handle); ``fresh``: a
+        new buffer rather than the bucket's own."""
         state = context.current("DistributedOptimizer")
         group_id = state.engine_group(self._hp_group, "DistributedOptimizer")
         bucket = self._hp_buckets[index]
         shard = self._hp_shards[bucket.group]
         piece = shard.detach()[bucket.shard_offset:bucket.shard_offset + bucket.piece]
-        if staged_through_host(shard):
+        staged = staged_through_host(shard)
+        if staged:  # through a host buffer, then into the bucket's own (_hp_zero3_gather)
             piece = _host_buffer(bucket.piece, shard).copy_(piece)
-        full = _host_buffer(bucket.padded, shard)
+        full = _host_buffer(bucket.padded, shard) if staged or fresh else self._hp_flat(index)
         name = f"{self._hp_prefix}.zero.ag{bucket.index}"
         kind = (self._hp_layout_digest + 7919 * (bucket.index + 1)) & 0x3FFFFFFF
         counts = [bucket.piece] * self._hp_zsize
@@ -616,14 +630,30 @@ class ZeroMixin:
             (piece, full), lambda: None)
         return full, handle
 
-    def _hp_zero3_gather(self, indices: list[int]) -> None:
+    def _hp_flat(self, index: int) -> torch.Tensor:
+        """Bucket ``index``'s flat buffer, with room for the gathered bucket (its storage grown back if freed)."""
+        bucket = self._hp_buckets[index]
+        flat = self._hp_flats.get(index)
+        if flat is None:
+            shard = self._hp_shards[bucket.group]
+            flat = self._hp_flats[index] = torch.empty(bucket.padded, dtype=shard.dtype, device=shard.device)
+        elif flat.untyped_storage().nbytes() == 0:
+            flat.untyped_storage().resize_(bucket.padded * flat.element_size())
+        return flat
+
+    def _hp_zero3_gather(self, indices: list[int], fresh: bool = False) -> None:
         """Allgathers buckets ``indices`` (all submitted, or prefetched, then each waited for): each parameter's
         data becomes a view of its bucket's gathered buffer; a kept (tied) parameter gets the values copied in."""
-        pending = [(self._hp_buckets[i], *(self._hp_prefetched.pop(i, None) or self._hp_zero3_submit(i)))
+        if fresh:
+            self._hp_drop_prefetched()
+        pending = [(self._hp_buckets[i], *(self._hp_prefetched.pop(i, None) or self._hp_zero3_submit(i, fresh)))
                    for i in indices]
         for bucket, full, handle in pending:
             handle.wait()
-            full = full.to(self._hp_shards[bucket.group].device)
+            if fresh:
+                full = full.to(self._hp_shards[bucket.group].device)
+            elif full is not self._hp_flats.get(bucket.index):  # staged through the host
+                full = self._hp_flat(bucket.index).copy_(full)
             self._hp_full[bucket.index] = full
             self._hp_gathered_peak = max(self._hp_gathered_peak, _tensor_bytes(self._hp_full.values()) + _tensor_bytes(
                 full for full, _ in self._hp_prefetched.values()))
@@ -655,7 +685,7 @@ class ZeroMixin:
         are). ``writeback=True``: what the body wrote into them (a load) goes into the shards at the end."""
         every = range(len(self._hp_buckets))
         if self._hp_zero == 3:
-            self._hp_use(every)
+            self._hp_use(every, fresh=True)
         try:
             yield dict(self._hp_parameters)
             if writeback:
