@@ -79,6 +79,19 @@ bool allreduce_direct(uintptr_t input, uintptr_t output, size_t count, int dtype
   return true;
 }
 
+namespace {
+
+// This rank's entry of a reduce-scatter's or an allgather's per-rank counts (checked to cover the communicator).
+size_t own_count(const std::vector<size_t>& counts, long long comm, const char* what) {
+  int rank = 0;
+  HP_MPI(MPI_Comm_rank, to_comm(comm), to_comm(comm), &rank);
+  if (static_cast<size_t>(rank) >= counts.size())
+    throw std::invalid_argument(std::string(what) + ": counts shorter than the communicator");
+  return counts[static_cast<size_t>(rank)];
+}
+
+}  // namespace
+
 void reducescatter_direct(uintptr_t input, uintptr_t output, const std::vector<size_t>& counts, int dtype, int op,
                           long long comm, const AllreduceOptions& options, bool input_is_scratch,
                           AllreduceAlgorithm algorithm) {
@@ -86,11 +99,9 @@ void reducescatter_direct(uintptr_t input, uintptr_t output, const std::vector<s
   for (size_t count : counts) total += count;
   py::gil_scoped_release no_gil;
   std::lock_guard<std::mutex> guard(core().lock);
-  int rank = 0;
-  HP_MPI(MPI_Comm_rank, to_comm(comm), to_comm(comm), &rank);
-  if (static_cast<size_t>(rank) >= counts.size()) throw std::invalid_argument("reducescatter: counts shorter than the communicator");
-  reducescatter(to_buffer(input, total, dtype), to_buffer(output, counts[static_cast<size_t>(rank)], dtype), counts,
-                static_cast<ReduceOp>(op), to_comm(comm), options, core().workspace, input_is_scratch, algorithm);
+  reducescatter(to_buffer(input, total, dtype), to_buffer(output, own_count(counts, comm, "reducescatter"), dtype),
+                counts, static_cast<ReduceOp>(op), to_comm(comm), options, core().workspace, input_is_scratch,
+                algorithm);
 }
 
 void allgather_direct(uintptr_t input, uintptr_t output, const std::vector<size_t>& counts, int dtype, long long comm,
@@ -99,10 +110,7 @@ void allgather_direct(uintptr_t input, uintptr_t output, const std::vector<size_
   for (size_t count : counts) total += count;
   py::gil_scoped_release no_gil;
   std::lock_guard<std::mutex> guard(core().lock);
-  int rank = 0;
-  HP_MPI(MPI_Comm_rank, to_comm(comm), to_comm(comm), &rank);
-  if (static_cast<size_t>(rank) >= counts.size()) throw std::invalid_argument("allgather: counts shorter than the communicator");
-  allgather(to_buffer(input, counts[static_cast<size_t>(rank)], dtype), to_buffer(output, total, dtype), counts,
+  allgather(to_buffer(input, own_count(counts, comm, "allgather"), dtype), to_buffer(output, total, dtype), counts,
             to_comm(comm), options, algorithm);
 }
 

@@ -40,9 +40,9 @@ again for it. A bucket's flat buffer lives as long as the bucket; a release resi
 autograd saved of a parameter (a view: a linear layer on 3-D inputs keeps ``weight.t()``) holds no memory between
 the forward and the backward either, and the backward's gather fills the same storage again. (A view of a
 gathered parameter kept past its module's call is freed with it; ``full_parameters()`` gathers into buffers of
-its own, which the caller may keep.) Each gather starts the next bucket's behind it (prefetch: the one before in a forward, after in
-a backward). Gradients go as zero=2's. ``step()`` steps the shard and gathers nothing: the next forward does. A
-weight tied across stages (a deferred parameter, whose gradient the pipeline sums after the run) stays whole on
+its own, which the caller may keep.) Each gather starts the next bucket's behind it (prefetch: the one before in
+a forward, after in a backward). Gradients go as zero=2's. ``step()`` steps the shard and gathers nothing: the
+next forward does. A weight tied across stages (a deferred parameter, whose gradient the pipeline sums after the run) stays whole on
 its holders and is refreshed after each step. ``full_parameters()`` gathers everything for a while (checkpoints,
 evaluation, export). A parameter used outside the forward of the module that owns it (a parent reading a child's
 ``weight`` in its own forward) is not whole there: own it in the module that uses it.
@@ -394,23 +394,15 @@ class ZeroMixin:
         """This replica's pieces of the current parameter values into the shards."""
         if self._hp_zero == 3:
             self._hp_drop_prefetched()  # (gathered from the values these replace)
-        r = self._hp_zrank
         with torch.no_grad():
             for bucket in self._hp_buckets:
-                shard = self._hp_shards[bucket.group]
-                begin, end = r * bucket.piece, (r + 1) * bucket.piece
                 for item in bucket.items:
-                    lo, hi = max(begin, item.offset), min(end, item.offset + item.numel)
-                    if lo < hi:
-                        shard.data[bucket.shard_offset + lo - begin:bucket.shard_offset + hi - begin].copy_(
-                            item.parameter.detach().reshape(-1)[lo - item.offset:hi - item.offset])
+                    self._hp_keep_piece(bucket, item)
 
     def _hp_zero_gather(self) -> None:
         """Allgathers every bucket's updated pieces into the parameters: two buckets in flight at a time
         (one gathering while the previous is copied out), so the full-size buffers held at once are two
         buckets', not the whole stage's."""
-        state = context.current("DistributedOptimizer")
-        group_id = state.engine_group(self._hp_group, "DistributedOptimizer")
         pending: list = []
 
         def unpack_oldest() -> None:
@@ -423,20 +415,7 @@ class ZeroMixin:
         for bucket in self._hp_buckets:
             if len(pending) == 2:
                 unpack_oldest()
-            shard = self._hp_shards[bucket.group]
-            piece = shard.detach()[bucket.shard_offset:bucket.shard_offset + bucket.piece]
-            if staged_through_host(shard):
-                piece = _host_buffer(bucket.piece, shard).copy_(piece)
-            full = _host_buffer(bucket.padded, shard)
-            name = f"{self._hp_prefix}.zero.ag{bucket.index}"
-            kind = (self._hp_layout_digest + 7919 * (bucket.index + 1)) & 0x3FFFFFFF
-            counts = [bucket.piece] * self._hp_zsize
-            handle = context.queue(
-                state, group_id, name, "DistributedOptimizer",
-                lambda piece=piece, full=full, name=name, kind=kind, counts=counts: state.engine.submit_allgather(
-                    group_id, name, kind, piece.data_ptr(), full.data_ptr(), counts, buffers.dtype_code(full)),
-                (piece, full), lambda: None)
-            pending.append((bucket, full, handle))
+            pending.append((bucket, *self._hp_allgather_submit(bucket.index, fresh=True)))
         while pending:
             unpack_oldest()
 
@@ -577,7 +556,7 @@ class ZeroMixin:
             following = (min(indices) - 1) if prefetch < 0 else (max(indices) + 1)
             if 0 <= following < len(self._hp_buckets) and following not in self._hp_full \
                     and following not in self._hp_prefetched:
-                self._hp_prefetched[following] = self._hp_zero3_submit(following)
+                self._hp_prefetched[following] = self._hp_allgather_submit(following)
 
     def _hp_drop_prefetched(self) -> None:
         """Gathers started for a use that did not come before the step (their values go stale with it)."""
@@ -608,9 +587,9 @@ class ZeroMixin:
                 if id(item.parameter) not in self._hp_kept:
                     item.parameter.data = torch.empty(0, dtype=item.parameter.dtype, device=item.parameter.device)
 
-    def _hp_zero3_submit(self, index: int, fresh: bool = False) -> tuple[torch.Tensor, Any]:
+    def _hp_allgather_submit(self, index: int, fresh: bool = False) -> tuple[torch.Tensor, Any]:
         """Starts the allgather of bucket ``index``'s pieces: (the flat buffer it fills, its handle); ``fresh``: a
-        new buffer rather than the bucket's own."""
+        new buffer rather than the bucket's own (ZeRO-3's, :meth:`_hp_flat`; zero=1/2's step gathers fresh)."""
         state = context.current("DistributedOptimizer")
         group_id = state.engine_group(self._hp_group, "DistributedOptimizer")
         bucket = self._hp_buckets[index]
@@ -646,7 +625,7 @@ class ZeroMixin:
         data becomes a view of its bucket's gathered buffer; a kept (tied) parameter gets the values copied in."""
         if fresh:
             self._hp_drop_prefetched()
-        pending = [(self._hp_buckets[i], *(self._hp_prefetched.pop(i, None) or self._hp_zero3_submit(i, fresh)))
+        pending = [(self._hp_buckets[i], *(self._hp_prefetched.pop(i, None) or self._hp_allgather_submit(i, fresh)))
                    for i in indices]
         for bucket, full, handle in pending:
             handle.wait()
