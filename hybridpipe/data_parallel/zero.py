@@ -42,10 +42,10 @@ the forward and the backward either, and the backward's gather fills the same st
 gathered parameter kept past its module's call is freed with it; ``full_parameters()`` gathers into buffers of
 its own, which the caller may keep.) Each gather starts the next bucket's behind it (prefetch: the one before in
 a forward, after in a backward). Gradients go as zero=2's. ``step()`` steps the shard and gathers nothing: the
-next forward does. A weight tied across stages (a deferred parameter, whose gradient the pipeline sums after the run) stays whole on
-its holders and is refreshed after each step. ``full_parameters()`` gathers everything for a while (checkpoints,
-evaluation, export). A parameter used outside the forward of the module that owns it (a parent reading a child's
-``weight`` in its own forward) is not whole there: own it in the module that uses it.
+next forward does. A weight tied across stages (a deferred parameter, whose gradient the pipeline sums after the
+run) stays whole on its holders and is refreshed after each step. ``full_parameters()`` gathers everything for a
+while (checkpoints, evaluation, export). A parameter used outside the forward of the module that owns it (a
+parent reading a child's ``weight`` in its own forward) is not whole there: own it in the module that uses it.
 """
 
 from __future__ import annotations
