@@ -167,6 +167,15 @@ MISTAKES = [
         errors={0: ("NotInitializedError", r"hp.PipelineModel\(\) was called before hp.init\(\); call hp.init\(\) "
                                            r"first")}),
     Mistake(
+        "zero3_meta_not_materialized", MODEL, "A model built on the meta device runs before `opt.materialize`",
+        symptom="`UsageError: DistributedOptimizer(zero=3): 2 parameters were built on the meta device and have no "
+                "values yet: call opt.materialize(module) first`, at the first forward.",
+        cause="Under `torch.device(\"meta\")` parameters have shapes but no values; `zero=3` keeps them as shards "
+              "that `opt.materialize(model)` fills, module by module.",
+        fix="Call `opt.materialize(model)` (seeded alike on every rank) after wrapping the optimizer with `zero=3`.",
+        errors={0: ("UsageError", r"zero=3\): \d+ parameters were built on the meta device and have no values yet: "
+                                  r"call opt.materialize\(module\) first")}),
+    Mistake(
         "layer_count_differs", MODEL, "The model differs between ranks",
         symptom="`MismatchError: PipelineModel: ranks disagree on layers, balance (rank 0: layers=4, ...; rank 1: "
                 "layers=5, ...); every rank must build it with the same layers and settings`, on every rank.",

@@ -119,6 +119,20 @@ def model_before_init() -> None:
     hp.PipelineModel(nn.Sequential(nn.Linear(8, 4)), loss_fn=nn.CrossEntropyLoss())
 
 
+def zero3_meta_not_materialized() -> None:
+    import hybridpipe as hp
+
+    hp.init()
+    try:
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(8, 4))
+        hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                named_parameters=model.named_parameters(), zero=3)
+        model(torch.zeros(2, 8))
+    finally:
+        hp.shutdown()
+
+
 @contextlib.contextmanager
 def environment(**values: str) -> Any:
     saved = {name: os.environ.get(name) for name in values}
@@ -198,7 +212,7 @@ def empty_batch() -> None:
 LOCAL: dict[str, Callable[..., None]] = {f.__name__: f for f in (
     unknown_schedule, inplace_layer_profiled, layer_fails_while_profiling, plan_cli_user_errors, model_before_init,
     bad_env_stages, bad_env_value, ranks_not_multiple_of_stages, hostfile_missing_host, hostfile_without_slots,
-    dataset_shorter_than_batch, empty_batch)}
+    dataset_shorter_than_batch, empty_batch, zero3_meta_not_materialized)}
 
 
 # ------------------------------------------------------------------ running
