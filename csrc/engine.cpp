@@ -356,12 +356,13 @@ void Engine::run() {
 
 bool Engine::visit(const std::vector<Group*>& order, uint64_t cycle, const WaitPolicy& busy_wait,
                    const WaitPolicy& idle_wait, bool& idle) {
-  bool visited = false;
+  bool visited = false, in_step = false;  // in_step: a group of several ranks, whose cycles the ranks share
   for (Group* group : order) {
     if (group->size == 1) {
       cycle_single(*group);
       continue;
     }
+    in_step = true;
     const GroupRound& round = group->round.get();
     // A quiet group (idle on every rank for a while) is visited on every kQuietPeriod-th cycle only,
     // so that one busy group's ranks are not held in step with all ranks every cycle.
@@ -374,7 +375,9 @@ bool Engine::visit(const std::vector<Group*>& order, uint64_t cycle, const WaitP
       cycle_order_->insert(cycle_order_->end(), activated.begin(), activated.end());
     }
   }
-  return visited;
+  // Only groups of one rank (a job of one process): no cycle count to keep in step with other ranks, so the
+  // thread sleeps to its next cycle (woken by a submission) rather than spinning through empty cycles.
+  return visited || !in_step;
 }
 
 bool Engine::await_cycle(std::chrono::steady_clock::time_point next_cycle, bool last_cycle_idle,

@@ -168,7 +168,8 @@ class Engine {
   // stall check (the timer is what lets a rank that never submits be reported).
   double quiet_cycle_ms() const;
   void run();
-  // One cycle's visits of `order`; false when nothing was visited. `idle`, `quiet`: every visited group was idle
+  // One cycle's visits of `order`; false when no group of several ranks was due (quiet ones skipped), so that the
+  // next cycle comes at once; true with only one-rank groups (the thread then sleeps to its next cycle). `idle`, `quiet`: every visited group was idle
   // / every group is quiet.
   bool visit(const std::vector<Group*>& order, uint64_t cycle, const WaitPolicy& busy_wait,
              const WaitPolicy& idle_wait, bool& idle);
