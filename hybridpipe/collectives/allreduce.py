@@ -340,11 +340,7 @@ def _submit(tensor: Any, average: Any, name: str | None, op: Any, prescale: Any,
     submitted: list[Handle] = []
 
     def finish() -> Any:
-        contributors = submitted[0].contributors
-        if contributors and op == Average:  # ranks had joined (zeros from them): the engine summed
-            buffers.divide_(work, contributors if state.config.join_average == "contributors"
-                            else state.group_size(group, function))
-        buffers.scale_(work, postscale)
+        _after_reduction(state, submitted[0], op, postscale, group, function, work)
         if on_device:  # the engine wrote `work` on the GPU and synchronized before it completed the handle
             if back is not None:
                 import torch
@@ -371,6 +367,83 @@ def _submit(tensor: Any, average: Any, name: str | None, op: Any, prescale: Any,
 
     submitted.append(context.queue(state, group_id, name, function, submit, (result, work, source, ready), finish))
     return submitted[0]
+
+
+def _after_reduction(state: Any, handle: Handle, op: Any, postscale: float, group: Any, function: str,
+                     work: Any) -> None:
+    """A reduced ``work``'s own arithmetic after the engine: the average over the contributing ranks where some
+    had joined (the engine summed, zeros from them), then ``postscale``."""
+    contributors = handle.contributors
+    if contributors and op == Average:
+        buffers.divide_(work, contributors if state.config.join_average == "contributors"
+                        else state.group_size(group, function))
+    buffers.scale_(work, postscale)
+
+
+class PreparedAllreduce:
+    """``hp.allreduce_async_(tensor, name=name, **options)`` for a tensor handed over again and again under one
+    name (a parameter's gradient, every step): the first call takes the whole path (every argument check, a
+    refusal stand-in on the other ranks when one fails); the later ones, while they bring a tensor of the same
+    kind (torch, host memory, contiguous, the first one's dtype and size) with the same options in the same job,
+    go to the engine at once with the checks' answers kept. Product and Adasum, tensors on a GPU and anything
+    else take the whole path every time. The engine sees the same submission either way."""
+
+    __slots__ = ("name", "_options", "_fast")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._options: dict[str, Any] = {}
+        self._fast: tuple | None = None  # (state, group id, dtype, size, dtype code, op, wire format, op, group)
+
+    def __call__(self, tensor: Any, op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                 group: Any = None, wire: Any = None) -> Handle:
+        options = dict(op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor, group=group,
+                       wire=wire)
+        fast = self._fast
+        if (fast is not None and options == self._options and fast[0] is context.current_or_none()
+                and type(tensor) is torch.Tensor and tensor.is_cpu and tensor.dtype is fast[2]
+                and tensor.numel() == fast[3] and tensor.is_contiguous()):
+            return self._submit(tensor, fast, prescale_factor, postscale_factor)
+        handle = allreduce_async_(tensor, name=self.name, **options)
+        self._options, self._fast = options, self._kind(tensor, options)
+        return handle
+
+    @property
+    def checked(self) -> bool:
+        """Whether a call like the last one (a tensor of its kind, its options, this job) goes to the engine at once."""
+        return self._fast is not None and self._fast[0] is context.current_or_none()
+
+    def _kind(self, tensor: Any, options: dict[str, Any]) -> tuple | None:
+        """What the next calls may keep from this one's checks (None: they take the whole path too)."""
+        if type(tensor) is not torch.Tensor or not tensor.is_cpu or not tensor.is_contiguous():
+            return None
+        op = resolve_op(options["op"], None, "allreduce_async_")
+        if op not in CORE_OPS:
+            return None
+        state = context.current("allreduce_async_")
+        group = resolved(options["group"], "allreduce_async_")
+        wire = options["wire"]
+        return (state, state.engine_group(group, "allreduce_async_"), tensor.dtype, tensor.numel(),
+                buffers.dtype_code(tensor), int(op), core().WireFormat() if wire is None else wire.format(), op,
+                group)
+
+    def _submit(self, tensor: Any, fast: tuple, prescale: float, postscale: float) -> Handle:
+        state, group_id, _, count, code, op_code, wire_format, op, group = fast
+        work = tensor.detach()
+        buffers.scale_(work, prescale)
+        submitted: list[Handle] = []
+
+        def finish() -> Any:
+            _after_reduction(state, submitted[0], op, postscale, group, "allreduce_async_", work)
+            return tensor
+
+        def submit() -> int:
+            return state.engine.submit(group_id, self.name, work.data_ptr(), count, code, op_code, 0, 0, 0,
+                                       wire_format)
+
+        submitted.append(context.queue(state, group_id, self.name, "allreduce_async_", submit,
+                                       (tensor, work, None, None), finish))
+        return submitted[0]
 
 
 def _device_fusion() -> bool:

@@ -178,6 +178,8 @@ class _DistributedOptimizerMixin:
         self._hp_skip = False
         # submitted reductions: key (a parameter name, or a group's name) -> (handle, [(parameter, wire, ctx)])
         self._hp_handles: dict[str, tuple[Any, list[tuple[torch.nn.Parameter, Any, Any]]]] = {}
+        # per gradient's name, its allreduce checked once (the hooks hand the same tensors over every step)
+        self._hp_prepared: dict[str, allreduce_ops.PreparedAllreduce] = {}
         self._hp_submitted: set[str] = set()
         self._hp_counts: dict[str, int] = {}
         by_id = {id(p): name for name, p in self._hp_parameters}
@@ -278,7 +280,10 @@ class _DistributedOptimizerMixin:
             raise NotSupportedError("DistributedOptimizer: a group (groups= / num_groups=) holds a parameter with a "
                                     "sparse gradient; pass sparse_as_dense=True or leave it out of the groups")
         elif len(names) == 1 and key == names[0]:
-            handle = allreduce_ops.allreduce_async_(members[0][1], name=key, **options)
+            prepared = self._hp_prepared.get(key)
+            if prepared is None:
+                prepared = self._hp_prepared[key] = allreduce_ops.PreparedAllreduce(key)
+            handle = prepared(members[0][1], **options)
         else:
             handle = allreduce_ops.grouped_allreduce_async_([wire for _, wire, _ in members], name=key, **options)
         self._hp_handles[key] = (handle, members)

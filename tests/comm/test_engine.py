@@ -347,3 +347,44 @@ def test_waiters_help_while_two_groups_are_busy():
             assert torch.equal(data, torch.full((300_000,), float(replicas * (replicas - 1) // 2 + replicas * step)))
     finally:
         hp.shutdown()
+
+
+def test_prepared_allreduce_checks_once_and_takes_the_whole_path_for_anything_else(grid):
+    """hp.DistributedOptimizer's per-gradient submission (PreparedAllreduce): the first call is checked in full,
+    the next ones of the same kind go to the engine at once with the same result; another dtype, size, layout, op
+    or job takes the whole path again, and a refused argument still fails on every rank."""
+    from hybridpipe.collectives.allreduce import PreparedAllreduce
+
+    prepared = PreparedAllreduce("prepared.grad")
+    assert not prepared.checked
+    for step in range(3):  # the first call checked, the next two direct
+        value = torch.full((5,), float(RANK + 1 + step))
+        assert prepared(value, op=hp.Sum).wait() is value
+        assert torch.equal(value, torch.full((5,), float(sum(r + 1 + step for r in range(SIZE)))))
+        assert prepared.checked
+    averaged = torch.full((5,), float(RANK))
+    prepared(averaged, op=hp.Average, postscale_factor=2.0).wait()  # other options: checked again
+    assert torch.allclose(averaged, torch.full((5,), 2.0 * (SIZE - 1) / 2))
+    wide = torch.full((5,), float(RANK), dtype=torch.float64)  # another dtype: the whole path, then kept
+    prepared(wide, op=hp.Sum).wait()
+    assert wide.dtype == torch.float64 and torch.equal(wide, torch.full((5,), float(sum(range(SIZE))),
+                                                                        dtype=torch.float64))
+    strided = (torch.arange(10.0) + RANK)[::2]  # not contiguous: the whole path (in place through a copy)
+    prepared(strided, op=hp.Sum).wait()
+    assert not prepared.checked
+    assert not strided.is_contiguous() and torch.equal(strided, torch.arange(10.0)[::2] * SIZE + sum(range(SIZE)))
+    prepared(torch.ones(5, dtype=torch.float64), op=hp.Sum).wait()
+    assert prepared.checked
+    hp.shutdown()
+    hp.init()  # a new job: its first call is checked again
+    assert not prepared.checked
+    again = torch.ones(5, dtype=torch.float64)
+    assert torch.equal(prepared(again, op=hp.Sum).wait(), torch.full((5,), float(SIZE), dtype=torch.float64))
+    prepared(torch.ones(5), op=hp.Sum).wait()
+    assert prepared.checked
+    if RANK == 0:  # a bad argument on one rank: refused there, and the others' call fails naming it
+        with pytest.raises(TypeError, match="prescale_factor must be a number"):
+            prepared(torch.ones(5), op=hp.Sum, prescale_factor="2")
+    else:
+        with pytest.raises(MismatchError, match="prescale_factor must be a number"):
+            prepared(torch.ones(5), op=hp.Sum).wait()
