@@ -297,8 +297,9 @@ def _verified(found: list[Plan], layers: Any, loss_fn: Any, sample: tuple[Any, A
     a plain SGD (the step you will wrap is not known here)."""
     def build(trial: Plan) -> tuple[Any, Any]:
         arguments = _model_arguments(trial, model_options, module, sample, global_batch)
-        copies = copy.deepcopy(layers) if module else [copy.deepcopy(layer) if isinstance(layer, nn.Module) else layer
-                                                       for layer in layers]
+        shared: dict[int, Any] = {}  # one memo for all the layers: a parameter two layers share stays one (a tie)
+        copies = copy.deepcopy(layers) if module else [copy.deepcopy(layer, shared) if isinstance(layer, nn.Module)
+                                                       else layer for layer in layers]
         factory = optimizer or (lambda params: torch.optim.SGD(params, lr=0.0))
         return _built(copies, loss_fn, factory, trial, arguments)
 

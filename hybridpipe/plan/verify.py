@@ -34,6 +34,7 @@ import torch
 
 from hybridpipe import runtime
 from hybridpipe.comm.agree import agree_on_failure
+from hybridpipe.comm.process_sets import remove_process_set
 from hybridpipe.comm.engine import call
 from hybridpipe.errors import HybridPipeError, UsageError
 from hybridpipe.gradient_sync import GradientSync, Unit
@@ -88,7 +89,9 @@ def _trial(plan: Plan, build: Callable[[Plan], tuple[Any, Any]], sample: tuple[A
     """One plan's measured steps (each the slowest rank's), on its grid; stops early once the budget is spent
     (after one timed step at least)."""
     on_grid_of(plan)
-    world = runtime.job("auto").grid.world_comm
+    job = runtime.job("auto")
+    world = job.grid.world_comm
+    registered = set(job.process_sets.entries)  # a trial's own sets (tied weights') go with its model
     size = _replica_samples(plan)
     inputs, targets = tiled(sample[0], size), tiled(sample[1], size)
     times: list[float] = []
@@ -115,7 +118,16 @@ def _trial(plan: Plan, build: Callable[[Plan], tuple[Any, Any]], sample: tuple[A
             model.close()
             del model, opt
             gc.collect()
+            _remove_sets_since(job, registered)
     return times
+
+
+def _remove_sets_since(job: Any, registered: set[int]) -> None:
+    """Unregisters the process sets registered since ``registered`` (their ids; collective: every rank ran the same
+    trial), so that the next trial or the kept plan can re-make the grid (``runtime.regrid`` refuses while sets
+    made on the old grid are registered)."""
+    for set_id in sorted(set(job.process_sets.entries) - registered):
+        remove_process_set(job.process_sets.entries[set_id].objects[0])
 
 
 def measure_plans(plans: list[Plan], build: Callable[[Plan], tuple[Any, Any]], sample: tuple[Any, Any],
