@@ -169,8 +169,8 @@ class Engine {
   double quiet_cycle_ms() const;
   void run();
   // One cycle's visits of `order`; false when no group of several ranks was due (quiet ones skipped), so that the
-  // next cycle comes at once; true with only one-rank groups (the thread then sleeps to its next cycle). `idle`, `quiet`: every visited group was idle
-  // / every group is quiet.
+  // next cycle comes at once; true with only one-rank groups (the thread then sleeps to its next cycle).
+  // `idle`: every visited group was idle.
   bool visit(const std::vector<Group*>& order, uint64_t cycle, const WaitPolicy& busy_wait,
              const WaitPolicy& idle_wait, bool& idle);
   // The thread's sleep until its next cycle is due (`next_cycle`, or earlier after an idle cycle when

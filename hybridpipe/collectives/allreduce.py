@@ -21,7 +21,7 @@ through the engine instead, where they contribute zeros (:func:`allreduce_while_
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -380,6 +380,25 @@ def _after_reduction(state: Any, handle: Handle, op: Any, postscale: float, grou
     buffers.scale_(work, postscale)
 
 
+class _Checked(NamedTuple):
+    """What :class:`PreparedAllreduce` keeps from a call's checks."""
+
+    state: Any       # the job they were made in
+    group: Any       # the resolved group, and its engine id
+    group_id: int
+    dtype: Any       # the tensor's dtype and size
+    count: int
+    code: int        # the engine's dtype code
+    op: Any
+    wire_format: Any
+
+
+def _direct(tensor: Any) -> bool:
+    """Whether ``tensor`` is of the kind :class:`PreparedAllreduce` hands to the engine itself: a torch tensor the
+    C++ core can read where it is (:func:`buffers.is_host_contiguous`)."""
+    return type(tensor) is torch.Tensor and buffers.is_host_contiguous(tensor)
+
+
 class PreparedAllreduce:
     """``hp.allreduce_async_(tensor, name=name, **options)`` for a tensor handed over again and again under one
     name (a parameter's gradient, every step): the first call takes the whole path (every argument check, a
@@ -388,60 +407,55 @@ class PreparedAllreduce:
     go to the engine at once with the checks' answers kept. Product and Adasum, tensors on a GPU and anything
     else take the whole path every time. The engine sees the same submission either way."""
 
-    __slots__ = ("name", "_options", "_fast")
+    __slots__ = ("name", "_options", "_checked")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._options: dict[str, Any] = {}
-        self._fast: tuple | None = None  # (state, group id, dtype, size, dtype code, op, wire format, op, group)
+        self._checked: _Checked | None = None
 
     def __call__(self, tensor: Any, op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                  group: Any = None, wire: Any = None) -> Handle:
         options = dict(op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor, group=group,
                        wire=wire)
-        fast = self._fast
-        if (fast is not None and options == self._options and fast[0] is context.current_or_none()
-                and type(tensor) is torch.Tensor and tensor.is_cpu and tensor.dtype is fast[2]
-                and tensor.numel() == fast[3] and tensor.is_contiguous()):
-            return self._submit(tensor, fast, prescale_factor, postscale_factor)
+        kept = self._checked
+        if (self.checked and options == self._options and _direct(tensor) and tensor.dtype is kept.dtype
+                and tensor.numel() == kept.count):
+            return self._submit(tensor, kept, prescale_factor, postscale_factor)
         handle = allreduce_async_(tensor, name=self.name, **options)
-        self._options, self._fast = options, self._kind(tensor, options)
+        self._options, self._checked = options, self._kind(tensor, options)
         return handle
 
     @property
     def checked(self) -> bool:
         """Whether a call like the last one (a tensor of its kind, its options, this job) goes to the engine at once."""
-        return self._fast is not None and self._fast[0] is context.current_or_none()
+        return self._checked is not None and self._checked.state is context.current_or_none()
 
-    def _kind(self, tensor: Any, options: dict[str, Any]) -> tuple | None:
+    def _kind(self, tensor: Any, options: dict[str, Any]) -> _Checked | None:
         """What the next calls may keep from this one's checks (None: they take the whole path too)."""
-        if type(tensor) is not torch.Tensor or not tensor.is_cpu or not tensor.is_contiguous():
-            return None
         op = resolve_op(options["op"], None, "allreduce_async_")
-        if op not in CORE_OPS:
+        if not _direct(tensor) or op not in CORE_OPS:
             return None
         state = context.current("allreduce_async_")
         group = resolved(options["group"], "allreduce_async_")
         wire = options["wire"]
-        return (state, state.engine_group(group, "allreduce_async_"), tensor.dtype, tensor.numel(),
-                buffers.dtype_code(tensor), int(op), core().WireFormat() if wire is None else wire.format(), op,
-                group)
+        return _Checked(state, group, state.engine_group(group, "allreduce_async_"), tensor.dtype, tensor.numel(),
+                        buffers.dtype_code(tensor), op, core().WireFormat() if wire is None else wire.format())
 
-    def _submit(self, tensor: Any, fast: tuple, prescale: float, postscale: float) -> Handle:
-        state, group_id, _, count, code, op_code, wire_format, op, group = fast
+    def _submit(self, tensor: Any, kept: _Checked, prescale: float, postscale: float) -> Handle:
         work = tensor.detach()
         buffers.scale_(work, prescale)
         submitted: list[Handle] = []
 
         def finish() -> Any:
-            _after_reduction(state, submitted[0], op, postscale, group, "allreduce_async_", work)
+            _after_reduction(kept.state, submitted[0], kept.op, postscale, kept.group, "allreduce_async_", work)
             return tensor
 
         def submit() -> int:
-            return state.engine.submit(group_id, self.name, work.data_ptr(), count, code, op_code, 0, 0, 0,
-                                       wire_format)
+            return kept.state.engine.submit(kept.group_id, self.name, work.data_ptr(), kept.count, kept.code,
+                                            int(kept.op), 0, 0, 0, kept.wire_format)
 
-        submitted.append(context.queue(state, group_id, self.name, "allreduce_async_", submit,
+        submitted.append(context.queue(kept.state, kept.group_id, self.name, "allreduce_async_", submit,
                                        (tensor, work, None, None), finish))
         return submitted[0]
 

@@ -34,8 +34,8 @@ import torch
 
 from hybridpipe import runtime
 from hybridpipe.comm.agree import agree_on_failure
-from hybridpipe.comm.process_sets import remove_process_set
 from hybridpipe.comm.engine import call
+from hybridpipe.comm.process_sets import remove_process_set
 from hybridpipe.errors import HybridPipeError, UsageError
 from hybridpipe.gradient_sync import GradientSync, Unit
 from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
