@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,7 +48,7 @@ from hybridpipe.pipeline import schedule as sched
 from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
 from hybridpipe.pipeline.model import LayerSpec, PipelineModel
 from hybridpipe.pipeline.tied import find_ties
-from hybridpipe.plan.calibrate import calibrate as measure, cluster_of, host_cores
+from hybridpipe.plan.calibrate import calibrate as measure, cluster_of, host_cores, model_contention
 from hybridpipe.plan.cost import ZERO_LEVELS, Cluster
 from hybridpipe.registry import check_zero_level
 from hybridpipe.plan.module_profile import CUTS_KEY, is_module, module_layers, profile_module, split_of
@@ -93,17 +94,21 @@ def built_layers(layers: Sequence[Any]) -> list[nn.Module]:
         return [layer.build() if isinstance(layer, LayerSpec) else layer for layer in layers]
 
 
-def profile_in_turns(layers: list[Any], sample: tuple[Any, Any], loss_fn: Any, optimizer: Any, comm: Any) -> str:
+def profile_in_turns(layers: list[Any], sample: tuple[Any, Any], loss_fn: Any, optimizer: Any, comm: Any,
+                     with_pass: bool = False) -> Any:
     """Profiles a layer list without building it whole on one rank: the world's ranks take contiguous slices
     of the layers in turn, rank r building (``hp.LayerSpec``) and profiling only its slice on the activation
     the slices before produced, then broadcasting its slice's output for the next; the others wait in that
     broadcast (asleep after a short spin), so each rank measures alone. Collective over ``comm``. Returns the
     whole profile's JSON on every rank; a slice that fails raises its exception on every rank (its type kept,
-    with a note naming the layers and the rank)."""
+    with a note naming the layers and the rank). ``with_pass``: returns ``(json, kept)``, ``kept`` the slice
+    this rank profiled (built), the input it profiled it on and the targets where it is the last (None for a rank
+    that had no layers), for :func:`one_pass`."""
     ranks, rank = comm.Get_size(), comm.Get_rank()
     bounds = [round(i * len(layers) / ranks) for i in range(ranks + 1)]
     value: Any = sample[0]
     result: Any = None
+    kept: tuple[list[nn.Module], Any, Any] | None = None
     original: Exception | None = None
     for turn in range(ranks):
         if turn == rank and not isinstance(value, Failure) and bounds[rank] < bounds[rank + 1]:
@@ -111,6 +116,8 @@ def profile_in_turns(layers: list[Any], sample: tuple[Any, Any], loss_fn: Any, o
                 built = built_layers(layers[bounds[rank]:bounds[rank + 1]])
                 last = bounds[rank + 1] == len(layers)
                 result = profile(built, value, loss_fn, sample[1] if last else None, optimizer=optimizer)
+                if with_pass:
+                    kept = (built, value, sample[1] if last else None)
                 with torch.no_grad():
                     for layer in built:
                         value = layer(map_tensors(value, torch.clone))
@@ -125,8 +132,72 @@ def profile_in_turns(layers: list[Any], sample: tuple[Any, Any], loss_fn: Any, o
             raise original
         raise value.exception("hp.auto")
     pieces = call(None, "auto", lambda: comm.gather(result, root=0))
-    return agree_on_failure(comm, lambda: merge_profiles([piece for piece in pieces if piece is not None]).to_json(),
-                            root=0, what="hp.auto")
+    merged = agree_on_failure(comm, lambda: merge_profiles([piece for piece in pieces if piece is not None]).to_json(),
+                              root=0, what="hp.auto")
+    if not with_pass:
+        return merged
+    return merged, kept
+
+
+def one_pass(modules: Any, inputs: Any, loss_fn: Any, targets: Any, layered: bool) -> Callable[[], None]:
+    """One forward and backward, as training computes it: through a slice of layers one after another
+    (``layered``; its loss where ``targets`` is given, else the output's gradients all ones) or a module called on
+    ``inputs`` as ``train_step`` gets them. It leaves gradients in the parameters (:func:`measured_contention`
+    puts them back)."""
+    from hybridpipe.pipeline.split import as_call
+
+    def run() -> None:
+        if layered:
+            value = map_tensors(inputs, torch.clone)  # an in-place first layer leaves the sample alone
+            for layer in modules:
+                value = layer(value)
+        else:
+            args, kwargs = as_call(inputs)
+            value = modules(*args, **kwargs)
+        if targets is not None:
+            loss_fn(value, targets).backward()
+            return
+        roots = [t for t in iter_tensors(value) if t.requires_grad]
+        if roots:
+            torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+
+    return run
+
+
+def measured_contention(comm: Any, modules: Sequence[nn.Module], run: Callable[[], None] | None) -> float | None:
+    """:func:`hybridpipe.plan.calibrate.model_contention` of ``run`` (this rank's pass; None: none), the
+    parameters' gradients, the buffers (batch norm's statistics) and the random state put back afterwards. A pass
+    that raises stops computing on its rank (the windows go on, so no rank waits forever) and every rank gets
+    None: the cluster's own contention stays. Collective over ``comm``."""
+    parameters = [p for module in modules for p in module.parameters()]
+    grads = [p.grad for p in parameters]
+    buffers = [(b, b.clone()) for module in modules for b in module.buffers()]
+    failed: list[BaseException] = []
+
+    def guarded() -> None:
+        if failed or run is None:
+            return
+        try:
+            run()
+        except Exception as error:  # noqa: BLE001 - a measurement, not the job: the cluster's value is kept
+            failed.append(error)
+        for parameter in parameters:  # as zero_grad leaves them for the next step (and the caller's untouched)
+            parameter.grad = None
+
+    for parameter in parameters:
+        parameter.grad = None
+    try:
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            value, _ = model_contention(comm, None if run is None else guarded)
+    finally:
+        for parameter, grad in zip(parameters, grads):
+            parameter.grad = grad
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+    if any(call(None, "auto", lambda: comm.allgather(bool(failed)))):
+        return None
+    return value
 
 
 def merge_profiles(pieces: list[Profile]) -> Profile:
@@ -206,7 +277,7 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
     if plan is None:
         found = _planned(layers, loss_fn, sample, global_batch, optimizer, module, asynchronous, zero_levels,
                          cluster or _job_cluster(memory_per_rank, calibrate), optimizer_state_factor,
-                         model_options.get("precision"), verify_plans if verify else 1)
+                         model_options.get("precision"), verify_plans if verify else 1, contention=verify)
         plan = found[0]
         if verify:
             plan = _verified(found, layers, loss_fn, sample, global_batch, optimizer, module, model_options,
@@ -244,20 +315,25 @@ def _checked(layers: Any, module: bool, asynchronous: bool, zero: int | None, ve
 
 def _planned(layers: Any, loss_fn: Any, sample: tuple[Any, Any], global_batch: int, optimizer: Any, module: bool,
              asynchronous: bool, zero_levels: tuple[int, ...], cluster: Cluster, optimizer_state_factor: float,
-             precision: str | None, count: int) -> list[Plan]:
+             precision: str | None, count: int, contention: bool = False) -> list[Plan]:
     """:func:`auto`'s plans: the model profiled (a module on world rank 0; a layer list a slice per rank, in turn),
     then searched on every rank alike (collective); the search's choice first, then (``count`` > 1) the next best
     plans to measure (:func:`hybridpipe.plan.search.plans`)."""
     grid = runtime.job("auto").grid
+    comm = grid.world_comm
     try:
         if module:
-            measured = agree_on_failure(grid.world_comm, lambda: profile_module(
+            measured = agree_on_failure(comm, lambda: profile_module(
                 layers, sample[0], loss_fn, sample[1], optimizer=optimizer)[0].to_json(), root=0, what="hp.auto")
+            kept = (layers, *call(None, "auto", lambda: comm.bcast(sample, root=0))) if contention else None
         else:
-            measured = profile_in_turns(list(layers), sample, loss_fn, optimizer, grid.world_comm)
+            measured, kept = profile_in_turns(list(layers), sample, loss_fn, optimizer, comm, with_pass=True)
     except Exception as error:  # the same on every rank; its own type stays the cause
         raise UsageError(f"hp.auto: profiling the {'module' if module else 'layers'} failed "
                          f"({type(error).__name__}: {error})") from error
+    if contention and grid.size > 1:
+        cluster = _with_model_contention(cluster, comm, kept, loss_fn, module)
+    del kept
     measured_profile = Profile.from_json(measured)
     options = dict(**search_options(layers, module, asynchronous), checkpoints=CHECKPOINT_CHOICES,
                    optimizer_state_factor=optimizer_state_factor, zero_levels=zero_levels, precision=precision)
@@ -268,6 +344,25 @@ def _planned(layers: Any, loss_fn: Any, sample: tuple[Any, Any], global_batch: i
         found = [dataclasses.replace(plan, split=split_of(measured_profile.extra[CUTS_KEY], plan.balance))
                  for plan in found]
     return found
+
+
+def _with_model_contention(cluster: Cluster, comm: Any, kept: tuple[Any, Any, Any] | None, loss_fn: Any,
+                           module: bool) -> Cluster:
+    """``cluster`` with the contention of its ranks computing at once measured on the model (every rank's pass:
+    the whole module, or the slice of layers it profiled); rank 0 says so, beside the cluster's own value."""
+    started = time.perf_counter()
+    modules = [] if kept is None else ([kept[0]] if module else list(kept[0]))
+    run = None if kept is None else one_pass(kept[0], kept[1], loss_fn, kept[2], layered=not module)
+    value = measured_contention(comm, modules, run)
+    if comm.Get_rank() == 0:
+        print(f"hp.auto measured the ranks computing at once on the model in {time.perf_counter() - started:.1f} s: "
+              + (f"x {value:.3g}" if value is not None else "a pass failed")
+              + f" (the cluster's own: x {cluster.compute_contention:.3g}"
+              + ("" if value is not None else ", kept") + ")", flush=True)
+    if value is None:
+        return cluster
+    return dataclasses.replace(cluster, compute_contention=value,
+                               memory_contention=value if cluster.memory_contention else 0.0)
 
 
 def has_tied_weights(layers: Any, module: bool) -> bool:

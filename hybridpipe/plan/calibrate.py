@@ -265,6 +265,71 @@ def compute_contention(comm: Any, windows: int = CONTENTION_WINDOWS, exchange_se
                / statistics.median(t for block, _ in samples for t in block) / sharing)
 
 
+#: Seconds :func:`model_contention` aims to spend (its windows: at least two alone per computing rank, at most
+#: :data:`MODEL_CONTENTION_PAIRS`).
+MODEL_CONTENTION_SECONDS = 2.0
+MODEL_CONTENTION_PAIRS = 32
+
+
+def model_contention(comm: Any, one_pass: Callable[[], None] | None,
+                     seconds: float = MODEL_CONTENTION_SECONDS) -> tuple[float, int]:
+    """:func:`compute_contention` measured on the model itself: ``one_pass()`` is this rank's forward and
+    backward (of the model, or of the slice it profiled; None: it computes nothing), repeated in a window to fill
+    :data:`CONTENTION_WINDOW_SECONDS` where it is shorter. Pairs of windows alternate: one rank computes alone
+    while the others sleep (the ranks with a pass take turns), then every rank runs :data:`SYNCHRONOUS_STEPS`
+    windows, each ended by an allreduce of a few bytes, timing its last one. In each pair the slowest rank's
+    synchronous window over its own median alone sets the pair's value; the result is the median pair's divided by
+    the ranks per core (at least 1). Measured on the model's own
+    kernels, minutes closer to the steps than a ``calibrate`` run: what the planner multiplies the profile by.
+    Collective over ``comm``; returns ``(contention, pairs of windows)`` on every rank (1.0 with one rank)."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size < 2:
+        return 1.0, 0
+    flag = torch.zeros(2)
+    estimate, repeats = 0.0, 1
+    if one_pass is not None:
+        one_pass()
+        started = time.perf_counter()
+        one_pass()
+        seconds_each = max(1e-9, time.perf_counter() - started)
+        repeats = max(1, round(CONTENTION_WINDOW_SECONDS / seconds_each))
+        estimate = seconds_each * repeats
+
+    def work() -> None:
+        for _ in range(repeats):
+            one_pass()
+
+    estimates = call(None, "calibrate", lambda: comm.allgather(estimate))
+    computing = [r for r, value in enumerate(estimates) if value > 0]
+    if not computing:
+        return 1.0, 0
+    sharing = max(1.0, runtime.local_size() / max(1, host_cores()))
+    per_pair = max(estimates) * (1 + SYNCHRONOUS_STEPS * sharing)
+    pairs = max(2 * len(computing), min(MODEL_CONTENTION_PAIRS, round(seconds / per_pair)))
+    alone: list[float] = []
+    together: list[float] = []
+    for pair in range(pairs):
+        call(None, "calibrate", lambda: sleeping_barrier(comm))
+        if one_pass is not None and rank == computing[pair % len(computing)]:
+            started = time.perf_counter()
+            work()
+            alone.append(time.perf_counter() - started)
+        call(None, "calibrate", lambda: sleeping_barrier(comm))
+        elapsed = 0.0
+        for _ in range(SYNCHRONOUS_STEPS):
+            started = time.perf_counter()
+            if one_pass is not None:
+                work()
+            elapsed = time.perf_counter() - started
+            allreduce_(flag, op=Sum, name="calibrate.model_contention")
+        together.append(elapsed)
+    own = statistics.median(alone) if alone else 0.0
+    ratios = [t / own if own > 0 else 0.0 for t in together]
+    gathered = call(None, "calibrate", lambda: comm.allgather(ratios))
+    slowest = [max(values[w] for values in gathered) for w in range(pairs)]
+    return max(1.0, statistics.median(slowest) / sharing), pairs
+
+
 def _contention_halves(comm: Any, exchange_seconds: float,
                        streaming: Callable[[], None] | None) -> Callable[[], tuple[float, float]]:
     """A function that measures half of :func:`compute_contention`'s windows (and of the streaming kernel's, when

@@ -246,6 +246,8 @@ def _split_costs(layers: list[nn.Module], sample_input: Any, repeats: int, warmu
                 value = layer(map_tensors(value, torch.clone))  # an in-place layer leaves the sample alone
             continue
         saved = [p.grad for p in parameters]
+        for parameter in parameters:  # (a backward adds to a gradient there: the caller's stays as it was)
+            parameter.grad = None
         records: list[tuple[nn.Module, list[torch.Tensor]]] = []
 
         def record(module: nn.Module, args: Any, output: Any) -> None:
@@ -397,6 +399,8 @@ def _whole_pass_ms(layers: list[nn.Module], sample_input: Any, loss_fn: Callable
     try:
         with torch.enable_grad():
             for run in range(warmup + repeats):
+                for parameter in parameters:  # (a backward adds to a gradient there: the caller's stays as it was)
+                    parameter.grad = None
                 value = map_tensors(sample_input, torch.clone)  # an in-place first layer leaves the sample alone
                 if cuda:
                     torch.cuda.synchronize()

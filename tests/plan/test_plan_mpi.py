@@ -151,6 +151,108 @@ def test_the_contention_windows_barrier_holds_every_rank_until_the_last_arrives_
             assert (after.ru_utime + after.ru_stime) - (cpu.ru_utime + cpu.ru_stime) < 0.5 * waited
 
 
+def _marker_pass(folder, rank: int, others: list[int]) -> Callable[[], None]:
+    """A pass of 4 ms alone that takes 16 ms while another rank's pass runs (it sees the other's marker file): a
+    contention of 4 the measurement must find, whatever the cores do with a sleep."""
+    import time
+
+    def run() -> None:
+        mine = folder / f"busy-{rank}"
+        mine.touch()
+        time.sleep(0.004)
+        if any((folder / f"busy-{other}").exists() for other in others):
+            time.sleep(0.012)
+        mine.unlink()
+
+    return run
+
+
+@pytest.mark.parametrize("passes", ["every rank", "rank 0 only"])
+def test_model_contention_is_the_slowest_ranks_pass_together_over_its_pass_alone(tmp_path_factory, passes):
+    from hybridpipe import runtime
+    from hybridpipe.plan.calibrate import host_cores, model_contention
+
+    comm = hp.grid().world_comm
+    folder = tmp_path_factory.getbasetemp().parent / "model-contention"  # one folder for both ranks of this host
+    folder.mkdir(exist_ok=True)
+    comm.Barrier()
+    rank = comm.Get_rank()
+    others = [r for r in range(comm.Get_size()) if r != rank]
+    run = _marker_pass(folder, rank, others) if passes == "every rank" or rank == 0 else None
+    value, pairs = model_contention(comm, run, seconds=1.0)
+    every = comm.allgather((value, pairs))
+    sharing = max(1.0, runtime.local_size() / host_cores())
+    with ranks_agree(what=passes):
+        assert len(set(every)) == 1  # one value on every rank: one plan everywhere
+        if passes == "every rank":
+            assert pairs >= 2 * comm.Get_size()  # every rank alone twice at least
+            assert 2.5 <= value * sharing <= 4.6, value  # 16 ms together over 4 alone
+        else:
+            assert pairs >= 2
+            assert value < 1.4, value  # nobody else computes: rank 0 as fast as alone
+
+
+def test_measured_contention_puts_the_model_back_and_a_failing_pass_keeps_the_clusters_value():
+    from hybridpipe.plan.auto import measured_contention, one_pass
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4))
+    for parameter in module.parameters():
+        parameter.grad = torch.full_like(parameter, 0.5)
+    before = {name: value.clone() for name, value in module.state_dict().items()}
+    inputs, targets = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    run = one_pass(module, inputs, nn.CrossEntropyLoss(), targets, layered=False)
+    comm = hp.grid().world_comm
+    value = measured_contention(comm, [module], run)
+
+    def failing() -> None:
+        if comm.Get_rank() == 1:
+            raise RuntimeError("out of memory, for the test")
+        run()
+
+    failed = measured_contention(comm, [module], failing)
+    with ranks_agree():
+        assert value is not None and value >= 1.0
+        assert failed is None  # on every rank, and no rank left waiting
+        for name, saved in before.items():  # batch norm's statistics (and the weights) as they were
+            assert torch.equal(module.state_dict()[name], saved), name
+        for parameter in module.parameters():
+            assert torch.equal(parameter.grad, torch.full_like(parameter, 0.5))
+
+
+def test_auto_plans_on_the_contention_it_measured_on_the_model(monkeypatch, capfd):
+    """With verify (the default), the cluster the search plans on has the ranks' contention measured on the model
+    (the same on every rank), and rank 0 prints it beside the cluster's own."""
+    import re
+
+    from hybridpipe.plan import auto as auto_module
+
+    seen = []
+    real = auto_module.search
+
+    def recording(profile, cluster, *args, **kwargs):
+        seen.append(cluster)
+        return real(profile, cluster, *args, **kwargs)
+
+    monkeypatch.setattr(auto_module, "search", recording)
+    sample = (torch.randn(4, 8), torch.randint(0, 4, (4,)))
+    model, _ = auto(layers(), nn.CrossEntropyLoss(), sample, global_batch=8, verify_plans=1,
+                    optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    try:
+        printed = capfd.readouterr().out
+        every = hp.grid().world_comm.allgather(seen[0].compute_contention)
+        with ranks_agree():
+            assert len(set(every)) == 1 and every[0] >= 1.0
+            assert seen[0].memory_contention == 0.0  # the defaults' 0 stays 0 (no streaming term)
+            if hp.rank() == 0:
+                found = re.search(r"hp.auto measured the ranks computing at once on the model in [0-9.]+ s: "
+                                  r"x ([0-9.]+) \(the cluster's own: x 1\)", printed)
+                assert found, printed
+                assert float(found.group(1)) == pytest.approx(every[0], rel=5e-3)
+    finally:
+        model.close()
+
+
 class _MallocInfo(ctypes.Structure):  # glibc's struct mallinfo2
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]

@@ -285,6 +285,20 @@ def test_search_errors_say_what_would_fit():
         hplan.plan(profile, Cluster(ranks=2, memory_per_rank=1024, **FREE), global_batch=4)
 
 
+def test_profile_leaves_the_callers_gradients_as_they_were():
+    """The profile's backward passes (the whole pass, the split costs) add into no gradient the caller holds."""
+    from hybridpipe.plan.profile import profile
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)]
+    for parameter in (p for layer in layers for p in layer.parameters()):
+        parameter.grad = torch.full_like(parameter, 0.5)
+    profile(layers, torch.randn(8, 4), nn.CrossEntropyLoss(), torch.randint(0, 2, (8,)),
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    for parameter in (p for layer in layers for p in layer.parameters()):
+        assert torch.equal(parameter.grad, torch.full_like(parameter, 0.5))
+
+
 def test_command_line_profiles_a_factory_and_prints_the_plan(tmp_path, capsys):
     factory = tmp_path / "model.py"
     factory.write_text(
