@@ -255,6 +255,9 @@ def auto(layers: nn.Module | Sequence[Any], loss_fn: Any, sample: tuple[Any, Any
             batch, from the same weights; the fastest *measured* is kept and rank 0 prints predicted against
             measured. No plan starts once ``verify_seconds`` are spent (the first always runs). Modules are
             deep-copied per trial (``verify=False`` where a copy does not fit); not done for a ``plan=`` given.
+            Before the search it also measures, on the model's own passes, how much slower the ranks compute at
+            once than alone (``calibrate.model_contention``, some 2 s) and plans on that instead of the cluster's
+            ``compute_contention``, where every rank has a core of its own.
         model_options: Passed on to ``hp.PipelineModel`` (e.g. ``seed_layers``, ``device``, ``precision``:
             planned for too).
 
@@ -349,7 +352,18 @@ def _planned(layers: Any, loss_fn: Any, sample: tuple[Any, Any], global_batch: i
 def _with_model_contention(cluster: Cluster, comm: Any, kept: tuple[Any, Any, Any] | None, loss_fn: Any,
                            module: bool) -> Cluster:
     """``cluster`` with the contention of its ranks computing at once measured on the model (every rank's pass:
-    the whole module, or the slice of layers it profiled); rank 0 says so, beside the cluster's own value."""
+    the whole module, or the slice of layers it profiled); rank 0 says so, beside the cluster's own value. Not where
+    a host's ranks outnumber its cores: there a synchronous step is paced by the time slices of ranks waiting at
+    the exchange while others compute, which ``calibrate``'s fixed-work windows hold and the model's (every rank
+    computing to a common end) do not (4 ranks on 2 cores: the model's read x 1.0 where the kernel's read 1.13-1.31
+    and the steps ran 20-45 % above the prediction made on 1.0)."""
+    shared = runtime.local_size() > host_cores()
+    if any(call(None, "auto", lambda: comm.allgather(shared))):  # (every rank decides alike)
+        if comm.Get_rank() == 0:
+            print("hp.auto: a host's ranks outnumber its cores, so the ranks' contention stays the cluster's "
+                  f"(x {cluster.compute_contention:.3g}): waiting ranks' time slices, which the model's windows "
+                  "do not show, pace such a step", flush=True)
+        return cluster
     started = time.perf_counter()
     modules = [] if kept is None else ([kept[0]] if module else list(kept[0]))
     run = None if kept is None else one_pass(kept[0], kept[1], loss_fn, kept[2], layered=not module)

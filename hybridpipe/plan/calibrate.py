@@ -274,12 +274,14 @@ MODEL_CONTENTION_PAIRS = 32
 def model_contention(comm: Any, one_pass: Callable[[], None] | None,
                      seconds: float = MODEL_CONTENTION_SECONDS) -> tuple[float, int]:
     """:func:`compute_contention` measured on the model itself: ``one_pass()`` is this rank's forward and
-    backward (of the model, or of the slice it profiled; None: it computes nothing), repeated in a window to fill
+    backward (of the model, or of the slice it profiled; None: it computes nothing), repeated to fill
     :data:`CONTENTION_WINDOW_SECONDS` where it is shorter. Pairs of windows alternate: one rank computes alone
     while the others sleep (the ranks with a pass take turns), then every rank runs :data:`SYNCHRONOUS_STEPS`
-    windows, each ended by an allreduce of a few bytes, timing its last one. In each pair the slowest rank's
-    synchronous window over its own median alone sets the pair's value; the result is the median pair's divided by
-    the ranks per core (at least 1). Measured on the model's own
+    windows of one common length (the longest rank's alone, times the ranks per core), passes back to back until
+    the window ends, so that a rank with a cheaper slice does not stop early and leave the others its core; each
+    window ends in an allreduce of a few bytes, and the last one's time per pass is kept. In each pair the slowest
+    rank's time per pass together over its own median alone sets the pair's value; the result is the median
+    pair's divided by the ranks per core (at least 1). Measured on the model's own
     kernels, minutes closer to the steps than a ``calibrate`` run: what the planner multiplies the profile by.
     Collective over ``comm``; returns ``(contention, pairs of windows)`` on every rank (1.0 with one rank)."""
     size, rank = comm.Get_size(), comm.Get_rank()
@@ -304,7 +306,8 @@ def model_contention(comm: Any, one_pass: Callable[[], None] | None,
     if not computing:
         return 1.0, 0
     sharing = max(1.0, runtime.local_size() / max(1, host_cores()))
-    per_pair = max(estimates) * (1 + SYNCHRONOUS_STEPS * sharing)
+    span = max(estimates) * sharing  # a synchronous window: every rank computes all along it
+    per_pair = max(estimates) + SYNCHRONOUS_STEPS * span
     pairs = max(2 * len(computing), min(MODEL_CONTENTION_PAIRS, round(seconds / per_pair)))
     alone: list[float] = []
     together: list[float] = []
@@ -313,16 +316,19 @@ def model_contention(comm: Any, one_pass: Callable[[], None] | None,
         if one_pass is not None and rank == computing[pair % len(computing)]:
             started = time.perf_counter()
             work()
-            alone.append(time.perf_counter() - started)
+            alone.append((time.perf_counter() - started) / repeats)
         call(None, "calibrate", lambda: sleeping_barrier(comm))
-        elapsed = 0.0
+        each = 0.0
         for _ in range(SYNCHRONOUS_STEPS):
             started = time.perf_counter()
-            if one_pass is not None:
-                work()
-            elapsed = time.perf_counter() - started
+            if one_pass is not None:  # passes until the window's end, so that no rank leaves the others early
+                passes = 0
+                while passes == 0 or time.perf_counter() - started < span:
+                    one_pass()
+                    passes += 1
+                each = (time.perf_counter() - started) / passes
             allreduce_(flag, op=Sum, name="calibrate.model_contention")
-        together.append(elapsed)
+        together.append(each)
     own = statistics.median(alone) if alone else 0.0
     ratios = [t / own if own > 0 else 0.0 for t in together]
     gathered = call(None, "calibrate", lambda: comm.allgather(ratios))
