@@ -39,7 +39,7 @@ from hybridpipe.errors import HybridPipeError, PartitionError, ScheduleError, Us
 from hybridpipe.pipeline import schedule as sched
 from hybridpipe.pipeline.partition import even_out_identical, partition_by_weights
 from hybridpipe.plan.cost import (ZERO_LEVELS, Candidate, Cluster, Prediction,
-                                  activation_factor, chunk_seconds, held_micro_batches, memory_per_rank, predict,
+                                  activation_factor, held_micro_batches, memory_per_rank, predict,
                                   profile_precision, step_lower_bound)
 from hybridpipe.registry import RECOMPUTE_MODES
 from hybridpipe.runtime import describe_stage_replicas, rank_of_place
