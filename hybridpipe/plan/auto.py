@@ -52,7 +52,7 @@ from hybridpipe.plan.calibrate import calibrate as measure, cluster_of, host_cor
 from hybridpipe.plan.cost import ZERO_LEVELS, Cluster
 from hybridpipe.registry import check_zero_level
 from hybridpipe.plan.module_profile import CUTS_KEY, is_module, module_layers, profile_module, split_of
-from hybridpipe.plan.profile import Profile, profile
+from hybridpipe.plan.profile import Profile, forward_backward, profile, restored
 from hybridpipe.plan.search import CHECKPOINT_CHOICES, SYNCHRONOUS_CHOICES, Plan, plan as search, plans
 from hybridpipe.plan.verify import StepClock, accuracy_warning, measure_plans, on_grid_of, report
 
@@ -140,28 +140,10 @@ def profile_in_turns(layers: list[Any], sample: tuple[Any, Any], loss_fn: Any, o
 
 
 def one_pass(modules: Any, inputs: Any, loss_fn: Any, targets: Any, layered: bool) -> Callable[[], None]:
-    """One forward and backward, as training computes it: through a slice of layers one after another
-    (``layered``; its loss where ``targets`` is given, else the output's gradients all ones) or a module called on
-    ``inputs`` as ``train_step`` gets them. It leaves gradients in the parameters (:func:`measured_contention`
-    puts them back)."""
-    from hybridpipe.pipeline.split import as_call
-
-    def run() -> None:
-        if layered:
-            value = map_tensors(inputs, torch.clone)  # an in-place first layer leaves the sample alone
-            for layer in modules:
-                value = layer(value)
-        else:
-            args, kwargs = as_call(inputs)
-            value = modules(*args, **kwargs)
-        if targets is not None:
-            loss_fn(value, targets).backward()
-            return
-        roots = [t for t in iter_tensors(value) if t.requires_grad]
-        if roots:
-            torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
-
-    return run
+    """:func:`hybridpipe.plan.profile.forward_backward` of ``modules`` (a slice of layers, ``layered``: on a copy of
+    ``inputs``, so that an in-place first layer leaves the sample alone; or a module) as a function of no arguments."""
+    return lambda: forward_backward(modules, map_tensors(inputs, torch.clone) if layered else inputs, loss_fn, targets,
+                                    layered)
 
 
 def measured_contention(comm: Any, modules: Sequence[nn.Module], run: Callable[[], None] | None) -> float | None:
@@ -169,32 +151,19 @@ def measured_contention(comm: Any, modules: Sequence[nn.Module], run: Callable[[
     parameters' gradients, the buffers (batch norm's statistics) and the random state put back afterwards. A pass
     that raises stops computing on its rank (the windows go on, so no rank waits forever) and every rank gets
     None: the cluster's own contention stays. Collective over ``comm``."""
-    parameters = [p for module in modules for p in module.parameters()]
-    grads = [p.grad for p in parameters]
-    buffers = [(b, b.clone()) for module in modules for b in module.buffers()]
     failed: list[BaseException] = []
+    with restored(modules) as parameters, torch.random.fork_rng(devices=[]), torch.enable_grad():
+        def guarded() -> None:
+            if failed or run is None:
+                return
+            try:
+                run()
+            except Exception as error:  # noqa: BLE001 - a measurement, not the job: the cluster's value is kept
+                failed.append(error)
+            for parameter in parameters:  # as zero_grad leaves them for the next step
+                parameter.grad = None
 
-    def guarded() -> None:
-        if failed or run is None:
-            return
-        try:
-            run()
-        except Exception as error:  # noqa: BLE001 - a measurement, not the job: the cluster's value is kept
-            failed.append(error)
-        for parameter in parameters:  # as zero_grad leaves them for the next step (and the caller's untouched)
-            parameter.grad = None
-
-    for parameter in parameters:
-        parameter.grad = None
-    try:
-        with torch.random.fork_rng(devices=[]), torch.enable_grad():
-            value, _ = model_contention(comm, None if run is None else guarded)
-    finally:
-        for parameter, grad in zip(parameters, grads):
-            parameter.grad = grad
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
+        value, _ = model_contention(comm, None if run is None else guarded)
     if any(call(None, "auto", lambda: comm.allgather(bool(failed)))):
         return None
     return value

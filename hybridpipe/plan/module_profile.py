@@ -37,7 +37,7 @@ from torch import nn
 from hybridpipe.errors import UsageError
 from hybridpipe.pipeline import split as split_module
 from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
-from hybridpipe.plan.profile import LayerCost, Profile, update_costs
+from hybridpipe.plan.profile import LayerCost, Profile, restored, update_costs
 
 __all__ = ["ModuleLayers", "is_module", "module_layers", "profile_module", "split_of"]
 
@@ -235,13 +235,10 @@ def _time_calls(module: nn.Module, layers: ModuleLayers, inputs: Any, loss_fn: C
     of ``repeats`` runs after ``warmup``; the module's gradients and buffers are put back afterwards)."""
     count = len(layers.trace.calls)
     args, kwargs = split_module.as_call(inputs)
-    parameters = list(module.parameters())
-    grads = [p.grad for p in parameters]
-    buffers = [(b, b.clone()) for b in module.buffers()]  # e.g. batch norm's running statistics
     runs = []
     timer = _CallTimer(module, layers)
     try:
-        with torch.enable_grad():
+        with restored([module]) as parameters, torch.enable_grad():  # (batch norm's statistics put back too)
             for run in range(warmup + repeats):
                 measured = timer.run(module, args, kwargs, loss_fn, targets)
                 for p in parameters:
@@ -250,11 +247,6 @@ def _time_calls(module: nn.Module, layers: ModuleLayers, inputs: Any, loss_fn: C
                     runs.append(measured)
     finally:
         timer.remove()
-        for p, grad in zip(parameters, grads):
-            p.grad = grad
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
     forward_ms = [max(0.0, statistics.median(run[0][i] for run in runs)) for i in range(count)]
     total = sum(forward_ms) or 1.0
     backward_total = statistics.median(run[1] for run in runs)

@@ -21,13 +21,14 @@ Design reasons:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import statistics
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -380,6 +381,48 @@ def _loss_ms(value: Any, loss_fn: Callable[[Any, Any], Any], target: Any, repeat
     return statistics.median(runs)
 
 
+def forward_backward(model: Any, value: Any, loss_fn: Callable[[Any, Any], Any], target: Any,
+                     layered: bool = True) -> None:
+    """One forward and backward as training computes it: ``value`` through ``model``'s layers one after another
+    (``layered``) or ``model`` called on it as ``train_step`` gets a batch; then the loss's backward where
+    ``target`` is given, else the backward of the output's gradients all ones (a slice before the last stage).
+    Gradients are added into the parameters (:func:`restored` around it leaves the caller's alone)."""
+    if layered:
+        for layer in model:
+            value = layer(value)
+    else:
+        from hybridpipe.pipeline.split import as_call
+
+        args, kwargs = as_call(value)
+        value = model(*args, **kwargs)
+    if target is not None:
+        loss_fn(value, target).backward()
+        return
+    roots = [t for t in iter_tensors(value) if t.requires_grad]
+    if roots:
+        torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+
+
+@contextlib.contextmanager
+def restored(modules: Sequence[nn.Module]) -> Iterator[list[nn.Parameter]]:
+    """Passes run inside change nothing the caller sees: the parameters' ``.grad`` are set to None on entry (a
+    backward adds into a gradient that is there) and put back on exit, with the buffers' values (batch norm's
+    running statistics). Yields the parameters."""
+    parameters = [p for module in modules for p in module.parameters()]
+    grads = [p.grad for p in parameters]
+    buffers = [(b, b.clone()) for module in modules for b in module.buffers()]
+    for parameter in parameters:
+        parameter.grad = None
+    try:
+        yield parameters
+    finally:
+        for parameter, grad in zip(parameters, grads):
+            parameter.grad = grad
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+
+
 #: Timed runs of the whole pass that :func:`profile` scales the layers' times to (at least its ``repeats``).
 WHOLE_PASS_RUNS = 11
 
@@ -405,14 +448,7 @@ def _whole_pass_ms(layers: list[nn.Module], sample_input: Any, loss_fn: Callable
                 if cuda:
                     torch.cuda.synchronize()
                 started = time.perf_counter()
-                for layer in layers:
-                    value = layer(value)
-                if sample_target is not None:
-                    loss_fn(value, sample_target).backward()
-                else:
-                    roots = [t for t in iter_tensors(value) if t.requires_grad]
-                    if roots:
-                        torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+                forward_backward(layers, value, loss_fn, sample_target)
                 if cuda:
                     torch.cuda.synchronize()
                 if run >= warmup:

@@ -225,22 +225,13 @@ def test_auto_plans_on_the_contention_it_measured_on_the_model(monkeypatch, capf
     (the same on every rank), and rank 0 prints it beside the cluster's own."""
     import re
 
-    from hybridpipe.plan import auto as auto_module
-
-    seen = []
-    real = auto_module.search
-
-    def recording(profile, cluster, *args, **kwargs):
-        seen.append(cluster)
-        return real(profile, cluster, *args, **kwargs)
-
-    monkeypatch.setattr(auto_module, "search", recording)
-    sample = (torch.randn(4, 8), torch.randint(0, 4, (4,)))
-    model, _ = auto(layers(), nn.CrossEntropyLoss(), sample, global_batch=8, verify_plans=1,
-                    optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
     from hybridpipe import runtime
     from hybridpipe.plan.calibrate import host_cores
 
+    seen = _clusters_searched(monkeypatch)
+    sample = (torch.randn(4, 8), torch.randint(0, 4, (4,)))
+    model, _ = auto(layers(), nn.CrossEntropyLoss(), sample, global_batch=8, verify_plans=1,
+                    optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
     shared = runtime.local_size() > host_cores()
     try:
         printed = capfd.readouterr().out
@@ -482,13 +473,10 @@ def test_verify_keeps_the_fastest_measured_plan_not_a_planted_prediction(monkeyp
         model.close()
 
 
-def test_auto_calibrate_plans_on_the_links_it_measured_in_the_job(monkeypatch, capfd):
-    """hp.auto(calibrate=True) without a cluster: calibrate's measurements, made in the job (every rank gets rank
-    0's), are the cluster the search plans on, and rank 0 says how long they took."""
+def _clusters_searched(monkeypatch) -> list:
+    """The clusters hp.auto's search is called with, in order (the search itself runs as before)."""
     from hybridpipe.plan import auto as auto_module
-    from hybridpipe.plan import calibrate as calibration
 
-    monkeypatch.setattr(calibration, "CONTENTION_WINDOWS", 16)  # the values, not their accuracy
     seen = []
     real = auto_module.search
 
@@ -497,6 +485,16 @@ def test_auto_calibrate_plans_on_the_links_it_measured_in_the_job(monkeypatch, c
         return real(profile, cluster, *args, **kwargs)
 
     monkeypatch.setattr(auto_module, "search", recording)
+    return seen
+
+
+def test_auto_calibrate_plans_on_the_links_it_measured_in_the_job(monkeypatch, capfd):
+    """hp.auto(calibrate=True) without a cluster: calibrate's measurements, made in the job (every rank gets rank
+    0's), are the cluster the search plans on, and rank 0 says how long they took."""
+    from hybridpipe.plan import calibrate as calibration
+
+    monkeypatch.setattr(calibration, "CONTENTION_WINDOWS", 16)  # the values, not their accuracy
+    seen = _clusters_searched(monkeypatch)
     sample = (torch.randn(4, 8), torch.randint(0, 4, (4,)))
     model, _ = auto(layers(), nn.CrossEntropyLoss(), sample, global_batch=8, verify=False, calibrate=True,
                     optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
