@@ -236,11 +236,25 @@ class _DistributedOptimizerMixin:
     def _hp_gradient_final(self, parameter: torch.nn.Parameter) -> None:
         """A gradient of ``parameter`` was just accumulated and is final for this backward pass (its driver said):
         after ``backward_passes_per_step`` of them its reduction starts."""
+        if self._hp_alone():
+            return  # nothing to reduce: synchronize() divides by the passes
         name = self._hp_name_of[parameter]
         count = self._hp_counts.get(name, 0) + 1
         self._hp_counts[name] = count
         if count == self._hp_passes and name not in self._hp_submitted:
             self._hp_ready_now(name)
+
+    def _hp_alone(self) -> bool:
+        """Whether this step's reduction is over this rank alone (a pipeline stage without replicas, a job of one
+        process): a sum or an average over one rank is the gradient itself, so the engine is left out — no hand-off
+        per gradient, no has-gradient agreement, no engine cycle to wait for in ``step()`` (on 4 ranks sharing 2
+        cores those cycles took a third of a waiting stage's CPU). Not with a compressor (its round trip stays, as
+        in Horovod) nor ZeRO (its shards go through its own path). Resolved at each step, as the group is (elastic
+        training re-makes the job under it)."""
+        if self._hp_outside or self._hp_compression is not Compression.none or \
+                isinstance(self, zero_module.ZeroMixin):
+            return False
+        return context.current("DistributedOptimizer").group_size(self._hp_group, "DistributedOptimizer") == 1
 
     def _hp_ready_now(self, name: str) -> None:
         """``name``'s gradient is final here: reduce it, or its group once the whole group is final."""
@@ -305,6 +319,9 @@ class _DistributedOptimizerMixin:
         if self._hp_outside:  # this rank is not in the process set: its own gradients, as in Horovod
             self._hp_synchronized = True
             return
+        if self._hp_alone() and not self._hp_handles:
+            self._hp_alone_synchronize()
+            return
         parameters = self._hp_parameters
         if parameters:  # which parameters have a gradient anywhere: the same answer on every rank
             flags = torch.tensor([name in self._hp_submitted or p.grad is not None for name, p in parameters],
@@ -352,6 +369,20 @@ class _DistributedOptimizerMixin:
                     grad.div_(self._hp_passes)
         timeline.record("synchronize", "optimizer", "optimizer", wait_start, time.monotonic(),
                         {"tensors": sum(len(members) for _, members in handles.values())})
+        self._hp_synchronized = True
+
+    def _hp_alone_synchronize(self) -> None:
+        """:meth:`synchronize` over one rank: each gradient as the reduction would leave it (a sparse one coalesced,
+        divided by ``backward_passes_per_step`` as the engine's path divides)."""
+        self._hp_submitted, self._hp_ready, self._hp_counts = set(), {}, {}
+        for _, parameter in self._hp_parameters:
+            grad = parameter.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                parameter.grad = grad = grad.coalesce()
+            if self._hp_passes > 1 and grad.is_floating_point():
+                grad.div_(self._hp_passes)
         self._hp_synchronized = True
 
     def in_flight(self) -> list[str]:
