@@ -677,7 +677,8 @@ def _durations_by_kind(forward_time: Duration, backward_time: Duration, weight_t
 def simulate(schedule: Schedule, forward_time: Duration = 1.0, backward_time: Duration = 2.0,
              weight_time: Duration | None = None, update_time: Duration = 0.0,
              transfer_time: Duration = 0.0, placement: Callable[[int, int], int] | None = None,
-             together: Callable[[int, Action], tuple[Any, int] | None] | None = None) -> Timeline:
+             together: Callable[[int, Action], tuple[Any, int] | None] | None = None,
+             resume: float = 0.0) -> Timeline:
     """Run ``schedule`` on an idealised machine: fixed compute times, free communication.
 
     A rank runs its actions in order; each starts when the rank is free and its inputs exist
@@ -702,6 +703,8 @@ def simulate(schedule: Schedule, forward_time: Duration = 1.0, backward_time: Du
         together: For an action that several lists run as one collective (the ``U`` of a replicated stage's
             replicas: one allreduce), ``(key, count)``: it starts on all ``count`` lists when the last of
             them is ready for it; None for the others.
+        resume: Time added to an action whose rank was idle before it, waiting for an input (a rank resuming
+            after a wait: its caches cold); not to the rank's first action.
 
     Each time may also be a function of the action (the planner gives every stage its own).
 
@@ -729,7 +732,8 @@ def simulate(schedule: Schedule, forward_time: Duration = 1.0, backward_time: Du
                     [free_at[rank]] + _arrivals(needs, finished, action, rank, placement, transfer)))
                 if start is None:
                     break
-                end = start + durations[action.kind](action)
+                resumed = resume > 0 and position[rank] > 0 and start > free_at[rank] * (1 + 1e-12) + 1e-15
+                end = start + durations[action.kind](action) + (resume if resumed else 0.0)
                 _record(finished, action, end)
                 placed[rank].append(TimedAction(action, start, end))
                 free_at[rank] = end
@@ -756,15 +760,16 @@ def simulate_shared(schedule: Schedule, speed: Callable[[Sequence[int]], Sequenc
                     update_time: Duration = 0.0, transfer_time: Duration = 0.0,
                     placement: Callable[[int, int], int] | None = None,
                     together: Callable[[int, Action], tuple[Any, int] | None] | None = None,
-                    tails: Sequence[float] = ()) -> Timeline:
+                    tails: Sequence[float] = (), resume: float = 0.0) -> Timeline:
     """:func:`simulate` where lists share processors: an action's time is the work it does at speed 1, and a list
     runs at ``speed(running)[k]`` while the lists ``running`` (ascending) compute, ``k`` its place among them
     (ranks sharing a host's cores: two ranks computing on one core each go at half speed, one computing alone
     while its neighbour waits goes at full speed). Transfers take their time whatever computes. Time-ordered:
     at each moment every list that can start does, then the clock moves to the next end of an action or
     arrival of a value. ``tails``: work each list does after its last action (e.g. a rank's gradient reductions and
-    optimizer step), sharing the processors as its actions do; ``tail_ends`` says when each ended. Other arguments
-    and the result as :func:`simulate`'s (``makespan``: the last action's end, tails not counted)."""
+    optimizer step), sharing the processors as its actions do; ``tail_ends`` says when each ended. ``resume``: an
+    action started after its list idled does that much more work (seconds at speed 1). Other arguments and the result as
+    :func:`simulate`'s (``makespan``: the last action's end, tails not counted)."""
     durations = _durations_by_kind(forward_time, backward_time, weight_time, update_time)
     transfer = _timed(transfer_time)
     placement, last_stage = _placement(schedule, placement)
@@ -774,10 +779,11 @@ def simulate_shared(schedule: Schedule, speed: Callable[[Sequence[int]], Sequenc
     position = [0] * len(schedule)
     running: dict[int, list] = {}  # list -> [action (None: its tail), start, work left]
     tail_ends = [0.0] * len(schedule) if tails else []
+    idle_since = [0.0] * len(schedule)  # when each list's last action ended
     now = 0.0
     while True:
         arrival = _start_ready(schedule, position, running, finished, gathered, now, last_stage, placement,
-                               transfer, durations, together)
+                               transfer, durations, together, idle_since, resume)
         if not running and arrival == math.inf:
             break
         lists = sorted(running)
@@ -796,6 +802,7 @@ def simulate_shared(schedule: Schedule, speed: Callable[[Sequence[int]], Sequenc
                 _record(finished, action, now)
                 placed[i].append(TimedAction(action, item[1], now))
                 position[i] += 1
+                idle_since[i] = now
                 if tails and position[i] == len(schedule[i]):
                     running[i] = [None, now, tails[i]]
     blocked = [actions[position[i]] if position[i] < len(actions) else None for i, actions in enumerate(schedule)]
@@ -806,9 +813,11 @@ def _start_ready(schedule: Schedule, position: list[int], running: dict[int, lis
                  finished: dict[tuple[int, ActionKind | str, int], float], gathered: dict[Any, dict[int, float]],
                  now: float, last_stage: int, placement: Callable[[int, int], int], transfer: Callable[[Action], float],
                  durations: dict[ActionKind, Callable[[Action], float]],
-                 together: Callable[[int, Action], tuple[Any, int] | None] | None) -> float:
+                 together: Callable[[int, Action], tuple[Any, int] | None] | None,
+                 idle_since: list[float], resume: float) -> float:
     """:func:`simulate_shared`'s starts at ``now``: every idle list whose next action's inputs are there (and, for
-    a collective, whose partners are all ready) starts it. Returns when the next awaited value arrives."""
+    a collective, whose partners are all ready) starts it (``resume`` more work after the list idled since
+    ``idle_since``). Returns when the next awaited value arrives."""
     arrival = math.inf
     started = True
     while started:
@@ -826,7 +835,8 @@ def _start_ready(schedule: Schedule, position: list[int], running: dict[int, lis
                 continue
             if _all_ready(together, gathered, rank, action, now) is None:
                 continue
-            running[rank] = [action, now, durations[action.kind](action)]
+            resumed = resume > 0 and position[rank] > 0 and now > idle_since[rank] * (1 + 1e-12) + 1e-15
+            running[rank] = [action, now, durations[action.kind](action) + (resume if resumed else 0.0)]
             started = True
     return arrival
 

@@ -48,7 +48,8 @@ from hybridpipe.pipeline import schedule as sched
 from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
 from hybridpipe.pipeline.model import LayerSpec, PipelineModel
 from hybridpipe.pipeline.tied import find_ties
-from hybridpipe.plan.calibrate import calibrate as measure, cluster_of, host_cores, model_contention
+from hybridpipe.plan.calibrate import calibrate as measure, cluster_of, host_cores, model_contention, \
+    model_resume
 from hybridpipe.plan.cost import ZERO_LEVELS, Cluster
 from hybridpipe.registry import check_zero_level
 from hybridpipe.plan.module_profile import CUTS_KEY, is_module, module_layers, profile_module, split_of
@@ -146,8 +147,10 @@ def one_pass(modules: Any, inputs: Any, loss_fn: Any, targets: Any, layered: boo
                                     layered)
 
 
-def measured_contention(comm: Any, modules: Sequence[nn.Module], run: Callable[[], None] | None) -> float | None:
-    """:func:`hybridpipe.plan.calibrate.model_contention` of ``run`` (this rank's pass; None: none), the
+def measured_contention(comm: Any, modules: Sequence[nn.Module], run: Callable[[], None] | None,
+                        measurement: Callable[..., tuple[float, int]] = model_contention) -> float | None:
+    """:func:`hybridpipe.plan.calibrate.model_contention` (or ``measurement``, e.g.
+    :func:`~hybridpipe.plan.calibrate.model_resume`) of ``run`` (this rank's pass; None: none), the
     parameters' gradients, the buffers (batch norm's statistics) and the random state put back afterwards. A pass
     that raises stops computing on its rank (the windows go on, so no rank waits forever) and every rank gets
     None: the cluster's own contention stays. Collective over ``comm``."""
@@ -163,7 +166,7 @@ def measured_contention(comm: Any, modules: Sequence[nn.Module], run: Callable[[
             for parameter in parameters:  # as zero_grad leaves them for the next step
                 parameter.grad = None
 
-        value, _ = model_contention(comm, None if run is None else guarded)
+        value, _ = measurement(comm, None if run is None else guarded)
     if any(call(None, "auto", lambda: comm.allgather(bool(failed)))):
         return None
     return value
@@ -320,12 +323,23 @@ def _planned(layers: Any, loss_fn: Any, sample: tuple[Any, Any], global_batch: i
 
 def _with_model_contention(cluster: Cluster, comm: Any, kept: tuple[Any, Any, Any] | None, loss_fn: Any,
                            module: bool) -> Cluster:
-    """``cluster`` with the contention of its ranks computing at once measured on the model (every rank's pass:
-    the whole module, or the slice of layers it profiled); rank 0 says so, beside the cluster's own value. Not where
+    """``cluster`` with how much slower a pass right after a wait runs (``resume_us``,
+    :func:`~hybridpipe.plan.calibrate.model_resume`) and the contention of its ranks computing at once, both measured
+    on the model (every rank's pass: the whole module, or the slice of layers it profiled); rank 0 says so, the
+    contention beside the cluster's own value. The contention not where
     a host's ranks outnumber its cores: there a synchronous step is paced by the time slices of ranks waiting at
     the exchange while others compute, which ``calibrate``'s fixed-work windows hold and the model's (every rank
     computing to a common end) do not (4 ranks on 2 cores: the model's read x 1.0 where the kernel's read 1.13-1.31
     and the steps ran 20-45 % above the prediction made on 1.0)."""
+    modules = [] if kept is None else ([kept[0]] if module else list(kept[0]))
+    run = None if kept is None else one_pass(kept[0], kept[1], loss_fn, kept[2], layered=not module)
+    started = time.perf_counter()
+    resume = measured_contention(comm, modules, run, measurement=model_resume)
+    if comm.Get_rank() == 0:
+        print(f"hp.auto measured a pass right after a wait on the model in {time.perf_counter() - started:.1f} s: "
+              + (f"+ {resume:.0f} µs" if resume is not None else "a pass failed, none counted"), flush=True)
+    if resume is not None:
+        cluster = dataclasses.replace(cluster, resume_us=resume)
     shared = runtime.local_size() > host_cores()
     if any(call(None, "auto", lambda: comm.allgather(shared))):  # (every rank decides alike)
         if comm.Get_rank() == 0:
@@ -334,8 +348,6 @@ def _with_model_contention(cluster: Cluster, comm: Any, kept: tuple[Any, Any, An
                   "do not show, pace such a step", flush=True)
         return cluster
     started = time.perf_counter()
-    modules = [] if kept is None else ([kept[0]] if module else list(kept[0]))
-    run = None if kept is None else one_pass(kept[0], kept[1], loss_fn, kept[2], layered=not module)
     value = measured_contention(comm, modules, run)
     if comm.Get_rank() == 0:
         print(f"hp.auto measured the ranks computing at once on the model in {time.perf_counter() - started:.1f} s: "

@@ -336,6 +336,71 @@ def model_contention(comm: Any, one_pass: Callable[[], None] | None,
     return max(1.0, statistics.median(slowest) / sharing), pairs
 
 
+#: :func:`model_resume`'s budget (seconds of rounds; at least :data:`MODEL_RESUME_MIN_ROUNDS` rounds), passes per
+#: rank back to back in a round (the first of them untimed: it resumes too) and laps of the relay.
+MODEL_RESUME_SECONDS = 1.5
+MODEL_RESUME_MIN_ROUNDS = 4
+MODEL_RESUME_MAX_ROUNDS = 24
+RESUME_BACK_TO_BACK = 4
+RESUME_LAPS = 4
+RESUME_TAG = 12
+
+
+def model_resume(comm: Any, one_pass: Callable[[], None] | None,
+                 seconds: float = MODEL_RESUME_SECONDS) -> tuple[float, int]:
+    """How much longer a rank takes for its pass right after waiting for another rank, as a pipeline's stage computes
+    after each receive, than for passes back to back, as a profile times them (its caches cold, its core woken):
+    ``one_pass()`` is this rank's forward and backward (the slice it profiled; None: nothing). Rounds of two halves:
+    the ranks with a pass take turns running :data:`RESUME_BACK_TO_BACK` passes in a row while the others sleep (the
+    first untimed), then a token goes round them :data:`RESUME_LAPS` times through the pipeline's own transfers
+    (``hybridpipe.comm.p2p``, its polite wait), each rank timing the one pass it runs when the token arrives. Per rank
+    its median pass after a wait less its median back to back; the result, in microseconds, is the median over the
+    ranks (at least 0). Collective over ``comm``; returns ``(microseconds, rounds)`` on every rank (0.0, 0 where
+    fewer than two ranks have a pass)."""
+    rank = comm.Get_rank()
+    estimate = 0.0
+    if one_pass is not None:
+        one_pass()
+        started = time.perf_counter()
+        one_pass()
+        estimate = max(1e-9, time.perf_counter() - started)
+    estimates = call(None, "calibrate", lambda: comm.allgather(estimate))
+    computing = [r for r, value in enumerate(estimates) if value > 0]
+    if len(computing) < 2:
+        return 0.0, 0
+    per_round = sum(estimates) * (RESUME_BACK_TO_BACK + RESUME_LAPS)
+    rounds = max(MODEL_RESUME_MIN_ROUNDS, min(MODEL_RESUME_MAX_ROUNDS, round(seconds / per_round)))
+    mine = computing.index(rank) if rank in computing else -1
+    previous, following = computing[mine - 1], computing[(mine + 1) % len(computing)]
+    token = torch.ones(4)
+    back: list[float] = []
+    resumed: list[float] = []
+
+    def timed() -> float:
+        started = time.perf_counter()
+        one_pass()
+        return time.perf_counter() - started
+
+    for _ in range(rounds):
+        for turn in computing:
+            call(None, "calibrate", lambda: sleeping_barrier(comm))
+            if turn == rank:
+                back += [timed() for _ in range(RESUME_BACK_TO_BACK)][1:]
+        call(None, "calibrate", lambda: sleeping_barrier(comm))
+        if mine < 0:
+            continue
+        for lap in range(RESUME_LAPS):
+            if mine > 0 or lap > 0:
+                p2p.Receive(previous, RESUME_TAG, comm).wait(what="calibrate.model_resume's token")
+            resumed.append(timed())
+            p2p.send(token, following, RESUME_TAG, comm).wait()
+        if mine == 0:
+            p2p.Receive(previous, RESUME_TAG, comm).wait(what="calibrate.model_resume's token")
+    extra = (statistics.median(resumed) - statistics.median(back)) * 1e6 if back and resumed else None
+    extras = [value for value in call(None, "calibrate", lambda: comm.allgather(extra)) if value is not None]
+    return max(0.0, statistics.median(extras)), rounds
+
+
 def _contention_halves(comm: Any, exchange_seconds: float,
                        streaming: Callable[[], None] | None) -> Callable[[], tuple[float, float]]:
     """A function that measures half of :func:`compute_contention`'s windows (and of the streaming kernel's, when

@@ -103,6 +103,10 @@ class Cluster:
         waiting_load: Where a pipeline's ranks share their host's cores (:meth:`shares_cores`) and outnumber them,
             how much of a core a rank that is not computing still takes (its polite waits, its communication
             thread): the simulation counts it as this share of a computing rank (``calibrate`` measures it). 0: none.
+        resume_us: How much longer a rank takes for an action it starts after waiting for another rank (its caches
+            cold, its core woken) than the profile's passes back to back, microseconds: the simulation adds it to
+            every action that begins after its rank idled (``hp.auto`` with ``verify`` measures it on the model,
+            :func:`hybridpipe.plan.calibrate.model_resume`). 0: none.
     """
 
     ranks: int
@@ -124,6 +128,7 @@ class Cluster:
     zero_step_us_per_mib: tuple[float, ...] = (0.0, 0.0, 0.0)
     data_parallel_us_per_mib: float = 0.0
     waiting_load: float = 0.0
+    resume_us: float = 0.0
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
@@ -135,7 +140,7 @@ class Cluster:
                                                            "cores_per_host", "action_overhead_us", "fusion_bytes",
                                                            "allreduce_overhead_us", "transfer_overhead_us",
                                                            "submit_overhead_us", "after_reduction_us_per_mib",
-                                                           "data_parallel_us_per_mib", "waiting_load")
+                                                           "data_parallel_us_per_mib", "waiting_load", "resume_us")
                     if getattr(self, name) < 0}
         if len(self.zero_step_us_per_mib) < 3:  # (ZeRO-1, ZeRO-2) as before ZeRO-3 was planned: 3 not measured
             object.__setattr__(self, "zero_step_us_per_mib", tuple(self.zero_step_us_per_mib) + (0.0,) * (
@@ -654,7 +659,7 @@ def _simulate(profile: Profile, cluster: Cluster, lists: sched.Schedule, hosts: 
     host and ``weights`` how many ranks it stands for there (a pipeline simulated once for its replicas, which
     compute in step with it); ``tails``, each list's work after its last action, sharing the cores too."""
     if not cluster.shares_cores(profile.device):
-        return sched.simulate(lists, **times)
+        return sched.simulate(lists, resume=cluster.resume_us * 1e-6, **times)
     cores, contention = cluster.cores_per_host, cluster.contention_for(rank_bytes)
 
     def speed(running: Sequence[int]) -> list[float]:
@@ -663,7 +668,7 @@ def _simulate(profile: Profile, cluster: Cluster, lists: sched.Schedule, hosts: 
             load[hosts[i]] = load.get(hosts[i], 0.0) + weights[i] * (1.0 if i in running else cluster.waiting_load)
         return [1.0 / (max(1.0, load[hosts[i]] / cores) * contention) for i in running]
 
-    return sched.simulate_shared(lists, speed, tails=tails, **times)
+    return sched.simulate_shared(lists, speed, tails=tails, resume=cluster.resume_us * 1e-6, **times)
 
 
 def _predict_stage_replicas(profile: Profile, cluster: Cluster, candidate: Candidate, global_batch: int,
@@ -906,12 +911,14 @@ def _synchronous_step(profile: Profile, cluster: Cluster, candidate: Candidate, 
 
 
 def _slowdown_notes(cluster: Cluster) -> list[str]:
-    """Why the prediction's compute is slower than the profile's (ranks sharing cores, contention)."""
+    """Why the prediction's compute is slower than the profile's (ranks sharing cores, contention, resuming)."""
+    resumed = ([f"+ {cluster.resume_us:.0f} µs for each action a rank starts after a wait"]
+               if cluster.resume_us > 0 else [])
     if cluster.compute_slowdown <= 1:
-        return []
+        return resumed
     reasons = []
     if cluster.cores_per_host and min(cluster.per_host, cluster.ranks) > cluster.cores_per_host:
         reasons.append(f"{cluster.per_host} ranks share {cluster.cores_per_host} cores per host")
     if cluster.compute_contention > 1:
         reasons.append(f"× {cluster.compute_contention:.3g} for synchronous ranks computing at once")
-    return [f"compute × {cluster.compute_slowdown:.3g}: {'; '.join(reasons)}"]
+    return [f"compute × {cluster.compute_slowdown:.3g}: {'; '.join(reasons)}", *resumed]

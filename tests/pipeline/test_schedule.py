@@ -128,6 +128,19 @@ def test_simulate_shared_with_replicas_and_their_collective_update() -> None:
     assert not shared.deadlocked and _spans(shared) == _spans(sched.simulate(lists, **times))
 
 
+def test_an_action_its_rank_starts_after_a_wait_takes_the_resume_time_longer() -> None:
+    """GPipe, 2 stages, 2 micro-batches, ``resume`` 0.5: stage 0 idles from 2 to 5 waiting for 1B1's gradient, so
+    its B1 takes 2.5; everything else starts on a rank that was busy up to it (or is its first action) and takes its
+    time. The shared-cores simulation at full speed says the same."""
+    timeline = sched.simulate(sched.gpipe(2, 2), forward_time=1.0, backward_time=2.0, resume=0.5)
+    assert _spans(timeline) == [[("0F0", 0, 1), ("0F1", 1, 2), ("0B1", 5, 7.5), ("0B0", 7.5, 9.5)],
+                                [("1F0", 1, 2), ("1F1", 2, 3), ("1B1", 3, 5), ("1B0", 5, 7)]]
+    shared = sched.simulate_shared(sched.gpipe(2, 2), lambda running: [1.0] * len(running), forward_time=1.0,
+                                   backward_time=2.0, resume=0.5)
+    assert _spans(shared) == _spans(timeline)
+    assert sched.simulate(sched.gpipe(2, 2), forward_time=1.0, backward_time=2.0).makespan == 9.0  # without: 0B1 5-7
+
+
 def test_simulate_shared_slows_only_what_computes_at_once() -> None:
     """Two stages on one core (each goes at half speed while both compute), GPipe, 2 micro-batches: stage 0's F1
     runs beside stage 1's F0 (both 1 of work: 1-3), B0 of stage 1 beside B1 of stage 0 (2 each: 6-10); the rest

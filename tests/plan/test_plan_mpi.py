@@ -192,6 +192,36 @@ def test_model_contention_is_the_slowest_ranks_pass_together_over_its_pass_alone
             assert value < 1.4, value  # nobody else computes: rank 0 as fast as alone
 
 
+def _resuming_pass(extra: float) -> Callable[[], None]:
+    """A pass of 3 ms that takes ``extra`` seconds more when it starts more than 1 ms after the last one ended (as
+    after a wait for another rank): a cost of resuming the measurement must find, whatever the cores do."""
+    import time
+
+    last = [0.0]
+
+    def run() -> None:
+        time.sleep(0.003 + (extra if time.perf_counter() - last[0] > 0.001 else 0.0))
+        last[0] = time.perf_counter()
+
+    return run
+
+
+@pytest.mark.parametrize("extra_ms", [0.0, 4.0])
+def test_model_resume_is_a_pass_after_a_wait_less_a_pass_back_to_back(extra_ms):
+    from hybridpipe.plan.calibrate import model_resume
+
+    comm = hp.grid().world_comm
+    value, rounds = model_resume(comm, _resuming_pass(extra_ms / 1e3), seconds=0.3)
+    every = comm.allgather((value, rounds))
+    with ranks_agree(what=f"{extra_ms} ms"):
+        assert len(set(every)) == 1  # one value on every rank: one plan everywhere
+        assert rounds >= 4
+        assert extra_ms * 1e3 - 600 <= value <= extra_ms * 1e3 + 1500, value  # microseconds
+    alone, none = model_resume(comm, _resuming_pass(0.004) if comm.Get_rank() == 0 else None, seconds=0.3)
+    with ranks_agree(what="one rank with a pass"):
+        assert (alone, none) == (0.0, 0)  # nobody to wait for: nothing measured
+
+
 def test_measured_contention_puts_the_model_back_and_a_failing_pass_keeps_the_clusters_value():
     from hybridpipe.plan.auto import measured_contention, one_pass
 
@@ -236,7 +266,14 @@ def test_auto_plans_on_the_contention_it_measured_on_the_model(monkeypatch, capf
     try:
         printed = capfd.readouterr().out
         every = hp.grid().world_comm.allgather(seen[0].compute_contention)
+        resumes = hp.grid().world_comm.allgather(seen[0].resume_us)
         with ranks_agree():
+            assert len(set(resumes)) == 1 and resumes[0] >= 0.0  # measured on the model, planned on everywhere
+            if hp.rank() == 0:
+                found = re.search(r"hp.auto measured a pass right after a wait on the model in [0-9.]+ s: "
+                                  r"\+ ([0-9]+) µs", printed)
+                assert found, printed
+                assert float(found.group(1)) == pytest.approx(resumes[0], abs=0.5)
             assert len(set(every)) == 1 and every[0] >= 1.0
             assert seen[0].memory_contention == 0.0  # the defaults' 0 stays 0 (no streaming term)
             if shared:  # ranks outnumber cores: the cluster's value (the default 1) is planned on, and said

@@ -554,6 +554,25 @@ def test_the_lower_bound_is_each_of_its_parts_and_no_prediction_is_below_it():
             assert prediction.step_seconds >= bound * (1 - 1e-12), (candidate, prediction.notes)
 
 
+def test_resuming_after_a_wait_costs_a_pipeline_and_not_data_parallelism():
+    """resume_us is added to each action a rank starts after waiting for another: a 2-stage GPipe with M = 1 has one
+    (stage 0's backward, after waiting for stage 1's; stage 1's forward is its first action), on each cluster
+    simulation (cores known or not); one stage of data parallelism waits for nobody within its step."""
+    profile = Profile([LayerCost("Linear", 1.0, 2.0, 100, 100, 1000) for _ in range(4)], sample_batch=1,
+                      input_bytes=4.0)
+    for cores in ({}, {"ranks_per_host": 2, "cores_per_host": 2}):
+        plain, resumed = Cluster(ranks=2, **cores, **FREE), Cluster(ranks=2, resume_us=500.0, **cores, **FREE)
+        chain = Candidate(2, 1, (2, 2), 1, "gpipe")
+        extra = predict(profile, resumed, chain, 8).step_seconds - predict(profile, plain, chain, 8).step_seconds
+        assert extra == pytest.approx(500e-6), cores
+        data_parallel = Candidate(1, 2, (4,), 1, "1f1b")
+        assert predict(profile, resumed, data_parallel, 8).step_seconds == \
+            pytest.approx(predict(profile, plain, data_parallel, 8).step_seconds), cores
+        assert any("after a wait" in note for note in predict(profile, resumed, chain, 8).notes)
+    with pytest.raises(HybridPipeError, match="resume_us"):
+        Cluster(ranks=2, resume_us=-1.0)
+
+
 def test_a_simulation_below_the_bound_is_raised_to_it_with_a_note(monkeypatch):
     """The chain of a 2 × 2 M = 1 plan (each stage after the other, as on the MLP where the planner predicted below
     what one process needs) holds even where the simulation comes out faster: predict raises it and says so."""
