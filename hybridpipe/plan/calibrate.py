@@ -339,7 +339,7 @@ def model_contention(comm: Any, one_pass: Callable[[], None] | None,
 #: :func:`model_resume`'s budget (seconds of rounds; at least :data:`MODEL_RESUME_MIN_ROUNDS` rounds), passes per
 #: rank back to back in a round (the first of them untimed: it resumes too) and laps of the relay.
 MODEL_RESUME_SECONDS = 1.5
-MODEL_RESUME_MIN_ROUNDS = 4
+MODEL_RESUME_MIN_ROUNDS = 3
 MODEL_RESUME_MAX_ROUNDS = 24
 RESUME_BACK_TO_BACK = 4
 RESUME_LAPS = 4
@@ -354,8 +354,9 @@ def model_resume(comm: Any, one_pass: Callable[[], None] | None,
     the ranks with a pass take turns running :data:`RESUME_BACK_TO_BACK` passes in a row while the others sleep (the
     first untimed), then a token goes round them :data:`RESUME_LAPS` times through the pipeline's own transfers
     (``hybridpipe.comm.p2p``, its polite wait), each rank timing the one pass it runs when the token arrives. Per rank
-    its median pass after a wait less its median back to back; the result, in microseconds, is the median over the
-    ranks (at least 0). Collective over ``comm``; returns ``(microseconds, rounds)`` on every rank (0.0, 0 where
+    and round its median pass after a wait less its median back to back (the two halves seconds apart at most, so
+    that the machine's drift between rounds cancels), the median over the rounds; the result, in microseconds, is the
+    median over the ranks (at least 0). Collective over ``comm``; returns ``(microseconds, rounds)`` on every rank (0.0, 0 where
     fewer than two ranks have a pass)."""
     rank = comm.Get_rank()
     estimate = 0.0
@@ -373,8 +374,7 @@ def model_resume(comm: Any, one_pass: Callable[[], None] | None,
     mine = computing.index(rank) if rank in computing else -1
     previous, following = computing[mine - 1], computing[(mine + 1) % len(computing)]
     token = torch.ones(4)
-    back: list[float] = []
-    resumed: list[float] = []
+    differences: list[float] = []  # per round: its median pass after a wait less its median back to back
 
     def timed() -> float:
         started = time.perf_counter()
@@ -382,13 +382,15 @@ def model_resume(comm: Any, one_pass: Callable[[], None] | None,
         return time.perf_counter() - started
 
     for _ in range(rounds):
+        back: list[float] = []
         for turn in computing:
             call(None, "calibrate", lambda: sleeping_barrier(comm))
             if turn == rank:
-                back += [timed() for _ in range(RESUME_BACK_TO_BACK)][1:]
+                back = [timed() for _ in range(RESUME_BACK_TO_BACK)][1:]
         call(None, "calibrate", lambda: sleeping_barrier(comm))
         if mine < 0:
             continue
+        resumed = []
         for lap in range(RESUME_LAPS):
             if mine > 0 or lap > 0:
                 p2p.Receive(previous, RESUME_TAG, comm).wait(what="calibrate.model_resume's token")
@@ -396,7 +398,8 @@ def model_resume(comm: Any, one_pass: Callable[[], None] | None,
             p2p.send(token, following, RESUME_TAG, comm).wait()
         if mine == 0:
             p2p.Receive(previous, RESUME_TAG, comm).wait(what="calibrate.model_resume's token")
-    extra = (statistics.median(resumed) - statistics.median(back)) * 1e6 if back and resumed else None
+        differences.append(statistics.median(resumed) - statistics.median(back))
+    extra = statistics.median(differences) * 1e6 if differences else None
     extras = [value for value in call(None, "calibrate", lambda: comm.allgather(extra)) if value is not None]
     return max(0.0, statistics.median(extras)), rounds
 

@@ -215,7 +215,7 @@ def test_model_resume_is_a_pass_after_a_wait_less_a_pass_back_to_back(extra_ms):
     every = comm.allgather((value, rounds))
     with ranks_agree(what=f"{extra_ms} ms"):
         assert len(set(every)) == 1  # one value on every rank: one plan everywhere
-        assert rounds >= 4
+        assert rounds >= 3
         assert extra_ms * 1e3 - 600 <= value <= extra_ms * 1e3 + 1500, value  # microseconds
     alone, none = model_resume(comm, _resuming_pass(0.004) if comm.Get_rank() == 0 else None, seconds=0.3)
     with ranks_agree(what="one rank with a pass"):
