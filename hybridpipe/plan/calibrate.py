@@ -338,9 +338,9 @@ def model_contention(comm: Any, one_pass: Callable[[], None] | None,
 
 #: :func:`model_resume`'s budget (seconds of rounds; at least :data:`MODEL_RESUME_MIN_ROUNDS` rounds), passes per
 #: rank back to back in a round (the first of them untimed: it resumes too) and laps of the relay.
-MODEL_RESUME_SECONDS = 1.5
+MODEL_RESUME_SECONDS = 1.0
 MODEL_RESUME_MIN_ROUNDS = 3
-MODEL_RESUME_MAX_ROUNDS = 24
+MODEL_RESUME_MAX_ROUNDS = 12
 RESUME_BACK_TO_BACK = 4
 RESUME_LAPS = 4
 RESUME_TAG = 12
