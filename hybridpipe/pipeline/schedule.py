@@ -732,8 +732,7 @@ def simulate(schedule: Schedule, forward_time: Duration = 1.0, backward_time: Du
                     [free_at[rank]] + _arrivals(needs, finished, action, rank, placement, transfer)))
                 if start is None:
                     break
-                resumed = resume > 0 and position[rank] > 0 and start > free_at[rank] * (1 + 1e-12) + 1e-15
-                end = start + durations[action.kind](action) + (resume if resumed else 0.0)
+                end = start + durations[action.kind](action) + _resumed(resume, position[rank], start, free_at[rank])
                 _record(finished, action, end)
                 placed[rank].append(TimedAction(action, start, end))
                 free_at[rank] = end
@@ -835,10 +834,16 @@ def _start_ready(schedule: Schedule, position: list[int], running: dict[int, lis
                 continue
             if _all_ready(together, gathered, rank, action, now) is None:
                 continue
-            resumed = resume > 0 and position[rank] > 0 and now > idle_since[rank] * (1 + 1e-12) + 1e-15
-            running[rank] = [action, now, durations[action.kind](action) + (resume if resumed else 0.0)]
+            running[rank] = [action, now,
+                             durations[action.kind](action) + _resumed(resume, position[rank], now, idle_since[rank])]
             started = True
     return arrival
+
+
+def _resumed(resume: float, position: int, start: float, idle_since: float) -> float:
+    """The simulators' ``resume`` for an action starting at ``start`` on a list free since ``idle_since``: all of it
+    where the list idled in between (not before its first action), else nothing."""
+    return resume if resume > 0 and position > 0 and start > idle_since * (1 + 1e-12) + 1e-15 else 0.0
 
 
 def _record(finished: dict[tuple[int, ActionKind | str, int], float], action: Action, end: float) -> None:

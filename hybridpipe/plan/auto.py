@@ -307,7 +307,7 @@ def _planned(layers: Any, loss_fn: Any, sample: tuple[Any, Any], global_batch: i
         raise UsageError(f"hp.auto: profiling the {'module' if module else 'layers'} failed "
                          f"({type(error).__name__}: {error})") from error
     if contention and grid.size > 1:
-        cluster = _with_model_contention(cluster, comm, kept, loss_fn, module)
+        cluster = _with_model_measurements(cluster, comm, kept, loss_fn, module)
     del kept
     measured_profile = Profile.from_json(measured)
     options = dict(**search_options(layers, module, asynchronous), checkpoints=CHECKPOINT_CHOICES,
@@ -321,7 +321,7 @@ def _planned(layers: Any, loss_fn: Any, sample: tuple[Any, Any], global_batch: i
     return found
 
 
-def _with_model_contention(cluster: Cluster, comm: Any, kept: tuple[Any, Any, Any] | None, loss_fn: Any,
+def _with_model_measurements(cluster: Cluster, comm: Any, kept: tuple[Any, Any, Any] | None, loss_fn: Any,
                            module: bool) -> Cluster:
     """``cluster`` with how much slower a pass right after a wait runs (``resume_us``,
     :func:`~hybridpipe.plan.calibrate.model_resume`) and the contention of its ranks computing at once, both measured

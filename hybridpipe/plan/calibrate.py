@@ -271,6 +271,14 @@ MODEL_CONTENTION_SECONDS = 2.0
 MODEL_CONTENTION_PAIRS = 32
 
 
+def _pass_seconds(one_pass: Callable[[], None]) -> float:
+    """Seconds of ``one_pass()`` after one untimed (more than 0): what a measurement on the model sizes itself by."""
+    one_pass()
+    started = time.perf_counter()
+    one_pass()
+    return max(1e-9, time.perf_counter() - started)
+
+
 def model_contention(comm: Any, one_pass: Callable[[], None] | None,
                      seconds: float = MODEL_CONTENTION_SECONDS) -> tuple[float, int]:
     """:func:`compute_contention` measured on the model itself: ``one_pass()`` is this rank's forward and
@@ -290,10 +298,7 @@ def model_contention(comm: Any, one_pass: Callable[[], None] | None,
     flag = torch.zeros(2)
     estimate, repeats = 0.0, 1
     if one_pass is not None:
-        one_pass()
-        started = time.perf_counter()
-        one_pass()
-        seconds_each = max(1e-9, time.perf_counter() - started)
+        seconds_each = _pass_seconds(one_pass)
         repeats = max(1, round(CONTENTION_WINDOW_SECONDS / seconds_each))
         estimate = seconds_each * repeats
 
@@ -359,12 +364,7 @@ def model_resume(comm: Any, one_pass: Callable[[], None] | None,
     median over the ranks (at least 0). Collective over ``comm``; returns ``(microseconds, rounds)`` on every rank (0.0, 0 where
     fewer than two ranks have a pass)."""
     rank = comm.Get_rank()
-    estimate = 0.0
-    if one_pass is not None:
-        one_pass()
-        started = time.perf_counter()
-        one_pass()
-        estimate = max(1e-9, time.perf_counter() - started)
+    estimate = 0.0 if one_pass is None else _pass_seconds(one_pass)
     estimates = call(None, "calibrate", lambda: comm.allgather(estimate))
     computing = [r for r, value in enumerate(estimates) if value > 0]
     if len(computing) < 2:

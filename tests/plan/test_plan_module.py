@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from held_state import assert_as_held, holding
 from hybridpipe.plan.__main__ import main
 from hybridpipe.plan.module_profile import profile_module, split_of
 
@@ -78,14 +79,9 @@ def test_a_module_is_profiled_by_its_unit_calls_and_planned_as_split_names(capsy
 def test_profiling_a_module_leaves_its_gradients_and_statistics_as_they_were():
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4))
-    for parameter in module.parameters():
-        parameter.grad = torch.full_like(parameter, 0.5)
-    before = {name: value.clone() for name, value in module.state_dict().items()}
+    before = holding(module)
     profile_module(module, torch.randn(16, 8), F.cross_entropy, torch.randint(0, 4, (16,)))
-    for name, saved in before.items():
-        assert torch.equal(module.state_dict()[name], saved), name
-    for parameter in module.parameters():  # not added into: the caller's gradients as they were
-        assert torch.equal(parameter.grad, torch.full_like(parameter, 0.5))
+    assert_as_held(module, before)
 
 
 def test_a_meta_module_is_refused_with_the_fix():

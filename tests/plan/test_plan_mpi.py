@@ -17,6 +17,7 @@ from torch import nn
 
 import hybridpipe as hp
 from agree import ranks_agree
+from held_state import assert_as_held, holding
 from hybridpipe.plan.auto import auto
 from hybridpipe.plan.search import Plan
 from hybridpipe.plan.verify import rechecked
@@ -230,9 +231,7 @@ def test_measured_contention_puts_the_model_back_and_a_failing_pass_keeps_the_cl
 
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4))
-    for parameter in module.parameters():
-        parameter.grad = torch.full_like(parameter, 0.5)
-    before = {name: value.clone() for name, value in module.state_dict().items()}
+    before = holding(module)
     inputs, targets = torch.randn(16, 8), torch.randint(0, 4, (16,))
     run = one_pass(module, inputs, nn.CrossEntropyLoss(), targets, layered=False)
     comm = hp.grid().world_comm
@@ -247,10 +246,7 @@ def test_measured_contention_puts_the_model_back_and_a_failing_pass_keeps_the_cl
     with ranks_agree():
         assert value is not None and value >= 1.0
         assert failed is None  # on every rank, and no rank left waiting
-        for name, saved in before.items():  # batch norm's statistics (and the weights) as they were
-            assert torch.equal(module.state_dict()[name], saved), name
-        for parameter in module.parameters():
-            assert torch.equal(parameter.grad, torch.full_like(parameter, 0.5))
+        assert_as_held(module, before)  # batch norm's statistics, the weights and the gradients as they were
 
 
 def test_auto_plans_on_the_contention_it_measured_on_the_model(monkeypatch, capfd):

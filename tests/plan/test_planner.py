@@ -20,6 +20,7 @@ from hybridpipe.pipeline.partition import partition_by_weights
 from hybridpipe.plan.cost import Candidate, Cluster, allreduce_seconds, predict
 from hybridpipe.plan.profile import LayerCost, Profile
 from brute_force import compositions
+from held_state import assert_as_held, holding
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -291,12 +292,10 @@ def test_profile_leaves_the_callers_gradients_as_they_were():
 
     torch.manual_seed(0)
     layers = [nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)]
-    for parameter in (p for layer in layers for p in layer.parameters()):
-        parameter.grad = torch.full_like(parameter, 0.5)
+    before = holding(layers)
     profile(layers, torch.randn(8, 4), nn.CrossEntropyLoss(), torch.randint(0, 2, (8,)),
             optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
-    for parameter in (p for layer in layers for p in layer.parameters()):
-        assert torch.equal(parameter.grad, torch.full_like(parameter, 0.5))
+    assert_as_held(layers, before)
 
 
 def test_command_line_profiles_a_factory_and_prints_the_plan(tmp_path, capsys):
