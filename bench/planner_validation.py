@@ -3,7 +3,7 @@
 Usage:
     python bench/planner_validation.py [--models mlp,lm] [--ranks 2,4] [--steps 8] [--warmup 3] [--rounds 2]
                                        [--no-calibrate] [--markdown] [--json FILE] [--quick] [--chosen-only]
-    python bench/planner_validation.py --auto [--models mlp,lm,cnn] [--ranks 2,4] [--rounds 3] [--markdown]
+    python bench/planner_validation.py --auto [--models mlp,lm,cnn] [--ranks 2,4] [--rounds 3] [--compare] [--markdown]
 
 Run plainly, this script is the driver:
 
@@ -45,7 +45,9 @@ With ``--auto`` it checks ``hp.auto`` itself instead: it calibrates each rank co
 (``--rounds`` per model and rank count) calls ``hp.auto`` on every rank, which profiles the model in the job (a
 slice per rank, in turn) and plans on the calibrated cluster, and times the plan it built right after (``--warmup``,
 then ``--steps`` steps); the table sets each launch's prediction beside its measured median step, and says whether
-the medians over the launches agree within 25 %.
+the medians over the launches agree within 25 %. ``--compare`` also measures the bench's own configurations of each
+model and rank count (the table below, balanced as the planner would) in every round, right after hp.auto's launch,
+and says whether hp.auto's plan, as measured in its own launches, is within 10 % of the fastest of them.
 
 Run it on a quiet machine: other work on the cores changes the measured times, not the predicted.
 """
@@ -362,21 +364,16 @@ def model_flags(args: argparse.Namespace) -> list[str]:
 
 def configurations(args: argparse.Namespace, profiles: dict, clusters: dict) -> list[Config]:
     """The listed configurations, balanced and predicted, plus the planner's choice per model and rank count."""
-    from hybridpipe.pipeline.partition import partition_by_weights
     from hybridpipe.plan import plan
-    from hybridpipe.plan.search import replicated_balance
 
     table = QUICK if args.quick else CONFIGS
     configs: list[Config] = []
     for name in args.models:
         profile = profiles[name]
-        times = [layer.forward_ms + layer.backward_ms for layer in profile.layers]
         batch = global_batch(name, args)
         for ranks in args.ranks:
             cluster = clusters[ranks]
-            listed = [Config(name, r, p, m, s, VIRTUAL_STAGES if s == "interleaved-1f1b" else 1,
-                             stage_replicas=list(rest[0]) if rest else [])
-                      for r, p, m, s, *rest in table.get(name, []) if r == ranks]
+            listed = listed_configurations(name, ranks, table)
             best = plan(profile, cluster, batch)
             choice = Config(name, ranks, best.stages, best.micro_batches, best.schedule, best.virtual_stages,
                             chosen=True, balance=list(best.balance), stage_replicas=list(best.stage_replicas or []))
@@ -387,14 +384,31 @@ def configurations(args: argparse.Namespace, profiles: dict, clusters: dict) -> 
                 same[0].chosen = True
             else:
                 listed.append(choice)
-            for config in listed:
-                if not config.balance and config.stage_replicas:
-                    config.balance = list(replicated_balance(times, tuple(config.stage_replicas)))
-                elif not config.balance:
-                    config.balance = partition_by_weights(times, config.stages * config.virtual_stages)
-                config.predicted_s = config.predicted_first_s = predicted(config, profile, cluster, batch)
+            balanced(listed, profile, cluster, batch)
             configs += listed
     return configs
+
+
+def listed_configurations(name: str, ranks: int, table: dict) -> list[Config]:
+    """The configurations ``table`` lists for ``name`` on ``ranks`` ranks (not yet balanced)."""
+    return [Config(name, r, p, m, s, VIRTUAL_STAGES if s == "interleaved-1f1b" else 1,
+                   stage_replicas=list(rest[0]) if rest else [])
+            for r, p, m, s, *rest in table.get(name, []) if r == ranks]
+
+
+def balanced(configs: list[Config], profile: Any, cluster: Any, batch: int) -> None:
+    """Gives each configuration without one the balance the planner would (the optimal partition of the profiled
+    layer times) and its prediction from ``profile`` on ``cluster``."""
+    from hybridpipe.pipeline.partition import partition_by_weights
+    from hybridpipe.plan.search import replicated_balance
+
+    times = [layer.forward_ms + layer.backward_ms for layer in profile.layers]
+    for config in configs:
+        if not config.balance and config.stage_replicas:
+            config.balance = list(replicated_balance(times, tuple(config.stage_replicas)))
+        elif not config.balance:
+            config.balance = partition_by_weights(times, config.stages * config.virtual_stages)
+        config.predicted_s = config.predicted_first_s = predicted(config, profile, cluster, batch)
 
 
 def predicted(config: Config, profile: Any, cluster: Any, batch: int) -> float:
@@ -504,7 +518,7 @@ def auto_measure(name: str, ranks: int, cluster: Path | None, args: argparse.Nam
 
 
 def auto_report(runs: dict[tuple[str, int], list[dict]], args: argparse.Namespace, calibrations: dict, started: str,
-                seconds: float) -> str:
+                seconds: float, compared: dict[tuple[str, int], list[Config]] | None = None) -> str:
     """``--auto``'s table: per model and rank count, each launch's plan, predicted and measured step, and whether
     the prediction holds (within 25 % of the measured median step)."""
     header = ["model", "ranks", "plan(s) chosen", "predicted ms", "measured ms", "each launch: predicted / measured ms",
@@ -521,14 +535,34 @@ def auto_report(runs: dict[tuple[str, int], list[dict]], args: argparse.Namespac
                      f"{error:+.1f}", f"{sum(abs(e) <= 25 for e in errors)} of {len(errors)}"])
         verdicts.append(f"{name} on {ranks} ranks: hp.auto predicted {predicted_ms:.1f} ms, measured "
                         f"{measured_ms:.1f} ms (medians over launches, {error:+.1f} %: "
-                        f"{'within' if abs(error) <= 25 else 'NOT within'} 25 %)")
+                        f"{'within' if abs(error) <= 25 else 'NOT within'} 25 %)" + fastest_verdict(
+                            measured_ms, (compared or {}).get((name, ranks), [])))
     lines = [f"Command: `{command_line()}`", f"Setup: {started}; {args.rounds} launch(es) per model and rank count, "
              f"each hp.auto then {args.steps} timed steps after {args.warmup} warm-up, one thread per rank; "
              f"{seconds:.0f} s in all"]
     lines += calibration_lines(calibrations, ("compute_contention", "memory_contention", "waiting_load",
                                               "data_parallel_us_per_mib", "zero1_us_per_mib", "action_overhead_us",
                                               "allreduce_gbps"))
-    return "\n".join(lines + ["", render(header, rows, args.markdown, left=3), ""] + verdicts)
+    lines += ["", render(header, rows, args.markdown, left=3), ""]
+    beside = [config for group in (compared or {}).values() for config in group]
+    if beside:
+        lines += ["the bench's own configurations, measured beside each hp.auto launch:", "", render(
+            ["configuration", "ranks", "predicted ms", "measured ms", "each round ms"],
+            [[c.label, str(c.ranks), f"{c.predicted_s * 1e3:.1f}", f"{c.measured * 1e3:.1f}",
+              " / ".join(f"{m * 1e3:.1f}" for m in c.measured_rounds)] for c in beside], args.markdown, left=1), ""]
+    return "\n".join(lines + verdicts)
+
+
+def fastest_verdict(auto_ms: float, compared: list[Config]) -> str:
+    """``--compare``: hp.auto's measured step (median over its launches) against the fastest of the bench's own
+    configurations measured beside it (each the median over rounds of its launches' median steps)."""
+    if not compared:
+        return ""
+    fastest = min(compared, key=lambda c: c.measured)
+    ratio = auto_ms / (fastest.measured * 1e3)
+    return (f"; {ratio:.3f}× the fastest of the {len(compared)} configurations measured "
+            f"beside it, {fastest.label} ({fastest.measured * 1e3:.1f} ms): "
+            f"{'within' if ratio <= 1.10 else 'NOT within'} 10 %")
 
 
 def auto_main(args: argparse.Namespace) -> int:
@@ -537,19 +571,30 @@ def auto_main(args: argparse.Namespace) -> int:
     started_clock = time.perf_counter()
     started = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     runs: dict[tuple[str, int], list[dict]] = {(name, ranks): [] for name in args.models for ranks in args.ranks}
+    compared: dict[tuple[str, int], list[Config]] = {key: [] for key in runs}
     with tempfile.TemporaryDirectory(prefix="hybridpipe-planner-") as folder:
-        calibrations, paths = {}, {}
+        calibrations, paths, clusters = {}, {}, {}
         for ranks in args.ranks:
-            _, calibrations[ranks] = cluster_for(ranks, args, Path(folder))
+            clusters[ranks], calibrations[ranks] = cluster_for(ranks, args, Path(folder))
             paths[ranks] = None if args.no_calibrate else Path(folder) / f"cluster-{ranks}.json"
+        if args.compare:  # the bench's own configurations beside each hp.auto launch, balanced as the planner would
+            for name in args.models:
+                progress(f"profile {name}")
+                profile = profile_model(name, args)
+                for ranks in args.ranks:
+                    compared[(name, ranks)] = listed_configurations(name, ranks, CONFIGS)
+                    balanced(compared[(name, ranks)], profile, clusters[ranks], global_batch(name, args))
         for round_index in range(args.rounds):
             keys = list(runs)
             for name, ranks in (reversed(keys) if round_index % 2 else keys):
                 runs[(name, ranks)].append(auto_measure(name, ranks, paths[ranks], args, Path(folder)))
-    print(auto_report(runs, args, calibrations, started, time.perf_counter() - started_clock))
+                for index, config in enumerate(compared[(name, ranks)]):
+                    measure(config, args, Path(folder), index)
+    print(auto_report(runs, args, calibrations, started, time.perf_counter() - started_clock, compared))
     if args.json:
-        Path(args.json).write_text(json.dumps({f"{name} {ranks}": outcomes for (name, ranks), outcomes in runs.items()},
-                                              indent=1))
+        Path(args.json).write_text(json.dumps({f"{name} {ranks}": {"auto": outcomes, "compared": [
+            {**asdict(c), "label": c.label} for c in compared[(name, ranks)]]} for (name, ranks), outcomes in runs.items()},
+            indent=1))
     return 0
 
 
@@ -610,6 +655,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--auto", action="store_true",
                         help="run hp.auto itself in each launch (profiling in the job, planning on the calibrated "
                              "cluster) and time the plan it chose: its prediction against the measured step")
+    parser.add_argument("--compare", action="store_true",
+                        help="with --auto: also measure the bench's own configurations of each model and rank count "
+                             "in every round, beside hp.auto's launch, and say whether hp.auto's plan is within 10 %% "
+                             "of the fastest measured")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
