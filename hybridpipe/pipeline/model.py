@@ -515,17 +515,19 @@ class PipelineModel(nn.Module):
         difference raises SplitError naming the first unit call whose output differs."""
         plan = self._split.plan
         chunks = self._chunk_modules.values()
+        actions = get_schedule("forward", self.stages, 1, self.virtual_stages)[self.stage]
+        if not self.grid.uniform:  # the one micro-batch runs on replica 0 of each stage; the others wait for its output
+            actions = [a for a in actions if a.micro_batch % self.grid.stage_replicas[self.stage] == self.grid.replica]
         for chunk in chunks:
             chunk.keep_values = True
         try:
-            schedule = get_schedule("forward", self.stages, 1, self.virtual_stages)
             with split_module.eval_mode(plan.root):
-                result = self._executor.run(schedule[self.stage], 1, [sample], train=False)
+                result = self._executor.run(actions, 1, [sample], train=False)
         finally:
             for chunk in chunks:
                 chunk.keep_values = False
         first = None
-        for chunk in chunks:
+        for chunk in (chunks if actions else ()):
             for index in plan.calls_of(chunk.chunk):
                 problem = split_module.first_difference(plan.trace.unit_outputs[index],
                                                         chunk.unit_output(index), 1e-4, 1e-6)

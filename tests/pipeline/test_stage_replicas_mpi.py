@@ -107,6 +107,45 @@ def test_trains_like_one_process(replicas, schedule, micro_batches, balance):
         hp.shutdown()
 
 
+class Net(nn.Module):
+    """:func:`mlp` inside a module of its own: handed to hp.PipelineModel whole, it is traced and split by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+@pytest.mark.parametrize("replicas,split", [([3, 1], ["body.4"]), ([1, 3], ["body.2"])], ids=["3-1", "1-3"])
+def test_a_split_module_is_verified_and_trains_like_one_process(replicas, split):
+    """A whole module split by name on a grid with its own replica count per stage: the split's check run (one
+    micro-batch, on replica 0 of each stage; the other replicas take its output) ends on every rank, and training
+    equals one process."""
+    grid = hp.init(stage_replicas=replicas)
+    try:
+        steps = batches(2)
+        model = hp.PipelineModel(Net(), loss_fn=nn.functional.cross_entropy, micro_batches=4, split=split,
+                                 sample=torch.randn(4096, 6, dtype=torch.float64), schedule="1f1b",
+                                 verify=True)  # activations past the eager limit: a send no one receives blocks
+        optimizer = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                            named_parameters=model.named_parameters())
+        losses = train(model, optimizer, steps)
+        reference, reference_losses = one_process(steps)
+        with ranks_agree():
+            assert grid.stage_replicas == tuple(replicas)
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference_losses), rtol=1e-12, atol=0)
+            want = dict(reference.named_parameters())
+            own = dict(model.named_parameters())
+            assert own and all(name.startswith("body.") for name in own), sorted(own)
+            for name, parameter in own.items():
+                torch.testing.assert_close(parameter, want[name.removeprefix("body.")], rtol=1e-9, atol=1e-12)
+        model.close()
+    finally:
+        hp.shutdown()
+
+
 def test_grid_numbering_and_describe():
     grid = hp.init(stage_replicas=[3, 1])
     try:
