@@ -45,7 +45,7 @@ test-long: $(STAMP)
 	  tests/test_runtime.py tests/test_example_lm.py tests/test_harness.py tests/comm/test_horovod_api.py tests/test_faults.py \
 	  tests/test_example_dp.py tests/test_examples_horovod.py tests/test_timeline.py tests/pipeline/test_split_mpi.py tests/test_example_hf.py \
 	  tests/test_compatibility_mpi.py tests/plan/test_train_lm_auto.py \
-	  tests/misuse/test_misuse.py \
+	  tests/misuse/test_misuse.py tests/test_workloads_smoke.py \
 	  -q -p no:cacheprovider
 	for i in $$(seq 1 $(MULTIHOST_REPEATS)); do \
 	  echo "multi-host run $$i of $(MULTIHOST_REPEATS)"; \

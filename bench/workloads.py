@@ -4,7 +4,8 @@ configuration of hybridpipe and of its peers, on one host or on two emulated hos
 Usage:
     python bench/workloads.py [--workloads gpt2,llama,vgg,lstm] [--settings local:4,1gbit:2x2,10gbit:2x2]
         [--configs dp,2x2,3-1,pipedream,2bw,auto,ddp] [--max-steps N] [--max-seconds S] [--eval-every K]
-        [--quick] [--json FILE] [--markdown]
+        [--quick] [--json FILE] [--markdown] [--plot DIR]
+    python bench/workloads.py --from-json FILE [--markdown] [--plot DIR]   # the table and plots of an earlier run
 
 Configurations (4 ranks): ``dp`` hybridpipe data parallelism (1 stage x 4 replicas, ``hp.DistributedOptimizer``);
 ``2x2`` 2 stages x 2 replicas, 1F1B, 4 micro-batches; ``3-1`` stages with their own replica counts
@@ -24,7 +25,8 @@ needs root, hybridpipe.testing.emulated_hosts).
 One JSON line per configuration on stdout (and in ``--json FILE``), then the table. Reported: throughput (tokens or
 samples per second of training time: evaluation excluded), peak RSS of each rank, bytes sent between hosts per step
 (emulated settings: the hosts' own interface counters, read around each training step), the training time and steps
-to the target, the last validation metric, and the planner's prediction where there is one.
+to the target, the last validation metric (and validation loss), and the planner's prediction where there is one.
+``curve`` holds ``[step, training seconds, metric, validation loss]`` at every evaluation.
 """
 
 from __future__ import annotations
@@ -240,7 +242,7 @@ def train(runner: Any, workload: Any, args: argparse.Namespace) -> dict[str, Any
     """Trains until the target, the step cap or the time cap; rank 0's numbers (RSS and bytes from every rank)."""
     valid_inputs, valid_targets = workload.validation
     steps, seconds, sent, curve, stop = 0, 0.0, 0, [], ""
-    value = float("nan")
+    value = loss = float("nan")
     while not stop:
         inputs, targets = workload.batch(steps)
         before, started = link_bytes(), time.perf_counter()
@@ -252,8 +254,8 @@ def train(runner: Any, workload: Any, args: argparse.Namespace) -> dict[str, Any
             continue
         output = runner.output(valid_inputs)
         if runner.rank == 0:
-            value = workload.evaluate(output, valid_targets)
-            curve.append([steps, round(seconds, 4), value])
+            value, loss = workload.evaluate(output, valid_targets), float(workload.loss_fn(output, valid_targets))
+            curve.append([steps, round(seconds, 4), value, loss])
             stop = ("target" if workload.reached(value) else "max_steps" if steps >= args.max_steps
                     else "max_seconds" if seconds >= args.max_seconds else "")
             _progress_bar(steps, args.max_steps, value, workload)
@@ -266,7 +268,7 @@ def train(runner: Any, workload: Any, args: argparse.Namespace) -> dict[str, Any
         per_host.setdefault(host, host_sent)
     units = steps * workload.global_batch * workload.units_per_sample
     return {"stopped_by": stop, "reached_target": stop == "target", "steps": steps, "train_seconds": seconds,
-            "final_metric": value, "metric": workload.metric, "target": workload.target,
+            "final_metric": value, "metric": workload.metric, "target": workload.target, "final_validation_loss": loss,
             "seconds_to_target": seconds if stop == "target" else None,
             "steps_to_target": steps if stop == "target" else None,
             f"{workload.unit}_per_s": units / seconds if seconds else None, "unit": workload.unit,
@@ -389,6 +391,33 @@ def table(records: list[dict[str, Any]], markdown: bool) -> str:
     return render(header, rows, markdown, left=3)
 
 
+def plot(records: list[dict[str, Any]], folder: Path) -> list[Path]:
+    """One PNG per workload: the validation metric against training seconds, one line per setting and
+    configuration (the records' ``curve``); matplotlib's Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in dict.fromkeys(r["workload"] for r in records if r.get("curve")):
+        figure, axes = pyplot.subplots(figsize=(7, 4.5))
+        runs = [r for r in records if r.get("workload") == name and r.get("curve")]
+        for r in runs:
+            axes.plot([point[1] for point in r["curve"]], [point[2] for point in r["curve"]], marker=".",
+                      label=f"{r['setting']} {r['config']}")
+        axes.axhline(runs[0]["target"], color="grey", linestyle="--", linewidth=1, label="target")
+        axes.set(xlabel="training seconds", ylabel=f"validation {runs[0]['metric']}", title=runs[0]["model"])
+        axes.legend(fontsize="small")
+        figure.tight_layout()
+        path = folder / f"workloads-{name}.png"
+        figure.savefig(path, dpi=100)
+        pyplot.close(figure)
+        written.append(path)
+    return written
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workloads", default="gpt2,llama,vgg,lstm", help="comma-separated (default: all four)")
@@ -403,6 +432,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "+ 120)")
     parser.add_argument("--json", help="also write the JSON lines to this file")
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--plot", metavar="DIR", help="also draw workloads-<workload>.png here (matplotlib)")
+    parser.add_argument("--from-json", metavar="FILE", help="run nothing: the table (and --plot) of the JSON lines "
+                        "of an earlier run")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
@@ -424,6 +456,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker_main(args)
+    if args.from_json:
+        records = [json.loads(line) for line in Path(args.from_json).read_text().splitlines() if line.strip()]
+        print(table(records, args.markdown))
+        for path in plot(records, Path(args.plot)) if args.plot else []:
+            progress(f"wrote {path}")
+        return 0
     settings = [parse_setting(s) for s in args.settings.split(",") if s]
     lines = open(args.json, "w") if args.json else None
 
@@ -443,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{RANKS} ranks per configuration; throughput over training time (evaluation excluded); "
           "'to target s': training seconds until the evaluation that reached the target")
     print(table(records, args.markdown))
+    for path in plot(records, Path(args.plot)) if args.plot else []:
+        progress(f"wrote {path}")
     return 0 if all("error" not in r for r in records) else 1
 
 
