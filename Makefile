@@ -36,7 +36,8 @@ test: $(STAMP)
 # failed), a rank killed while saving a checkpoint (tests/misuse), the MPI test files' long_ranks (8
 # ranks oversubscribed on this machine; launches whose cases the other launches of the file already
 # cover, kept out of `make test` for its time), then the multi-host tests 20 times in a row, their long cases
-# (the hierarchical allreduce on 2 + 2 ranks) included (they must pass every time).
+# (the hierarchical allreduce on 2 + 2 ranks) included (they must pass every time); the in-process elastic case of a
+# point-to-point wait whose peer dies.
 MULTIHOST_REPEATS ?= 20
 test-long: $(STAMP)
 	HYBRIDPIPE_LONG_TESTS=1 PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests/test_restart.py \
@@ -45,7 +46,7 @@ test-long: $(STAMP)
 	  tests/test_runtime.py tests/test_example_lm.py tests/test_harness.py tests/comm/test_horovod_api.py tests/test_faults.py \
 	  tests/test_example_dp.py tests/test_examples_horovod.py tests/test_timeline.py tests/pipeline/test_split_mpi.py tests/test_example_hf.py \
 	  tests/test_compatibility_mpi.py tests/plan/test_train_lm_auto.py \
-	  tests/misuse/test_misuse.py tests/test_workloads_smoke.py \
+	  tests/misuse/test_misuse.py tests/test_elastic_inprocess.py tests/test_workloads_smoke.py \
 	  -q -p no:cacheprovider
 	for i in $$(seq 1 $(MULTIHOST_REPEATS)); do \
 	  echo "multi-host run $$i of $(MULTIHOST_REPEATS)"; \

@@ -7,6 +7,8 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
+#include <atomic>
 #include <sstream>
 
 namespace hybridpipe {
@@ -123,6 +125,58 @@ bool is_process_failure(int code) {
   (void)code;
   return false;
 #endif
+}
+
+namespace {
+std::atomic<bool> surviving{false};
+}  // namespace
+
+bool ulfm_compiled() {
+#if defined(OMPI_HAVE_MPI_EXT_FTMPI) && OMPI_HAVE_MPI_EXT_FTMPI
+  return true;
+#else
+  return false;
+#endif
+}
+
+void set_survive_process_failures(bool on) {
+  if (on && !ulfm_compiled()) {
+    throw std::runtime_error("surviving a failed process needs an MPI with ULFM (Open MPI 5 started with --with-ft "
+                             "ulfm); this module was built without it");
+  }
+  surviving.store(on, std::memory_order_release);
+}
+
+bool survive_process_failures() { return surviving.load(std::memory_order_acquire); }
+
+void revoke(MPI_Comm comm) {
+#if defined(OMPI_HAVE_MPI_EXT_FTMPI) && OMPI_HAVE_MPI_EXT_FTMPI
+  if (comm != MPI_COMM_NULL) MPIX_Comm_revoke(comm);
+#else
+  (void)comm;
+#endif
+}
+
+std::vector<int> failed_ranks(MPI_Comm comm) {
+  std::vector<int> failed;
+#if defined(OMPI_HAVE_MPI_EXT_FTMPI) && OMPI_HAVE_MPI_EXT_FTMPI
+  if (comm == MPI_COMM_NULL) return failed;
+  MPI_Group failed_group = MPI_GROUP_NULL, all = MPI_GROUP_NULL;
+  if (MPIX_Comm_get_failed(comm, &failed_group) != MPI_SUCCESS || failed_group == MPI_GROUP_NULL) return failed;
+  int count = 0;
+  MPI_Group_size(failed_group, &count);
+  std::vector<int> ranks(static_cast<size_t>(count));
+  for (int i = 0; i < count; ++i) ranks[static_cast<size_t>(i)] = i;
+  failed.resize(static_cast<size_t>(count));
+  MPI_Comm_group(comm, &all);
+  MPI_Group_translate_ranks(failed_group, count, ranks.data(), all, failed.data());
+  MPI_Group_free(&all);
+  MPI_Group_free(&failed_group);
+  std::sort(failed.begin(), failed.end());
+#else
+  (void)comm;
+#endif
+  return failed;
 }
 
 }  // namespace hybridpipe

@@ -14,6 +14,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <vector>
 
 #ifdef __linux__
 #include <sys/prctl.h>
@@ -53,6 +54,19 @@ class MPICallError : public std::runtime_error {
 // Whether MPI error `code` says a process of the communicator failed (a fault-tolerant MPI, e.g. Open
 // MPI started with --with-ft ulfm, reports a dead peer this way instead of aborting).
 bool is_process_failure(int code);
+
+// Survival of a failed peer (hp.elastic.run under a fault-tolerant MPI): while it is on, a process failure that
+// MPI reports fails the engine's operations (ErrorKind RanksLost) and revokes its communicators instead of
+// aborting the job, and waits that MPI cannot end (shared memory) watch for it. Process-wide: any thread's
+// waits read it. Turning it on needs an MPI built with ULFM (ulfm_compiled).
+void set_survive_process_failures(bool on);
+bool survive_process_failures();
+bool ulfm_compiled();  // the MPI this module was built with has ULFM's MPIX_Comm_revoke / MPIX_Comm_get_failed
+// MPIX_Comm_revoke where the MPI has it (a no-op elsewhere): every pending and later operation on `comm` fails, on
+// every rank of it.
+void revoke(MPI_Comm comm);
+// The ranks of `comm` that MPI knows have failed (MPIX_Comm_get_failed), ascending; empty without ULFM.
+std::vector<int> failed_ranks(MPI_Comm comm);
 
 // Raises MPICallError for a non-success return code of `call` on communicator `comm`.
 void raise_mpi_error(int code, const char* call, MPI_Comm comm);

@@ -6,6 +6,10 @@
 #include "engine_group.h"
 #include "engine_internal.h"
 
+#if __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>
+#endif
+
 #ifdef __linux__
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -20,6 +24,19 @@
 namespace hybridpipe {
 
 using namespace engine_detail;
+
+namespace {
+#if defined(MPIX_ERR_PROC_FAILED)
+constexpr int kProcessFailedCode = MPIX_ERR_PROC_FAILED;
+#else
+constexpr int kProcessFailedCode = MPI_ERR_OTHER;
+#endif
+// A failed process the watchdog has reported already (its text is the report), thrown out of the thread's waits.
+class ReportedProcessFailure : public MPICallError {
+ public:
+  explicit ReportedProcessFailure(const std::string& report) : MPICallError(report, kProcessFailedCode) {}
+};
+}  // namespace
 
 Engine::Engine(const EngineOptions& options)
     : options_(options),
@@ -263,8 +280,9 @@ void Engine::service() {
   TransferQueue* transfers = loop_->transfers;
   if (transfers) {
     transfers->progress();
-    if (transfers->saw_process_failure()) watchdog_.report_process_failure("a point-to-point transfer");
+    if (transfers->saw_process_failure()) throw_process_failure("a point-to-point transfer");
   }
+  if (watchdog_.failure_known()) throw_process_failure("its failure detector (MPIX_Comm_get_failed)");
   watchdog_.answer_probes();
   watchdog_.check_blocked();
 }
@@ -330,11 +348,14 @@ void Engine::run() {
       next_cycle = Clock::now() + std::chrono::microseconds(static_cast<int64_t>(
                                       (quiet ? quiet_cycle_ms() : tuning_->cycle_time_ms) * 1000));
     }
+  } catch (const ReportedProcessFailure& failure) {
+    stopped_because = lose_ranks(failure.what());
   } catch (const MPICallError& error) {
-    if (is_process_failure(error.code())) watchdog_.report_process_failure(error.what());
-    stopped_because = fail_engine(error.what());
-  } catch (const std::exception& error) {
-    stopped_because = fail_engine(error.what());
+    const bool lost = is_process_failure(error.code()) || (survive_process_failures() && failure_seen());
+    stopped_because = lost ? lose_ranks(watchdog_.report_process_failure(error.what())) : fail_engine(error.what());
+  } catch (const std::exception& error) {  // e.g. a helping waiter's allreduce that a revoke ended
+    const bool lost = survive_process_failures() && failure_seen();
+    stopped_because = lost ? lose_ranks(watchdog_.report_process_failure(error.what())) : fail_engine(error.what());
   }
   progress_hook = {};
   loop.mpi_held = nullptr;
@@ -444,6 +465,43 @@ std::string Engine::fail_engine(const std::string& what) {
     queue_.fail_pending(state, group->queue(state), "the background engine failed: " + state->fatal, ErrorKind::Failed);
   }
   return "it failed: " + state->fatal;
+}
+
+void Engine::throw_process_failure(const char* where) {
+  // while surviving failures this ends the thread's loop (run() catches it); otherwise report_process_failure aborts
+  const std::string report = watchdog_.report_process_failure(where);
+  throw ReportedProcessFailure(report);
+}
+
+bool Engine::failure_seen() {
+  return !watchdog_.lost_ranks().empty() || !failed_ranks(group(0).comm).empty();
+}
+
+std::string Engine::lose_ranks(const std::string& report) {
+  std::vector<MPI_Comm> comms;
+  {
+    TensorQueue::Locked state = queue_.lock();
+    for (const auto& group : state->groups) comms.push_back(group->comm);
+  }
+  for (MPI_Comm comm : comms) revoke(comm);  // every survivor's engine fails too, whatever it waits for
+  watchdog_.revoke_probes();
+  ranks_lost_ = true;
+  TensorQueue::Locked state = queue_.lock();
+  if (state->fatal.empty()) state->fatal = report;
+  for (auto& group : state->groups) queue_.fail_pending(state, group->queue(state), state->fatal, ErrorKind::RanksLost);
+  return "ranks were lost: " + state->fatal;
+}
+
+std::vector<int> Engine::lost_ranks() const { return watchdog_.lost_ranks(); }
+
+void Engine::abandon() {
+  std::vector<MPI_Comm> comms;
+  {
+    TensorQueue::Locked state = queue_.lock();
+    for (const auto& group : state->groups) comms.push_back(group->comm);
+  }
+  for (MPI_Comm comm : comms) revoke(comm);  // the thread's next MPI call fails: it stops without its peers
+  shutdown();
 }
 
 void Engine::cycle_single(Group& group) {  // an allreduce over one rank is the identity

@@ -153,6 +153,13 @@ class Engine {
   // at interpreter exit): it takes no new work, and the ranks of its groups that wait for it in a collective
   // fail at once (kind Departed), told that it failed. The thread goes on until shutdown() or the abort.
   void leave_failed();
+  // Ranks of group 0 this engine reported lost while surviving failures (set_survive_process_failures): its
+  // handles then fail with ErrorKind RanksLost. Empty while none is.
+  std::vector<int> lost_ranks() const;
+  bool ranks_were_lost() const { return ranks_lost_.load(); }  // it stopped so (lost_ranks may not know whom yet)
+  // Ends the engine without its peers (after ranks were lost): revokes its communicators, so that the thread's
+  // next MPI call fails and it stops, then joins it as shutdown() does.
+  void abandon();
   EngineStats stats(int group);
   // Recorded events of `group` since the last call (empty unless options.record_events).
   std::vector<EngineEvent> take_events(int group);
@@ -180,6 +187,11 @@ class Engine {
                    std::unique_lock<std::timed_mutex>& mpi, std::vector<Group*>& order);
   // The thread failed with `what`: every pending handle fails (kind Failed); returns why it stopped.
   std::string fail_engine(const std::string& what);
+  // Surviving failures: `report` (the watchdog's) fails every pending handle (kind RanksLost) after revoking
+  // every group's communicator; returns why the thread stopped.
+  std::string lose_ranks(const std::string& report);
+  [[noreturn]] void throw_process_failure(const char* where);  // reports it; aborts unless surviving failures
+  bool failure_seen();  // a failed rank is recorded or known to MPI on group 0
   void cycle_single(Group& group);  // a group of one rank: no MPI
   // The thread's chores inside any wait: post/test transfers, answer probes, check what it waits for.
   void service();
@@ -191,6 +203,7 @@ class Engine {
   CommThreadOnly<Tuning> tuning_;
   std::atomic<size_t> tuned_fusion_{0};  // copies of tuning_ for tuning() (written by the thread)
   std::atomic<double> tuned_cycle_{0};
+  std::atomic<bool> ranks_lost_{false};  // lose_ranks ran
   TensorQueue queue_;
   EventLog events_;
   Watchdog watchdog_;

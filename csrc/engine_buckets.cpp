@@ -53,6 +53,7 @@ void BucketExecutor::reduce(Group& group, const std::function<void(const Allredu
     job.work = [&run, helped] { run(helped); };
     waiting.offered = &job;
     const auto job_started = Clock::now();
+    bool revoked = false;
     queue_.changed().notify_all();
     while (!job.done) {
       if (!job.taken && waiting.idle_waiters == 0 && Clock::now() - waiting.last_wait_return > grace) {  // nobody came
@@ -60,8 +61,12 @@ void BucketExecutor::reduce(Group& group, const std::function<void(const Allredu
         state.unlock();
         return run_here();
       }
-      if (job.taken) {  // a waiter runs it: no MPI calls here, only the timeout
+      if (job.taken) {  // a waiter runs it: no MPI calls here, only the timeout and failed peers
         state.wait_for(queue_.changed(), std::chrono::milliseconds(100));
+        if (!job.done && !revoked && watchdog_.failure_known()) {  // the waiter's next test of it fails
+          revoke(group.comm);
+          revoked = true;
+        }
         const double waited = std::chrono::duration<double>(Clock::now() - job_started).count();
         const double limit = watchdog_.abort_after_seconds();
         if (!job.done && limit > 0 && waited > limit) {

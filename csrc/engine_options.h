@@ -78,8 +78,10 @@ using DeviceAllreduce = std::function<bool(void* data, size_t count, DType dtype
 // Joined: a call (submit_call) on a group where some ranks have joined (submit_join): only allreduces
 // of submit() complete with the joined ranks' zeros.
 // Departed: a rank of the group has shut down (hp.shutdown) while this rank waits for it in a collective.
+// RanksLost: a process of the job failed while the engine survives failures (set_survive_process_failures):
+// the engine revoked its communicators and stopped; Engine::lost_ranks() says which ranks are gone.
 enum class ErrorKind : int {
-  None = 0, Mismatch = 1, Stalled = 2, Stopped = 3, Failed = 4, Refused = 5, Joined = 6, Departed = 7
+  None = 0, Mismatch = 1, Stalled = 2, Stopped = 3, Failed = 4, Refused = 5, Joined = 6, Departed = 7, RanksLost = 8
 };
 
 }  // namespace hybridpipe

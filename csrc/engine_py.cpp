@@ -56,6 +56,11 @@ void engine_shutdown(Engine& engine) {
   engine.shutdown();
 }
 
+void engine_abandon(Engine& engine) {
+  py::gil_scoped_release no_gil;
+  engine.abandon();
+}
+
 void engine_set_device_allreduce(Engine& engine, int group, py::function function) {
   // Borrowed: the caller keeps `function` alive as long as the engine (hybridpipe.comm.context does);
   // the engine thread takes the GIL to call it.

@@ -21,6 +21,7 @@ uint64_t engine_submit(Engine& engine, int group, const std::string& name, uintp
 uint64_t engine_submit_call(Engine& engine, int group, const std::string& name, int kind, py::function function);
 py::tuple engine_wait(Engine& engine, uint64_t handle);
 void engine_shutdown(Engine& engine);
+void engine_abandon(Engine& engine);
 void engine_set_device_allreduce(Engine& engine, int group, py::function function);
 
 }  // namespace bindings

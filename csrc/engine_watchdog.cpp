@@ -242,26 +242,9 @@ void Watchdog::finish_probe_round(Probes& probes) {
   std::fflush(stderr);
 }
 
-void Watchdog::report_process_failure(const std::string& what) {
+std::string Watchdog::report_process_failure(const std::string& what) {
   Probes& probes = probes_.get();
-  std::vector<int> failed;
-#if defined(OMPI_HAVE_MPI_EXT_FTMPI) && OMPI_HAVE_MPI_EXT_FTMPI
-  if (probes.health != MPI_COMM_NULL) {
-    MPI_Group failed_group = MPI_GROUP_NULL, all = MPI_GROUP_NULL;
-    if (MPIX_Comm_get_failed(probes.health, &failed_group) == MPI_SUCCESS && failed_group != MPI_GROUP_NULL) {
-      int count = 0;
-      MPI_Group_size(failed_group, &count);
-      std::vector<int> ranks(static_cast<size_t>(count));
-      for (int i = 0; i < count; ++i) ranks[static_cast<size_t>(i)] = i;
-      failed.resize(static_cast<size_t>(count));
-      MPI_Comm_group(probes.health, &all);
-      MPI_Group_translate_ranks(failed_group, count, ranks.data(), all, failed.data());
-      MPI_Group_free(&all);
-      MPI_Group_free(&failed_group);
-      std::sort(failed.begin(), failed.end());
-    }
-  }
-#endif
+  std::vector<int> failed = failed_ranks(probes.health);
   const int me = probes.me;
   std::string message = "hybridpipe ERROR: rank " + std::to_string(me) + " (host " + host_of(me) + "): ";
   if (failed.empty()) {
@@ -270,8 +253,25 @@ void Watchdog::report_process_failure(const std::string& what) {
     message += std::string(failed.size() == 1 ? "rank " : "ranks ") + describe_ranks(failed, nullptr) +
                (failed.size() == 1 ? " is" : " are") + " gone (the process died: killed, crashed or out of memory)";
   }
-  abort_job(message + "; MPI reported it in " + what + ": aborting the job");
+  if (!survive_process_failures()) abort_job(message + "; MPI reported it in " + what + ": aborting the job");
+  lost_.with([&](std::vector<int>& lost) { lost = failed; });
+  return message + "; MPI reported it in " + what;
 }
+
+bool Watchdog::failure_known() {
+  if (!survive_process_failures()) return false;
+  Probes& probes = probes_.get();
+  const auto now = Clock::now();
+  if (now - probes.last_failure_check < std::chrono::milliseconds(10)) return false;
+  probes.last_failure_check = now;
+  return !failed_ranks(probes.health).empty();
+}
+
+std::vector<int> Watchdog::lost_ranks() const {
+  return lost_.with([](const std::vector<int>& lost) { return lost; });
+}
+
+void Watchdog::revoke_probes() { revoke(probes_->health); }
 
 void Watchdog::abort_job(const std::string& message) {
   std::fprintf(stderr, "%s\n", message.c_str());

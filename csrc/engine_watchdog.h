@@ -39,8 +39,15 @@ class Watchdog {
   double abort_after_seconds() const;  // 0: never
   [[noreturn]] void abort_job(const std::string& message);  // prints it, then MPI_Abort (or _exit)
   // A fault-tolerant MPI reported a failed process (`what`: the failing call): names the failed ranks and their
-  // hosts (MPIX_Comm_get_failed where the MPI has it) and aborts the job.
-  [[noreturn]] void report_process_failure(const std::string& what);
+  // hosts (MPIX_Comm_get_failed where the MPI has it) and aborts the job; while the process survives failures
+  // (survive_process_failures()) it records them instead (lost_ranks) and returns the report.
+  std::string report_process_failure(const std::string& what);
+  // While surviving failures: whether MPI knows of a failed rank of group 0 now (asked at most every 10 ms).
+  bool failure_known();
+  // Ranks of group 0 reported lost (ascending; empty while none is), from any thread.
+  std::vector<int> lost_ranks() const;
+  // Revokes the probes' communicator (after a failure: a peer's probe waits end).
+  void revoke_probes();
 
  private:
   struct Blocked {
@@ -65,6 +72,7 @@ class Watchdog {
     double answer_message[2] = {0, 0};              // (round, seconds the answerer waited)
     std::vector<std::unique_ptr<double[]>> sent_answers;  // buffers of answers in flight
     std::vector<MPI_Request> sent_answer_requests;
+    std::chrono::steady_clock::time_point last_failure_check{};  // failure_known's last question to MPI
   };
   void finish_probe_round(Probes& probes);
   std::string describe_ranks(const std::vector<int>& ranks, const std::vector<double>* waits) const;
@@ -72,6 +80,7 @@ class Watchdog {
 
   const EngineOptions& options_;
   CommThreadOnly<Probes> probes_;
+  Guarded<std::vector<int>> lost_;               // ranks of group 0 reported lost while surviving failures
   Guarded<std::vector<std::string>> hosts_;  // MPI_Get_processor_name of every rank of group 0, in its order
 };
 

@@ -221,7 +221,8 @@ PYBIND11_MODULE(_C, m) {
       .value("Failed", ErrorKind::Failed)
       .value("Refused", ErrorKind::Refused)
       .value("Joined", ErrorKind::Joined)
-      .value("Departed", ErrorKind::Departed);
+      .value("Departed", ErrorKind::Departed)
+      .value("RanksLost", ErrorKind::RanksLost);
 
   py::class_<Engine>(m, "Engine", "The background negotiation + fusion + ring-allreduce thread.")
       .def(py::init<const EngineOptions&>(), py::arg("options"))
@@ -286,6 +287,12 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "shutdown",
           &engine_shutdown)
+      .def("abandon", &engine_abandon,
+           "Ends the engine without its peers after ranks were lost: revokes its communicators, joins its thread.")
+      .def("lost_ranks", &Engine::lost_ranks,
+           "World ranks reported lost while surviving failures (handles failed with ErrorKind.RanksLost).")
+      .def("ranks_were_lost", &Engine::ranks_were_lost,
+           "Whether the engine stopped because ranks were lost (lost_ranks() may not know which yet).")
       .def("leave_failed", &Engine::leave_failed,
            "This rank failed (an uncaught exception): take no new work; ranks waiting for it in a collective fail "
            "(ErrorKind.Departed) at once")
@@ -300,6 +307,11 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("wire_bytes_sent", &wire_bytes_sent,
         "Bytes handed to MPI by the ring's sends and the library allreduce path since the process started.");
+  m.def("set_survive_process_failures", &set_survive_process_failures, py::arg("on"),
+        "While on, a failed process fails the engine's operations (ErrorKind.RanksLost) instead of aborting the job "
+        "(needs ULFM: ulfm_compiled()).");
+  m.def("survive_process_failures", &survive_process_failures);
+  m.def("ulfm_compiled", &ulfm_compiled, "Whether the MPI this module was built with has ULFM (MPIX_Comm_revoke).");
   m.def("mpi_build_info", &mpi_build_info, "The MPI implementation and version this module was compiled with.");
   m.def("mpi_library_version", &mpi_library_version, "MPI_Get_library_version() of the libmpi loaded now.");
   m.def("dtype_size", &dtype_size_of);

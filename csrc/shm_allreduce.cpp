@@ -169,7 +169,9 @@ void wait_until(Ready ready, MPI_Comm comm, const WaitPolicy& policy) {
     if (ready()) return true;
     if (shared_memory_probes_mpi && ++tests % kProgressEvery == 0) {
       int flag = 0;
-      MPI_Iprobe(MPI_ANY_SOURCE, kProgressTag, comm, &flag, MPI_STATUS_IGNORE);
+      const int rc = MPI_Iprobe(MPI_ANY_SOURCE, kProgressTag, comm, &flag, MPI_STATUS_IGNORE);
+      // a peer that died never moves its flag: a revoked or failed communicator ends the wait instead
+      if (rc != MPI_SUCCESS && survive_process_failures() && is_process_failure(rc)) raise_mpi_error(rc, "MPI_Iprobe", comm);
     }
     sched_yield();
     return false;

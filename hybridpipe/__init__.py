@@ -34,6 +34,7 @@ from .errors import (
     PipeDreamProfileError,
     PipelineBroken,
     RanksJoined,
+    RanksLostError,
     RemoteError,
     ScheduleError,
     SplitError,

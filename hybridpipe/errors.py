@@ -6,7 +6,8 @@ Every message names the offending values in parentheses and says how to fix it, 
 - Misuse (a bad argument, setting, environment variable, file or call order) raises :class:`UsageError` or one
   of its subclasses (all of them ``ValueError``), or the built-in ``TypeError`` for a value of the wrong type.
 - A runtime failure raises a runtime class: :class:`HorovodInternalError` (a collective failed; with
-  :class:`MismatchError`, :class:`MPIError`, :class:`RanksJoined`), :class:`RemoteError` (another rank failed and
+  :class:`MismatchError`, :class:`MPIError`, :class:`RanksJoined`,
+  :class:`RanksLostError`), :class:`RemoteError` (another rank failed and
   said so), :class:`PeerShutDownError`, :class:`WaitTimeoutError`, :class:`PipelineBroken`,
   :class:`NonFiniteError`, :class:`CheckpointError`; a missing piece of the installation :class:`BuildError`.
 - :class:`InternalError`: one of hybridpipe's own invariants failed (a bug to report).
@@ -22,6 +23,7 @@ __all__ = [
     "InternalError",
     "RemoteError",
     "RanksJoined",
+    "RanksLostError",
     "PipelineBroken",
     "SplitError",
     "CheckpointError",
@@ -136,6 +138,24 @@ class NonFiniteError(HybridPipeError, FloatingPointError):
 class RanksJoined(HorovodInternalError):
     """A collective other than an allreduce ran into ranks that have joined (hp.join): the ranks that did not
     join all raise it at the same point (a synchronous allreduce catches it and runs on the engine instead)."""
+
+
+class RanksLostError(HorovodInternalError):
+    """Processes of the job died (killed, crashed, out of memory) while ``hp.elastic.run`` survives failures (a
+    fault-tolerant MPI: Open MPI started with ``--with-ft ulfm``): the communication thread failed every pending
+    and later operation and revoked its communicators instead of aborting the job. ``hp.elastic.run`` catches it
+    and goes on with the survivors; outside it the job ends as before.
+
+    Attributes:
+        ranks: the lost ranks, as ranks of the job's world when it failed (ascending; empty when MPI had not said
+            which yet on this rank: another rank noticed first and revoked the communicators).
+        hosts: the host of each of ``ranks``.
+    """
+
+    def __init__(self, message: str, *, ranks: list[int] | tuple[int, ...] = (), hosts: list[str] | tuple[str, ...] = ()
+                 ) -> None:
+        super().__init__(message)
+        self.ranks, self.hosts = list(ranks), list(hosts)
 
 
 class RemoteError(HybridPipeError):

@@ -74,6 +74,10 @@ class GradientSync:
     def step_ends(self) -> None:
         """The step's gradients are complete on this rank (the deferred ones too)."""
 
+    def rebind(self) -> None:
+        """The job it was registered with ended after ranks were lost and the survivors started a new one (hp.elastic.run):
+        register with the running job again and forget what was in flight on the old one."""
+
 
 class Unit:
     """Parameters that run forward and backward together (a pipeline chunk); ``index``: the chunk's number."""
@@ -274,6 +278,15 @@ class SyncDrivers:
         if free:
             registrations.append(self.add(AutogradDriver(free)).register(sync, free))
         return registrations
+
+    def syncs(self) -> list[GradientSync]:
+        """Every sync registered on a live driver, once each, in the drivers' order, then registration order (the
+        same order on every rank that made the same objects in the same order)."""
+        found: dict[int, GradientSync] = {}
+        for driver in self.live():
+            for sync in driver.syncs():
+                found.setdefault(id(sync), sync)
+        return list(found.values())
 
     def syncs_of(self, parameter: Any) -> list[GradientSync]:
         """Every sync registered for ``parameter`` on any live driver, in the drivers' order, then registration

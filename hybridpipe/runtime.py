@@ -28,7 +28,7 @@ from .config import Config
 from .errors import GridError
 
 __all__ = ["Grid", "layout", "rank_of_place", "describe_stage_replicas", "parse_stage_replicas", "init", "shutdown",
-           "is_initialized", "job", "grid", "rank", "size", "local_rank", "local_size", "config"]
+           "is_initialized", "abandon", "Survivors", "go_on_without_lost", "job", "grid", "rank", "size", "local_rank", "local_size", "config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,6 +408,67 @@ def _shutdown(failed: bool) -> None:
     g = the_job.grid
     for c in (g.data_comm, g.pipe_comm, the_job.local_comm, g.world_comm):
         c.Free()
+
+
+def abandon() -> tuple[Any, Config]:
+    """Ends the running job after ranks of it died (hp.elastic.run, surviving failures), without a collective: its
+    engine is abandoned and its communicators revoked and freed; the timeline is dropped. Returns the communicator
+    hp.init was given and the settings, for the survivors' next hp.init over the shrunk communicator."""
+    the_job = running.current("elastic.run")
+    from . import comm
+
+    atexit.unregister(_shutdown_at_exit)
+    comm.stop(lost=True)
+    g = the_job.grid
+    for c in (g.data_comm, g.pipe_comm, the_job.local_comm, g.world_comm):
+        c.Revoke()
+        c.Free()
+    return the_job.base_comm, the_job.config
+
+
+@dataclasses.dataclass(frozen=True)
+class Survivors:
+    """What :func:`go_on_without_lost` did: the job's size before and after, the ranks that died (ranks of the old
+    job) and their hosts, and the new grid."""
+
+    old_size: int
+    new_size: int
+    lost: tuple[int, ...]
+    lost_hosts: tuple[str, ...]
+    grid: Grid
+
+
+def go_on_without_lost(function: str = "elastic.run") -> Survivors:
+    """After the engine lost ranks (it survives failures inside hp.elastic.run): ends the broken job without a
+    collective over the dead (:func:`abandon`), shrinks the communicator hp.init was given to the survivors
+    (ULFM's ``MPI_Comm_shrink``, fault tolerant itself) and calls hp.init over it with the same settings.
+    Collective over the survivors. Data parallelism only: a pipeline grid is refused before anything ends (its
+    stages would have to move). A failure while this runs ends the job with a message (``MPI_Abort``), never a
+    hang."""
+    from mpi4py import MPI
+
+    the_job = job(function)
+    old = the_job.grid
+    if old.pipeline_stages > 1:
+        raise GridError(f"hp.{function}: a rank of a {old.pipeline_stages}-stage pipeline was lost; going on in the "
+                        "same processes works for data parallelism only (one stage) so far: restart the job from "
+                        "its last checkpoint (hybridpipe-run --restarts N --checkpoint-dir DIR)")
+    hosts = list(the_job.engine.hosts())
+    try:
+        base, settings = abandon()
+        shrunk = base.Shrink()
+        shrunk.Set_errhandler(MPI.ERRORS_RETURN)
+        kept = MPI.Group.Translate_ranks(shrunk.Get_group(), list(range(shrunk.Get_size())), base.Get_group())
+        lost = tuple(sorted(set(range(base.Get_size())) - set(kept)))
+        new_grid = init(comm=shrunk, config=settings, pipeline_stages=1)
+    except Exception as error:  # noqa: BLE001 - a second failure during recovery: end the job, never hang
+        sys.stderr.write(f"hybridpipe ERROR: rank {old.rank}: hp.{function} could not go on without the lost ranks "
+                         f"({type(error).__name__}: {error}): aborting the job\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+        raise
+    return Survivors(old.size, new_grid.size, lost, tuple(hosts[r] if r < len(hosts) else "?" for r in lost),
+                     new_grid)
 
 
 def regrid(function: str, **arguments: Any) -> Grid:

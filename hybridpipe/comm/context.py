@@ -38,6 +38,7 @@ from ..errors import (
     MismatchError,
     PeerShutDownError,
     RanksJoined,
+    RanksLostError,
     UsageError,
 )
 from .. import running
@@ -300,6 +301,17 @@ class CommContext:
                        if entry.engine_id is not None})
         return {labels[gid]: self.engine.take_events(gid) for gid in sorted(labels)}
 
+    def ranks_lost(self, text: str) -> RanksLostError | None:
+        """The :class:`RanksLostError` of an operation that failed with ``text`` when the engine stopped because
+        ranks were lost (it survives failures inside hp.elastic.run), else None."""
+        if not self.engine.ranks_were_lost():
+            return None
+        ranks = list(self.engine.lost_ranks())
+        every_host = list(self.engine.hosts())
+        hosts = [every_host[r] if 0 <= r < len(every_host) else "?" for r in ranks]
+        named = ", ".join(f"{rank} (host {host})" for rank, host in zip(ranks, hosts)) or "not known yet on this rank"
+        return RanksLostError(f"{text} [lost ranks: {named}]", ranks=ranks, hosts=hosts)
+
     def slot(self, kind: type[T], make: Callable[[], T]) -> T:
         """This job's object of class ``kind``, which a layer above keeps its per-job state in (the asynchronous
         pipelines' step guard, the autotuner): made by ``make()`` on first use, the same object after. At
@@ -320,19 +332,26 @@ class CommContext:
         calls in the same order."""
         return next(self._sequences.setdefault(kind, itertools.count()))
 
-    def close(self, failed: bool = False) -> dict[str, list]:
+    def close(self, failed: bool = False, lost: bool = False) -> dict[str, list]:
         """Stops the engine (collective: every rank's engine agrees to stop), frees the user duplicates and
         the process sets' communicators; returns the engine's recorded events by group label (timeline).
 
         First it tells the pipeline's other stages that this rank leaves, so that one still waiting for it
         raises PeerShutDownError instead of waiting for ever (departures.py); ``failed``: because of an uncaught
-        exception, which the ranks waiting for it (in the pipeline or a collective) are told."""
-        self.departures.announce(failed)
-        if failed:
-            self.engine.leave_failed()
-        self.departures.withdraw()
-        self.engine.shutdown()
-        self.departures.close()
+        exception, which the ranks waiting for it (in the pipeline or a collective) are told. ``lost``: ranks of the
+        job died (hp.elastic.run goes on without them): the engine is abandoned, nothing is agreed with the others
+        (their communicators are revoked)."""
+        if lost:
+            self.departures.withdraw()
+            self.engine.abandon()
+            self.departures.close(lost=True)
+        else:
+            self.departures.announce(failed)
+            if failed:
+                self.engine.leave_failed()
+            self.departures.withdraw()
+            self.engine.shutdown()
+            self.departures.close()
         events = self.events()
         self.keep.clear()  # the thread has stopped: nothing it ran can still use these
         self.outputs.clear()
@@ -364,13 +383,13 @@ def start(config: Config, grid: Any, device_allreduce: DeviceAllreduce | None = 
     return context
 
 
-def stop(failed: bool = False) -> dict[str, list]:
+def stop(failed: bool = False, lost: bool = False) -> dict[str, list]:
     """Called by hp.shutdown: stops the context; returns the engine's events by group (timeline). ``failed``:
-    at interpreter exit after an uncaught exception (see CommContext.close)."""
+    at interpreter exit after an uncaught exception; ``lost``: after ranks died (see CommContext.close)."""
     context = running.replace(None)
     if context is None:
         return {}
-    return context.close(failed)
+    return context.close(failed, lost)
 
 
 def communicator(group: Any, function: str) -> Any:
@@ -468,6 +487,9 @@ class Handle:
                         raise RanksJoined(f"hp.{self._function}: {error}")
                     if kind == core().ErrorKind.Departed:
                         raise PeerShutDownError(f"hp.{self._function}: {error}")
+                    if kind == core().ErrorKind.RanksLost:
+                        raise self._state.ranks_lost(f"hp.{self._function}: {error}") or \
+                            HorovodInternalError(f"hp.{self._function}: {error}")
                     raise HorovodInternalError(f"hp.{self._function}: {error}")
                 self._result = self._finish()
             except BaseException as failure:  # raised again by every later wait()
@@ -494,8 +516,8 @@ def queue(state: CommContext, group_id: int, name: str, function: str, submit: C
         handle = submit()
     except ValueError as error:  # a name already pending on the engine, an unknown group
         raise ValueError(f"hp.{function}: {error}") from None
-    except RuntimeError as error:  # the engine stopped (stall shutdown, MPI failure, shutting down)
-        raise HorovodInternalError(f"hp.{function}: {error}") from None
+    except RuntimeError as error:  # the engine stopped (stall shutdown, MPI failure, lost ranks, shutting down)
+        raise state.ranks_lost(f"hp.{function}: {error}") or HorovodInternalError(f"hp.{function}: {error}") from None
     state.keep[handle] = keep
     if track:
         state.in_flight.add(key)

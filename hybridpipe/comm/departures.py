@@ -129,13 +129,19 @@ class Departures:
             self._record()
             self._request = None
 
-    def close(self) -> None:
+    def close(self, lost: bool = False) -> None:
         """After the engine stopped: receives the notices still on their way (every peer sent one), frees the
-        communicator."""
+        communicator. ``lost``: ranks of the job died (hp.elastic.run goes on without them): nobody sends one,
+        the communicator is revoked and freed."""
         import time
 
         from mpi4py import MPI
 
+        if lost:
+            self.comm.Revoke()
+            self._world_group.Free()
+            self.comm.Free()
+            return
         buffers = [np.empty(1, dtype=np.int64) for _ in self.peers]
         requests = [self.comm.Irecv(buffer, source=peer, tag=NOTICE_TAG)
                     for peer, buffer in zip(self.peers, buffers) if peer not in self.left]

@@ -37,6 +37,7 @@ ranks that called ``hp.shutdown`` (:mod:`hybridpipe.comm.departures`) and raises
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import pickle
 import socket
@@ -52,7 +53,7 @@ from torch.utils import _pytree as pytree
 
 from ..config import Config
 from .. import running
-from ..errors import PeerShutDownError, RemoteError, WaitTimeoutError
+from ..errors import PeerShutDownError, RanksLostError, RemoteError, WaitTimeoutError
 from .._ext import core
 from . import context
 from . import device as devices
@@ -148,6 +149,10 @@ def _wait_policy() -> tuple[Config, Any]:
 #: take to arrive (the notice travels on another communicator, which MPI may deliver first).
 DEPARTURE_GRACE_SECONDS = 0.5
 
+#: While hp.elastic.run survives failures: how long a failed transfer waits for the communication thread to record a
+#: lost rank (it checks every 10 ms) before its error is taken as something else.
+LOST_RANKS_GRACE_SECONDS = 2.0
+
 
 def _peer(comm_f: int, rank: int, running: Any) -> tuple[str, int | None]:
     """How to name rank ``rank`` of the communicator ``comm_f`` in a message, and its world rank (None
@@ -167,7 +172,34 @@ def _this_rank(running: Any, host: bool = False) -> str:
     return f"this rank ({', '.join(where)})" if where else "this rank"
 
 
+@contextlib.contextmanager
+def _lost_ranks_raised(what: str) -> Any:
+    """A wait's failure after the engine lost ranks (hp.elastic.run survives failures: it revoked the communicators
+    and stopped the transfers) raises :class:`RanksLostError`, which hp.elastic.run recovers from."""
+    try:
+        yield
+    except RanksLostError:
+        raise
+    except RuntimeError as error:
+        running_job = context.current_or_none()
+        if running_job is not None and core().survive_process_failures():
+            # a transfer may see the failure before the communication thread has recorded it: give it a moment
+            deadline = time.monotonic() + LOST_RANKS_GRACE_SECONDS
+            while not running_job.engine.ranks_were_lost() and time.monotonic() < deadline:
+                time.sleep(0.005)
+        lost = running_job.ranks_lost(f"{_this_rank(running_job)} waited for {what}: {error}") \
+            if running_job is not None else None
+        if lost is None:
+            raise
+        raise lost from error
+
+
 def _wait_any(requests: Sequence[Any], abort: Sequence[Receive], peer: int, comm_f: int, what: str) -> int:
+    with _lost_ranks_raised(what):
+        return _wait_any_of(requests, abort, peer, comm_f, what)
+
+
+def _wait_any_of(requests: Sequence[Any], abort: Sequence[Receive], peer: int, comm_f: int, what: str) -> int:
     """Waits until one of ``requests`` completes and returns its index.
 
     Raises the :class:`RemoteError` of an ``abort`` receive that completes first;
@@ -183,6 +215,8 @@ def _wait_any(requests: Sequence[Any], abort: Sequence[Receive], peer: int, comm
     left_at: float | None = None
     watched = [*requests, *(receive._header_request for receive in abort)]
     while True:
+        if running is not None and running.engine.ranks_were_lost():
+            raise RuntimeError("the communication thread stopped: processes of the job failed")
         notice = departures.request if departures is not None else None
         now = time.monotonic()
         if departures is not None and departures.left and left_at is None:
@@ -272,9 +306,10 @@ class Send:
             WaitTimeoutError: the send waited past HYBRIDPIPE_TIMEOUT_SECONDS.
         """
         described = what or f"its receive of the message on tag {self.tag}"
-        for request in self._requests:
-            while not request.test():
-                _wait_any([request], abort, self.dest, self._comm_f, described)
+        with _lost_ranks_raised(described):
+            for request in self._requests:
+                while not request.test():
+                    _wait_any([request], abort, self.dest, self._comm_f, described)
 
 
 def _post_pickled(kind: int, value: Any, dest: int, tag: int, comm_f: int) -> Any:
@@ -347,7 +382,11 @@ def send(value: Any, dest: int, tag: int, comm: Any) -> Send:
     :class:`Send` before the job ends.
     """
     _check_tag(tag)
-    comm_f = comm.py2f()
+    with _lost_ranks_raised(f"the post of a send to rank {dest}"):
+        return _send(value, dest, tag, comm.py2f())
+
+
+def _send(value: Any, dest: int, tag: int, comm_f: int) -> Send:
     if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:  # the usual hop: no tree walk, no pickling
         requests = _send_tensor(value, dest, tag, comm_f)
         if requests is not None:
@@ -411,7 +450,8 @@ class Receive:
         kind = None if device is None else device.type if type(device) is torch.device else torch.device(device).type
         self._device = None if kind in (None, "cpu") else device
         self._requires_grad = requires_grad
-        self._header_request, self._header = core().irecv_message(MESSAGE_CAPACITY, source, tag, self._comm_f)
+        with _lost_ranks_raised(f"the post of a receive from rank {source}"):
+            self._header_request, self._header = core().irecv_message(MESSAGE_CAPACITY, source, tag, self._comm_f)
         self._skeleton: Any = None
         self._tensors: list[torch.Tensor] = []
         self._payload_requests: list[Any] = []
@@ -519,6 +559,10 @@ class Receive:
         """
         if self._done:
             return self._value
+        with _lost_ranks_raised(self._described(what)):
+            return self._wait(abort, what)
+
+    def _wait(self, abort: Sequence[Receive], what: str | None) -> Any:
         if self._skeleton is None:
             request = self._header_request
             if not request.wait_for(FAST_WAIT_SECONDS, _wait_policy()[1]):  # the hop's wait: no Python

@@ -1,5 +1,5 @@
-"""Horovod's elastic API (``hvd.elastic.run``, ``TorchState``, ``ObjectState``, ``HostsUpdatedInterrupt``) on
-top of hybridpipe's restart-from-checkpoint machinery.
+"""Horovod's elastic API (``hvd.elastic.run``, ``TorchState``, ``ObjectState``, ``HostsUpdatedInterrupt``): in-process
+recovery from a dead rank under ULFM for data parallelism, restarts from checkpoints otherwise.
 
 What it does here, and what differs from Horovod's in-process elastic training:
 
@@ -10,12 +10,20 @@ What it does here, and what differs from Horovod's in-process elastic training:
   state from rank 0 and calls the training function. A collective that fails inside it with
   ``HorovodInternalError`` (ranks that disagreed, a group stopped for a stall) rolls every rank back to
   the last commit and calls the function again, in the same processes, as Horovod does.
-* A rank that dies cannot be survived inside an MPI job: the communication thread aborts the job naming
-  it, and ``hybridpipe-run --restarts N`` starts it again — on the hosts that are left, with a grid that
-  fits — where ``run`` resumes from the last committed checkpoint. So the survivors do roll back to the
-  last commit, but through a restart (seconds) instead of Horovod's in-process reset, and hosts are not
-  added while the job runs: ``HostsUpdatedInterrupt`` exists for Horovod's scripts and is raised only
-  by your own code (``check_host_updates`` never sees a change).
+* A rank that dies, inside ``run`` under Open MPI with ULFM launched with ``mpirun --with-ft ulfm``
+  (:func:`survives_failures`) in a job of data parallelism: the survivors go on in the same processes, as in
+  Horovod. Their communication threads fail the pending and later operations with
+  :class:`~hybridpipe.errors.RanksLostError` and revoke their communicators instead of aborting; ``run`` ends the
+  broken job without collectives, shrinks the world to the survivors, calls ``hp.init`` over it, rebinds the
+  ``DistributedOptimizer`` objects, restores the last commit, runs the reset callbacks, syncs from the new rank 0 and
+  calls the function again, logging on rank 0 the old and new size, who died and the seconds it took.
+* Everything else a dead rank ends: a pipeline (``pipeline_stages > 1``: the abort below, as before), ``zero=``
+  (a ``NotSupportedError`` after the survivors re-formed), MPICH, or a launch without
+  ``--with-ft ulfm`` (``hybridpipe-run``'s ``--mca mpi_ft_enable 1`` alone lets its launcher end every rank): the
+  communication thread aborts the job naming it, and ``hybridpipe-run --restarts N`` starts it again — on the
+  hosts that are left, with a grid that fits — where ``run`` resumes from the last committed checkpoint (seconds
+  instead of Horovod's in-process reset). Hosts are not added while the job runs: ``HostsUpdatedInterrupt``
+  exists for Horovod's scripts and is raised only by your own code (``check_host_updates`` never sees a change).
 * Around a ``PipelineModel``, ``sync`` broadcasts the model and optimizer within each stage's replicas
   (``group="data"``, each stage from its own replica 0): the stages hold different layers. The fp16
   loss scaler (``model.scaler``) is committed, restored and synced with them.
@@ -26,16 +34,20 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import sys
+import time
 from typing import Any, Callable
 
 import torch
 
 from .. import checkpoint, runtime
-from ..errors import HorovodInternalError, HostsUpdatedInterrupt, NotInitializedError, UsageError
+from .._ext import core
+from ..errors import HorovodInternalError, HostsUpdatedInterrupt, NotInitializedError, RanksLostError, UsageError
+from ..gradient_sync import drivers_of
 from ..collectives.broadcast import broadcast_object
 from .optimizer import broadcast_optimizer_state, broadcast_parameters
 
-__all__ = ["run", "State", "ObjectState", "TorchState", "HostsUpdatedInterrupt"]
+__all__ = ["run", "survives_failures", "State", "ObjectState", "TorchState", "HostsUpdatedInterrupt"]
 
 
 class State:
@@ -223,6 +235,33 @@ class TorchState(ObjectState):
         self._save_scaler()
 
 
+def survives_failures() -> bool:
+    """Whether ``run`` goes on in the same processes when ranks die: the MPI has ULFM (Open MPI 5) and the job was
+    started fault tolerant (``mpirun --with-ft ulfm``, which ``hybridpipe-run`` passes; it sets
+    ``OMPI_MCA_mpi_ft_enable``). Otherwise a dead rank ends the job as before (``hybridpipe-run --restarts``)."""
+    enabled = os.environ.get("OMPI_MCA_mpi_ft_enable", "").strip().lower() in ("1", "true", "yes", "enabled")
+    return enabled and bool(core().ulfm_compiled())
+
+
+def _go_on_without_lost(state: State, lost: RanksLostError, failed: float) -> None:
+    """The survivors' recovery: the broken job ends without collectives, the world shrinks to the survivors, hp.init
+    runs over it, the gradient syncs (DistributedOptimizer) rebind to the new engine, the state rolls back to the
+    last commit and the reset callbacks run; ``run``'s loop then syncs the state from the new rank 0."""
+    syncs = drivers_of(runtime.job("elastic.run")).syncs()  # before the old job ends: its registrations say who
+    survivors = runtime.go_on_without_lost("elastic.run")
+    for sync in syncs:
+        sync.rebind()
+    state.restore()
+    state.on_reset()
+    if survivors.grid.rank == 0:
+        named = ", ".join(f"{rank} (host {host})" for rank, host in zip(survivors.lost, survivors.lost_hosts))
+        sys.stderr.write(f"hybridpipe elastic: rank(s) {named or lost.ranks or '?'} lost; going on with {survivors.new_size} of "
+                         f"{survivors.old_size} ranks (old size {survivors.old_size}, new size {survivors.new_size}); "
+                         f"recovered in {time.monotonic() - failed:.2f} s from the failure reaching hp.elastic.run "
+                         "to the restart of the training function\n")
+        sys.stderr.flush()
+
+
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
     """Horovod's ``@hvd.elastic.run``: ``func(state, *args, **kwargs)`` with roll back and retry.
 
@@ -231,6 +270,11 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     the state back to the last commit (``restore``, the reset callbacks), syncs it, and calls ``func``
     again — unless it failed the same way before without committing since, then it propagates; a
     ``HostsUpdatedInterrupt`` syncs (unless ``skip_sync``) and calls it again.
+
+    While ``func`` runs under a fault-tolerant MPI (:func:`survives_failures`), a rank that dies raises
+    :class:`~hybridpipe.errors.RanksLostError` on the survivors instead of ending the job: they shrink the job to
+    themselves (``hp.size()`` / ``hp.rank()`` change), rebind their DistributedOptimizers, roll back to the last
+    commit, sync from the new rank 0 and call ``func`` again (data parallelism; a pipeline still restarts).
     """
 
     @functools.wraps(func)
@@ -238,15 +282,35 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
         if not runtime.is_initialized():
             raise NotInitializedError("hp.elastic.run: the training function was called before hp.init(); call "
                                       "hp.init() first")
-        state.resume()
-        skip_sync = False
-        failed_at = -1  # the commit count at the last failure: failing again without progress re-raises
-        while True:
+        surviving = survives_failures() and runtime.grid().pipeline_stages == 1  # a pipeline still restarts
+        before = bool(core().survive_process_failures())
+        if surviving:
+            core().set_survive_process_failures(True)
+        try:
+            return _run(func, state, surviving, args, kwargs)
+        finally:
+            if surviving:
+                core().set_survive_process_failures(before)
+
+    return wrapper
+
+
+def _run(func: Callable[..., Any], state: State, surviving: bool, args: Any, kwargs: Any) -> Any:
+    state.resume()
+    skip_sync = False
+    failed_at = -1  # the commit count at the last failure: failing again without progress re-raises
+    while True:
+        try:
             if not skip_sync:
                 state.sync()
             try:
                 return func(state, *args, **kwargs)
-            except HorovodInternalError:
+            except RanksLostError:
+                raise
+            except HorovodInternalError as error:
+                lost = runtime.job("elastic.run").ranks_lost(str(error)) if surviving else None
+                if lost is not None:  # an error of a call that the lost ranks broke, raised as another kind
+                    raise lost from error
                 if failed_at == state._commits:
                     raise  # the same failure again, with no commit in between: retrying would loop
                 failed_at = state._commits
@@ -256,5 +320,8 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
             except HostsUpdatedInterrupt as interrupt:
                 state.on_reset()
                 skip_sync = interrupt.skip_sync
-
-    return wrapper
+        except RanksLostError as lost:
+            if not surviving:
+                raise
+            _go_on_without_lost(state, lost, time.monotonic())
+            skip_sync = False

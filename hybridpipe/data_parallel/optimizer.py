@@ -126,6 +126,9 @@ class _OptimizerSync(GradientSync):
     def gradient_final(self, parameter: Any) -> None:
         self.optimizer._hp_gradient_final(parameter)
 
+    def rebind(self) -> None:
+        self.optimizer._hp_rebind()
+
 
 class _DistributedOptimizerMixin:
     """Methods layered over the wrapped optimizer's class (see DistributedOptimizer)."""
@@ -207,6 +210,26 @@ class _DistributedOptimizerMixin:
         # the contract with what runs the parameters (gradient_sync.py): gradient_final starts their reductions
         self._hp_sync = _OptimizerSync(self)
         self._hp_name_of = {parameter: name for name, parameter in self._hp_parameters}  # (by identity)
+        self._hp_registrations = [] if self._hp_outside else \
+            drivers_of(running).register(self._hp_sync, [p for _, p in self._hp_parameters])
+
+    def _hp_rebind(self) -> None:
+        """After the survivors of lost ranks started a new job (hp.elastic.run): the old job's registrations end,
+        nothing of it is in flight any more, and the optimizer registers with the new job under a name numbered in
+        it (every survivor rebinds its optimizers in the order they were made). ZeRO's shards are sized by the old
+        group: refused."""
+        if isinstance(self, zero_module.ZeroMixin):
+            raise NotSupportedError("hp.elastic.run: a DistributedOptimizer(zero=...) cannot go on after ranks were "
+                                    "lost (its shards are sized by the old group); restart the job from a checkpoint "
+                                    "(hybridpipe-run --restarts N) or train without zero=")
+        for registration in self._hp_registrations:
+            registration.remove()
+        self._hp_handles, self._hp_prepared, self._hp_submitted, self._hp_counts = {}, {}, set(), {}
+        self._hp_ready, self._hp_synchronized = {}, False
+        running = context.current("DistributedOptimizer")
+        self._hp_outside = _outside_process_set(self._hp_group, "DistributedOptimizer")
+        self._hp_prefix = f"hybridpipe.DistributedOptimizer{running.sequence('optimizer') + 1}"
+        self._hp_flags_name = f"{self._hp_prefix}.has_grad"
         self._hp_registrations = [] if self._hp_outside else \
             drivers_of(running).register(self._hp_sync, [p for _, p in self._hp_parameters])
 
