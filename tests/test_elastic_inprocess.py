@@ -25,6 +25,15 @@ pytestmark = pytest.mark.skipif(mpi_flavour(find_mpirun()) != "openmpi" or not _
                                 reason="needs Open MPI with ULFM (MPICH: a dead rank restarts the job)")
 
 
+def run_job(command: list[str], timeout: float, written: Path) -> subprocess.CompletedProcess:
+    """Runs the job; past ``timeout`` fails with what it printed and what rank 0 wrote (never a silent hang)."""
+    try:
+        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as expired:
+        wrote = written.read_text() if written.exists() else "(nothing)"
+        pytest.fail(f"the job ran past {timeout} s; rank 0 wrote: {wrote}\noutput: {expired.stdout!r} {expired.stderr!r}")
+
+
 def replay() -> dict[str, torch.Tensor]:
     """The same steps in one process on the whole global batches (what the survivors must end with)."""
     model = case.make_model()
@@ -43,7 +52,7 @@ def test_survivors_of_a_killed_rank_go_on_and_train_like_one_process(tmp_path):
                              env={"OMP_NUM_THREADS": "1", "KILL_RANK": "2", "KILL_STEP": "3", "OUT": str(out)},
                              extra_args=["--with-ft", "ulfm"])  # not only mpi_ft_enable: the launcher keeps the rest
     started = time.monotonic()
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    result = run_job(command, 150, out)
     output = result.stdout + result.stderr
     # mpirun --with-ft ulfm exits 0 once every survivor did: the killed rank is a fault it tolerates (it exits 0 even
     # after an MPI_Abort, docs/running.md); so the survivors' own view is what this test holds: both finished, rank 0
@@ -69,7 +78,7 @@ def test_a_point_to_point_wait_for_a_dead_rank_raises_ranks_lost_and_the_job_goe
     out = tmp_path / "rank0.txt"
     command = mpirun_command(2, [sys.executable, str(ROOT / "tests" / "faults" / "elastic_p2p.py")],
                              env={"OMP_NUM_THREADS": "1", "OUT": str(out)}, extra_args=["--with-ft", "ulfm"])
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    result = run_job(command, 150, out)
     output = result.stdout + result.stderr
     written = out.read_text() if out.exists() else ""
     assert re.search(r"wait raised RanksLostError ranks=\[1\]: .*lost ranks: 1 \(host ",
