@@ -96,8 +96,6 @@ class HybridRunner:
         if workload.is_module:
             inputs, _ = workload.batch(0)
             options["sample"] = inputs[: max(1, workload.global_batch // (2 * micro_batches))]
-            if config == "3-1":  # the split's check run hangs on a grid with its own replica count per stage
-                options["verify"] = False
         else:
             options["balance"] = [workload.cut, len(model) - workload.cut]
         if schedule != "1f1b":
@@ -404,12 +402,15 @@ def plot(records: list[dict[str, Any]], folder: Path) -> list[Path]:
     for name in dict.fromkeys(r["workload"] for r in records if r.get("curve")):
         figure, axes = pyplot.subplots(figsize=(7, 4.5))
         runs = [r for r in records if r.get("workload") == name and r.get("curve")]
+        settings = list(dict.fromkeys(r["setting"] for r in runs))  # a line style per setting, a colour per config
+        colours = {config: f"C{i}" for i, config in enumerate(CONFIGS)}
         for r in runs:
             axes.plot([point[1] for point in r["curve"]], [point[2] for point in r["curve"]], marker=".",
+                      color=colours[r["config"]], linestyle=("-", "--", ":", "-.")[settings.index(r["setting"]) % 4],
                       label=f"{r['setting']} {r['config']}")
         axes.axhline(runs[0]["target"], color="grey", linestyle="--", linewidth=1, label="target")
         axes.set(xlabel="training seconds", ylabel=f"validation {runs[0]['metric']}", title=runs[0]["model"])
-        axes.legend(fontsize="small")
+        axes.legend(fontsize="x-small", ncol=2)
         figure.tight_layout()
         path = folder / f"workloads-{name}.png"
         figure.savefig(path, dpi=100)
