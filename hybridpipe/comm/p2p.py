@@ -37,7 +37,6 @@ ranks that called ``hp.shutdown`` (:mod:`hybridpipe.comm.departures`) and raises
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import pickle
 import socket
@@ -172,34 +171,27 @@ def _this_rank(running: Any, host: bool = False) -> str:
     return f"this rank ({', '.join(where)})" if where else "this rank"
 
 
-@contextlib.contextmanager
-def _lost_ranks_raised(what: str) -> Any:
-    """A wait's failure after the engine lost ranks (hp.elastic.run survives failures: it revoked the communicators
-    and stopped the transfers) raises :class:`RanksLostError`, which hp.elastic.run recovers from."""
-    try:
-        yield
-    except RanksLostError:
-        raise
-    except RuntimeError as error:
-        running_job = context.current_or_none()
-        if running_job is not None and core().survive_process_failures():
-            # a transfer may see the failure before the communication thread has recorded it: give it a moment
-            deadline = time.monotonic() + LOST_RANKS_GRACE_SECONDS
-            while not running_job.engine.ranks_were_lost() and time.monotonic() < deadline:
-                time.sleep(0.005)
-        lost = running_job.ranks_lost(f"{_this_rank(running_job)} waited for {what}: {error}") \
-            if running_job is not None else None
-        if lost is None:
-            raise
+def _raise_if_lost(error: RuntimeError, what: str) -> None:
+    """Raises the :class:`RanksLostError` of ``error``, the failure of a transfer (``what``: what it posted or waited
+    for), when the engine lost ranks (hp.elastic.run survives failures: it revoked the communicators and stopped the
+    transfers), which hp.elastic.run recovers from; returns otherwise, for the caller to raise ``error`` itself.
+    Called only on a failure: a transfer that succeeds pays nothing for it."""
+    if isinstance(error, RanksLostError):
+        return
+    running_job = context.current_or_none()
+    if running_job is None:
+        return
+    if core().survive_process_failures():
+        # a transfer may see the failure before the communication thread has recorded it: give it a moment
+        deadline = time.monotonic() + LOST_RANKS_GRACE_SECONDS
+        while not running_job.engine.ranks_were_lost() and time.monotonic() < deadline:
+            time.sleep(0.005)
+    lost = running_job.ranks_lost(f"{_this_rank(running_job)} waited for {what}: {error}")
+    if lost is not None:
         raise lost from error
 
 
 def _wait_any(requests: Sequence[Any], abort: Sequence[Receive], peer: int, comm_f: int, what: str) -> int:
-    with _lost_ranks_raised(what):
-        return _wait_any_of(requests, abort, peer, comm_f, what)
-
-
-def _wait_any_of(requests: Sequence[Any], abort: Sequence[Receive], peer: int, comm_f: int, what: str) -> int:
     """Waits until one of ``requests`` completes and returns its index.
 
     Raises the :class:`RemoteError` of an ``abort`` receive that completes first;
@@ -306,10 +298,13 @@ class Send:
             WaitTimeoutError: the send waited past HYBRIDPIPE_TIMEOUT_SECONDS.
         """
         described = what or f"its receive of the message on tag {self.tag}"
-        with _lost_ranks_raised(described):
+        try:
             for request in self._requests:
                 while not request.test():
                     _wait_any([request], abort, self.dest, self._comm_f, described)
+        except RuntimeError as error:
+            _raise_if_lost(error, described)
+            raise
 
 
 def _post_pickled(kind: int, value: Any, dest: int, tag: int, comm_f: int) -> Any:
@@ -382,8 +377,11 @@ def send(value: Any, dest: int, tag: int, comm: Any) -> Send:
     :class:`Send` before the job ends.
     """
     _check_tag(tag)
-    with _lost_ranks_raised(f"the post of a send to rank {dest}"):
+    try:
         return _send(value, dest, tag, comm.py2f())
+    except RuntimeError as error:
+        _raise_if_lost(error, f"the post of a send to rank {dest}")
+        raise
 
 
 def _send(value: Any, dest: int, tag: int, comm_f: int) -> Send:
@@ -450,8 +448,11 @@ class Receive:
         kind = None if device is None else device.type if type(device) is torch.device else torch.device(device).type
         self._device = None if kind in (None, "cpu") else device
         self._requires_grad = requires_grad
-        with _lost_ranks_raised(f"the post of a receive from rank {source}"):
+        try:
             self._header_request, self._header = core().irecv_message(MESSAGE_CAPACITY, source, tag, self._comm_f)
+        except RuntimeError as error:
+            _raise_if_lost(error, f"the post of a receive from rank {source}")
+            raise
         self._skeleton: Any = None
         self._tensors: list[torch.Tensor] = []
         self._payload_requests: list[Any] = []
@@ -559,8 +560,11 @@ class Receive:
         """
         if self._done:
             return self._value
-        with _lost_ranks_raised(self._described(what)):
+        try:
             return self._wait(abort, what)
+        except RuntimeError as error:
+            _raise_if_lost(error, self._described(what))
+            raise
 
     def _wait(self, abort: Sequence[Receive], what: str | None) -> Any:
         if self._skeleton is None:
