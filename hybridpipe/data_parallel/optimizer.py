@@ -197,6 +197,14 @@ class _DistributedOptimizerMixin:
         self._hp_group_of = {name: index for index, members in enumerate(self._hp_groups) for name in members}
         self._hp_ready: dict[int, set[str]] = {}
         self._hp_by_name = dict(self._hp_parameters)
+        # the contract with what runs the parameters (gradient_sync.py): gradient_final starts their reductions
+        self._hp_sync = _OptimizerSync(self)
+        self._hp_name_of = {parameter: name for name, parameter in self._hp_parameters}  # (by identity)
+        self._hp_join(group)
+
+    def _hp_join(self, group: Any) -> None:
+        """Joins the running job: its name on the engine, and its registration with what runs the parameters (at
+        construction, and again after lost ranks: :meth:`_hp_rebind`)."""
         running = context.current("DistributedOptimizer")
         # a rank outside the process set builds and steps it as Horovod's does: a local optimizer that reduces
         # nothing (its gradients stay its own); the set must still be registered
@@ -207,9 +215,6 @@ class _DistributedOptimizerMixin:
         # (an outside rank counts its optimizer too, so that the later ones keep the same names everywhere)
         self._hp_prefix = f"hybridpipe.DistributedOptimizer{running.sequence('optimizer') + 1}"
         self._hp_flags_name = f"{self._hp_prefix}.has_grad"
-        # the contract with what runs the parameters (gradient_sync.py): gradient_final starts their reductions
-        self._hp_sync = _OptimizerSync(self)
-        self._hp_name_of = {parameter: name for name, parameter in self._hp_parameters}  # (by identity)
         self._hp_registrations = [] if self._hp_outside else \
             drivers_of(running).register(self._hp_sync, [p for _, p in self._hp_parameters])
 
@@ -226,12 +231,7 @@ class _DistributedOptimizerMixin:
             registration.remove()
         self._hp_handles, self._hp_prepared, self._hp_submitted, self._hp_counts = {}, {}, set(), {}
         self._hp_ready, self._hp_synchronized = {}, False
-        running = context.current("DistributedOptimizer")
-        self._hp_outside = _outside_process_set(self._hp_group, "DistributedOptimizer")
-        self._hp_prefix = f"hybridpipe.DistributedOptimizer{running.sequence('optimizer') + 1}"
-        self._hp_flags_name = f"{self._hp_prefix}.has_grad"
-        self._hp_registrations = [] if self._hp_outside else \
-            drivers_of(running).register(self._hp_sync, [p for _, p in self._hp_parameters])
+        self._hp_join(self._hp_group)
 
     @contextlib.contextmanager
     def full_parameters(self, writeback: bool = False) -> Iterator[dict[str, torch.nn.Parameter]]:
