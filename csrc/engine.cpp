@@ -477,13 +477,17 @@ bool Engine::failure_seen() {
   return !watchdog_.lost_ranks().empty() || !failed_ranks(group(0).comm).empty();
 }
 
-std::string Engine::lose_ranks(const std::string& report) {
+void Engine::revoke_groups() {
   std::vector<MPI_Comm> comms;
   {
     TensorQueue::Locked state = queue_.lock();
     for (const auto& group : state->groups) comms.push_back(group->comm);
   }
-  for (MPI_Comm comm : comms) revoke(comm);  // every survivor's engine fails too, whatever it waits for
+  for (MPI_Comm comm : comms) revoke(comm);
+}
+
+std::string Engine::lose_ranks(const std::string& report) {
+  revoke_groups();  // every survivor's engine fails too, whatever it waits for
   watchdog_.revoke_probes();
   ranks_lost_ = true;
   TensorQueue::Locked state = queue_.lock();
@@ -495,12 +499,7 @@ std::string Engine::lose_ranks(const std::string& report) {
 std::vector<int> Engine::lost_ranks() const { return watchdog_.lost_ranks(); }
 
 void Engine::abandon() {
-  std::vector<MPI_Comm> comms;
-  {
-    TensorQueue::Locked state = queue_.lock();
-    for (const auto& group : state->groups) comms.push_back(group->comm);
-  }
-  for (MPI_Comm comm : comms) revoke(comm);  // the thread's next MPI call fails: it stops without its peers
+  revoke_groups();  // the thread's next MPI call fails: it stops without its peers
   shutdown();
 }
 

@@ -190,6 +190,7 @@ class Engine {
   // Surviving failures: `report` (the watchdog's) fails every pending handle (kind RanksLost) after revoking
   // every group's communicator; returns why the thread stopped.
   std::string lose_ranks(const std::string& report);
+  void revoke_groups();  // MPIX_Comm_revoke on every group's communicator (a no-op without ULFM)
   [[noreturn]] void throw_process_failure(const char* where);  // reports it; aborts unless surviving failures
   bool failure_seen();  // a failed rank is recorded or known to MPI on group 0
   void cycle_single(Group& group);  // a group of one rank: no MPI

@@ -405,8 +405,15 @@ def _shutdown(failed: bool) -> None:
     atexit.unregister(_shutdown_at_exit)
     events = comm.stop(failed)  # collective: every rank's engine agrees to stop; frees user duplicates
     timeline.stop(the_job, events, engine.world_barrier(the_job.grid))
+    _free_communicators(the_job)
+
+
+def _free_communicators(the_job: Any, revoke: bool = False) -> None:
+    """Frees the job's own communicators (``revoke``: revoked first, after ranks died: nothing is agreed with them)."""
     g = the_job.grid
     for c in (g.data_comm, g.pipe_comm, the_job.local_comm, g.world_comm):
+        if revoke:
+            c.Revoke()
         c.Free()
 
 
@@ -419,10 +426,7 @@ def abandon() -> tuple[Any, Config]:
 
     atexit.unregister(_shutdown_at_exit)
     comm.stop(lost=True)
-    g = the_job.grid
-    for c in (g.data_comm, g.pipe_comm, the_job.local_comm, g.world_comm):
-        c.Revoke()
-        c.Free()
+    _free_communicators(the_job, revoke=True)
     return the_job.base_comm, the_job.config
 
 
