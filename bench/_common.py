@@ -134,12 +134,14 @@ def run_worker(worker: Any, result_path: str) -> int:
     return 0
 
 
-def start_gloo(comm: Any, timeout_s: float = 300.0) -> tuple[Any, Any]:
+def start_gloo(comm: Any, timeout_s: float = 300.0, address: str = "127.0.0.1") -> tuple[Any, Any]:
     """Initializes torch.distributed's gloo process group over the ranks of the mpi4py ``comm``.
 
     Rank 0 opens the rendezvous store itself on port 0 (the kernel picks a free port, so no other
     process can take it between choosing and binding) without waiting for the others, then
-    broadcasts the port over MPI. Returns ``(torch.distributed, store)``; keep the store alive.
+    broadcasts the port over MPI. ``address``: where rank 0's store listens (loopback by default: then gloo's
+    sockets stay on ``lo`` unless GLOO_SOCKET_IFNAME says otherwise; across emulated hosts, host 0's address).
+    Returns ``(torch.distributed, store)``; keep the store alive.
 
     Raises:
         RuntimeError: on every rank, naming the failing ranks, when gloo could not start on one of
@@ -147,24 +149,25 @@ def start_gloo(comm: Any, timeout_s: float = 300.0) -> tuple[Any, Any]:
     """
     import torch.distributed as dist
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if address == "127.0.0.1":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     timeout = datetime.timedelta(seconds=timeout_s)
     rank, size = comm.Get_rank(), comm.Get_size()
     store, port, error = None, 0, ""
     if rank == 0:
         try:
-            store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=timeout, wait_for_workers=False)
+            store = dist.TCPStore(address, 0, size, True, timeout=timeout, wait_for_workers=False)
             port = store.port
         except Exception as exc:  # noqa: BLE001 — reported to every rank below
-            error = f"rank 0 could not open a TCPStore on 127.0.0.1 ({exc})"
+            error = f"rank 0 could not open a TCPStore on {address} ({exc})"
     port = comm.bcast(port, root=0)
     if port:
         try:
             if store is None:
-                store = dist.TCPStore("127.0.0.1", port, size, False, timeout=timeout)
+                store = dist.TCPStore(address, port, size, False, timeout=timeout)
             dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
         except Exception as exc:  # noqa: BLE001 — reported to every rank below
-            error = f"rank {rank}: gloo init on 127.0.0.1:{port} failed ({exc})"
+            error = f"rank {rank}: gloo init on {address}:{port} failed ({exc})"
     errors = [e for e in comm.allgather(error) if e]
     if errors:
         if dist.is_initialized():

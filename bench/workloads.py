@@ -198,22 +198,8 @@ RUNNERS = {**{name: HybridRunner for name in HYBRIDPIPE}, "ddp": DDPRunner}
 
 
 def _start_gloo(comm: Any) -> tuple[Any, Any]:
-    """gloo over loopback (bench/_common.py's start_gloo); across emulated hosts, on host 0's address."""
-    address = os.environ.get(GLOO_ADDRESS_ENV)
-    if not address:
-        return start_gloo(comm)
-    import datetime
-
-    import torch.distributed as dist
-
-    timeout = datetime.timedelta(seconds=300)
-    store = dist.TCPStore(address, 0, comm.Get_size(), True, timeout=timeout, wait_for_workers=False) \
-        if comm.Get_rank() == 0 else None
-    port = comm.bcast(store.port if store is not None else 0, root=0)
-    if store is None:
-        store = dist.TCPStore(address, port, comm.Get_size(), False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=comm.Get_rank(), world_size=comm.Get_size(), timeout=timeout)
-    return dist, store
+    """gloo over loopback; across emulated hosts, on host 0's address (bench/_common.py's start_gloo)."""
+    return start_gloo(comm, address=os.environ.get(GLOO_ADDRESS_ENV) or "127.0.0.1")
 
 
 # ------------------------------------------------------------------------------------------ the training loop
