@@ -30,7 +30,7 @@ def run_job(command: list[str], timeout: float, written: Path) -> subprocess.Com
     try:
         return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as expired:
-        wrote = written.read_text() if written.exists() else "(nothing)"
+        wrote = written.read_text(errors="replace") if written.exists() else "(nothing)"  # text, or torch.save's zip
         pytest.fail(f"the job ran past {timeout} s; rank 0 wrote: {wrote}\noutput: {expired.stdout!r} {expired.stderr!r}")
 
 
