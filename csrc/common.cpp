@@ -9,7 +9,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <sstream>
+#include <thread>
+
+#include <unistd.h>
 
 namespace hybridpipe {
 
@@ -148,6 +152,16 @@ void set_survive_process_failures(bool on) {
 }
 
 bool survive_process_failures() { return surviving.load(std::memory_order_acquire); }
+
+void exit_if_alive_after(double seconds, const std::string& message, int code) {
+  std::thread([seconds, message, code] {
+    std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+    const std::string line = message + "\n";
+    ssize_t written = ::write(STDERR_FILENO, line.data(), line.size());
+    (void)written;
+    ::_exit(code);
+  }).detach();
+}
 
 void revoke(MPI_Comm comm) {
 #if defined(OMPI_HAVE_MPI_EXT_FTMPI) && OMPI_HAVE_MPI_EXT_FTMPI

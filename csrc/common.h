@@ -61,6 +61,12 @@ bool is_process_failure(int code);
 // waits read it. Turning it on needs an MPI built with ULFM (ulfm_compiled).
 void set_survive_process_failures(bool on);
 bool survive_process_failures();
+// After ranks of the job died (ULFM): ends this process with `code` (printing `message` on stderr) when it is still
+// alive `seconds` from now. Armed at interpreter exit by the survivors: Open MPI 5's MPI_Finalize runs a PMIx fence
+// over every process the job started, which at times waits for ever for the dead one (open-mpi/ompi#11404); by then
+// the program has ended, its output is flushed and every survivor is past its last MPI call. A native thread that
+// touches neither Python nor MPI.
+void exit_if_alive_after(double seconds, const std::string& message, int code);
 bool ulfm_compiled();  // the MPI this module was built with has ULFM's MPIX_Comm_revoke / MPIX_Comm_get_failed
 // MPIX_Comm_revoke where the MPI has it (a no-op elsewhere): every pending and later operation on `comm` fails, on
 // every rank of it.

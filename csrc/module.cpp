@@ -311,6 +311,9 @@ PYBIND11_MODULE(_C, m) {
         "While on, a failed process fails the engine's operations (ErrorKind.RanksLost) instead of aborting the job "
         "(needs ULFM: ulfm_compiled()).");
   m.def("survive_process_failures", &survive_process_failures);
+  m.def("exit_if_alive_after", &exit_if_alive_after, py::arg("seconds"), py::arg("message"), py::arg("code"),
+        "Ends the process with `code` (`message` on stderr) if it still runs `seconds` from now (a native thread): "
+        "the survivors' bound on MPI_Finalize after ranks died (open-mpi/ompi#11404).");
   m.def("ulfm_compiled", &ulfm_compiled, "Whether the MPI this module was built with has ULFM (MPIX_Comm_revoke).");
   m.def("mpi_build_info", &mpi_build_info, "The MPI implementation and version this module was compiled with.");
   m.def("mpi_library_version", &mpi_library_version, "MPI_Get_library_version() of the libmpi loaded now.");

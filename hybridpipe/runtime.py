@@ -460,6 +460,7 @@ def go_on_without_lost(function: str = "elastic.run") -> Survivors:
     hosts = list(the_job.engine.hosts())
     try:
         base, settings = abandon()
+        _bound_finalize_after_lost()
         shrunk = base.Shrink()
         shrunk.Set_errhandler(MPI.ERRORS_RETURN)
         kept = MPI.Group.Translate_ranks(shrunk.Get_group(), list(range(shrunk.Get_size())), base.Get_group())
@@ -473,6 +474,36 @@ def go_on_without_lost(function: str = "elastic.run") -> Survivors:
         raise
     return Survivors(old.size, new_grid.size, lost, tuple(hosts[r] if r < len(hosts) else "?" for r in lost),
                      new_grid)
+
+
+FINALIZE_GRACE_SECONDS = 30.0  # from interpreter exit, after ranks died, to the end of MPI_Finalize at the latest
+
+
+def _bound_finalize_after_lost() -> None:
+    """Arms (once per process) the survivors' bound on their exit: at interpreter exit a native thread ends the
+    process :data:`FINALIZE_GRACE_SECONDS` later if it still runs. Open MPI 5's MPI_Finalize (mpi4py's, after
+    every atexit handler) runs a PMIx fence over every process the job started, and once a process died that fence
+    at times never completes (1 run in 10-30 of tests/test_elastic_inprocess.py: both survivors asleep in
+    ``ompi_mpi_finalize`` after they had written and printed everything; open-mpi/ompi#11404). The exit status is
+    the one the program would have had: 1 after an uncaught exception, else 0."""
+    global _finalize_bounded
+    if _finalize_bounded:
+        return
+    _finalize_bounded = True
+
+    def arm() -> None:
+        from . import _ext
+
+        code = 1 if getattr(sys, "last_value", None) is not None else 0
+        _ext.core().exit_if_alive_after(
+            FINALIZE_GRACE_SECONDS, f"hybridpipe: process {os.getpid()}: MPI_Finalize had not returned "
+            f"{FINALIZE_GRACE_SECONDS:g} s after the program ended (after ranks of the job died, Open MPI's "
+            f"finalize can wait for the dead for ever: open-mpi/ompi#11404); exiting with status {code}", code)
+
+    atexit.register(arm)
+
+
+_finalize_bounded = False
 
 
 def regrid(function: str, **arguments: Any) -> Grid:

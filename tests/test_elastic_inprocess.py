@@ -85,3 +85,14 @@ def test_a_point_to_point_wait_for_a_dead_rank_raises_ranks_lost_and_the_job_goe
                      written), (written, output)
     assert "alone: rank 0 of 1 after 1 calls" in written, (written, output)
     assert "going on with 1 of 2 ranks" in output, output
+
+
+def test_the_survivors_exit_bound_ends_a_process_still_alive_after_it_with_its_status_and_a_message():
+    # runtime._bound_finalize_after_lost's native thread (Open MPI's finalize can wait for a dead rank for ever):
+    # a process still alive past the bound ends with the status given and says why; one that ends first is untouched
+    program = ("import sys, time; from hybridpipe import _ext; _ext.core().exit_if_alive_after(0.5, 'bound hit', 3); "
+               "time.sleep(float(sys.argv[1])); print('ended itself', flush=True)")
+    hung = subprocess.run([sys.executable, "-c", program, "60"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert (hung.returncode, hung.stderr.strip(), hung.stdout) == (3, "bound hit", ""), hung
+    quick = subprocess.run([sys.executable, "-c", program, "0"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert (quick.returncode, quick.stdout.strip()) == (0, "ended itself"), quick
