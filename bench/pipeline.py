@@ -797,7 +797,8 @@ def sleep_rows(launches: list[Launch], args: argparse.Namespace) -> tuple[list[s
 
 def profile_rows(launches: list[Launch]) -> tuple[list[str], list[list[str]]]:
     """The executor profiles of hybridpipe's launches: per (launch, schedule, action kind) the ranks' mean."""
-    header = ["model", "P", "schedule", "action", "per step", "ms each", "wait", "send", "compute", "python"]
+    header = ["model", "P", "schedule", "action", "per step", "ms each", "wait", "send", "compute", "python",
+              "wait cpu"]
     rows = []
     for launch in launches:
         for result in launch.results[-1:]:
@@ -808,10 +809,11 @@ def profile_rows(launches: list[Launch]) -> tuple[list[str], list[list[str]]]:
                     mean = {key: statistics.mean(row[key] for row in mine) for key in mine[0] if key != "kind"}
                     rows.append([launch.model, str(launch.stages), schedule, kind, f"{mean['actions_per_step']:.1f}",
                                  f"{mean['ms_per_action']:.3f}", f"{mean['wait_ms']:.3f}", f"{mean['send_ms']:.3f}",
-                                 f"{mean['compute_ms']:.3f}", f"{mean['python_ms']:.3f}"])
+                                 f"{mean['compute_ms']:.3f}", f"{mean['python_ms']:.3f}",
+                                 f"{mean['wait_cpu_ms']:.3f}" if "wait_cpu_ms" in mean else ""])
                 for key, label in (("between_ms", "between actions"), ("after_ms", "after the last")):
                     rows.append([launch.model, str(launch.stages), schedule, label, "",
-                                 f"{statistics.mean(rank[key] for rank in ranks):.3f}", "", "", "", ""])
+                                 f"{statistics.mean(rank[key] for rank in ranks):.3f}", "", "", "", "", ""])
     return header, rows
 
 

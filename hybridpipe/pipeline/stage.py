@@ -342,10 +342,10 @@ class StageExecutor:
             self._print_pending.discard(dest_stage - 1)
             value = (_BATCH_MARK, self.batch_print, value)
         dest = self._peer(dest_stage, micro_batch)
-        began = time.perf_counter() if self.profile is not None else 0.0
+        began, cpu = (time.perf_counter(), time.thread_time()) if self.profile is not None else (0.0, 0.0)
         self._sends.append(p2p.send(value, dest, self._tag(dest_stage, micro_batch, gradient), self.comm))
         if self.profile is not None:
-            self.profile.add("send", time.perf_counter() - began)
+            self.profile.add("send", time.perf_counter() - began, time.thread_time() - cpu)
 
     def _receive(self, source: int, tag: int, requires_grad: bool) -> p2p.Receive:
         return p2p.Receive(source, tag, self.comm, device=self.device, requires_grad=requires_grad)
@@ -460,12 +460,12 @@ class StageExecutor:
             "the step's losses (or outputs) from the last stage"
         if not timeline.enabled() and self.profile is None:
             return receive.wait(abort=self._errors, what=described)
-        start, began = time.monotonic(), time.perf_counter()
+        start, began, cpu = time.monotonic(), time.perf_counter(), time.thread_time()
         try:
             return receive.wait(abort=self._errors, what=described)
         finally:
             if self.profile is not None:
-                self.profile.add("wait", time.perf_counter() - began)
+                self.profile.add("wait", time.perf_counter() - began, time.thread_time() - cpu)
             timeline.record(f"wait {what}", "recv", "p2p", start, time.monotonic(), {"from": receive.source})
 
     def _post_receives(self, actions: Sequence[Action], step: _Step) -> None:
@@ -825,10 +825,10 @@ class _Clock:
         self.profile, self.part = profile, part
 
     def __enter__(self) -> None:
-        self.began = time.perf_counter()
+        self.began, self.cpu = time.perf_counter(), time.thread_time()
 
     def __exit__(self, *exc: Any) -> None:
-        self.profile.add(self.part, time.perf_counter() - self.began)
+        self.profile.add(self.part, time.perf_counter() - self.began, time.thread_time() - self.cpu)
 
 
 _SPLITTABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.LayerNorm, nn.GroupNorm)

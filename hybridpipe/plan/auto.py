@@ -417,9 +417,6 @@ def _job_cluster(memory_per_rank: float, calibrate: bool) -> Cluster:
     it took), or :func:`cluster_of_this_job` with the default links."""
     if not calibrate:
         return cluster_of_this_job(memory_per_rank)
-    import time
-
-
     if runtime.job("auto").grid.stage_replicas != (runtime.job("auto").grid.size,):
         runtime.regrid("auto", pipeline_stages=1)  # calibrate measures the framework's costs on one stage
     state = runtime.job("auto")
