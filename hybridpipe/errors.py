@@ -11,12 +11,18 @@ Every message names the offending values in parentheses and says how to fix it, 
   said so), :class:`PeerShutDownError`, :class:`WaitTimeoutError`, :class:`PipelineBroken`,
   :class:`NonFiniteError`, :class:`CheckpointError`; a missing piece of the installation :class:`BuildError`.
 - :class:`InternalError`: one of hybridpipe's own invariants failed (a bug to report).
+- :func:`warn_user`: a warning attributed to the user's line that led to it (not to hybridpipe's or torch's code
+  in between).
 
 Modules that raised their own classes before (``hybridpipe.comm.p2p.RemoteError``,
 ``hybridpipe.checkpoint.CheckpointError``, ...) import them from here: the old names are the same objects.
 """
 
 from __future__ import annotations
+
+import os
+import sys
+import warnings
 
 __all__ = [
     "UsageError",
@@ -212,3 +218,28 @@ class HostsUpdatedInterrupt(RuntimeError):  # noqa: N818 - Horovod's name
     def __init__(self, skip_sync: bool = False) -> None:
         super().__init__("hosts updated")
         self.skip_sync = skip_sync
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_STDLIB_DIR = os.path.dirname(os.path.abspath(warnings.__file__)) + os.sep
+
+
+def _library_frame(filename: str) -> bool:
+    """Whether a frame of ``filename`` is hybridpipe's, torch's or the standard library's (contextlib, functools;
+    not what is installed beside it in site-packages)."""
+    if filename.startswith(_PACKAGE_DIR) or filename.startswith("<frozen "):
+        return True
+    if filename.startswith(_STDLIB_DIR) and "-packages" + os.sep not in filename:
+        return True
+    torch = sys.modules.get("torch")
+    return torch is not None and filename.startswith(os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+
+
+def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn(message, category)`` attributed to the first caller outside hybridpipe, torch and the
+    standard library: a warning raised in a hook, a gradient sync or the planner names the user's line (the
+    ``train_step`` or ``hp.auto`` call) rather than the library line it passed through."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and _library_frame(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level + 1 if frame is not None else 2)

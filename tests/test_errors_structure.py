@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import pickle
 import re
+import sys
 from pathlib import Path
 
 import hybridpipe as hp
@@ -140,3 +141,21 @@ def test_registry_checks_name_the_values():
         registry.check_recompute_mode("sometimes")
     with pytest.raises(hp.UsageError, match=r"unknown precision 'fp8': use one of 'fp32', 'bf16', 'fp16'"):
         registry.check_precision("fp8")
+
+
+def test_warn_user_names_the_users_line_not_the_library_lines_the_warning_passed_through():
+    import contextlib
+    import warnings
+
+    # a function whose code counts as hybridpipe's (its file is in the package), called through contextlib
+    library = {"warn_user": errors.warn_user, "contextlib": contextlib}
+    exec(compile("def deep(message):\n    with contextlib.nullcontext():\n        warn_user(message)\n"
+                 "def deeper(message):\n    deep(message)\n", str(PACKAGE / "_in_the_library.py"), "exec"), library)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        library["deeper"]("from the library")  # this line is the user's
+        user_line = sys._getframe().f_lineno - 1
+        errors.warn_user("here", RuntimeWarning)
+        direct_line = sys._getframe().f_lineno - 1
+    assert [(w.filename, w.lineno, str(w.message), w.category) for w in caught] == [
+        (__file__, user_line, "from the library", UserWarning), (__file__, direct_line, "here", RuntimeWarning)]

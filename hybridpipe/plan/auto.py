@@ -43,7 +43,7 @@ from hybridpipe import runtime
 from hybridpipe.comm.agree import Failure, agree_on_failure
 from hybridpipe.comm.engine import call
 from hybridpipe.data_parallel.optimizer import DistributedOptimizer
-from hybridpipe.errors import NotSupportedError, UsageError
+from hybridpipe.errors import NotSupportedError, UsageError, warn_user
 from hybridpipe.pipeline import schedule as sched
 from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
 from hybridpipe.pipeline.model import LayerSpec, PipelineModel
@@ -398,7 +398,7 @@ def _verified(found: list[Plan], layers: Any, loss_fn: Any, sample: tuple[Any, A
         print(report(kept, seconds, budget), flush=True)
         text = accuracy_warning(kept)
         if text is not None:
-            warnings.warn(text, stacklevel=3)
+            warn_user(text)
     return kept
 
 

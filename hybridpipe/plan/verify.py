@@ -36,7 +36,7 @@ from hybridpipe import runtime
 from hybridpipe.comm.agree import agree_on_failure
 from hybridpipe.comm.engine import call
 from hybridpipe.comm.process_sets import remove_process_set
-from hybridpipe.errors import HybridPipeError, UsageError
+from hybridpipe.errors import HybridPipeError, UsageError, warn_user
 from hybridpipe.gradient_sync import GradientSync, Unit
 from hybridpipe.pipeline.microbatch import iter_tensors, map_tensors
 from hybridpipe.plan.search import Plan
@@ -248,8 +248,7 @@ class StepClock(GradientSync):
                 text = accuracy_warning(self.plan)
                 if text is not None:
                     self.warned = True
-                    warnings.warn(f"{text} (in training: this rank's median of {CLOCK_WARN_AFTER} steps)",
-                                  stacklevel=2)
+                    warn_user(f"{text} (in training: this rank's median of {CLOCK_WARN_AFTER} steps)")
         self._last = now
 
     def step_ends(self) -> None:

@@ -649,6 +649,7 @@ def test_the_step_clock_keeps_the_median_training_step_and_warns_once_when_far_f
                                          r"rank's median of 5 steps") as caught:
         run(far, [predicted] * 2 + [2 * predicted] * 12)
     assert len(caught) == 1 and best.measured_seconds == pytest.approx(2 * predicted)
+    assert caught[0].filename == __file__  # the caller's line (here run()'s), not the clock's inside hybridpipe
     for quiet in (StepClock(best, warn=False), StepClock(best, warn=True, warned=True)):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
