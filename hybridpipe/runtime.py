@@ -480,16 +480,13 @@ FINALIZE_GRACE_SECONDS = 30.0  # from interpreter exit, after ranks died, to the
 
 
 def _bound_finalize_after_lost() -> None:
-    """Arms (once per process) the survivors' bound on their exit: at interpreter exit a native thread ends the
+    """Arms the survivors' bound on their exit: at interpreter exit a native thread ends the
     process :data:`FINALIZE_GRACE_SECONDS` later if it still runs. Open MPI 5's MPI_Finalize (mpi4py's, after
     every atexit handler) runs a PMIx fence over every process the job started, and once a process died that fence
     at times never completes (1 run in 10-30 of tests/test_elastic_inprocess.py: both survivors asleep in
     ``ompi_mpi_finalize`` after they had written and printed everything; open-mpi/ompi#11404). The exit status is
-    the one the program would have had: 1 after an uncaught exception, else 0."""
-    global _finalize_bounded
-    if _finalize_bounded:
-        return
-    _finalize_bounded = True
+    the one the program would have had: 1 after an uncaught exception, else 0. Armed again at each recovery: the
+    first bound to pass ends the process, the others with it."""
 
     def arm() -> None:
         from . import _ext
@@ -501,9 +498,6 @@ def _bound_finalize_after_lost() -> None:
             f"finalize can wait for the dead for ever: open-mpi/ompi#11404); exiting with status {code}", code)
 
     atexit.register(arm)
-
-
-_finalize_bounded = False
 
 
 def regrid(function: str, **arguments: Any) -> Grid:
