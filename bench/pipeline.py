@@ -810,7 +810,7 @@ def profile_rows(launches: list[Launch]) -> tuple[list[str], list[list[str]]]:
                     rows.append([launch.model, str(launch.stages), schedule, kind, f"{mean['actions_per_step']:.1f}",
                                  f"{mean['ms_per_action']:.3f}", f"{mean['wait_ms']:.3f}", f"{mean['send_ms']:.3f}",
                                  f"{mean['compute_ms']:.3f}", f"{mean['python_ms']:.3f}",
-                                 f"{mean['wait_cpu_ms']:.3f}" if "wait_cpu_ms" in mean else ""])
+                                 f"{mean['wait_cpu_ms']:.3f}"])
                 for key, label in (("between_ms", "between actions"), ("after_ms", "after the last")):
                     rows.append([launch.model, str(launch.stages), schedule, label, "",
                                  f"{statistics.mean(rank[key] for rank in ranks):.3f}", "", "", "", "", ""])
