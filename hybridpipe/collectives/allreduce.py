@@ -426,6 +426,20 @@ class PreparedAllreduce:
         self._options, self._checked = options, self._kind(tensor, options)
         return handle
 
+    def repeat(self, tensor: Any) -> Handle | None:
+        """The last call again, with its options, for ``tensor`` (a caller that always passes the same options: a
+        gradient's hook): its handle when the call's checks' answers hold for it (the same kind of tensor in the
+        same job), else None, and the caller makes the whole call. A few attribute tests, no option comparison:
+        the hand-off of each gradient of every step."""
+        kept = self._checked
+        if (kept is None or kept.state is not context.current_or_none() or type(tensor) is not torch.Tensor
+                or tensor.layout is not torch.strided or not tensor.is_cpu or tensor.dtype is not kept.dtype
+                or tensor.numel() != kept.count or not tensor.is_contiguous() or tensor.is_conj()
+                or tensor.is_neg()):
+            return None
+        options = self._options
+        return self._submit(tensor, kept, options["prescale_factor"], options["postscale_factor"])
+
     @property
     def checked(self) -> bool:
         """Whether a call like the last one (a tensor of its kind, its options, this job) goes to the engine at once."""

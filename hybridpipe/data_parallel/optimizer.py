@@ -185,6 +185,7 @@ class _DistributedOptimizerMixin:
         self._hp_prepared: dict[str, allreduce_ops.PreparedAllreduce] = {}
         self._hp_submitted: set[str] = set()
         self._hp_counts: dict[str, int] = {}
+        self._hp_alone_now: bool | None = None  # _hp_alone() for this step, once its first gradient asked
         by_id = {id(p): name for name, p in self._hp_parameters}
         self._hp_groups = _split_groups([name for name, _ in self._hp_parameters], by_id, groups, num_groups)
         trained = [(name, p) for name, p in named if p.requires_grad]
@@ -215,6 +216,7 @@ class _DistributedOptimizerMixin:
         # (an outside rank counts its optimizer too, so that the later ones keep the same names everywhere)
         self._hp_prefix = f"hybridpipe.DistributedOptimizer{running.sequence('optimizer') + 1}"
         self._hp_flags_name = f"{self._hp_prefix}.has_grad"
+        self._hp_flags = allreduce_ops.PreparedAllreduce(self._hp_flags_name)  # checked once, as the gradients
         self._hp_registrations = [] if self._hp_outside else \
             drivers_of(running).register(self._hp_sync, [p for _, p in self._hp_parameters])
 
@@ -230,7 +232,7 @@ class _DistributedOptimizerMixin:
         for registration in self._hp_registrations:
             registration.remove()
         self._hp_handles, self._hp_prepared, self._hp_submitted, self._hp_counts = {}, {}, set(), {}
-        self._hp_ready, self._hp_synchronized = {}, False
+        self._hp_ready, self._hp_synchronized, self._hp_alone_now = {}, False, None
         self._hp_join(self._hp_group)
 
     @contextlib.contextmanager
@@ -259,7 +261,10 @@ class _DistributedOptimizerMixin:
     def _hp_gradient_final(self, parameter: torch.nn.Parameter) -> None:
         """A gradient of ``parameter`` was just accumulated and is final for this backward pass (its driver said):
         after ``backward_passes_per_step`` of them its reduction starts."""
-        if self._hp_alone():
+        alone = self._hp_alone_now
+        if alone is None:  # once per step: the group's size is the job's, which changes only between steps
+            alone = self._hp_alone_now = self._hp_alone()
+        if alone:
             return  # nothing to reduce: synchronize() divides by the passes
         name = self._hp_name_of[parameter]
         count = self._hp_counts.get(name, 0) + 1
@@ -303,6 +308,16 @@ class _DistributedOptimizerMixin:
 
     def _hp_submit(self, key: str, names: list[str]) -> None:
         """Queues the gradients of ``names`` (one parameter, or a group: one fused call) on the engine."""
+        if self._hp_compression is Compression.none and len(names) == 1 and key == names[0]:
+            prepared = self._hp_prepared.get(key)
+            if prepared is not None:  # this gradient's allreduce was checked at an earlier step: the quick path
+                parameter = self._hp_by_name[key]
+                grad = parameter.grad
+                handle = prepared.repeat(grad)
+                if handle is not None:
+                    self._hp_handles[key] = (handle, [(parameter, grad, None)])
+                    self._hp_submitted.add(key)
+                    return
         members = [(self._hp_by_name[name], *self._hp_wire(self._hp_by_name[name])) for name in names]
         wires = (wire_for(self._hp_compression, wire, self._hp_op) for _, wire, ctx in members if ctx is not _SPARSE)
         options = dict(op=self._hp_op, prescale_factor=self._hp_prescale, postscale_factor=self._hp_postscale,
@@ -351,8 +366,7 @@ class _DistributedOptimizerMixin:
                                  dtype=torch.int32)
             # through the engine, not a direct collective: a main thread spinning in MPI beside the
             # (niced) engine thread that is still reducing early buckets can starve it for tens of ms
-            allreduce_ops.allreduce_async_(flags, name=self._hp_flags_name, op=common.Max,
-                                    group=self._hp_group).wait()
+            self._hp_flags(flags, op=common.Max, group=self._hp_group).wait()
             anywhere = {name for (name, _), flag in zip(parameters, flags.tolist()) if flag}
             for name, parameter in parameters:
                 if name in anywhere and name not in self._hp_submitted and name not in self._hp_group_of:
@@ -369,7 +383,7 @@ class _DistributedOptimizerMixin:
                 if present:
                     self._hp_submit(f"{self._hp_prefix}.group{index}", present)
         handles, self._hp_handles, self._hp_counts = self._hp_handles, {}, {}
-        self._hp_submitted, self._hp_ready = set(), {}
+        self._hp_submitted, self._hp_ready, self._hp_alone_now = set(), {}, None
         wait_start = time.monotonic()
         for handle, members in handles.values():
             reduced = handle.wait()
@@ -397,7 +411,7 @@ class _DistributedOptimizerMixin:
     def _hp_alone_synchronize(self) -> None:
         """:meth:`synchronize` over one rank: each gradient as the reduction would leave it (a sparse one coalesced,
         divided by ``backward_passes_per_step`` as the engine's path divides)."""
-        self._hp_submitted, self._hp_ready, self._hp_counts = set(), {}, {}
+        self._hp_submitted, self._hp_ready, self._hp_counts, self._hp_alone_now = set(), {}, {}, None
         for _, parameter in self._hp_parameters:
             grad = parameter.grad
             if grad is None:
@@ -450,6 +464,7 @@ class _DistributedOptimizerMixin:
         self._hp_counts = {}
         self._hp_ready = {}
         self._hp_synchronized = False
+        self._hp_alone_now = None
         super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
 
 

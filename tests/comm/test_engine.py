@@ -388,3 +388,34 @@ def test_prepared_allreduce_checks_once_and_takes_the_whole_path_for_anything_el
     else:
         with pytest.raises(MismatchError, match="prescale_factor must be a number"):
             prepared(torch.ones(5), op=hp.Sum).wait()
+
+
+def test_prepared_allreduce_repeat_goes_direct_only_for_the_kept_kind(grid):
+    """PreparedAllreduce.repeat (the optimizer's hand-off of each gradient after the first step): the last call's
+    options again, straight to the engine, while the tensor is of the checked kind; None (the caller makes the
+    whole call) before any check, for another dtype, size, layout or memory order, and in a new job."""
+    from hybridpipe.collectives.allreduce import PreparedAllreduce
+
+    prepared = PreparedAllreduce("repeat.grad")
+    assert prepared.repeat(torch.ones(5)) is None  # nothing checked yet
+    first = torch.full((5,), float(RANK))
+    prepared(first, op=hp.Average, postscale_factor=2.0).wait()
+    for step in range(2):  # the kept options (Average, postscale 2) with no argument passed again
+        value = torch.full((5,), float(RANK + step))
+        handle = prepared.repeat(value)
+        assert handle is not None and handle.wait() is value
+        assert torch.allclose(value, torch.full((5,), 2.0 * ((SIZE - 1) / 2 + step)))
+    refused = [torch.ones(5, dtype=torch.float64), torch.ones(6), torch.arange(10.0)[::2],
+               torch.ones(5).to_sparse(), torch.view_as_real(torch.ones(5, dtype=torch.complex64))[:, 0]]
+    for tensor in refused:
+        assert prepared.repeat(tensor) is None, tensor
+    hp.shutdown()
+    hp.init()  # the next job: checked again first
+    assert prepared.repeat(torch.ones(5)) is None
+    again = torch.ones(5)
+    prepared(again, op=hp.Sum).wait()
+    assert torch.equal(again, torch.full((5,), float(SIZE)))
+    assert prepared.checked
+    follow = torch.full((5,), 3.0)
+    prepared.repeat(follow).wait()
+    assert torch.equal(follow, torch.full((5,), 3.0 * SIZE))
