@@ -24,6 +24,7 @@ What it does here, and what differs from Horovod's in-process elastic training:
   hosts that are left, with a grid that fits — where ``run`` resumes from the last committed checkpoint (seconds
   instead of Horovod's in-process reset). Hosts are not added while the job runs: ``HostsUpdatedInterrupt``
   exists for Horovod's scripts and is raised only by your own code (``check_host_updates`` never sees a change).
+* ``ElasticSampler`` (sampler.py), a keyword of the state, cuts the epoch for the grid the job runs on after a reset.
 * Around a ``PipelineModel``, ``sync`` broadcasts the model and optimizer within each stage's replicas
   (``group="data"``, each stage from its own replica 0): the stages hold different layers. The fp16
   loss scaler (``model.scaler``) is committed, restored and synced with them.
@@ -44,10 +45,12 @@ from .. import checkpoint, runtime
 from .._ext import core
 from ..errors import HorovodInternalError, HostsUpdatedInterrupt, NotInitializedError, RanksLostError, UsageError
 from ..gradient_sync import drivers_of
+from ..collectives.allgather import allgather_object
 from ..collectives.broadcast import broadcast_object
 from .optimizer import broadcast_optimizer_state, broadcast_parameters
+from .sampler import ElasticSampler
 
-__all__ = ["run", "survives_failures", "State", "ObjectState", "TorchState", "HostsUpdatedInterrupt"]
+__all__ = ["run", "survives_failures", "State", "ObjectState", "TorchState", "ElasticSampler", "HostsUpdatedInterrupt"]
 
 
 class State:
@@ -90,29 +93,49 @@ class State:
 
 
 class ObjectState(State):
-    """Extra attributes (``epoch=0, batch=0``: any picklable values) committed, restored and synced."""
+    """Extra attributes (``epoch=0, batch=0``: any picklable values) committed, restored and synced. An
+    :class:`ElasticSampler` among them is kept as the same object (the DataLoader holds it): its state is committed,
+    loaded back into it on a roll back, and synced as the union of what every rank processed, re-cut for the grid."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__()
-        self._names = list(kwargs)
+        self._samplers = {name: value for name, value in kwargs.items() if isinstance(value, ElasticSampler)}
+        self._names = [name for name in kwargs if name not in self._samplers]
         for name, value in kwargs.items():
             setattr(self, name, value)
-        self._saved_values = copy.deepcopy(kwargs)
+        self._saved_values = copy.deepcopy(self._values())
+        self._saved_samplers = self._sampler_states()
 
     def _values(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self._names}
 
+    def _sampler_states(self) -> dict[str, dict[str, Any]]:
+        return {name: sampler.state_dict() for name, sampler in self._samplers.items()}
+
     def save(self) -> None:
         self._saved_values = copy.deepcopy(self._values())
+        self._saved_samplers = self._sampler_states()
 
     def restore(self) -> None:
         for name, value in copy.deepcopy(self._saved_values).items():
             setattr(self, name, value)
+        for name, saved in self._saved_samplers.items():
+            self._samplers[name].load_state_dict(saved)
+
+    def _merged_sampler_states(self) -> dict[str, dict[str, Any]]:
+        """Every sampler's state as the job goes on from it (collective over the world when there are samplers)."""
+        if not self._samplers:
+            return {}
+        everyone = allgather_object(self._sampler_states(), name="elastic.samplers", group="world")
+        return {name: sampler.merged_state([states[name] for states in everyone])
+                for name, sampler in self._samplers.items()}
 
     def sync(self) -> None:
         for name, value in broadcast_object(self._values(), root_rank=0, name="elastic.state",
                                             group="world").items():
             setattr(self, name, value)
+        for name, merged in self._merged_sampler_states().items():
+            self._samplers[name].load_state_dict(merged)
 
 
 class TorchState(ObjectState):
@@ -167,8 +190,11 @@ class TorchState(ObjectState):
         self._save_scaler()
         directory = os.environ.get(checkpoint.CHECKPOINT_DIR_ENV)
         if directory and self.model is not None:
+            samplers = {name: {"epoch": merged["epoch"], "processed_indices": sorted(merged["processed_indices"])}
+                        for name, merged in self._merged_sampler_states().items()}  # lists: weights_only loads
             checkpoint.save_checkpoint(directory, self.model, self.optimizer, step=self._commits + 1,
-                                       extra={"elastic": self._values(), "commits": self._commits + 1})
+                                       extra={"elastic": self._values(), "commits": self._commits + 1,
+                                              "samplers": samplers})
 
     def restore(self) -> None:
         super().restore()
@@ -220,6 +246,9 @@ class TorchState(ObjectState):
             return False
         for name, value in info.extra.get("elastic", {}).items():
             setattr(self, name, value)
+        for name, saved in info.extra.get("samplers", {}).items():
+            if name in self._samplers:
+                self._samplers[name].load_state_dict(saved)
         self._commits = int(info.extra.get("commits", info.step))
         self.save_in_memory_only()
         return True

@@ -1,7 +1,8 @@
-"""A rank that dies inside hp.elastic.run (tests/test_elastic_inprocess.py): a float64 MLP, data parallelism over a
-fixed global batch split by hp.rank() / hp.size(), a commit after every step. Rank $KILL_RANK SIGKILLs itself inside
-step $KILL_STEP, before its gradients' allreduce; the survivors go on. At the end rank 0 writes its parameters (and
-the steps' record) to OUT."""
+"""A rank that dies inside hp.elastic.run (tests/test_elastic_inprocess.py): a float64 MLP, data parallelism over
+fixed global mini-batches that hp.elastic.ElasticSampler(batch_size=GLOBAL_BATCH) shares out over the ranks there
+are, a commit after every step. Rank $KILL_RANK SIGKILLs itself inside step $KILL_STEP, before its gradients'
+allreduce; the survivors go on with the epoch's next mini-batches. At the end rank 0 writes its parameters (and the
+steps' record) to OUT."""
 
 from __future__ import annotations
 
@@ -17,10 +18,21 @@ import hybridpipe as hp
 STEPS, GLOBAL_BATCH, FEATURES = 8, 12, 6
 
 
+SEED = 3
+
+
+def dataset() -> torch.utils.data.TensorDataset:
+    inputs = torch.randn(STEPS * GLOBAL_BATCH, FEATURES, generator=torch.Generator().manual_seed(1000),
+                         dtype=torch.float64)
+    return torch.utils.data.TensorDataset(inputs, inputs.sum(dim=1, keepdim=True).sin())
+
+
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1000 + step)
-    inputs = torch.randn(GLOBAL_BATCH, FEATURES, generator=generator, dtype=torch.float64)
-    return inputs, inputs.sum(dim=1, keepdim=True).sin()
+    """Mini-batch ``step`` of the epoch as one process takes it: consecutive indices of the seeded permutation."""
+    order = torch.randperm(STEPS * GLOBAL_BATCH, generator=torch.Generator().manual_seed(SEED))
+    inputs, targets = dataset().tensors
+    chosen = order[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH]
+    return inputs[chosen], targets[chosen]
 
 
 def make_model() -> torch.nn.Module:
@@ -34,17 +46,17 @@ def main() -> None:
     model = make_model()
     optimizer = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                         named_parameters=model.named_parameters())
-    state = hp.elastic.TorchState(model, optimizer, step=0)
+    data = dataset()
+    sampler = hp.elastic.ElasticSampler(data, seed=SEED, batch_size=GLOBAL_BATCH)  # this rank's share of each
+    loader = torch.utils.data.DataLoader(data, batch_sampler=sampler)
+    state = hp.elastic.TorchState(model, optimizer, sampler=sampler, step=0)
     sizes = []
 
     @hp.elastic.run
     def train(state: hp.elastic.TorchState) -> None:
-        while state.step < STEPS:
-            inputs, targets = global_batch(state.step)
-            share = GLOBAL_BATCH // hp.size()  # the global batch stays the same whatever the size
-            mine = slice(hp.rank() * share, (hp.rank() + 1) * share)
+        for index, (inputs, targets) in enumerate(loader):  # after a reset: the epoch's rest, cut for the new size
             optimizer.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(inputs[mine]), targets[mine])
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
             if hp.size() == 3 and hp.rank() == kill_rank and state.step == kill_step:
                 with open(os.environ["OUT"] + ".killed", "w") as out:  # mpirun may drop what is printed now
                     out.write(f"{time.time():.6f}")
@@ -55,6 +67,7 @@ def main() -> None:
             sizes.append(hp.size())
             if hp.rank() == 0:
                 print(f"step {state.step} done on {hp.size()} ranks at {time.time():.6f}", flush=True)
+            state.sampler.record_batch(index, GLOBAL_BATCH)
             state.step += 1
             state.commit()
 

@@ -340,3 +340,78 @@ def test_pipedream_needs_whole_rounds():
                                  schedule="pipedream", optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     finally:
         hp.shutdown()
+
+
+
+def test_elastic_sampler_cuts_the_same_mini_batches_for_every_grid_and_goes_on_after_a_grid_change():
+    """hp.elastic.ElasticSampler on 1 x 4, 2 x 2 and 3-1: in batch mode each global mini-batch is the same
+    consecutive slice of the epoch's permutation on every grid; a uniform grid's data replicas share it (the ranks
+    of one pipeline get the same part), a 3-1 grid gives every rank all of it. Sample mode shares the epoch out
+    disjointly, padded with its first indices to equal shares. After two mini-batches on 1 x 4 and a change of grid,
+    the state rolled back and synced on 3-1 yields the rest of the epoch, none skipped or repeated."""
+    dataset = list(range(22))
+    order = torch.randperm(22, generator=torch.Generator().manual_seed(5 + 1)).tolist()  # seed 5, epoch 1
+    want = [order[at:at + 8] for at in range(0, 22, 8)]  # 8, 8, and a last 6
+    shapes = {"1x4": dict(), "2x2": dict(pipeline_stages=2), "3-1": dict(stage_replicas=[3, 1])}
+    for label, kwargs in shapes.items():
+        grid = hp.init(**kwargs)
+        try:
+            sampler = hp.elastic.ElasticSampler(dataset, seed=5, batch_size=8)
+            sampler.set_epoch(1)
+            mine = list(sampler)
+            every = hp.allgather_object((grid.replica, mine), group="world")
+            shares = hp.allgather_object((grid.replica, list(hp.elastic.ElasticSampler(dataset, shuffle=False))),
+                                         group="world")
+            with ranks_agree():
+                assert len(sampler) == len(mine)
+                if not grid.uniform:
+                    assert all(part == want for _, part in every), (label, every)
+                    assert all(share == dataset for _, share in shares), label
+                    continue
+                parts = grid.data_replicas
+                expected = want if 6 % parts == 0 else want[:2]  # 1 x 4: the last 6 cannot be shared by 4
+                by_replica = dict(every)
+                assert len(by_replica) == parts and all(part == by_replica[r] for r, part in every), (label, every)
+                assert [sum((by_replica[r][k] for r in range(parts)), []) for k in range(len(expected))] == expected
+                assert all(len(by_replica[r][k]) == len(expected[k]) // parts for r in range(parts)
+                           for k in range(len(expected))), label
+                by_replica = dict(shares)
+                assert sorted(sum(by_replica.values(), [])) == sorted(dataset + dataset[:(-22) % parts]), label
+                assert len({len(share) for share in by_replica.values()}) == 1, label
+        finally:
+            hp.shutdown()
+    hp.init()  # 1 x 4: two mini-batches trained and committed, then the grid changes
+    try:
+        with ranks_agree():
+            with pytest.raises(ValueError, match=r"batch_size 6 cannot be shared by the 4 data replicas of the grid"):
+                hp.elastic.ElasticSampler(dataset, batch_size=6)
+            with pytest.raises(ValueError, match=r"batch_size must be a positive int .* got 0"):
+                hp.elastic.ElasticSampler(dataset, batch_size=0)
+            with pytest.raises(TypeError, match=r"seed must be an int \(the same on every rank\), got 1.5"):
+                hp.elastic.ElasticSampler(dataset, seed=1.5)
+        sampler = hp.elastic.ElasticSampler(dataset, seed=5, batch_size=8)
+        state = hp.elastic.ObjectState(sampler=sampler, step=0)
+        sampler.set_epoch(1)
+        parts = list(sampler)
+        for index in range(2):
+            sampler.record_batch(index, len(parts[index]))  # this rank's share's size: the whole mini-batch marked
+        state.commit()
+        with ranks_agree():
+            with pytest.raises(ValueError, match=r"batch_size 5 is neither the mini-batch \(8\) nor this rank's"):
+                sampler.record_batch(0, 5)
+            with pytest.raises(IndexError, match="batch 7 is not one of this iteration's 2 mini-batches"):
+                sampler.record_batch(7, 8)
+        sampler.set_epoch(2)  # after the commit: rolled back below
+    finally:
+        hp.shutdown()
+    hp.init(stage_replicas=[3, 1])
+    try:
+        state.restore()
+        state.sync()
+        rest = list(sampler)
+        with ranks_agree():
+            assert state.sampler is sampler and state.step == 0
+            assert sampler.state_dict() == {"epoch": 1, "processed_indices": set(want[0] + want[1])}
+            assert rest == [want[2]], rest  # the last 6, whole on every rank of 3-1
+    finally:
+        hp.shutdown()
