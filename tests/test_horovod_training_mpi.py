@@ -408,14 +408,19 @@ def test_elastic_rolls_back_to_the_last_commit_and_resumes_from_its_checkpoint(t
     monkeypatch.setenv("HYBRIDPIPE_CHECKPOINT_DIR", directory)  # as hybridpipe-run --checkpoint-dir sets it
     net = model()
     initial = {name: p.detach().clone() for name, p in net.named_parameters()}
-    state = hvd.elastic.TorchState(net, torch.optim.SGD(net.parameters(), lr=0.1), epoch=0)
-    attempts, resets = [], []
+    sampler = hvd.elastic.ElasticSampler(list(range(10)), shuffle=False)  # rank r: r, r + 2, ...
+    state = hvd.elastic.TorchState(net, torch.optim.SGD(net.parameters(), lr=0.1), sampler=sampler, epoch=0)
+    attempts, resets, shards = [], [], []
     state.register_reset_callbacks([lambda: resets.append(state.epoch)])
 
     @hvd.elastic.run
     def train(state):
         attempts.append(state.epoch)
+        shards.append(list(state.sampler))  # what is left of the epoch, this rank's share
+        position = 0
         while state.epoch < 3:
+            state.sampler.record_batch(position, 1)  # one sample a step, recorded before its commit
+            position += 1
             with torch.no_grad():
                 for parameter in state.model.parameters():
                     parameter.add_(1.0)
@@ -431,11 +436,17 @@ def test_elastic_rolls_back_to_the_last_commit_and_resumes_from_its_checkpoint(t
         assert attempts == [0, 1] and resets == [1]  # the retry starts from the commit after epoch 0
         for name, parameter in net.named_parameters():  # three epochs applied, not four: the failed one rolled back
             torch.testing.assert_close(parameter.detach(), initial[name] + 3, msg=name)
+        # the retry's shard leaves out what both ranks processed before the commit (synced: the union), not what
+        # the failed step recorded after it
+        assert shards == [list(range(R, 10, 2)), list(range(2 + R, 10, 2))], shards
 
     restarted = model()  # a restarted job: fresh processes build the model again, run() resumes the commit
     with ranks_agree(what="the resumed run"):
-        again = hvd.elastic.TorchState(restarted, torch.optim.SGD(restarted.parameters(), lr=0.1), epoch=0)
+        fresh = hvd.elastic.ElasticSampler(list(range(10)), shuffle=False)
+        again = hvd.elastic.TorchState(restarted, torch.optim.SGD(restarted.parameters(), lr=0.1), sampler=fresh,
+                                       epoch=0)
         resumed = hvd.elastic.run(lambda state: state.epoch)(again)
         assert resumed == 3
+        assert fresh.processed_indices == set(range(6)) and list(fresh) == list(range(6 + R, 10, 2))
         for name, parameter in restarted.named_parameters():
             torch.testing.assert_close(parameter.detach(), initial[name] + 3, msg=name)
