@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .errors import UsageError
@@ -135,10 +135,19 @@ class SyncDriver:
         self._hooks: list[Any] = []
         self.updates_itself: str | None = None
         self.updating: Any = None
+        #: set by the units' owner (a pipeline): re-makes its side in the survivors' new job (see :meth:`rebind`)
+        self.rebinder: Callable[[], None] | None = None
 
     def holds(self, parameter: Any) -> bool:
         """Whether ``parameter`` is in one of this driver's units."""
         return id(parameter) in self._held
+
+    def rebind(self) -> None:
+        """The job ended after ranks were lost and the survivors started a new one (hp.elastic.run), before its syncs
+        rebind: the units' owner (a pipeline) goes on in the new job, which holds this driver from then on. A driver
+        without one (an :class:`AutogradDriver`) is left with the old job: its syncs register anew."""
+        if self.rebinder is not None:
+            self.rebinder()
 
     def register(self, sync: GradientSync, parameters: Iterable[Any]) -> Registration:
         """Makes ``sync`` hear about ``parameters`` (those of them this driver holds; the events of their units,

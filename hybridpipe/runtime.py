@@ -446,17 +446,14 @@ def go_on_without_lost(function: str = "elastic.run") -> Survivors:
     """After the engine lost ranks (it survives failures inside hp.elastic.run): ends the broken job without a
     collective over the dead (:func:`abandon`), shrinks the communicator hp.init was given to the survivors
     (ULFM's ``MPI_Comm_shrink``, fault tolerant itself) and calls hp.init over it with the same settings.
-    Collective over the survivors. Data parallelism only: a pipeline grid is refused before anything ends (its
-    stages would have to move). A failure while this runs ends the job with a message (``MPI_Abort``), never a
-    hang."""
+    Collective over the survivors. A pipeline's survivors keep their stages: the new grid has, for each stage, the
+    replicas that are left (2 × 2 less a rank of stage 1: ``stage_replicas=[2, 1]``), numbered in their old order,
+    and the shrunk communicator is re-ranked to that grid's layout. A stage with no replica left, or any other
+    failure while this runs, ends the job with a message (``MPI_Abort``), never a hang."""
     from mpi4py import MPI
 
     the_job = job(function)
     old = the_job.grid
-    if old.pipeline_stages > 1:
-        raise GridError(f"hp.{function}: a rank of a {old.pipeline_stages}-stage pipeline was lost; going on in the "
-                        "same processes works for data parallelism only (one stage) so far: restart the job from "
-                        "its last checkpoint (hybridpipe-run --restarts N --checkpoint-dir DIR)")
     hosts = list(the_job.engine.hosts())
     try:
         base, settings = abandon()
@@ -465,7 +462,15 @@ def go_on_without_lost(function: str = "elastic.run") -> Survivors:
         shrunk.Set_errhandler(MPI.ERRORS_RETURN)
         kept = MPI.Group.Translate_ranks(shrunk.Get_group(), list(range(shrunk.Get_size())), base.Get_group())
         lost = tuple(sorted(set(range(base.Get_size())) - set(kept)))
-        new_grid = init(comm=shrunk, config=settings, pipeline_stages=1)
+        if old.pipeline_stages == 1:
+            new_grid = init(comm=shrunk, config=settings, pipeline_stages=1)
+        else:
+            # (a grid rank is the rank in the communicator hp.init was given)
+            counts, key = _surviving_grid(old, list(kept), base.Get_rank(), function)
+            placed = shrunk.Split(0, key)
+            placed.Set_errhandler(MPI.ERRORS_RETURN)
+            shrunk.Free()
+            new_grid = init(comm=placed, config=settings, stage_replicas=list(counts))
     except Exception as error:  # noqa: BLE001 - a second failure during recovery: end the job, never hang
         sys.stderr.write(f"hybridpipe ERROR: rank {old.rank}: hp.{function} could not go on without the lost ranks "
                          f"({type(error).__name__}: {error}): aborting the job\n")
@@ -474,6 +479,21 @@ def go_on_without_lost(function: str = "elastic.run") -> Survivors:
         raise
     return Survivors(old.size, new_grid.size, lost, tuple(hosts[r] if r < len(hosts) else "?" for r in lost),
                      new_grid)
+
+
+def _surviving_grid(old: Grid, survivors: list[int], me: int, function: str) -> tuple[tuple[int, ...], int]:
+    """The grid a pipeline's ``survivors`` (old grid ranks) go on as: each stage's replica count, and ``me``'s rank in
+    it (its place ``(stage, replica)`` in the layout, the replicas of a stage numbered in their old order)."""
+    places = [old.place_of(rank) for rank in sorted(survivors)]
+    counts = tuple(sum(1 for stage, _ in places if stage == s) for s in range(old.pipeline_stages))
+    if 0 in counts:
+        gone = [s for s, count in enumerate(counts) if count == 0]
+        raise GridError(f"hp.{function}: no replica of pipeline stage(s) {gone} is left (grid {old.config}, "
+                        f"survivors {sorted(survivors)}): their layers are gone; restart the job from its last "
+                        "checkpoint (hybridpipe-run --restarts N --checkpoint-dir DIR)")
+    stage, replica = old.place_of(me)
+    new_replica = sorted(r for s, r in places if s == stage).index(replica)
+    return counts, rank_of_place(counts)[(stage, new_replica)]
 
 
 FINALIZE_GRACE_SECONDS = 30.0  # from interpreter exit, after ranks died, to the end of MPI_Finalize at the latest

@@ -20,6 +20,7 @@ from hybridpipe.launch import mpi_flavour, find_mpirun, mpirun_command
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "faults"))
 import elastic_inprocess as case  # noqa: E402  (the job's own model and batches: one copy of each)
+import elastic_pipeline as pipeline_case  # noqa: E402
 
 pytestmark = pytest.mark.skipif(mpi_flavour(find_mpirun()) != "openmpi" or not _ext.core().ulfm_compiled(),
                                 reason="needs Open MPI with ULFM (MPICH: a dead rank restarts the job)")
@@ -70,6 +71,46 @@ def test_survivors_of_a_killed_rank_go_on_and_train_like_one_process(tmp_path):
     saved = torch.load(out)
     assert saved["sizes"] == [3, 3, 3, 2, 2, 2, 2, 2], saved["sizes"]  # step 3 re-run from the step-2 commit
     torch.testing.assert_close(saved["parameters"], replay(), rtol=1e-12, atol=1e-12)
+
+
+def pipeline_replay() -> dict[str, torch.Tensor]:
+    """The pipeline job's steps in one process on the whole mini-batches, its layers' names as the stages name them."""
+    model = torch.nn.Sequential(*pipeline_case.layers())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(pipeline_case.STEPS):
+        inputs, targets = pipeline_case.global_batch(step)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+    return {f"layers.{name}": value for name, value in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("killed, grid, stages", [(3, "2-1", [0, 1, 0]), (0, "1-2", [0, 1, 1])])
+def test_a_pipeline_goes_on_as_the_replicas_that_are_left_and_trains_like_one_process(tmp_path, killed, grid, stages):
+    # 2 x 2 (rank = replica x 2 + stage) loses rank 3 (stage 1's second replica): the survivors go on as 2-1; losing
+    # rank 0 (stage 0's first), as 1-2, re-ranked so that old rank 2 (stage 0) is the new rank 0
+    out = tmp_path / "stage"
+    command = mpirun_command(4, [sys.executable, str(ROOT / "tests" / "faults" / "elastic_pipeline.py")],
+                             env={"OMP_NUM_THREADS": "1", "KILL_RANK": str(killed), "KILL_STEP": "3",
+                                  "OUT": str(out)}, extra_args=["--with-ft", "ulfm"])
+    result = run_job(command, 150, out)
+    output = result.stdout + result.stderr
+    for rank in range(3):
+        assert f"survivor done: rank {rank} of 3, stage {stages[rank]}" in output, output
+    assert re.search(rf"rank\(s\) {killed} \(host \S+\) lost; going on with 3 of 4 ranks .*; grid 2-2 -> {grid}",
+                     output), output
+    killed_at = float(Path(f"{out}.killed").read_text())
+    next_step = float(re.search(rf"step 3 done on {grid} at ([0-9.]+)", output).group(1))
+    print(f"recovery: {next_step - killed_at:.3f} s from the SIGKILL of rank {killed} to the end of the re-run step 3 "
+          f"on {grid}")
+    assert next_step - killed_at < 10, output
+    want = pipeline_replay()
+    for rank in range(3):
+        saved = torch.load(f"{out}.{rank}")
+        assert saved["grids"][-5:] == [grid] * 5 and len(saved["grids"]) >= pipeline_case.STEPS, saved["grids"]
+        assert saved["parameters"], rank
+        for name, value in saved["parameters"].items():  # each stage's layers: one process's after 8 steps
+            torch.testing.assert_close(value, want[name], rtol=1e-12, atol=1e-12, msg=f"rank {rank}: {name}")
 
 
 @pytest.mark.skipif(os.environ.get("HYBRIDPIPE_LONG_TESTS") != "1",

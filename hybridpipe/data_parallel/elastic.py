@@ -11,13 +11,14 @@ What it does here, and what differs from Horovod's in-process elastic training:
   ``HorovodInternalError`` (ranks that disagreed, a group stopped for a stall) rolls every rank back to
   the last commit and calls the function again, in the same processes, as Horovod does.
 * A rank that dies, inside ``run`` under Open MPI with ULFM launched with ``mpirun --with-ft ulfm``
-  (:func:`survives_failures`) in a job of data parallelism: the survivors go on in the same processes, as in
-  Horovod. Their communication threads fail the pending and later operations with
+  (:func:`survives_failures`): the survivors go on in the same processes, as in Horovod; a pipeline's keep their
+  stages and go on as the grid that is left (``runtime.go_on_without_lost``), each PipelineModel rebinding to it
+  before the optimizers do. Their communication threads fail the pending and later operations with
   :class:`~hybridpipe.errors.RanksLostError` and revoke their communicators instead of aborting; ``run`` ends the
   broken job without collectives, shrinks the world to the survivors, calls ``hp.init`` over it, rebinds the
   ``DistributedOptimizer`` objects, restores the last commit, runs the reset callbacks, syncs from the new rank 0 and
   calls the function again, logging on rank 0 the old and new size, who died and the seconds it took.
-* Everything else a dead rank ends: a pipeline (``pipeline_stages > 1``: the abort below, as before), ``zero=``
+* Everything else a dead rank ends: a stage with no replica left, ``zero=``
   (a ``NotSupportedError`` after the survivors re-formed), MPICH, or a launch without
   ``--with-ft ulfm`` (``hybridpipe-run``'s ``--mca mpi_ft_enable 1`` alone lets its launcher end every rank): the
   communication thread aborts the job naming it, and ``hybridpipe-run --restarts N`` starts it again — on the
@@ -54,11 +55,18 @@ __all__ = ["run", "survives_failures", "State", "ObjectState", "TorchState", "El
 
 
 class State:
-    """The state ``run`` rolls back and syncs: ``commit()``, ``restore()``, ``sync()``, reset callbacks."""
+    """The state ``run`` rolls back and syncs: ``commit()``, ``restore()``, ``sync()``, reset callbacks.
+
+    The last :data:`KEPT_COMMITS` commits are kept in memory, numbered: when ranks die, the survivors may stand one
+    commit apart (one had committed a step whose collectives another did not see end), and they roll back to the
+    newest commit every one of them holds (:meth:`restore_commit`)."""
+
+    KEPT_COMMITS = 2
 
     def __init__(self) -> None:
         self._reset_callbacks: list[Callable[[], None]] = []
         self._commits = 0
+        self._kept: list[tuple[int, Any]] = []  # (commit number, snapshot), oldest first
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
         """Functions called after a roll back (``on_reset``), e.g. to rebuild a learning-rate schedule."""
@@ -78,11 +86,38 @@ class State:
     def check_host_updates(self) -> None:
         """Horovod raises HostsUpdatedInterrupt here when hosts changed; a hybridpipe job's hosts do not."""
 
-    def save(self) -> None:
+    def _snapshot(self) -> Any:
         raise NotImplementedError
 
-    def restore(self) -> None:
+    def _apply(self, snapshot: Any) -> None:
         raise NotImplementedError
+
+    def _keep(self, number: int) -> None:
+        self._kept = self._kept[-(self.KEPT_COMMITS - 1):] + [(number, self._snapshot())]
+
+    def save(self) -> None:
+        """Keeps the state as the next commit (in memory)."""
+        self._keep(self._commits + 1)
+
+    def restore(self) -> None:
+        """Back to the last commit."""
+        self._apply(self._kept[-1][1])
+
+    def kept_commits(self) -> list[int]:
+        """The numbers of the commits held in memory (oldest first)."""
+        return [number for number, _ in self._kept]
+
+    def restore_commit(self, number: int) -> None:
+        """Back to commit ``number`` (one of :meth:`kept_commits`), which becomes the last."""
+        for index in range(len(self._kept) - 1, -1, -1):
+            if self._kept[index][0] == number:
+                self._kept = self._kept[:index + 1]
+                self._apply(self._kept[-1][1])
+                self._commits = number
+                return
+        raise HorovodInternalError(f"hp.elastic.run: commit {number} is no longer held here (kept: "
+                                   f"{self.kept_commits()}): the ranks stood more than {self.KEPT_COMMITS - 1} "
+                                   "commit(s) apart when ranks were lost")
 
     def sync(self) -> None:
         raise NotImplementedError
@@ -103,8 +138,7 @@ class ObjectState(State):
         self._names = [name for name in kwargs if name not in self._samplers]
         for name, value in kwargs.items():
             setattr(self, name, value)
-        self._saved_values = copy.deepcopy(self._values())
-        self._saved_samplers = self._sampler_states()
+        self._keep(0)
 
     def _values(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self._names}
@@ -112,14 +146,13 @@ class ObjectState(State):
     def _sampler_states(self) -> dict[str, dict[str, Any]]:
         return {name: sampler.state_dict() for name, sampler in self._samplers.items()}
 
-    def save(self) -> None:
-        self._saved_values = copy.deepcopy(self._values())
-        self._saved_samplers = self._sampler_states()
+    def _snapshot(self) -> Any:
+        return {"values": copy.deepcopy(self._values()), "samplers": self._sampler_states()}
 
-    def restore(self) -> None:
-        for name, value in copy.deepcopy(self._saved_values).items():
+    def _apply(self, snapshot: Any) -> None:
+        for name, value in copy.deepcopy(snapshot["values"]).items():
             setattr(self, name, value)
-        for name, saved in self._saved_samplers.items():
+        for name, saved in snapshot["samplers"].items():
             self._samplers[name].load_state_dict(saved)
 
     def _merged_sampler_states(self) -> dict[str, dict[str, Any]]:
@@ -163,11 +196,6 @@ class TorchState(ObjectState):
                 "flushes the pipeline; hybridpipe-run --restarts)")
         self.model, self.optimizer = model, optimizer
         super().__init__(**kwargs)
-        self._saved_model = self._copy(model.state_dict()) if model is not None else None
-        self._saved_optimizer = self._copy(optimizer.state_dict()) if optimizer is not None else None
-        self._saved_shards = self._shards()
-        scaler = self._scaler()
-        self._saved_scaler = scaler.state_dict() if scaler is not None else None
 
     def _shards(self) -> list[torch.Tensor] | None:
         """A ZeRO-3 optimizer's shards of the parameters, copied: the only copy of the weights between uses (the
@@ -180,14 +208,30 @@ class TorchState(ObjectState):
     def _copy(state: dict) -> dict:
         return copy.deepcopy(state)
 
+    def _snapshot(self) -> Any:
+        snapshot = super()._snapshot()
+        scaler = self._scaler()
+        snapshot.update(model=self._copy(self.model.state_dict()) if self.model is not None else None,
+                        optimizer=self._copy(self.optimizer.state_dict()) if self.optimizer is not None else None,
+                        shards=self._shards(), scaler=scaler.state_dict() if scaler is not None else None)
+        return snapshot
+
+    def _apply(self, snapshot: Any) -> None:
+        super()._apply(snapshot)
+        if self.model is not None and snapshot["model"] is not None:
+            self.model.load_state_dict(snapshot["model"])
+        if self.optimizer is not None and snapshot["optimizer"] is not None:
+            self.optimizer.load_state_dict(snapshot["optimizer"])
+        if snapshot["shards"] is not None:
+            with torch.no_grad():
+                for shard, saved in zip(self.optimizer.shard_parameters(), snapshot["shards"]):
+                    shard.copy_(saved)
+        scaler = self._scaler()
+        if scaler is not None and snapshot["scaler"] is not None:
+            scaler.load_state_dict(snapshot["scaler"])
+
     def save(self) -> None:
         super().save()
-        if self.model is not None:
-            self._saved_model = self._copy(self.model.state_dict())
-        if self.optimizer is not None:
-            self._saved_optimizer = self._copy(self.optimizer.state_dict())
-            self._saved_shards = self._shards()
-        self._save_scaler()
         directory = os.environ.get(checkpoint.CHECKPOINT_DIR_ENV)
         if directory and self.model is not None:
             samplers = {name: {"epoch": merged["epoch"], "processed_indices": sorted(merged["processed_indices"])}
@@ -195,24 +239,6 @@ class TorchState(ObjectState):
             checkpoint.save_checkpoint(directory, self.model, self.optimizer, step=self._commits + 1,
                                        extra={"elastic": self._values(), "commits": self._commits + 1,
                                               "samplers": samplers})
-
-    def restore(self) -> None:
-        super().restore()
-        if self.model is not None and self._saved_model is not None:
-            self.model.load_state_dict(self._saved_model)
-        if self.optimizer is not None and self._saved_optimizer is not None:
-            self.optimizer.load_state_dict(self._saved_optimizer)
-        if self._saved_shards is not None:
-            with torch.no_grad():
-                for shard, saved in zip(self.optimizer.shard_parameters(), self._saved_shards):
-                    shard.copy_(saved)
-        scaler = self._scaler()
-        if scaler is not None and self._saved_scaler is not None:
-            scaler.load_state_dict(self._saved_scaler)
-
-    def _save_scaler(self) -> None:
-        scaler = self._scaler()
-        self._saved_scaler = scaler.state_dict() if scaler is not None else None
 
     def _replicas(self) -> str:
         """The ranks that hold the same model: a pipeline stage's replicas ("data", each stage from its own
@@ -255,13 +281,7 @@ class TorchState(ObjectState):
 
     def save_in_memory_only(self) -> None:
         """The in-memory commit alone (what was just loaded is on disk already)."""
-        ObjectState.save(self)
-        if self.model is not None:
-            self._saved_model = self._copy(self.model.state_dict())
-        if self.optimizer is not None:
-            self._saved_optimizer = self._copy(self.optimizer.state_dict())
-            self._saved_shards = self._shards()
-        self._save_scaler()
+        self._keep(self._commits)
 
 
 def survives_failures() -> bool:
@@ -276,18 +296,22 @@ def _go_on_without_lost(state: State, lost: RanksLostError, failed: float) -> No
     """The survivors' recovery: the broken job ends without collectives, the world shrinks to the survivors, hp.init
     runs over it, the gradient syncs (DistributedOptimizer) rebind to the new engine, the state rolls back to the
     last commit and the reset callbacks run; ``run``'s loop then syncs the state from the new rank 0."""
-    syncs = drivers_of(runtime.job("elastic.run")).syncs()  # before the old job ends: its registrations say who
+    drivers = drivers_of(runtime.job("elastic.run"))  # before the old job ends: its registrations say who
+    syncs, pipelines, old_grid = drivers.syncs(), [d for d in drivers.live() if d.drives_units], runtime.grid()
     survivors = runtime.go_on_without_lost("elastic.run")
+    for driver in pipelines:  # the pipelines first: the optimizers register with them again
+        driver.rebind()
     for sync in syncs:
         sync.rebind()
-    state.restore()
+    # the newest commit every survivor holds (they may stand one apart: see State)
+    state.restore_commit(min(allgather_object(state._commits, name="elastic.commits", group="world")))
     state.on_reset()
     if survivors.grid.rank == 0:
         named = ", ".join(f"{rank} (host {host})" for rank, host in zip(survivors.lost, survivors.lost_hosts))
         sys.stderr.write(f"hybridpipe elastic: rank(s) {named or lost.ranks or '?'} lost; going on with {survivors.new_size} of "
                          f"{survivors.old_size} ranks (old size {survivors.old_size}, new size {survivors.new_size}); "
                          f"recovered in {time.monotonic() - failed:.2f} s from the failure reaching hp.elastic.run "
-                         "to the restart of the training function\n")
+                         f"to the restart of the training function; grid {old_grid.config} -> {survivors.grid.config}\n")
         sys.stderr.flush()
 
 
@@ -303,7 +327,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     While ``func`` runs under a fault-tolerant MPI (:func:`survives_failures`), a rank that dies raises
     :class:`~hybridpipe.errors.RanksLostError` on the survivors instead of ending the job: they shrink the job to
     themselves (``hp.size()`` / ``hp.rank()`` change), rebind their DistributedOptimizers, roll back to the last
-    commit, sync from the new rank 0 and call ``func`` again (data parallelism; a pipeline still restarts).
+    commit, sync from the new rank 0 and call ``func`` again; a pipeline goes on as the grid its survivors form.
     """
 
     @functools.wraps(func)
@@ -311,7 +335,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
         if not runtime.is_initialized():
             raise NotInitializedError("hp.elastic.run: the training function was called before hp.init(); call "
                                       "hp.init() first")
-        surviving = survives_failures() and runtime.grid().pipeline_stages == 1  # a pipeline still restarts
+        surviving = survives_failures()
         before = bool(core().survive_process_failures())
         if surviving:
             core().set_survive_process_failures(True)

@@ -137,7 +137,8 @@ class _DistributedOptimizerMixin:
 
     def _hp_setup(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None, op: ReduceOp,
                   compression: Any, backward_passes_per_step: int, gradient_predivide_factor: float, groups: Any,
-                  num_groups: Any, sparse_as_dense: bool, group: Any, auto_buckets: bool = True) -> None:
+                  num_groups: Any, sparse_as_dense: bool, group: Any, auto_buckets: bool = True,
+                  requested_op: Any = None) -> None:
         in_groups = [p for group_ in self.param_groups for p in group_["params"]]  # type: ignore[attr-defined]
         if named_parameters is None:
             named = [(f"param.{i}", p) for i, p in enumerate(in_groups)]
@@ -171,6 +172,8 @@ class _DistributedOptimizerMixin:
                              f"op=hp.{ReduceOp(op).name}, gradient_predivide_factor={gradient_predivide_factor})")
         self._hp_parameters = sorted(named, key=lambda item: item[0])
         self._hp_op = ReduceOp(op)
+        # what the user asked for: the grid's reading of it (_op_for_grid) is made again on another grid (_hp_rebind)
+        self._hp_requested_op = ReduceOp(requested_op if requested_op is not None else op)
         # Horovod's split of the average: gradients divided by the factor before the sum, multiplied after
         self._hp_prescale, self._hp_postscale = 1.0 / factor, factor
         self._hp_compression = compression
@@ -234,6 +237,7 @@ class _DistributedOptimizerMixin:
         self._hp_handles, self._hp_prepared, self._hp_submitted, self._hp_counts = {}, {}, set(), {}
         self._hp_ready, self._hp_synchronized, self._hp_alone_now = {}, False, None
         self._hp_join(self._hp_group)
+        self._hp_op = _op_for_grid(self._hp_requested_op, self._hp_group)  # e.g. 2 x 2 -> 2-1: Average -> Sum
 
     @contextlib.contextmanager
     def full_parameters(self, writeback: bool = False) -> Iterator[dict[str, torch.nn.Parameter]]:
@@ -581,14 +585,14 @@ def DistributedOptimizer(  # noqa: N802 — Horovod's spelling, a factory that r
     if op not in (Average, Sum, common.Adasum):
         raise ValueError(f"DistributedOptimizer op must be hp.Average, hp.Sum or hp.Adasum (got {op.name})")
     group = common.spelling(group, process_set, "DistributedOptimizer")
-    op = _op_for_grid(op, group)
+    requested, op = op, _op_for_grid(op, group)
     level = zero_module.check_level(zero, zero3_keep_gathered)
     _refuse_zero_outside(group, zero, level)
     _refuse_pipeline_driven(optimizer, zero)
     meta = zero_module.realize_meta(optimizer) if level == 3 else {}
     wrapped = _wrapper_of(optimizer, sharded=bool(level))
     wrapped._hp_setup(named_parameters, op, compression, backward_passes_per_step, gradient_predivide_factor, groups,
-                      num_groups, sparse_as_dense, group, auto_buckets=not level)
+                      num_groups, sparse_as_dense, group, auto_buckets=not level, requested_op=requested)
     if level:
         wrapped._hp_zero_setup(level, keep_gathered=bool(zero3_keep_gathered), meta=meta)
     return wrapped

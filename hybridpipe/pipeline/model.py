@@ -30,6 +30,7 @@ Design reasons:
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -335,6 +336,8 @@ class PipelineModel(nn.Module):
                                        replica_ranks)
         # the job finds the pipeline that runs a parameter here (a DistributedOptimizer registers with it)
         drivers_of(runtime.job("PipelineModel")).add(self._executor.gradient_syncs)
+        rebind = weakref.WeakMethod(self._rebind)  # the driver (held by the parameters' hooks) keeps no model alive
+        self._executor.gradient_syncs.rebinder = lambda: (rebind() or (lambda: None))()
         self._executor.use_skips(self.skip_routes)
         if runtime.config().profile_executor:
             self._executor.profile = ExecutorProfile()
@@ -711,6 +714,34 @@ class PipelineModel(nn.Module):
         self._executor.gradient_syncs.step_ends()
         self.last_step = result
         return sum(result.losses.values()) / len(result.losses) if result.losses else None
+
+    def _rebind(self) -> None:
+        """The survivors of lost ranks started a new job (hp.elastic.run) whose grid keeps this rank's stage: the
+        stage goes on in it with the same layers and parameters (the optimizer's state untouched), talking to the
+        replicas of the other stages that are left (micro-batches round-robin over them on a grid with per-stage
+        replica counts). The schedule must run on that grid; weights tied across stages do not go on yet."""
+        the_job = runtime.job("elastic.run")
+        grid = the_job.grid
+        if grid.pipeline_stages != self.stages or grid.stage != self.stage:
+            raise NotSupportedError(f"hp.elastic.run: the survivors' grid ({grid.config}) does not keep stage "
+                                    f"{self.stage} of the {self.stages}-stage PipelineModel on this rank")
+        if self._tied is not None:
+            raise NotSupportedError("hp.elastic.run: a PipelineModel with weights tied across stages cannot go on "
+                                    "after ranks were lost yet; restart the job from a checkpoint "
+                                    "(hybridpipe-run --restarts N --checkpoint-dir DIR)")
+        if not grid.uniform:
+            self._check_stage_replicas(grid, self.schedule_name, self.virtual_stages, self.micro_batches,
+                                       self.vertical_sync)
+        old = self._comm  # the old job's engine is gone (its thread made our MPI calls): revoked and freed here
+        old.Revoke()
+        old.Free()
+        self.grid, self._schedule_cache = grid, {}
+        self._comm = call("pipe", "PipelineModel", grid.pipe_comm.Dup)
+        self._executor.rebind(self._comm, None if grid.uniform else
+                              [grid.ranks_of_stage(s) for s in range(self.stages)])
+        drivers_of(the_job).add(self._executor.gradient_syncs)
+        if self.scaler is not None:
+            self.scaler.replicas = grid.data_replicas if grid.uniform else 1
 
     def _check_runtime(self, function: str) -> None:
         """The model's stage talks over the communicators of the hp.init it was built under: refuse once they are

@@ -60,7 +60,7 @@ from torch import nn
 
 from hybridpipe import _trace as timeline
 from hybridpipe.comm import p2p
-from hybridpipe.errors import PipelineBroken, ScheduleError, UsageError
+from hybridpipe.errors import PipelineBroken, RanksLostError, ScheduleError, UsageError
 from hybridpipe.gradient_sync import SyncDriver, Unit
 from hybridpipe.pipeline import finite
 from hybridpipe.pipeline.asynchronous import WeightStash
@@ -356,6 +356,18 @@ class StageExecutor:
             send.wait(abort=self._errors)
         self._sends = []
 
+    def rebind(self, comm: Any, replica_ranks: Sequence[Sequence[int]] | None = None) -> None:
+        """Goes on over ``comm``, the pipeline communicator of the job the survivors of lost ranks started
+        (hp.elastic.run), with ``replica_ranks`` as in the constructor: the same chunks and units, other peers.
+        What the failed step left (its sends, stored activations, the broken mark) is dropped with the old job."""
+        self.comm, self.comm_rank = comm, comm.Get_rank()
+        self.replica_ranks = [list(r) for r in replica_ranks] if replica_ranks is not None else \
+            [[r] for r in range(self.ranks)]
+        self._errors = [p2p.receive_error(peer, comm) for peer in self._neighbours()]
+        self._broken, self._sends, self._stored, self._print_pending = None, [], {}, set()
+        for chunk in self.chunks.values():
+            chunk.unit.in_backward, chunk.unit.split_backward = None, False
+
     def close(self) -> None:
         """Withdraws the error receives and forgets the unopened ones (call before the communicator is freed)."""
         for error in self._errors:
@@ -442,6 +454,9 @@ class StageExecutor:
     def _fail(self, error: BaseException) -> None:
         text = f"{type(error).__name__}: {error}"
         self._broken = text
+        if isinstance(error, RanksLostError):  # every survivor learns of it from its own engine; the old
+            self._sends = []                  # communicators are being revoked: nothing to tell the neighbours
+            return
         came_from = getattr(error, "source", None)
         if isinstance(error, p2p.RemoteError):
             text = str(error)
