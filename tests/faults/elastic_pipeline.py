@@ -1,8 +1,9 @@
 """A pipeline rank that dies inside hp.elastic.run (tests/test_elastic_inprocess.py): a float64 MLP as a 2 x 2 grid
 (two stages, two replicas), GPipe with 2 micro-batches, fixed global mini-batches drawn through
 hp.elastic.ElasticSampler(batch_size=GLOBAL_BATCH), a commit after every step. Rank $KILL_RANK SIGKILLs itself inside
-step $KILL_STEP; the three survivors go on as the grid with per-stage replica counts that is left (rank 3 of stage 1:
-2-1) in the same processes. At the end every survivor writes its stage's parameters to OUT.<rank>."""
+step $KILL_STEP (a comma list: ranks 2 and 3 are a host's, replica 1 of both stages); the survivors go on as the grid
+that is left (rank 3 lost: 2-1; ranks 2 and 3: one replica of each stage) in the same processes. At the end every
+survivor writes its stage's parameters to OUT.<rank>."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def layers() -> list[torch.nn.Module]:
 
 
 def main() -> None:
-    kill_rank, kill_step = int(os.environ["KILL_RANK"]), int(os.environ["KILL_STEP"])
+    kill_ranks, kill_step = [int(rank) for rank in os.environ["KILL_RANK"].split(",")], int(os.environ["KILL_STEP"])
     hp.init(pipeline_stages=2)
     model = hp.PipelineModel(layers(), balance=[2, 3], micro_batches=2, schedule="gpipe",
                              loss_fn=torch.nn.functional.mse_loss)
@@ -55,10 +56,10 @@ def main() -> None:
     def train(state: hp.elastic.TorchState) -> None:
         for index, (inputs, targets) in enumerate(loader):
             optimizer.zero_grad()
-            if hp.size() == 4 and hp.rank() == kill_rank and state.step == kill_step:
-                with open(os.environ["OUT"] + ".killed", "w") as out:
+            if hp.size() == 4 and hp.rank() in kill_ranks and state.step == kill_step:
+                with open(f"{os.environ['OUT']}.killed{hp.rank()}", "w") as out:
                     out.write(f"{time.time():.6f}")
-                print(f"rank {kill_rank}: killing itself in step {state.step}", flush=True)
+                print(f"rank {hp.rank()}: killing itself in step {state.step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             model.train_step(inputs, targets)
             optimizer.step()
