@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 from pathlib import Path
@@ -241,6 +242,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-fault-tolerance", action="store_true",
                         help="Open MPI: do not pass --with-ft ulfm (by default a dead rank is reported to the "
                              "others, which name it and end the job)")
+    parser.add_argument("--elastic", action="store_true",
+                        help="Open MPI with ULFM: launch with --with-ft ulfm, so that the survivors of a dead rank "
+                             "go on in the same processes inside hp.elastic.run; the job's outcome is read from its "
+                             "ranks (mpirun then exits 0 after a death), and --restarts follows a job that did not "
+                             "finish. Several hosts: with --checkpoint-dir on a shared file system")
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
     parser.add_argument("program", nargs=argparse.REMAINDER, help="the program and its arguments")
     args = parser.parse_args(argv)
@@ -363,6 +369,8 @@ def _settings(args: argparse.Namespace, attempt: int) -> dict[str, str]:
         env["HYBRIDPIPE_CHECKPOINT_DIR"] = os.path.abspath(args.checkpoint_dir)
     if args.restarts or attempt:
         env["HYBRIDPIPE_RESTART"] = str(attempt)
+    if args.elastic:
+        env[OUTCOME_DIR_ENV] = outcome_dir(args, attempt)
     if args.timeline:
         env["HYBRIDPIPE_TIMELINE"] = args.timeline
     if args.fusion_threshold_mb is not None:
@@ -437,10 +445,48 @@ def build_command(argv: Sequence[str] | None = None, attempt: int = 0) -> tuple[
             placement += ["-f", args.hostfile]
     elif args.hosts or args.hostfile:
         raise UsageError(f"cannot pass hosts to {launcher}: its MPI flavour is unknown; use --mpi-args")
-    command = mpirun_command(np, program, mpirun=launcher, extra_args=[*placement, *extra], env=env,
+    if args.elastic and flavour != "openmpi":
+        raise UsageError(f"--elastic needs Open MPI's mpirun (ULFM: --with-ft ulfm); {launcher} is {flavour}: a dead "
+                         "rank then ends the job, and --restarts starts it again")
+    ulfm = ["--with-ft", "ulfm"] if args.elastic else []
+    command = mpirun_command(np, program, mpirun=launcher, extra_args=[*placement, *ulfm, *extra], env=env,
                              oversubscribe=False if (args.hosts or args.hostfile) else None,
-                             fault_tolerant=not args.no_fault_tolerance)
+                             fault_tolerant=not args.no_fault_tolerance and not args.elastic)
     return command, warnings
+
+
+#: what a rank's hp.init reads (hybridpipe.runtime._report_outcome writes there: ``running SIZE``, then ``exit CODE
+#: SIZE`` when its program ended)
+OUTCOME_DIR_ENV = "HYBRIDPIPE_OUTCOME_DIR"
+
+
+def outcome_dir(args: argparse.Namespace, attempt: int) -> str:
+    """Where attempt ``attempt``'s ranks report how they ended: beside the checkpoints (shared by the hosts), else in
+    this host's temporary directory."""
+    base = os.path.abspath(args.checkpoint_dir) if args.checkpoint_dir else tempfile.gettempdir()
+    return os.path.join(base, f".hybridpipe-outcome-{os.getpid()}-{attempt}")
+
+
+def elastic_outcome(code: int, directory: str) -> tuple[int, str]:
+    """The exit code of an ``--elastic`` job that mpirun ended with ``code``, and a line saying why when it is not
+    mpirun's: a job succeeded when every rank of its last job (after hp.elastic.run's recoveries) ended its program
+    with 0; a rank that never ended it (killed, aborted: under ULFM mpirun still exits 0) fails it. A program that
+    never called hp.init leaves no files: mpirun's code stands."""
+    records = []
+    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+        with open(os.path.join(directory, name)) as file:
+            records.append(file.read().split())
+    if code != 0 or not records:
+        return code, ""
+    ended = [(int(words[1]), int(words[2])) for words in records if words[:1] == ["exit"] and len(words) == 3]
+    unfinished = len(records) - len(ended)
+    sizes = {size for _, size in ended}
+    if ended and all(status == 0 for status, _ in ended) and len(sizes) == 1 and len(ended) == sizes.pop():
+        return 0, (f"hybridpipe-run: the job finished on {len(ended)} rank(s); {unfinished} were lost and it went on "
+                   "without them" if unfinished else "")
+    return 1, (f"hybridpipe-run: the job did not finish: {unfinished} of its {len(records)} rank(s) never ended their "
+               f"program (killed, or the job aborted: under --with-ft ulfm mpirun exits 0 even then), "
+               f"{sum(1 for status, _ in ended if status)} ended with an error")
 
 
 def _restart_note(args: argparse.Namespace, attempt: int, code: int) -> str:
@@ -547,7 +593,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     attempt, code = 0, 0
     try:
         while not job["signal"]:
+            if args.elastic:
+                os.makedirs(outcome_dir(args, attempt), exist_ok=True)
             code = _run_once(command, job)
+            if args.elastic:
+                directory = outcome_dir(args, attempt)
+                code, note = elastic_outcome(code, directory)
+                shutil.rmtree(directory, ignore_errors=True)
+                if note:
+                    print(note, file=sys.stderr, flush=True)
             if code == 0 or job["signal"] or attempt >= args.restarts:
                 break
             attempt += 1

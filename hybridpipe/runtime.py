@@ -261,7 +261,40 @@ def init(pipeline_stages: int | None = None, comm: Any = None, config: Config | 
         raise
     # hp.shutdown at exit, before mpi4py's MPI_Finalize (atexit is last-in, first-out); hp.shutdown unregisters it
     atexit.register(_shutdown_at_exit)
+    _report_outcome(the_grid.size)
     return the_grid
+
+
+#: where ``hybridpipe-run --elastic`` reads how its ranks ended (see :func:`_report_outcome`)
+OUTCOME_DIR_ENV = "HYBRIDPIPE_OUTCOME_DIR"
+
+
+def _report_outcome(size: int) -> None:
+    """Under ``hybridpipe-run --elastic`` (``$HYBRIDPIPE_OUTCOME_DIR``): this process's file there says ``running
+    SIZE`` from each hp.init on (SIZE: that job's size), and ``exit CODE SIZE`` once the program ended (CODE 1
+    after an uncaught exception, else 0). Under ``mpirun --with-ft ulfm`` a rank killed or an ``MPI_Abort`` leaves
+    mpirun's exit code 0, so the launcher judges the job by these files: it succeeded when every rank of the last
+    job ended with 0 (the survivors of hp.elastic.run's recovery, say), and failed when one did not end (aborted,
+    killed, still in the old job)."""
+    directory = os.environ.get(OUTCOME_DIR_ENV)
+    if not directory:
+        return
+    path = os.path.join(directory, f"rank-{os.getpid()}")
+    with open(path, "w") as out:
+        out.write(f"running {size}\n")
+
+    def ended() -> None:
+        code = 1 if getattr(sys, "last_value", None) is not None else 0
+        try:
+            with open(path) as written:
+                words = written.read().split()
+            if words[:1] == ["running"]:  # (each hp.init registers this: the first at exit writes)
+                with open(path, "w") as out:
+                    out.write(f"exit {code} {words[1]}\n")
+        except OSError:
+            pass
+
+    atexit.register(ended)
 
 
 def _existing_grid(base: Any, pipeline_stages: int, stage_replicas: tuple[int, ...] | None, sets: list) -> Grid:

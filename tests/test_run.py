@@ -182,3 +182,63 @@ def test_ctrl_c_stops_every_rank(tmp_path):
         time.sleep(0.05)
     alive = [pid for pid in pids if running(pid)]
     assert alive == [], f"ranks {alive} survived Ctrl-C"
+
+
+def _ulfm() -> bool:
+    from hybridpipe import _ext
+
+    return launch.mpi_flavour(launch.find_mpirun()) == "openmpi" and bool(_ext.core().ulfm_compiled())
+
+
+def test_elastic_launch_passes_ulfm_and_an_outcome_directory(tmp_path):
+    command, _ = launch.build_command(["-np", "2", "--elastic", "--checkpoint-dir", str(tmp_path), "python", "t.py"])
+    joined = " ".join(command)
+    assert "--with-ft ulfm" in joined and "mpi_ft_enable" not in joined, joined
+    assert f"-x HYBRIDPIPE_OUTCOME_DIR={tmp_path}/.hybridpipe-outcome-{os.getpid()}-0" in joined, joined
+    mpich = fake_program(tmp_path / "bin", "mpiexec", HYDRA_VERSION)
+    with pytest.raises(launch.UsageError, match="--elastic needs Open MPI's mpirun"):
+        launch.build_command(["-np", "2", "--elastic", "--mpirun", str(mpich), "python", "t.py"])
+
+
+@pytest.mark.skipif(not _ulfm(), reason="needs Open MPI with ULFM")
+def test_elastic_run_is_judged_by_its_ranks_a_survived_death_succeeds_an_aborted_job_fails(tmp_path):
+    # survivors of a SIGKILL go on in hp.elastic.run and finish: 0 (mpirun's own code is 0 either way under ULFM)
+    out = tmp_path / "parameters.pt"
+    result = run_cli("-np", "3", "--elastic", "-x", "OMP_NUM_THREADS=1", "-x", "KILL_RANK=2", "-x", "KILL_STEP=3",
+                     "-x", f"OUT={out}", sys.executable, str(ROOT / "tests" / "faults" / "elastic_inprocess.py"),
+                     timeout=150)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "hybridpipe-run: the job finished on 2 rank(s); 1 were lost and it went on without them" in output, output
+    assert out.exists()
+    # a job that aborts (python -m hybridpipe on an uncaught exception: MPI_Abort) fails, and --restarts follows
+    script = tmp_path / "fails.py"
+    script.write_text("import hybridpipe as hp\nhp.init()\nif hp.rank() == 1:\n    raise ValueError('rank 1 gives up')\n"
+                      "hp.barrier()\n")
+    result = run_cli("-np", "2", "--elastic", "--restarts", "1", sys.executable, "-m", "hybridpipe", str(script),
+                     timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "restart 1 of 1" in output and "all 1 restart(s) are used" in output, output
+    assert not list(Path(launch.tempfile.gettempdir()).glob(".hybridpipe-outcome-*")), "outcome directories left"
+
+
+def test_elastic_outcome_fails_a_job_whose_last_ranks_did_not_all_end(tmp_path):
+    # what ranks leave under --elastic (hybridpipe.runtime._report_outcome writes the files): when mpirun says 0
+    # (a killed rank is a fault ULFM tolerates), the job succeeded only if every rank of its last job ended with 0
+    def outcome(*lines: str) -> tuple[int, str]:
+        directory = tmp_path / str(len(list(tmp_path.iterdir())))
+        directory.mkdir()
+        for index, line in enumerate(lines):
+            (directory / f"rank-{index}").write_text(line + "\n")
+        return launch.elastic_outcome(0, str(directory))
+
+    assert outcome("exit 0 2", "exit 0 2") == (0, "")
+    assert outcome("exit 0 2", "exit 0 2", "running 3") == (
+        0, "hybridpipe-run: the job finished on 2 rank(s); 1 were lost and it went on without them")
+    code, why = outcome("exit 0 3", "exit 0 3", "running 3")  # a rank of the last job never ended
+    assert code == 1 and "1 of its 3 rank(s) never ended their program" in why, why
+    code, why = outcome("exit 0 2", "exit 1 2")
+    assert code == 1 and "1 ended with an error" in why, why
+    assert outcome("running 2", "running 2")[0] == 1
+    assert launch.elastic_outcome(0, str(tmp_path / "none")) == (0, "")  # no hp.init: mpirun's code stands
+    assert launch.elastic_outcome(3, str(tmp_path / "0")) == (3, "")
