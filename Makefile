@@ -36,8 +36,9 @@ test: $(STAMP)
 # failed), a rank killed while saving a checkpoint (tests/misuse), the MPI test files' long_ranks (8
 # ranks oversubscribed on this machine; launches whose cases the other launches of the file already
 # cover, kept out of `make test` for its time), then the multi-host tests 20 times in a row, their long cases
-# (the hierarchical allreduce on 2 + 2 ranks) included (they must pass every time); the in-process elastic case of a
-# point-to-point wait whose peer dies.
+# (the hierarchical allreduce on 2 + 2 ranks) included (they must pass every time); the in-process elastic cases of a
+# point-to-point wait whose peer dies and of the pipelines that make test leaves out (rank 3 or ranks 2 and 3 lost, on
+# one host and over two emulated hosts).
 MULTIHOST_REPEATS ?= 20
 test-long: $(STAMP)
 	HYBRIDPIPE_LONG_TESTS=1 PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests/test_restart.py \

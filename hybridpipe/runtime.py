@@ -529,7 +529,7 @@ def _surviving_grid(old: Grid, survivors: list[int], me: int, function: str) -> 
     return counts, rank_of_place(counts)[(stage, new_replica)]
 
 
-FINALIZE_GRACE_SECONDS = 30.0  # from interpreter exit, after ranks died, to the end of MPI_Finalize at the latest
+FINALIZE_GRACE_SECONDS = 15.0  # from interpreter exit, after ranks died, to the end of MPI_Finalize at the latest
 
 
 def _bound_finalize_after_lost() -> None:

@@ -85,18 +85,41 @@ def pipeline_replay() -> dict[str, torch.Tensor]:
     return {f"layers.{name}": value for name, value in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("killed, grid, stages", [("3", "2-1", [0, 1, 0]), ("0", "1-2", [0, 1, 1]),
-                                                   ("2,3", "straight", [0, 1])])
+LONG = pytest.mark.skipif(os.environ.get("HYBRIDPIPE_LONG_TESTS") != "1",
+                          reason="slow: set HYBRIDPIPE_LONG_TESTS=1 (make test-long)")
+
+
+# make test keeps one case of each launcher (rank 0 lost here: the re-ranking; rank 3 over the emulated hosts)
+@pytest.mark.parametrize("killed, grid, stages", [pytest.param("3", "2-1", [0, 1, 0], marks=LONG),
+                                                   ("0", "1-2", [0, 1, 1]),
+                                                   pytest.param("2,3", "straight", [0, 1], marks=LONG)])
 def test_a_pipeline_goes_on_as_the_replicas_that_are_left_and_trains_like_one_process(tmp_path, killed, grid, stages):
     # 2 x 2 (rank = replica x 2 + stage) loses rank 3 (stage 1's second replica): the survivors go on as 2-1; losing
     # rank 0 (stage 0's first), as 1-2, re-ranked so that old rank 2 (stage 0) is the new rank 0; losing ranks 2
     # and 3 at once (a host that held replica 1 of both stages), as one pipeline of two ranks
     out = tmp_path / "stage"
-    survivors = len(stages)
     command = mpirun_command(4, [sys.executable, str(ROOT / "tests" / "faults" / "elastic_pipeline.py")],
                              env={"OMP_NUM_THREADS": "1", "KILL_RANK": str(killed), "KILL_STEP": "3",
                                   "OUT": str(out)}, extra_args=["--with-ft", "ulfm"])
-    result = run_job(command, 150, out)
+    check_pipeline_job(run_job(command, 150, out), out, killed, grid, stages)
+
+
+@pytest.mark.parametrize("killed, grid, stages", [("3", "2-1", [0, 1, 0]),
+                                                   pytest.param("2,3", "straight", [0, 1], marks=LONG)],
+                         ids=["a rank", "a host"])
+def test_a_pipeline_over_two_emulated_hosts_goes_on_without_a_rank_or_a_host(emulated_hosts, tmp_path, killed, grid,
+                                                                            stages):
+    # host 0 holds ranks 0 and 1 (replica 0 of both stages), host 1 ranks 2 and 3; between them MPI goes over TCP
+    out = tmp_path / "stage"
+    command = emulated_hosts.mpirun_command(2, [sys.executable, str(ROOT / "tests" / "faults" / "elastic_pipeline.py")],
+                                            env={"OMP_NUM_THREADS": "1", "KILL_RANK": killed, "KILL_STEP": "3",
+                                                 "OUT": str(out)}, extra_args=["--with-ft", "ulfm"])
+    check_pipeline_job(run_job(command, 150, out), out, killed, grid, stages)
+
+
+def check_pipeline_job(result: subprocess.CompletedProcess, out: Path, killed: str, grid: str, stages: list[int]) -> None:
+    """The survivors of the pipeline job went on as ``grid``, fast, and each ended with one process's parameters."""
+    survivors = len(stages)
     output = result.stdout + result.stderr
     for rank in range(survivors):
         assert f"survivor done: rank {rank} of {survivors}, stage {stages[rank]}" in output, output

@@ -56,6 +56,8 @@ def main() -> None:
     def train(state: hp.elastic.TorchState) -> None:
         for index, (inputs, targets) in enumerate(loader):
             optimizer.zero_grad()
+            if hp.size() == 4 and state.step == kill_step:
+                hp.barrier(group="world")  # the ranks to kill leave it together: none learns of another's death first
             if hp.size() == 4 and hp.rank() in kill_ranks and state.step == kill_step:
                 with open(f"{os.environ['OUT']}.killed{hp.rank()}", "w") as out:
                     out.write(f"{time.time():.6f}")
