@@ -41,6 +41,8 @@ def layers() -> list[torch.nn.Module]:
 
 def main() -> None:
     kill_ranks, kill_step = [int(rank) for rank in os.environ["KILL_RANK"].split(",")], int(os.environ["KILL_STEP"])
+    if os.environ.get("HYBRIDPIPE_RESTART", "0") != "0":  # hybridpipe-run --restarts started it again: no new kill
+        kill_ranks = []
     hp.init(pipeline_stages=2)
     model = hp.PipelineModel(layers(), balance=[2, 3], micro_batches=2, schedule="gpipe",
                              loss_fn=torch.nn.functional.mse_loss)
