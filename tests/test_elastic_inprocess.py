@@ -37,14 +37,7 @@ def run_job(command: list[str], timeout: float, written: Path) -> subprocess.Com
 
 def replay() -> dict[str, torch.Tensor]:
     """The same steps in one process on the whole global batches (what the survivors must end with)."""
-    model = case.make_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(case.STEPS):
-        inputs, targets = case.global_batch(step)
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(inputs), targets).backward()
-        optimizer.step()
-    return model.state_dict()
+    return case.replay(case.make_model(), case.global_batch)
 
 
 def test_survivors_of_a_killed_rank_go_on_and_train_like_one_process(tmp_path):
@@ -75,14 +68,8 @@ def test_survivors_of_a_killed_rank_go_on_and_train_like_one_process(tmp_path):
 
 def pipeline_replay() -> dict[str, torch.Tensor]:
     """The pipeline job's steps in one process on the whole mini-batches, its layers' names as the stages name them."""
-    model = torch.nn.Sequential(*pipeline_case.layers())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(pipeline_case.STEPS):
-        inputs, targets = pipeline_case.global_batch(step)
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(inputs), targets).backward()
-        optimizer.step()
-    return {f"layers.{name}": value for name, value in model.state_dict().items()}
+    trained = case.replay(torch.nn.Sequential(*pipeline_case.layers()), pipeline_case.global_batch, pipeline_case.STEPS)
+    return {f"layers.{name}": value for name, value in trained.items()}
 
 
 LONG = pytest.mark.skipif(os.environ.get("HYBRIDPIPE_LONG_TESTS") != "1",

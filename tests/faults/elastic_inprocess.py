@@ -10,29 +10,43 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 import torch
 
 import hybridpipe as hp
 
-STEPS, GLOBAL_BATCH, FEATURES = 8, 12, 6
+STEPS, GLOBAL_BATCH, FEATURES, SEED = 8, 12, 6, 3
 
 
-SEED = 3
+def dataset(rows: int = STEPS * GLOBAL_BATCH, features: int = FEATURES, seed: int = 1000,
+            target: Any = torch.sin) -> torch.utils.data.TensorDataset:
+    """``rows`` float64 samples of ``features`` (seeded), each one's target ``target`` of its sum (this job's and
+    the pipeline job's, tests/faults/elastic_pipeline.py)."""
+    inputs = torch.randn(rows, features, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return torch.utils.data.TensorDataset(inputs, target(inputs.sum(dim=1, keepdim=True)))
 
 
-def dataset() -> torch.utils.data.TensorDataset:
-    inputs = torch.randn(STEPS * GLOBAL_BATCH, FEATURES, generator=torch.Generator().manual_seed(1000),
-                         dtype=torch.float64)
-    return torch.utils.data.TensorDataset(inputs, inputs.sum(dim=1, keepdim=True).sin())
-
-
-def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mini-batch ``step`` of the epoch as one process takes it: consecutive indices of the seeded permutation."""
-    order = torch.randperm(STEPS * GLOBAL_BATCH, generator=torch.Generator().manual_seed(SEED))
-    inputs, targets = dataset().tensors
-    chosen = order[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH]
+def global_batch(step: int, data: Any = None, batch: int = GLOBAL_BATCH, seed: int = SEED) -> tuple[Any, Any]:
+    """Mini-batch ``step`` of the epoch as one process takes it: ``batch`` consecutive indices of the permutation
+    seeded with ``seed`` (what ElasticSampler(seed=seed, batch_size=batch) shares out at epoch 0)."""
+    data = dataset() if data is None else data
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))
+    chosen = order[step * batch:(step + 1) * batch]
+    inputs, targets = data.tensors
     return inputs[chosen], targets[chosen]
+
+
+def replay(model: torch.nn.Module, batch_of: Any, steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """``steps`` steps of ``model`` in one process on ``batch_of(step)`` (SGD with momentum, MSE): what a job's
+    survivors must end with."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        inputs, targets = batch_of(step)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+    return model.state_dict()
 
 
 def make_model() -> torch.nn.Module:

@@ -14,23 +14,19 @@ import time
 
 import torch
 
+import elastic_inprocess  # the data-parallel job beside this file: its dataset and mini-batch helpers
 import hybridpipe as hp
 
 STEPS, GLOBAL_BATCH, FEATURES, SEED = 8, 8, 5, 4
 
 
 def dataset() -> torch.utils.data.TensorDataset:
-    inputs = torch.randn(STEPS * GLOBAL_BATCH, FEATURES, generator=torch.Generator().manual_seed(2000),
-                         dtype=torch.float64)
-    return torch.utils.data.TensorDataset(inputs, inputs.sum(dim=1, keepdim=True).cos())
+    return elastic_inprocess.dataset(STEPS * GLOBAL_BATCH, FEATURES, seed=2000, target=torch.cos)
 
 
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mini-batch ``step`` of the epoch as one process takes it: consecutive indices of the seeded permutation."""
-    order = torch.randperm(STEPS * GLOBAL_BATCH, generator=torch.Generator().manual_seed(SEED))
-    inputs, targets = dataset().tensors
-    chosen = order[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH]
-    return inputs[chosen], targets[chosen]
+    """Mini-batch ``step`` of the epoch as one process takes it."""
+    return elastic_inprocess.global_batch(step, dataset(), GLOBAL_BATCH, SEED)
 
 
 def layers() -> list[torch.nn.Module]:
