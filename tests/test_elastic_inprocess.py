@@ -77,18 +77,34 @@ LONG = pytest.mark.skipif(os.environ.get("HYBRIDPIPE_LONG_TESTS") != "1",
 
 
 # make test keeps one case of each launcher (rank 0 lost here: the re-ranking; rank 3 over the emulated hosts)
-@pytest.mark.parametrize("killed, grid, stages", [pytest.param("3", "2-1", [0, 1, 0], marks=LONG),
-                                                   ("0", "1-2", [0, 1, 1]),
-                                                   pytest.param("2,3", "straight", [0, 1], marks=LONG)])
-def test_a_pipeline_goes_on_as_the_replicas_that_are_left_and_trains_like_one_process(tmp_path, killed, grid, stages):
+@pytest.mark.parametrize("killed, grid, stages, schedule", [pytest.param("3", "2-1", [0, 1, 0], "gpipe", marks=LONG),
+                                                             ("0", "1-2", [0, 1, 1], "gpipe"),
+                                                             pytest.param("2,3", "straight", [0, 1], "gpipe", marks=LONG),
+                                                             pytest.param("3", "2-1", [0, 1, 0], "1f1b", marks=LONG)])
+def test_a_pipeline_goes_on_as_the_replicas_that_are_left_and_trains_like_one_process(tmp_path, killed, grid, stages,
+                                                                                       schedule):
     # 2 x 2 (rank = replica x 2 + stage) loses rank 3 (stage 1's second replica): the survivors go on as 2-1; losing
     # rank 0 (stage 0's first), as 1-2, re-ranked so that old rank 2 (stage 0) is the new rank 0; losing ranks 2
     # and 3 at once (a host that held replica 1 of both stages), as one pipeline of two ranks
     out = tmp_path / "stage"
-    command = mpirun_command(4, [sys.executable, str(ROOT / "tests" / "faults" / "elastic_pipeline.py")],
-                             env={"OMP_NUM_THREADS": "1", "KILL_RANK": str(killed), "KILL_STEP": "3",
-                                  "OUT": str(out)}, extra_args=["--with-ft", "ulfm"])
-    check_pipeline_job(run_job(command, 150, out), out, killed, grid, stages)
+    check_pipeline_job(run_job(pipeline_command(out, killed, schedule), 150, out), out, killed, grid, stages)
+
+
+def pipeline_command(out: Path, killed: str, schedule: str = "gpipe") -> list[str]:
+    return mpirun_command(4, [sys.executable, str(ROOT / "tests" / "faults" / "elastic_pipeline.py")],
+                          env={"OMP_NUM_THREADS": "1", "KILL_RANK": killed, "KILL_STEP": "3", "OUT": str(out),
+                               "SCHEDULE": schedule}, extra_args=["--with-ft", "ulfm"])
+
+
+@LONG
+def test_a_schedule_that_does_not_run_on_the_grid_that_is_left_ends_the_job_naming_why(tmp_path):
+    out = tmp_path / "stage"
+    result = run_job(pipeline_command(out, "3", "zb-h1"), 150, out)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert output.count("UsageError: schedule 'zb-h1' does not run on a grid with stage_replicas [2, 1] (2-1): use "
+                        "one of 'gpipe', '1f1b'") >= 3, output  # on each survivor
+    assert not list(tmp_path.glob("stage.[0-9]")), "a survivor finished"
 
 
 @pytest.mark.parametrize("killed, grid, stages", [("3", "2-1", [0, 1, 0]),

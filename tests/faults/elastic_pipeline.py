@@ -1,5 +1,5 @@
 """A pipeline rank that dies inside hp.elastic.run (tests/test_elastic_inprocess.py): a float64 MLP as a 2 x 2 grid
-(two stages, two replicas), GPipe with 2 micro-batches, fixed global mini-batches drawn through
+(two stages, two replicas), GPipe ($SCHEDULE: another) with 2 micro-batches, fixed global mini-batches drawn through
 hp.elastic.ElasticSampler(batch_size=GLOBAL_BATCH), a commit after every step. Rank $KILL_RANK SIGKILLs itself inside
 step $KILL_STEP (a comma list: ranks 2 and 3 are a host's, replica 1 of both stages); the survivors go on as the grid
 that is left (rank 3 lost: 2-1; ranks 2 and 3: one replica of each stage) in the same processes. At the end every
@@ -40,7 +40,7 @@ def main() -> None:
     if os.environ.get("HYBRIDPIPE_RESTART", "0") != "0":  # hybridpipe-run --restarts started it again: no new kill
         kill_ranks = []
     hp.init(pipeline_stages=2)
-    model = hp.PipelineModel(layers(), balance=[2, 3], micro_batches=2, schedule="gpipe",
+    model = hp.PipelineModel(layers(), balance=[2, 3], micro_batches=2, schedule=os.environ.get("SCHEDULE", "gpipe"),
                              loss_fn=torch.nn.functional.mse_loss)
     optimizer = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                         named_parameters=model.named_parameters())
