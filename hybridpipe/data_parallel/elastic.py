@@ -108,7 +108,11 @@ class State:
         return [number for number, _ in self._kept]
 
     def restore_commit(self, number: int) -> None:
-        """Back to commit ``number`` (one of :meth:`kept_commits`), which becomes the last."""
+        """Back to commit ``number`` (one of :meth:`kept_commits`), which becomes the last. A state of your own that
+        keeps its commits itself (it overrides ``save`` and ``restore``) goes back to its last one."""
+        if not self._kept:
+            self.restore()
+            return
         for index in range(len(self._kept) - 1, -1, -1):
             if self._kept[index][0] == number:
                 self._kept = self._kept[:index + 1]
