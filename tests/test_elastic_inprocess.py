@@ -76,7 +76,7 @@ LONG = pytest.mark.skipif(os.environ.get("HYBRIDPIPE_LONG_TESTS") != "1",
                           reason="slow: set HYBRIDPIPE_LONG_TESTS=1 (make test-long)")
 
 
-# make test keeps one case of each launcher (rank 0 lost here: the re-ranking; rank 3 over the emulated hosts)
+# make test keeps the rank-0 case (the re-ranking); the others, and the emulated hosts, run in make test-long
 @pytest.mark.parametrize("killed, grid, stages, schedule", [pytest.param("3", "2-1", [0, 1, 0], "gpipe", marks=LONG),
                                                              ("0", "1-2", [0, 1, 1], "gpipe"),
                                                              pytest.param("2,3", "straight", [0, 1], "gpipe", marks=LONG),
@@ -107,8 +107,8 @@ def test_a_schedule_that_does_not_run_on_the_grid_that_is_left_ends_the_job_nami
     assert not list(tmp_path.glob("stage.[0-9]")), "a survivor finished"
 
 
-@pytest.mark.parametrize("killed, grid, stages", [("3", "2-1", [0, 1, 0]),
-                                                   pytest.param("2,3", "straight", [0, 1], marks=LONG)],
+@LONG  # make test's 8 minutes: the one-host cases of the same recovery run there
+@pytest.mark.parametrize("killed, grid, stages", [("3", "2-1", [0, 1, 0]), ("2,3", "straight", [0, 1])],
                          ids=["a rank", "a host"])
 def test_a_pipeline_over_two_emulated_hosts_goes_on_without_a_rank_or_a_host(emulated_hosts, tmp_path, killed, grid,
                                                                             stages):
