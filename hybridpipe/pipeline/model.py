@@ -328,12 +328,9 @@ class PipelineModel(nn.Module):
         """This rank's executor of its chunks on a private communicator, the weights tied across ranks, the
         precision's autocast and loss scaler, and (asynchronous schedules) the stream that applies ``optimizer``."""
         stages, virtual_stages = self.stages, self.virtual_stages
-        # private: our tags never meet anyone else's messages
-        self._comm = call("pipe", "PipelineModel", grid.pipe_comm.Dup)
-        # a non-uniform grid: pipe_comm is the world; micro-batch m of stage s runs on its replica m mod R_s
-        replica_ranks = None if grid.uniform else [grid.ranks_of_stage(s) for s in range(stages)]
+        self._comm = self._private_comm(grid)
         self._executor = StageExecutor(chunk_modules, self.stage, stages, self._comm, self.device, virtual_stages,
-                                       replica_ranks)
+                                       self._replica_ranks(grid))
         # the job finds the pipeline that runs a parameter here (a DistributedOptimizer registers with it)
         drivers_of(runtime.job("PipelineModel")).add(self._executor.gradient_syncs)
         rebind = weakref.WeakMethod(self._rebind)  # the driver (held by the parameters' hooks) keeps no model alive
@@ -357,8 +354,7 @@ class PipelineModel(nn.Module):
             self._executor.autocast = getattr(torch, PRECISIONS[precision].autocast_dtype)
         # fp16: the dynamic loss scaler every rank agrees on (hybridpipe/data_parallel/amp.py); None otherwise
         self.scaler: LossScaler | None = LossScaler() if PRECISIONS[precision].loss_scaling else None
-        if self.scaler is not None:  # (a non-uniform grid sums its replicas' gradients: nothing to divide)
-            self.scaler.replicas = grid.data_replicas if grid.uniform else 1
+        self._scale_for(grid)
         self.optimizer: torch.optim.Optimizer | None = None
         self._stream: AsyncStream | None = None
         self._next_micro_batch = 0
@@ -736,10 +732,24 @@ class PipelineModel(nn.Module):
         old.Revoke()
         old.Free()
         self.grid, self._schedule_cache = grid, {}
-        self._comm = call("pipe", "PipelineModel", grid.pipe_comm.Dup)
-        self._executor.rebind(self._comm, None if grid.uniform else
-                              [grid.ranks_of_stage(s) for s in range(self.stages)])
+        self._comm = self._private_comm(grid)
+        self._executor.rebind(self._comm, self._replica_ranks(grid))
         drivers_of(the_job).add(self._executor.gradient_syncs)
+        self._scale_for(grid)
+
+    @staticmethod
+    def _private_comm(grid: runtime.Grid) -> Any:
+        """The pipeline's own duplicate of the grid's pipeline communicator: our tags never meet anyone else's."""
+        return call("pipe", "PipelineModel", grid.pipe_comm.Dup)
+
+    def _replica_ranks(self, grid: runtime.Grid) -> list[list[int]] | None:
+        """For the executor: on a non-uniform grid (pipe_comm is the world) the ranks of each stage's replicas,
+        micro-batch m of stage s running on its replica m mod R_s; None on a uniform grid."""
+        return None if grid.uniform else [grid.ranks_of_stage(s) for s in range(self.stages)]
+
+    def _scale_for(self, grid: runtime.Grid) -> None:
+        """The fp16 loss scaler's replica count (a non-uniform grid sums its replicas' gradients: nothing to
+        divide)."""
         if self.scaler is not None:
             self.scaler.replicas = grid.data_replicas if grid.uniform else 1
 

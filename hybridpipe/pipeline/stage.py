@@ -204,10 +204,8 @@ class StageExecutor:
                  replica_ranks: Sequence[Sequence[int]] | None = None) -> None:
         if isinstance(modules, nn.Module):
             modules = {rank: modules}
-        self.rank, self.ranks, self.comm, self.device = rank, ranks, comm, device
-        self.replica_ranks = [list(r) for r in replica_ranks] if replica_ranks is not None else \
-            [[r] for r in range(ranks)]
-        self.comm_rank = comm.Get_rank()
+        self.rank, self.ranks, self.device = rank, ranks, device
+        self._use_comm(comm, replica_ranks)
         self.virtual_stages = virtual_stages
         self.total_chunks = ranks * virtual_stages
         self.chunks = {stage: _Chunk(module, stage, self.total_chunks, ranks) for stage, module in modules.items()}
@@ -222,7 +220,7 @@ class StageExecutor:
         self.first = 0 in self.chunks
         self.last = self.total_chunks - 1 in self.chunks
         self._tag_period = _TAG_PERIOD // virtual_stages
-        self._errors = [p2p.receive_error(peer, comm) for peer in self._neighbours()]
+        self._errors = self._error_receives()
         self._broken: str | None = None
         self._sends: list[p2p.Send] = []
         self._stored: dict[tuple[int, int], _Stored] = {}
@@ -360,13 +358,21 @@ class StageExecutor:
         """Goes on over ``comm``, the pipeline communicator of the job the survivors of lost ranks started
         (hp.elastic.run), with ``replica_ranks`` as in the constructor: the same chunks and units, other peers.
         What the failed step left (its sends, stored activations, the broken mark) is dropped with the old job."""
-        self.comm, self.comm_rank = comm, comm.Get_rank()
-        self.replica_ranks = [list(r) for r in replica_ranks] if replica_ranks is not None else \
-            [[r] for r in range(self.ranks)]
-        self._errors = [p2p.receive_error(peer, comm) for peer in self._neighbours()]
+        self._use_comm(comm, replica_ranks)
+        self._errors = self._error_receives()
         self._broken, self._sends, self._stored, self._print_pending = None, [], {}, set()
         for chunk in self.chunks.values():
             chunk.unit.in_backward, chunk.unit.split_backward = None, False
+
+    def _use_comm(self, comm: Any, replica_ranks: Sequence[Sequence[int]] | None) -> None:
+        """The communicator and who holds each pipeline rank's replicas in it (see the constructor)."""
+        self.comm, self.comm_rank = comm, comm.Get_rank()
+        self.replica_ranks = [list(r) for r in replica_ranks] if replica_ranks is not None else \
+            [[r] for r in range(self.ranks)]
+
+    def _error_receives(self) -> list[p2p.Receive]:
+        """A posted receive for an error message from each neighbour (passed as ``abort=`` to waits)."""
+        return [p2p.receive_error(peer, self.comm) for peer in self._neighbours()]
 
     def close(self) -> None:
         """Withdraws the error receives and forgets the unopened ones (call before the communicator is freed)."""
